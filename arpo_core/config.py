@@ -1,0 +1,266 @@
+"""Frozen dataclasses for `params.yaml`, one per section, and a strict loader.
+
+Decisions:
+1. `params.yaml` is the single source of truth (DVC reads the same file). Each top-level section parses
+   into one frozen dataclass named after it (`train:` -> `TrainConfig`), following the 1:1:1 rule of
+   DESIGN.md: a DVC stage = a Prefect flow = an MLflow run = a params section.
+2. Unknown keys are errors, never ignored: a typo such as `train.replay.enabeld` would otherwise silently
+   run the default. The message names the key, the section path and the file.
+3. Values are type-checked against the annotations (bool is not accepted for int, an int is accepted
+   for float); nested sections are nested dataclasses (`train.replay`).
+4. Overrides use DVC's dotted syntax (`train.replay.enabled=false`, values parsed as YAML) so that
+   `dvc exp run -S`, the CLI and Prefect deployment parameters mean the same thing.
+5. Every field has a default equal to the embedded default pipeline, so a partial params file is valid;
+   `params.yaml` in the repo lists every key anyway, for discoverability.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import types
+import typing
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import yaml
+
+T = TypeVar("T")
+
+
+class ConfigError(ValueError):
+    """A params file that does not match the config dataclasses; the message names key and file."""
+
+
+# --------------------------------------------------------------------------------------------------
+# Sections
+
+
+@dataclass(frozen=True)
+class ProjectConfig:
+    name: str = "arpo-embedded"
+    """MLflow experiment name and prefix of run names."""
+    seed: int = 0
+    """Global seed: env episodes, sampling, replay draws and selection are derived from it."""
+
+
+@dataclass(frozen=True)
+class ReplaySection:
+    enabled: bool = True
+    """ARPO's experience replay (REFERENCE.md §1); false gives plain GRPO."""
+    capacity_per_task: int = 8
+    """Successful trajectories kept per (domain, task_id), oldest evicted first."""
+    success_threshold: float = 0.1
+    """A trajectory with reward > this is stored."""
+    trigger_std: float = 0.05
+    """A group counts as failed when the std of its rewards is below this ..."""
+    trigger_mean: float = 0.2
+    """... and its mean reward is below this."""
+
+
+@dataclass(frozen=True)
+class LossSection:
+    clip_low: float = 0.2
+    """PPO clip below: ratio >= 1 - clip_low."""
+    clip_high: float = 0.3
+    """PPO clip above (asymmetric, 'clip-higher'): ratio <= 1 + clip_high."""
+    clip_dual: float = 3.0
+    """Dual-clip constant c for negative advantages."""
+    kl_coef: float = 0.0
+    """KL penalty to the reference policy; ARPO uses 0 (no reference model is kept)."""
+    kl_estimator: Literal["k1", "k2", "k3"] = "k3"
+    """KL estimator when kl_coef > 0."""
+    agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
+        "token-mean"
+    )
+    """How per-token losses are reduced."""
+    advantage_scale: Literal["group", "batch", "none"] = "group"
+    """Std used to normalise group-relative advantages."""
+    format_penalty: float = -1.0
+    """Reward of an unparseable reply (paper -1; reference code -0.5)."""
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    min_successes: int = 1
+    """Keep a task with at least this many successful baseline rollouts."""
+    exclude_infeasible: bool = True
+    """Drop tasks marked infeasible (REFERENCE.md §1)."""
+    max_tasks: int | None = None
+    """Optional cap on the number of selected tasks (the paper's single-node subset: 32)."""
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    epochs: int = 3
+    """Passes over the selected task set."""
+    tasks_per_iteration: int = 4
+    """Tasks per rollout batch (reference: 16)."""
+    group_size: int = 8
+    """Rollouts per task, G (reference: 8)."""
+    lr: float = 1e-5
+    """AdamW learning rate (reference 1e-6 for a 7B model; the tiny policy needs more)."""
+    weight_decay: float = 1e-2
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient norm clip."""
+    micro_batch_size: int = 4
+    """Trajectories per forward/backward."""
+    ppo_epochs: int = 1
+    """Optimisation passes over each rollout batch."""
+    temperature: float = 1.0
+    """Sampling temperature during training rollouts."""
+    top_p: float = 1.0
+    """Nucleus sampling during training rollouts."""
+    max_steps: int = 15
+    """Episode step limit."""
+    use_selection: bool = True
+    """Train on the selected tasks (true) or on the whole in-domain suite (false)."""
+    engine: Literal["torch", "deepspeed"] = "torch"
+    """Training engine."""
+    bf16: bool = False
+    """bf16 autocast (CPU or GPU)."""
+    replay: ReplaySection = field(default_factory=ReplaySection)
+    loss: LossSection = field(default_factory=LossSection)
+
+
+@dataclass(frozen=True)
+class Params:
+    """The whole params file. Sections are added here as stages appear."""
+
+    project: ProjectConfig = field(default_factory=ProjectConfig)
+    select: SelectConfig = field(default_factory=SelectConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+
+# --------------------------------------------------------------------------------------------------
+# Loading
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, where: str, file: str) -> Any:
+    """Check `value` against annotation `tp`, converting nested mappings into dataclasses."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{file}: '{where}' must be a mapping (section), got {value!r}")
+        return _build(tp, value, where, file)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        errors = []
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, where, file)
+            except ConfigError as e:
+                errors.append(str(e))
+        raise ConfigError(f"{file}: '{where}' = {value!r} is not a {_type_name(tp)}")
+    if origin is Literal:
+        allowed = typing.get_args(tp)
+        if value not in allowed:
+            raise ConfigError(f"{file}: '{where}' = {value!r} is not one of {list(allowed)}")
+        return value
+    if origin in (list, tuple, Sequence):
+        if not isinstance(value, list | tuple):
+            raise ConfigError(f"{file}: '{where}' must be a list, got {value!r}")
+        (item_tp, *_) = typing.get_args(tp) or (Any,)
+        items = [_coerce(v, item_tp, f"{where}[{i}]", file) for i, v in enumerate(value)]
+        return tuple(items) if origin is tuple else items
+    if origin is dict:
+        if not isinstance(value, Mapping):
+            raise ConfigError(f"{file}: '{where}' must be a mapping, got {value!r}")
+        return dict(value)
+    if tp is Any:
+        return value
+    if tp is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{file}: '{where}' must be true or false, got {value!r}")
+        return value
+    if tp is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{file}: '{where}' must be an integer, got {value!r}")
+        return value
+    if tp is float:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ConfigError(f"{file}: '{where}' must be a number, got {value!r}")
+        return float(value)
+    if tp is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{file}: '{where}' must be a string, got {value!r}")
+        return value
+    raise ConfigError(f"{file}: '{where}': unsupported annotation {tp!r}")
+
+
+def _build(cls: type[T], raw: Mapping[str, Any], where: str, file: str) -> T:
+    hints = typing.get_type_hints(cls)
+    known = {f.name for f in dataclasses.fields(cls)}
+    for key in raw:
+        if key not in known:
+            section = f"section '{where}'" if where else "the top level"
+            raise ConfigError(
+                f"{file}: unknown key '{key}' in {section} (known keys: {', '.join(sorted(known))})"
+            )
+    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k, file) for k, v in raw.items()}
+    return cls(**kwargs)
+
+
+def parse_params(raw: Mapping[str, Any] | None, file: str = "<params>") -> Params:
+    """Validate a parsed params mapping into `Params`."""
+    return _build(Params, raw or {}, "", file)
+
+
+def apply_overrides(raw: Mapping[str, Any] | None, overrides: Sequence[str]) -> dict[str, Any]:
+    """Apply DVC-style `a.b.c=value` overrides (values parsed as YAML) to a raw params mapping."""
+    out: dict[str, Any] = _deepcopy(raw or {})
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"override {item!r} must look like section.key=value")
+        dotted, text = item.split("=", 1)
+        keys = dotted.strip().split(".")
+        node = out
+        for k in keys[:-1]:
+            child = node.setdefault(k, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"override {item!r}: '{k}' is not a section")
+            node = child
+        node[keys[-1]] = yaml.safe_load(text)
+    return out
+
+
+def _deepcopy(m: Mapping[str, Any]) -> dict[str, Any]:
+    return {k: _deepcopy(v) if isinstance(v, Mapping) else v for k, v in m.items()}
+
+
+def load_params(path: str | Path = "params.yaml", overrides: Sequence[str] = ()) -> Params:
+    """Read a params file, apply overrides, validate. Unknown keys raise ConfigError naming the file."""
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"params file not found: {path}")
+    raw = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(raw, Mapping):
+        raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    return parse_params(apply_overrides(raw, overrides), file=str(path))
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+    """A config dataclass as plain nested dicts (for MLflow params and JSON)."""
+    return dataclasses.asdict(cfg)
+
+
+def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
+    """{'train': {'replay': {'enabled': True}}} -> {'train.replay.enabled': True}."""
+    out: dict[str, Any] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}" if prefix else k
+        if isinstance(v, Mapping):
+            out.update(flatten(v, key))
+        else:
+            out[key] = v
+    return out
