@@ -26,6 +26,9 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from arpo_core.replay import ReplayConfig
+from arpo_core.selection import SelectConfig
+
 T = TypeVar("T")
 
 
@@ -46,27 +49,13 @@ class ProjectConfig:
 
 
 @dataclass(frozen=True)
-class ReplaySection:
-    enabled: bool = True
-    """ARPO's experience replay (REFERENCE.md §1); false gives plain GRPO."""
-    capacity_per_task: int = 8
-    """Successful trajectories kept per (domain, task_id), oldest evicted first."""
-    success_threshold: float = 0.1
-    """A trajectory with reward > this is stored."""
-    trigger_std: float = 0.05
-    """A group counts as failed when the std of its rewards is below this ..."""
-    trigger_mean: float = 0.2
-    """... and its mean reward is below this."""
-
-
-@dataclass(frozen=True)
 class LossSection:
     clip_low: float = 0.2
     """PPO clip below: ratio >= 1 - clip_low."""
     clip_high: float = 0.3
     """PPO clip above (asymmetric, 'clip-higher'): ratio <= 1 + clip_high."""
-    clip_dual: float = 3.0
-    """Dual-clip constant c for negative advantages."""
+    clip_dual: float | None = 3.0
+    """Dual-clip constant c (> 1) for negative advantages; null switches the dual clip off."""
     kl_coef: float = 0.0
     """KL penalty to the reference policy; ARPO uses 0 (no reference model is kept)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
@@ -74,21 +63,15 @@ class LossSection:
     agg: Literal["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"] = (
         "token-mean"
     )
-    """How per-token losses are reduced."""
+    """How per-token losses are reduced (verl's agg_loss modes)."""
+    sum_norm: float | None = None
+    """Fixed divisor for seq-mean-token-sum-norm (null: the padded length, as verl)."""
     advantage_scale: Literal["group", "batch", "none"] = "group"
-    """Std used to normalise group-relative advantages."""
+    """Std used to normalise group-relative advantages: per group, whole batch, or none (Dr. GRPO)."""
+    advantage_eps: float = 1e-6
+    """Added to the std before dividing (verl 1e-6; TRL 1e-4)."""
     format_penalty: float = -1.0
     """Reward of an unparseable reply (paper -1; reference code -0.5)."""
-
-
-@dataclass(frozen=True)
-class SelectConfig:
-    min_successes: int = 1
-    """Keep a task with at least this many successful baseline rollouts."""
-    exclude_infeasible: bool = True
-    """Drop tasks marked infeasible (REFERENCE.md §1)."""
-    max_tasks: int | None = None
-    """Optional cap on the number of selected tasks (the paper's single-node subset: 32)."""
 
 
 @dataclass(frozen=True)
@@ -121,13 +104,14 @@ class TrainConfig:
     """Training engine."""
     bf16: bool = False
     """bf16 autocast (CPU or GPU)."""
-    replay: ReplaySection = field(default_factory=ReplaySection)
+    replay: ReplayConfig = field(default_factory=ReplayConfig)
     loss: LossSection = field(default_factory=LossSection)
 
 
 @dataclass(frozen=True)
 class Params:
-    """The whole params file. Sections are added here as stages appear."""
+    """The whole params file. Sections are added here as stages appear. Sections whose semantics live
+    in one module are defined there (`ReplayConfig` in replay.py, `SelectConfig` in selection.py)."""
 
     project: ProjectConfig = field(default_factory=ProjectConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
@@ -208,7 +192,10 @@ def _build(cls: type[T], raw: Mapping[str, Any], where: str, file: str) -> T:
                 f"{file}: unknown key '{key}' in {section} (known keys: {', '.join(sorted(known))})"
             )
     kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k, file) for k, v in raw.items()}
-    return cls(**kwargs)
+    try:
+        return cls(**kwargs)
+    except (ValueError, TypeError) as e:  # a section's own __post_init__ checks (ranges, combinations)
+        raise ConfigError(f"{file}: section '{where or '<top>'}': {e}") from e
 
 
 def parse_params(raw: Mapping[str, Any] | None, file: str = "<params>") -> Params:

@@ -124,8 +124,8 @@ _TRAJ_FIELDS = [
     ("group_id", pa.int32()),
     ("sample_idx", pa.int32()),
     ("instruction", pa.string()),
-    ("success", pa.float32()),
-    ("reward", pa.float32()),
+    ("success", pa.float64()),
+    ("reward", pa.float64()),
     ("replayed", pa.bool_()),
     ("policy_version", pa.int32()),
 ]

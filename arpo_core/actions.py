@@ -1,0 +1,776 @@
+"""UI-TARS reply grammar -> Thought + Actions; coordinates; pyautogui rendering.
+
+A policy reply looks like ``Thought: <plan>\\nAction: click(start_box='(235,512)')`` (REFERENCE.md §3).
+This module turns such text into typed `Action`s, writes the canonical text back (for oracles and the
+prompt), maps coordinates between the image the model saw and the screen, and renders pyautogui code.
+
+Decisions:
+1. Model text is untrusted input. The reference parser calls `eval` on it; here a small hand-written
+   scanner reads the call syntax ``name(key='value', ...)`` and nothing in this module ever evaluates,
+   compiles or imports anything derived from model text. All regexes are compiled at import time.
+2. Strict by default, with a short, documented list of tolerances. A reply that is not accepted raises
+   `ActionParseError` whose message says what is wrong and where; the rollout turns it into the format
+   penalty (REFERENCE.md §1). Accepted beyond the canonical form:
+   a. leading/trailing whitespace, CRLF line ends, spaces around ``(``, ``=``, ``,`` and ``)``, and one
+      trailing comma in the argument list;
+   b. a missing thought (the reply starts with ``Action:``) -> thought ``""``; ``Action:`` on the same
+      line as the thought (then the first ``Action:`` preceded by whitespace splits; a line that starts
+      with ``Action:`` always wins over a mid-line one, so a thought may mention "Action:" mid-line);
+   c. ``Reflection: R\\nAction_Summary: S`` -> thought S (as the reference parser: the summary is the
+      thought), ``Reflection: R`` alone -> R, ``Action_Summary: S`` -> S;
+   d. actions separated by any whitespace that contains a newline (canonical: one blank line);
+   e. single or double quotes; raw newlines inside a quoted string are kept;
+   f. in ``type``/``finished`` content, an unescaped quote of the delimiting kind (``content='I'm
+      here'``, common in real UI-TARS output) when the strict reading fails: the content then ends at
+      the first such quote followed by ``)`` and the end of the line or reply;
+   g. scroll direction in any letter case; scroll without start_box (scroll at the current pointer);
+      ``finished()`` without content (content None); ``type(content='')``.
+   Anything else is an error: text before the first label, unknown action or argument names, positional
+   or duplicate arguments, missing required arguments, unknown key names (checked against pyautogui's
+   key list after normalisation), a bad scroll direction, negative / NaN / infinite coordinates, and
+   any trailing text after the last action.
+3. Escapes inside quoted strings follow Python for the sequences UI-TARS is told to use: ``\\\\``,
+   ``\\'``, ``\\"``, ``\\n``, ``\\t``, ``\\r``. Any other backslash pair is kept literally (as Python
+   keeps unknown escapes); ``\\x``/``\\u`` escapes are NOT decoded. `format_action` escapes exactly
+   these, so ``parse_response(format_response(t, a))`` returns ``(t.strip(), a)`` for every content.
+4. Box forms ``'(x,y)'``, ``'[x,y]'``, ``'<|box_start|>(x,y)<|box_end|>'``, ``'<point>x y</point>'``,
+   ``'<bbox>x1 y1 x2 y2</bbox>'`` and any 4-number box (its centre) are accepted, ints or floats.
+   `Action.point` is always a float pair. The canonical written form is ``'(x,y)'`` with integer
+   coordinates (a special-token-free form survives decoding with ``skip_special_tokens``); the other
+   forms are available through ``box_style``.
+5. `Action.key` keeps the key string as written; `normalize_keys` maps it to pyautogui names
+   (lower case, ``arrowleft`` -> ``left``, ``control`` -> ``ctrl``, ``cmd`` -> ``command``, ...). The
+   key list is copied from pyautogui 0.9.54 (`KEYBOARD_KEYS`): importing pyautogui needs a display.
+6. Coordinates: UI-TARS-1.5 / Qwen2.5-VL answer in absolute pixels of the smart_resized image
+   (mode ``"absolute"``: x * W / w'); UI-TARS-1.0 answered in 0-1000 relative units (mode
+   ``"relative1000"``: x * W / 1000). Sizes are always (width, height) except `smart_resize`, which
+   keeps Qwen's (height, width) order. `to_screen` clamps to the screen; `to_model` clamps its
+   input to the screen, so its output lies inside the model frame.
+7. `to_pyautogui` returns one string per action, each either pyautogui code or one of the OSWorld
+   markers ``"DONE"`` (finished), ``"FAIL"`` (call_user) and ``"WAIT"`` (wait): a caller executes the
+   code strings in order and stops at DONE/FAIL (``cmd in PYAUTOGUI_MARKERS`` tells them apart). This
+   is the list of actions OSWorld's UI-TARS agent hands to ``DesktopEnv.step``. All user text is
+   emitted with `repr()` of a str, so quotes, backslashes, newlines and code in content are typed
+   literally; horizontal scrolls use ``pyautogui.hscroll`` (the reference silently drops them).
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+
+ACTION_KINDS = (
+    "click",
+    "left_double",
+    "right_single",
+    "hover",
+    "drag",
+    "hotkey",
+    "press",
+    "keydown",
+    "keyup",
+    "type",
+    "scroll",
+    "wait",
+    "finished",
+    "call_user",
+)
+
+
+class ActionParseError(ValueError):
+    """A model reply that does not follow the UI-TARS grammar; the message says what is wrong."""
+
+
+@dataclass(frozen=True)
+class Action:
+    """One GUI action.
+
+    Coordinates are in whatever frame the producer used: `parse_response` yields model-image pixels
+    (the smart_resized image the model saw); `to_screen` maps them to screen pixels, which is what
+    `GuiEnv.step` takes.
+    """
+
+    kind: str
+    """One of ACTION_KINDS (`select` is normalised to `drag`)."""
+    point: tuple[float, float] | None = None
+    """start_box / point as (x, y); the centre for 4-number boxes."""
+    end_point: tuple[float, float] | None = None
+    """end_box for drag."""
+    key: str | None = None
+    """hotkey/press/keydown/keyup: space-separated key names as written by the model, e.g. 'ctrl c'."""
+    content: str | None = None
+    """type / finished text, unescaped (a trailing '\\n' in type means press Enter after)."""
+    direction: str | None = None
+    """scroll: up, down, left or right."""
+
+
+@dataclass(frozen=True)
+class ParsedResponse:
+    thought: str
+    actions: list[Action]
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Constants
+# ---------------------------------------------------------------------------------------------------------
+
+# fmt: off
+KEYBOARD_KEYS: tuple[str, ...] = (
+    '\t', '\n', '\r', ' ', '!', '"', '#', '$', '%', '&', "'", '(', ')', '*', '+', ',', '-', '.', '/', '0',
+    '1', '2', '3', '4', '5', '6', '7', '8', '9', ':', ';', '<', '=', '>', '?', '@', '[', '\\', ']', '^',
+    '_', '`', 'a', 'b', 'c', 'd', 'e', 'f', 'g', 'h', 'i', 'j', 'k', 'l', 'm', 'n', 'o', 'p', 'q', 'r',
+    's', 't', 'u', 'v', 'w', 'x', 'y', 'z', '{', '|', '}', '~', 'accept', 'add', 'alt', 'altleft',
+    'altright', 'apps', 'backspace', 'browserback', 'browserfavorites', 'browserforward', 'browserhome',
+    'browserrefresh', 'browsersearch', 'browserstop', 'capslock', 'clear', 'convert', 'ctrl', 'ctrlleft',
+    'ctrlright', 'decimal', 'del', 'delete', 'divide', 'down', 'end', 'enter', 'esc', 'escape', 'execute',
+    'f1', 'f10', 'f11', 'f12', 'f13', 'f14', 'f15', 'f16', 'f17', 'f18', 'f19', 'f2', 'f20', 'f21', 'f22',
+    'f23', 'f24', 'f3', 'f4', 'f5', 'f6', 'f7', 'f8', 'f9', 'final', 'fn', 'hanguel', 'hangul', 'hanja',
+    'help', 'home', 'insert', 'junja', 'kana', 'kanji', 'launchapp1', 'launchapp2', 'launchmail',
+    'launchmediaselect', 'left', 'modechange', 'multiply', 'nexttrack', 'nonconvert', 'num0', 'num1',
+    'num2', 'num3', 'num4', 'num5', 'num6', 'num7', 'num8', 'num9', 'numlock', 'pagedown', 'pageup',
+    'pause', 'pgdn', 'pgup', 'playpause', 'prevtrack', 'print', 'printscreen', 'prntscrn', 'prtsc',
+    'prtscr', 'return', 'right', 'scrolllock', 'select', 'separator', 'shift', 'shiftleft', 'shiftright',
+    'sleep', 'space', 'stop', 'subtract', 'tab', 'up', 'volumedown', 'volumemute', 'volumeup', 'win',
+    'winleft', 'winright', 'yen', 'command', 'option', 'optionleft', 'optionright',
+)
+# fmt: on
+"""pyautogui 0.9.54's `KEYBOARD_KEYS`, copied (importing pyautogui needs an X display)."""
+
+_KEY_SET = frozenset(KEYBOARD_KEYS)
+
+KEY_ALIASES: dict[str, str] = {
+    "arrowleft": "left",
+    "arrowright": "right",
+    "arrowup": "up",
+    "arrowdown": "down",
+    "control": "ctrl",
+    "cmd": "command",
+    "meta": "win",
+    "super": "win",
+    "windows": "win",
+    "spacebar": "space",
+    "page_up": "pageup",
+    "page_down": "pagedown",
+    "caps_lock": "capslock",
+}
+"""Model spellings -> pyautogui key names (the reference maps arrow* -> left/right/up/down)."""
+
+SCROLL_DIRECTIONS = ("up", "down", "left", "right")
+COORD_MODES = ("absolute", "relative1000")
+BOX_STYLES = ("plain", "box_tokens", "point")
+PYAUTOGUI_MARKERS = ("DONE", "FAIL", "WAIT")
+"""Non-code commands of OSWorld's `DesktopEnv.step`: finished -> DONE, call_user -> FAIL, wait -> WAIT."""
+
+_ARG_ALIASES = {"point": "start_box", "start_point": "start_box", "end_point": "end_box"}
+# kind -> (required arguments, optional arguments), after aliasing.
+_ARG_SPEC: dict[str, tuple[frozenset[str], frozenset[str]]] = {
+    "click": (frozenset({"start_box"}), frozenset()),
+    "left_double": (frozenset({"start_box"}), frozenset()),
+    "right_single": (frozenset({"start_box"}), frozenset()),
+    "hover": (frozenset({"start_box"}), frozenset()),
+    "drag": (frozenset({"start_box", "end_box"}), frozenset()),
+    "hotkey": (frozenset({"key"}), frozenset()),
+    "press": (frozenset({"key"}), frozenset()),
+    "keydown": (frozenset({"key"}), frozenset()),
+    "keyup": (frozenset({"key"}), frozenset()),
+    "type": (frozenset({"content"}), frozenset()),
+    "scroll": (frozenset({"direction"}), frozenset({"start_box"})),
+    "wait": (frozenset(), frozenset()),
+    "finished": (frozenset(), frozenset({"content"})),
+    "call_user": (frozenset(), frozenset()),
+}
+_ACTION_NAMES = (*ACTION_KINDS, "select")
+_KEY_KINDS = frozenset({"hotkey", "press", "keydown", "keyup"})
+_CONTENT_KINDS = frozenset({"type", "finished"})
+
+# Escapes UI-TARS is told to use in content (decision 3); anything else keeps its backslash.
+_UNESCAPE = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "t": "\t", "r": "\r"}
+_ESCAPE = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
+
+_IDENT_RE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
+_LINE_ACTION_RE = re.compile(r"^[ \t\r\f\v]*Action:", re.MULTILINE)
+_INLINE_ACTION_RE = re.compile(r"(?:^|(?<=\s))Action:")
+_SUMMARY_RE = re.compile(r"Action_Summary:")
+# A loose content string ends at a quote followed by ')' and then the end of the line or reply (2f).
+_LOOSE_OPEN_RE = re.compile(r"\s*\(\s*content\s*=\s*(['\"])")
+_LOOSE_CLOSE_RE = re.compile(r"\s*\)[^\S\n]*(?:\n|\Z)")
+_BOX_TOKENS_RE = re.compile(r"<\|box_start\|>(.*)<\|box_end\|>", re.DOTALL)
+_TAG_RE = re.compile(r"<(point|bbox)>(.*)</\1>", re.DOTALL)
+_NUM_RE = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)(?:[eE][+-]?\d+)?")
+_TAG_SEP_RE = re.compile(r"[\s,]+")
+_COMMA_RE = re.compile(r"\s*,\s*")
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _snippet(text: str, pos: int, width: int = 40) -> str:
+    """The text at `pos` for error messages: repr of at most `width` characters."""
+    part = text[pos : pos + width]
+    return repr(part + "...") if len(text) > pos + width else repr(part)
+
+
+def normalize_keys(key: str) -> list[str]:
+    """Split a model key string ('ctrl c', 'ArrowLeft') into pyautogui key names ['ctrl', 'c'].
+
+    Raises ActionParseError naming the first key that is not in pyautogui's KEYBOARD_KEYS.
+    """
+    names = key.split()
+    if not names:
+        raise ActionParseError(f"empty key string {key!r}")
+    out = []
+    for name in names:
+        low = name.lower()
+        low = KEY_ALIASES.get(low, low)
+        if low not in _KEY_SET:
+            raise ActionParseError(
+                f"unknown key {name!r} in {key!r} (keys are pyautogui names separated by spaces, "
+                "e.g. 'ctrl c', 'enter', 'left')"
+            )
+        out.append(low)
+    return out
+
+
+def _parse_number(token: str, box: str) -> float:
+    if not _NUM_RE.fullmatch(token):
+        raise ActionParseError(f"bad coordinate {token!r} in box {box!r}")
+    value = float(token)
+    if not math.isfinite(value):
+        raise ActionParseError(f"coordinate {token!r} in box {box!r} is not finite")
+    if value < 0:
+        raise ActionParseError(f"negative coordinate {token!r} in box {box!r}")
+    return value
+
+
+def parse_box(box: str) -> tuple[float, float]:
+    """A box string in any accepted form (decision 4) -> (x, y); the centre for 4-number boxes."""
+    inner = box.strip()
+    m = _BOX_TOKENS_RE.fullmatch(inner)
+    if m:
+        inner = m.group(1).strip()
+    m = _TAG_RE.fullmatch(inner)
+    if m:
+        tokens = [t for t in _TAG_SEP_RE.split(m.group(2).strip()) if t]
+    elif len(inner) >= 2 and (inner[0], inner[-1]) in {("(", ")"), ("[", "]")}:
+        body = inner[1:-1].strip()
+        tokens = _COMMA_RE.split(body) if body else []
+    else:
+        raise ActionParseError(
+            f"bad box {box!r} (expected '(x,y)', '<|box_start|>(x,y)<|box_end|>', '<point>x y</point>' "
+            "or a 4-number box)"
+        )
+    nums = [_parse_number(t, box) for t in tokens]
+    if len(nums) not in (2, 4):
+        raise ActionParseError(f"box {box!r} has {len(nums)} numbers (expected 2 or 4)")
+    if len(nums) == 4:
+        return ((nums[0] + nums[2]) / 2, (nums[1] + nums[3]) / 2)
+    return (nums[0], nums[1])
+
+
+def _unescape(raw: str) -> str:
+    """Decode the escapes of decision 3 in the body of a quoted string."""
+    out = []
+    i, n = 0, len(raw)
+    while i < n:
+        c = raw[i]
+        if c == "\\" and i + 1 < n:
+            e = raw[i + 1]
+            out.append(_UNESCAPE.get(e, "\\" + e))
+            i += 2
+        else:
+            out.append(c)
+            i += 1
+    return "".join(out)
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    n = len(text)
+    while pos < n and text[pos].isspace():
+        pos += 1
+    return pos
+
+
+def _scan_string(text: str, pos: int, where: str) -> tuple[str, int]:
+    """Read the quoted string starting at text[pos] (a quote) -> (decoded value, position after it)."""
+    quote = text[pos]
+    i, n = pos + 1, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+        elif c == quote:
+            return _unescape(text[pos + 1 : i]), i + 1
+        else:
+            i += 1
+    raise ActionParseError(f"{where}: unterminated string starting at {_snippet(text, pos)}")
+
+
+def _scan_call(text: str, pos: int, where: str) -> tuple[str, list[tuple[str, str]], int]:
+    """Read `name(key='value', ...)` at text[pos] -> (name, [(key, value)], position after ')')."""
+    m = _IDENT_RE.match(text, pos)
+    if not m:
+        raise ActionParseError(f"{where}: expected an action name, got {_snippet(text, pos)}")
+    name = m.group(0)
+    if name not in _ACTION_NAMES:
+        raise ActionParseError(
+            f"{where}: unknown action {name!r} at {_snippet(text, pos)} (known: {', '.join(_ACTION_NAMES)})"
+        )
+    i = _skip_ws(text, m.end())
+    if i >= len(text) or text[i] != "(":
+        raise ActionParseError(f"{where}: expected '(' after {name!r}, got {_snippet(text, i)}")
+    i = _skip_ws(text, i + 1)
+    args: list[tuple[str, str]] = []
+    while True:
+        if i >= len(text):
+            raise ActionParseError(f"{where}: {name}(...) is not closed with ')'")
+        if text[i] == ")":
+            return name, args, i + 1
+        km = _IDENT_RE.match(text, i)
+        if not km:
+            raise ActionParseError(
+                f"{where}: expected a keyword argument like key='value' in {name}(...), got {_snippet(text, i)}"
+            )
+        key = km.group(0)
+        i = _skip_ws(text, km.end())
+        if i >= len(text) or text[i] != "=":
+            raise ActionParseError(f"{where}: expected '=' after argument {key!r}, got {_snippet(text, i)}")
+        i = _skip_ws(text, i + 1)
+        if i >= len(text) or text[i] not in "'\"":
+            raise ActionParseError(
+                f"{where}: value of {key!r} must be a quoted string, got {_snippet(text, i)}"
+            )
+        value, i = _scan_string(text, i, where)
+        args.append((key, value))
+        i = _skip_ws(text, i)
+        if i < len(text) and text[i] == ",":
+            i = _skip_ws(text, i + 1)
+        elif i < len(text) and text[i] != ")":
+            raise ActionParseError(
+                f"{where}: expected ',' or ')' after the value of {key!r}, got {_snippet(text, i)}"
+            )
+
+
+def _scan_loose_content(text: str, pos: int) -> tuple[str, list[tuple[str, str]], int] | None:
+    """Tolerance 2f: `type(content='I'm here')` -> ('type', [('content', "I'm here")], end) or None."""
+    m = _IDENT_RE.match(text, pos)
+    if not m or m.group(0) not in _CONTENT_KINDS:
+        return None
+    om = _LOOSE_OPEN_RE.match(text, m.end())
+    if not om:
+        return None
+    quote = om.group(1)
+    i, n = om.end(), len(text)
+    while i < n:
+        c = text[i]
+        if c == "\\":
+            i += 2
+            continue
+        if c == quote:
+            cm = _LOOSE_CLOSE_RE.match(text, i + 1)
+            if cm:
+                close = text.index(")", i + 1)
+                return m.group(0), [("content", _unescape(text[om.end() : i]))], close + 1
+        i += 1
+    return None
+
+
+def _build_action(name: str, args: list[tuple[str, str]], where: str) -> Action:
+    kind = "drag" if name == "select" else name
+    required, optional = _ARG_SPEC[kind]
+    values: dict[str, str] = {}
+    for key, value in args:
+        canon = _ARG_ALIASES.get(key, key)
+        if canon not in required and canon not in optional:
+            allowed = ", ".join(sorted(required | optional)) or "none"
+            raise ActionParseError(f"{where}: unknown argument {key!r} for {name} (allowed: {allowed})")
+        if canon in values:
+            raise ActionParseError(f"{where}: argument {canon!r} given twice in {name}(...)")
+        values[canon] = value
+    missing = sorted(required - values.keys())
+    if missing:
+        raise ActionParseError(f"{where}: {name} needs {', '.join(missing)}")
+
+    def box(arg: str) -> tuple[float, float] | None:
+        if arg not in values:
+            return None
+        try:
+            return parse_box(values[arg])
+        except ActionParseError as e:
+            raise ActionParseError(f"{where}: {arg} of {name}: {e}") from None
+
+    key = values.get("key")
+    if key is not None:
+        try:
+            keys = normalize_keys(key)
+        except ActionParseError as e:
+            raise ActionParseError(f"{where}: {e}") from None
+        if kind != "hotkey" and len(keys) != 1:
+            raise ActionParseError(
+                f"{where}: {name} takes one key, got {key!r} (use hotkey for combinations)"
+            )
+    direction = values.get("direction")
+    if direction is not None:
+        direction = direction.strip().lower()
+        if direction not in SCROLL_DIRECTIONS:
+            raise ActionParseError(
+                f"{where}: bad scroll direction {values['direction']!r} (expected one of "
+                f"{', '.join(SCROLL_DIRECTIONS)})"
+            )
+    return Action(
+        kind=kind,
+        point=box("start_box"),
+        end_point=box("end_box"),
+        key=key,
+        content=values.get("content"),
+        direction=direction,
+    )
+
+
+def _split_thought(text: str) -> tuple[str, int]:
+    """-> (thought, index where the action section starts, just after 'Action:')."""
+    m = _LINE_ACTION_RE.search(text) or _INLINE_ACTION_RE.search(text)
+    if not m:
+        raise ActionParseError(f"no 'Action:' in reply {_snippet(text, 0)}")
+    head = text[: m.start()].strip()
+    if not head:
+        return "", m.end()
+    for label in ("Thought:", "Action_Summary:"):
+        if head.startswith(label):
+            return head[len(label) :].strip(), m.end()
+    if head.startswith("Reflection:"):
+        sm = _SUMMARY_RE.search(head)
+        body = head[sm.end() :] if sm else head[len("Reflection:") :]
+        return body.strip(), m.end()
+    raise ActionParseError(
+        f"reply must start with 'Thought:', 'Reflection:', 'Action_Summary:' or 'Action:', "
+        f"got {_snippet(head, 0)}"
+    )
+
+
+def parse_response(text: str) -> ParsedResponse:
+    """Parse a UI-TARS reply into its thought and actions (coordinates in model-image pixels).
+
+    Raises ActionParseError with a message saying what is wrong; see the module docstring for the
+    accepted forms and tolerances. Never evaluates any part of `text`.
+    """
+    if not isinstance(text, str):
+        raise ActionParseError(f"reply must be a str, got {type(text).__name__}")
+    thought, pos = _split_thought(text)
+    pos = _skip_ws(text, pos)
+    if pos >= len(text):
+        raise ActionParseError("no action after 'Action:'")
+    actions: list[Action] = []
+    while True:
+        where = f"action {len(actions) + 1}"
+        start = pos
+        try:
+            name, args, pos = _scan_call(text, start, where)
+            after = _skip_ws(text, pos)
+            if after < len(text) and "\n" not in text[pos:after]:
+                raise ActionParseError(
+                    f"{where}: unexpected text after {name}(...): {_snippet(text, pos)} "
+                    "(actions are separated by a blank line)"
+                )
+        except ActionParseError:
+            loose = _scan_loose_content(text, start)
+            if loose is None:
+                raise
+            name, args, pos = loose
+        actions.append(_build_action(name, args, where))
+        next_pos = _skip_ws(text, pos)
+        if next_pos >= len(text):
+            return ParsedResponse(thought=thought, actions=actions)
+        pos = next_pos
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Writing the canonical text
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _quote(value: str) -> str:
+    """A single-quoted string literal that `_scan_string` decodes back to exactly `value`."""
+    return "'" + "".join(_ESCAPE.get(c, c) for c in value) + "'"
+
+
+def _check_point(point: object, what: str) -> tuple[float, float]:
+    if not (isinstance(point, tuple) and len(point) == 2):
+        raise ValueError(f"{what} must be an (x, y) tuple, got {point!r}")
+    x, y = point
+    for v in (x, y):
+        if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"{what} must hold finite non-negative numbers, got {point!r}")
+    return (float(x), float(y))
+
+
+def validate_action(action: Action) -> None:
+    """Raise ValueError if `action` could not have come from `parse_response` (wrong or extra fields).
+
+    Used by the writers (`format_action`, `to_pyautogui`) so that a bad action from an oracle or a
+    caller fails loudly instead of being rendered half.
+    """
+    if action.kind not in _ARG_SPEC:
+        raise ValueError(f"unknown action kind {action.kind!r} (expected one of {', '.join(ACTION_KINDS)})")
+    required, optional = _ARG_SPEC[action.kind]
+    allowed = required | optional
+    fields = {
+        "start_box": action.point,
+        "end_box": action.end_point,
+        "key": action.key,
+        "content": action.content,
+        "direction": action.direction,
+    }
+    for arg, value in fields.items():
+        if value is None and arg in required:
+            raise ValueError(f"{action.kind} needs {arg} ({action!r})")
+        if value is not None and arg not in allowed:
+            raise ValueError(f"{action.kind} takes no {arg} ({action!r})")
+    if action.point is not None:
+        _check_point(action.point, "point")
+    if action.end_point is not None:
+        _check_point(action.end_point, "end_point")
+    if action.content is not None and not isinstance(action.content, str):
+        raise ValueError(f"content must be a str, got {type(action.content).__name__}")
+    if action.key is not None:
+        if not isinstance(action.key, str):
+            raise ValueError(f"key must be a str, got {type(action.key).__name__}")
+        try:
+            keys = normalize_keys(action.key)
+        except ActionParseError as e:
+            raise ValueError(str(e)) from None
+        if action.kind != "hotkey" and len(keys) != 1:
+            raise ValueError(f"{action.kind} takes one key, got {action.key!r}")
+    if action.direction is not None and action.direction not in SCROLL_DIRECTIONS:
+        raise ValueError(f"bad scroll direction {action.direction!r}")
+
+
+def _format_box(point: tuple[float, float], box_style: str) -> str:
+    x, y = round(point[0]), round(point[1])
+    if box_style == "plain":
+        return f"'({x},{y})'"
+    if box_style == "box_tokens":
+        return f"'<|box_start|>({x},{y})<|box_end|>'"
+    if box_style == "point":
+        return f"'<point>{x} {y}</point>'"
+    raise ValueError(f"unknown box_style {box_style!r} (expected one of {', '.join(BOX_STYLES)})")
+
+
+def format_action(action: Action, box_style: str = "plain") -> str:
+    """Write one action in canonical UI-TARS syntax, e.g. ``click(start_box='(235,512)')``.
+
+    Coordinates are written as integers (rounded half to even); `parse_response` reads the text back.
+    box_style: "plain" -> '(x,y)', "box_tokens" -> '<|box_start|>(x,y)<|box_end|>', "point" ->
+    '<point>x y</point>'.
+    """
+    validate_action(action)
+    args = []
+    if action.point is not None:
+        args.append(f"start_box={_format_box(action.point, box_style)}")
+    if action.end_point is not None:
+        args.append(f"end_box={_format_box(action.end_point, box_style)}")
+    if action.key is not None:
+        args.append(f"key={_quote(action.key)}")
+    if action.content is not None:
+        args.append(f"content={_quote(action.content)}")
+    if action.direction is not None:
+        args.append(f"direction={_quote(action.direction)}")
+    return f"{action.kind}({', '.join(args)})"
+
+
+def format_response(thought: str, actions: Sequence[Action], box_style: str = "plain") -> str:
+    """Write a full reply ``Thought: ...\\nAction: a1\\n\\na2``; parse_response reads back (thought.strip(), actions).
+
+    Raises ValueError for an empty action list or a thought with a line that starts with 'Action:'
+    (the parser would split the reply there).
+    """
+    if not actions:
+        raise ValueError("a reply needs at least one action")
+    if _LINE_ACTION_RE.search(thought):
+        raise ValueError(f"thought has a line starting with 'Action:': {thought!r}")
+    body = "\n\n".join(format_action(a, box_style) for a in actions)
+    return f"Thought: {thought.strip()}\nAction: {body}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Image size and coordinates
+# ---------------------------------------------------------------------------------------------------------
+
+
+def smart_resize(
+    height: int,
+    width: int,
+    factor: int = 28,
+    min_pixels: int = 56 * 56,
+    max_pixels: int = 28 * 28 * 1280,
+) -> tuple[int, int]:
+    """Qwen2-VL/2.5-VL's image size rule -> (height, width) of the image the model sees.
+
+    Same arithmetic as transformers' `qwen2_vl.image_processing_qwen2_vl.smart_resize` (a test checks
+    equality): round each side to a multiple of `factor` (Python's round: half to even), then if the area
+    exceeds max_pixels scale both sides down (floor to the factor), or if it is below min_pixels scale
+    them up (ceil). E.g. (1080, 1920) with max_pixels 2,116,800 -> (1092, 1932).
+    """
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(
+            f"absolute aspect ratio must be smaller than 200, got {max(height, width) / min(height, width)}"
+        )
+    h_bar = round(height / factor) * factor
+    w_bar = round(width / factor) * factor
+    if h_bar * w_bar > max_pixels:
+        beta = math.sqrt((height * width) / max_pixels)
+        h_bar = max(factor, math.floor(height / beta / factor) * factor)
+        w_bar = max(factor, math.floor(width / beta / factor) * factor)
+    elif h_bar * w_bar < min_pixels:
+        beta = math.sqrt(min_pixels / (height * width))
+        h_bar = math.ceil(height * beta / factor) * factor
+        w_bar = math.ceil(width * beta / factor) * factor
+    return h_bar, w_bar
+
+
+def _scale(mode: str, model_size: tuple[int, int] | None) -> tuple[float, float]:
+    """The model frame's extent (w', h'): the resized image, or 1000 x 1000 for relative coordinates."""
+    if mode == "absolute":
+        if model_size is None:
+            raise ValueError("mode 'absolute' needs model_size=(w', h')")
+        return float(model_size[0]), float(model_size[1])
+    if mode == "relative1000":
+        return 1000.0, 1000.0
+    raise ValueError(f"unknown coordinate mode {mode!r} (expected one of {', '.join(COORD_MODES)})")
+
+
+def _map(
+    point: tuple[float, float], src: tuple[float, float], dst: tuple[float, float], hi: tuple[float, float]
+) -> tuple[float, float]:
+    x = point[0] * dst[0] / src[0]
+    y = point[1] * dst[1] / src[1]
+    return (min(max(x, 0.0), hi[0]), min(max(y, 0.0), hi[1]))
+
+
+def to_screen(
+    actions: Sequence[Action],
+    model_size: tuple[int, int] | None,
+    screen_size: tuple[int, int],
+    mode: str = "absolute",
+) -> list[Action]:
+    """Map actions from the model's frame to screen pixels, clamped to [0, W-1] x [0, H-1].
+
+    model_size = (w', h') of the smart_resized image (ignored for mode "relative1000");
+    screen_size = (W, H). Absolute: x * W / w', y * H / h'; relative1000: x * W / 1000, y * H / 1000.
+    Points stay floats (to_pyautogui rounds).
+    """
+    src = _scale(mode, model_size)
+    dst = (float(screen_size[0]), float(screen_size[1]))
+    hi = (dst[0] - 1, dst[1] - 1)
+    out = []
+    for a in actions:
+        point = _map(a.point, src, dst, hi) if a.point is not None else None
+        end = _map(a.end_point, src, dst, hi) if a.end_point is not None else None
+        out.append(replace(a, point=point, end_point=end))
+    return out
+
+
+def to_model(
+    point: tuple[float, float],
+    model_size: tuple[int, int] | None,
+    screen_size: tuple[int, int],
+    mode: str = "absolute",
+) -> tuple[float, float]:
+    """Inverse of `to_screen` for one point: screen pixels -> the model's frame (for oracles' replies).
+
+    The point is first clamped to the screen [0, W-1] x [0, H-1]; the result then lies in [0, w') x
+    [0, h') (or [0, 1000) for relative1000), so rounding it to ints moves it by at most half a model pixel.
+    """
+    dst = _scale(mode, model_size)
+    src = (float(screen_size[0]), float(screen_size[1]))
+    x = min(max(point[0], 0.0), src[0] - 1)
+    y = min(max(point[1], 0.0), src[1] - 1)
+    return (x * dst[0] / src[0], y * dst[1] / src[1])
+
+
+# ---------------------------------------------------------------------------------------------------------
+# pyautogui rendering
+# ---------------------------------------------------------------------------------------------------------
+
+
+def _xy(point: tuple[float, float], screen_size: tuple[int, int] | None) -> tuple[int, int]:
+    x, y = round(point[0]), round(point[1])
+    if screen_size is not None:
+        x = min(max(x, 0), screen_size[0] - 1)
+        y = min(max(y, 0), screen_size[1] - 1)
+    return x, y
+
+
+def to_pyautogui(
+    actions: Sequence[Action],
+    screen_size: tuple[int, int] | None = None,
+    drag_duration: float = 0.5,
+    scroll_amount: int = 5,
+) -> list[str]:
+    """Render screen-pixel actions as pyautogui commands: one string per action (decision 7).
+
+    Each entry is either Python code calling only `pyautogui.*`, or a marker from PYAUTOGUI_MARKERS
+    ("DONE" for finished, "FAIL" for call_user, "WAIT" for wait); test `cmd in PYAUTOGUI_MARKERS`.
+    Coordinates are rounded to ints and, given screen_size = (W, H), clamped to the screen.
+    A scroll is `scroll_amount` wheel clicks: up +N / down -N with pyautogui.scroll, right +N / left -N
+    with pyautogui.hscroll. type() content is written with repr() and a trailing newline becomes
+    pyautogui.press('enter'). Raises ValueError for an invalid action.
+    """
+    out = []
+    for a in actions:
+        validate_action(a)
+        if a.kind in ("click", "left_double", "right_single", "hover"):
+            x, y = _xy(a.point, screen_size)  # type: ignore[arg-type]  # validated above
+            out.append(
+                {
+                    "click": f"pyautogui.click({x}, {y}, button='left')",
+                    "left_double": f"pyautogui.doubleClick({x}, {y}, button='left')",
+                    "right_single": f"pyautogui.click({x}, {y}, button='right')",
+                    "hover": f"pyautogui.moveTo({x}, {y})",
+                }[a.kind]
+            )
+        elif a.kind == "drag":
+            x1, y1 = _xy(a.point, screen_size)  # type: ignore[arg-type]
+            x2, y2 = _xy(a.end_point, screen_size)  # type: ignore[arg-type]
+            out.append(
+                f"pyautogui.moveTo({x1}, {y1})\n"
+                f"pyautogui.dragTo({x2}, {y2}, duration={float(drag_duration)!r}, button='left')"
+            )
+        elif a.kind in _KEY_KINDS:
+            keys = ", ".join(repr(k) for k in normalize_keys(a.key))  # type: ignore[arg-type]
+            fn = {"hotkey": "hotkey", "press": "press", "keydown": "keyDown", "keyup": "keyUp"}[a.kind]
+            out.append(f"pyautogui.{fn}({keys})")
+        elif a.kind == "type":
+            text = a.content or ""
+            enter = text.endswith("\n")
+            if enter:
+                text = text[:-1]
+            lines = []
+            if text or not enter:
+                lines.append(f"pyautogui.write({text!r})")
+            if enter:
+                lines.append("pyautogui.press('enter')")
+            out.append("\n".join(lines))
+        elif a.kind == "scroll":
+            n = int(scroll_amount)
+            fn, clicks = {
+                "up": ("scroll", n),
+                "down": ("scroll", -n),
+                "right": ("hscroll", n),
+                "left": ("hscroll", -n),
+            }[a.direction]  # type: ignore[index]
+            if a.point is None:
+                out.append(f"pyautogui.{fn}({clicks})")
+            else:
+                x, y = _xy(a.point, screen_size)
+                out.append(f"pyautogui.{fn}({clicks}, x={x}, y={y})")
+        elif a.kind == "wait":
+            out.append("WAIT")
+        elif a.kind == "finished":
+            out.append("DONE")
+        else:  # call_user
+            out.append("FAIL")
+    return out
