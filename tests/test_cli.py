@@ -1,0 +1,41 @@
+"""The `arpo` command: params validation and overrides through the real console entry point."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import yaml
+from typer.testing import CliRunner
+
+from flows.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+runner = CliRunner()
+
+
+def test_params_prints_effective_config_with_overrides():
+    res = runner.invoke(
+        app, ["params", "-p", str(ROOT / "params.yaml"), "--set", "train.replay.enabled=false"]
+    )
+    assert res.exit_code == 0, res.output
+    cfg = yaml.safe_load(res.output)
+    assert cfg["train"]["replay"]["enabled"] is False
+    assert cfg["train"]["loss"]["clip_high"] == 0.3
+
+
+def test_unknown_key_exits_2_with_message(tmp_path):
+    bad = tmp_path / "params.yaml"
+    bad.write_text("train:\n  epochz: 3\n")
+    res = runner.invoke(app, ["params", "-p", str(bad)])
+    assert res.exit_code == 2
+    assert "unknown key 'epochz' in section 'train'" in res.output
+    assert str(bad) in res.output
+
+
+def test_console_script_is_installed():
+    exe = Path(sys.executable).parent / "arpo"
+    out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
+    assert out.returncode == 0
+    assert "params" in out.stdout and "run" in out.stdout
