@@ -1,0 +1,620 @@
+"""MiniWoB++ in headless Debian Chromium, driven by screen-pixel actions only.
+
+Design decisions:
+1. We subclass miniwob's `SeleniumInstance` (Farama miniwob 1.1.0) and replace only `create_driver`:
+   its hard-coded flags and driver lookup do not work with Debian's packages. We start the real binary
+   `/usr/lib/chromium/chromium` (`/usr/bin/chromium` is a shell wrapper) through an explicit
+   `Service('/usr/bin/chromedriver')` (otherwise Selenium tries to download a driver, and there is no
+   internet), with the flags of REFERENCE.md §6 and a fresh `--user-data-dir` per browser.
+   `--window-size=500,400`: a smaller window crops the 160x210 task area.
+2. One browser serves any number of tasks: `reset` loads the task page only when the task changes
+   (a page load ~100 ms vs a browser start ~1 s); episodes of the same task reuse the page
+   (`core.endEpisode(0)` + `core.startEpisodeReal()`, exactly what miniwob's own reset does).
+3. The policy sees pixels only: the screenshot of the 160x210 task area (query bar included) and the
+   utterance. Actions are W3C pointer / key / wheel input at coordinates, never DOM clicks, so what
+   the policy does is what a user could do. The DOM (`dom_elements`) exists for the scripted oracles,
+   grounding data and the image-blind ceiling; it is never part of an `Observation`.
+4. MiniWoB's 10 s episode clock (`core.EPISODE_MAX_TIME`) would fail a slow CPU policy on wall-clock
+   time: `episode_time_limit_s` overrides it at every reset (None = effectively no limit;
+   setTimeout takes at most 2^31-1 ms, a larger value would fire at once).
+5. Success = raw reward > 0 (`evaluate`). MiniWoB's `env_reward` is scaled by the wall-clock time
+   spent, so it measures the speed of the machine and of the policy's inference, not correctness; the
+   raw reward is -1 for a wrong answer or a timeout and positive for a right one (a few tasks give
+   partial positive credit, which still means the task was answered acceptably). An episode that
+   MiniWoB has not ended (e.g. the agent answered `finished` before submitting) scores 0.
+6. Coordinates are clamped to the task area, so a wild click lands on the page edge instead of
+   raising "move target out of bounds"; unknown key names are recorded in `info["action_errors"]`
+   (a policy mistake, the episode goes on), while a dead browser is an env fault: `step` returns
+   done with `info["error"]`, and the next `reset` starts a new browser.
+7. Process hygiene: chromedriver and Chromium inherit the caller's process group (the env pool puts
+   each env worker in its own group and kills the group). `close()` quits the driver and then kills
+   whatever is left of the driver's process tree. Chromium's crashpad handlers leave the group
+   (they re-parent to init) but exit on their own once Chromium is gone.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import signal
+import tempfile
+import time
+import urllib.parse
+from dataclasses import dataclass
+from typing import Any
+
+import urllib3.exceptions
+from miniwob.constants import TASK_HEIGHT, TASK_WIDTH
+from miniwob.fields import get_field_extractor
+from miniwob.screenshot import get_screenshot
+from miniwob.selenium_instance import DEFAULT_BASE_URL, SeleniumInstance
+from PIL import Image
+from selenium import webdriver
+from selenium.common.exceptions import TimeoutException, WebDriverException
+from selenium.webdriver.chrome.service import Service
+from selenium.webdriver.common.action_chains import ActionChains
+from selenium.webdriver.common.by import By
+from selenium.webdriver.common.keys import Keys
+from selenium.webdriver.support import expected_conditions as EC
+from selenium.webdriver.support.wait import WebDriverWait
+
+from arpo_core.actions import Action
+from arpo_core.envs.base import TERMINAL_KINDS, Observation, StepResult, TaskSpec
+
+CHROMIUM_BINARY = "/usr/lib/chromium/chromium"
+CHROMEDRIVER = "/usr/bin/chromedriver"
+CHROMIUM_FLAGS = (
+    "--headless=new",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+    "--disable-dev-shm-usage",
+    "--window-size=500,400",
+)
+SCREEN_SIZE = (TASK_WIDTH, TASK_HEIGHT)
+# What a dead browser raises: Selenium errors, or urllib3's when chromedriver itself is gone.
+BROWSER_ERRORS = (WebDriverException, urllib3.exceptions.HTTPError, ConnectionError)
+_MAX_TIMEOUT_MS = 2**31 - 1
+
+# UI-TARS / pyautogui key names -> WebDriver keys. Single printable characters pass through.
+KEY_MAP: dict[str, str] = {
+    "ctrl": Keys.CONTROL,
+    "control": Keys.CONTROL,
+    "shift": Keys.SHIFT,
+    "alt": Keys.ALT,
+    "meta": Keys.META,
+    "cmd": Keys.META,
+    "command": Keys.META,
+    "win": Keys.META,
+    "super": Keys.META,
+    "enter": Keys.ENTER,
+    "return": Keys.ENTER,
+    "tab": Keys.TAB,
+    "backspace": Keys.BACKSPACE,
+    "delete": Keys.DELETE,
+    "del": Keys.DELETE,
+    "esc": Keys.ESCAPE,
+    "escape": Keys.ESCAPE,
+    "space": Keys.SPACE,
+    "up": Keys.ARROW_UP,
+    "down": Keys.ARROW_DOWN,
+    "left": Keys.ARROW_LEFT,
+    "right": Keys.ARROW_RIGHT,
+    "arrowup": Keys.ARROW_UP,
+    "arrowdown": Keys.ARROW_DOWN,
+    "arrowleft": Keys.ARROW_LEFT,
+    "arrowright": Keys.ARROW_RIGHT,
+    "home": Keys.HOME,
+    "end": Keys.END,
+    "pageup": Keys.PAGE_UP,
+    "pagedown": Keys.PAGE_DOWN,
+    "insert": Keys.INSERT,
+    **{f"f{i}": getattr(Keys, f"F{i}") for i in range(1, 13)},
+}
+
+
+def webdriver_key(name: str) -> str:
+    """Map one key name as a model writes it ('ctrl', 'Enter', 'a') to a WebDriver key.
+
+    Raises KeyError for names that are neither known keys nor a single character.
+    """
+    if len(name) == 1:
+        return name
+    low = name.lower()
+    if low in KEY_MAP:
+        return KEY_MAP[low]
+    raise KeyError(f"unknown key {name!r}")
+
+
+def episode_limit_ms(limit_s: float | None) -> int:
+    """MiniWoB's episode clock in ms: None -> the largest setTimeout delay (2^31-1 ms, ~24.8 days)."""
+    if limit_s is None:
+        return _MAX_TIMEOUT_MS
+    return max(1, min(_MAX_TIMEOUT_MS, round(limit_s * 1000)))
+
+
+def clamp_point(x: float, y: float, size: tuple[int, int] = SCREEN_SIZE) -> tuple[int, int]:
+    """Round a screen point to integer pixels inside [0, w-1] x [0, h-1]."""
+    w, h = size
+    return min(max(round(x), 0), w - 1), min(max(round(y), 0), h - 1)
+
+
+# Flat DOM dump for oracles / grounding: every element of the page but MiniWoB's own overlays, with its box, own text and whether
+# it can be seen (non-empty box inside the task area, not hidden by CSS, and the topmost element at
+# its centre is itself or one of its descendants).
+_DOM_JS = """
+var W = %d, H = %d;
+var skip = '#reward-display, #sync-task-cover, #click-canvas, #attention-canvas, script, style';
+var els = [document.body].concat(Array.prototype.slice.call(document.body.querySelectorAll('*')))
+  .filter(function (el) { return !el.closest(skip); });
+var out = [];
+for (var i = 0; i < els.length; i++) {
+  var el = els[i];
+  var r = el.getBoundingClientRect();
+  var own = '';
+  el.childNodes.forEach(function (c) { if (c.nodeType === 3) own += ' ' + c.data; });
+  own = own.replace(/\\s+/g, ' ').trim();
+  var cs = window.getComputedStyle(el);
+  var onScreen = r.width > 0 && r.height > 0 && r.right > 0 && r.bottom > 0 && r.left < W && r.top < H;
+  var shown = cs.visibility !== 'hidden' && cs.display !== 'none' && parseFloat(cs.opacity) > 0;
+  var top = false;
+  if (onScreen) {
+    var cx = Math.min(Math.max(r.left + r.width / 2, 0), W - 1);
+    var cy = Math.min(Math.max(r.top + r.height / 2, 0), H - 1);
+    var hit = document.elementFromPoint(cx, cy);
+    top = hit !== null && (hit === el || el.contains(hit));
+  }
+  var tag = el.tagName.toLowerCase();
+  var value = null;
+  if (el instanceof HTMLInputElement) {
+    tag += '_' + el.type;
+    value = (el.type === 'checkbox' || el.type === 'radio') ? (el.checked ? 'true' : 'false') : el.value;
+  } else if (el instanceof HTMLTextAreaElement || el instanceof HTMLSelectElement) {
+    value = el.value;
+  }
+  out.push({tag: tag, text: own, full_text: (el.textContent || '').replace(/\\s+/g, ' ').trim(),
+            id: el.id || '', classes: (typeof el.className === 'string') ? el.className : '',
+            left: r.left, top: r.top, width: r.width, height: r.height,
+            visible: onScreen && shown, topmost: top, value: value,
+            focused: document.activeElement === el,
+            bg: cs.backgroundColor, fg: cs.color, parent: els.indexOf(el.parentElement)});
+}
+return out;
+"""
+
+
+_BUSY_JS = "return !!(window.jQuery && jQuery.timers && jQuery.timers.length);"
+
+
+@dataclass(frozen=True)
+class DomElement:
+    """One DOM element of the task area, in screen pixels (oracles and grounding data only)."""
+
+    index: int
+    """Position in document order (0 = <body>; jQuery UI menus and dialogs hang below it, not #wrap)."""
+    tag: str
+    """Lower-case tag; inputs carry their type, e.g. 'input_text', 'input_checkbox'."""
+    text: str
+    """The element's own text nodes, whitespace-collapsed."""
+    full_text: str
+    """textContent of the element and its descendants."""
+    id: str
+    classes: str
+    bbox: tuple[float, float, float, float]
+    """(left, top, width, height) in screen pixels."""
+    visible: bool
+    """Non-empty box overlapping the task area and not hidden by CSS."""
+    topmost: bool
+    """The element (or a descendant) is what a click at its centre would hit."""
+    value: str | None
+    """Inputs: value, or 'true'/'false' for checkboxes and radios."""
+    focused: bool
+    bg: str
+    """Computed background colour, e.g. 'rgb(255, 0, 0)'."""
+    fg: str
+    parent: int
+    """Index of the parent element (-1 for the root)."""
+
+    @property
+    def center(self) -> tuple[float, float]:
+        left, top, w, h = self.bbox
+        return left + w / 2, top + h / 2
+
+
+class ChromiumInstance(SeleniumInstance):
+    """miniwob's SeleniumInstance on Debian Chromium (see design decision 1), any task per browser."""
+
+    def __init__(
+        self,
+        subdomain: str,
+        chromium_binary: str = CHROMIUM_BINARY,
+        chromedriver: str = CHROMEDRIVER,
+        extra_flags: tuple[str, ...] = (),
+        page_load_timeout_s: float = 20.0,
+    ):
+        if subdomain.startswith("flight."):
+            raise ValueError("FlightWoB tasks need an HTTP server; not supported by this env")
+        super().__init__(index=0, subdomain=subdomain, headless=True, threading=False)
+        self.subdomain = subdomain
+        self.chromium_binary = chromium_binary
+        self.chromedriver = chromedriver
+        self.extra_flags = extra_flags
+        self.page_load_timeout_s = page_load_timeout_s
+        self.user_data_dir: str | None = None
+
+    def create_driver(self) -> None:
+        """Start chromedriver + Chromium with the Debian paths and flags, then load the task page."""
+        assert not hasattr(self, "driver"), "driver already created"
+        self.user_data_dir = tempfile.mkdtemp(prefix="arpo-chromium-")
+        options = webdriver.ChromeOptions()
+        options.binary_location = self.chromium_binary
+        for flag in (*CHROMIUM_FLAGS, *self.extra_flags):
+            options.add_argument(flag)
+        options.add_argument(f"--user-data-dir={self.user_data_dir}")
+        self.driver = webdriver.Chrome(service=Service(self.chromedriver), options=options)
+        self.driver.set_page_load_timeout(self.page_load_timeout_s)
+        self._load_page()
+
+    def load_task(self, subdomain: str) -> None:
+        """Switch the browser to another MiniWoB task page."""
+        if subdomain == self.subdomain:
+            return
+        if subdomain.startswith("flight."):
+            raise ValueError("FlightWoB tasks need an HTTP server; not supported by this env")
+        self.subdomain = subdomain
+        self.url = urllib.parse.urljoin(DEFAULT_BASE_URL, f"{subdomain}.html")
+        self.field_extractor = get_field_extractor(subdomain)
+        self._load_page()
+
+    def _load_page(self) -> None:
+        self.driver.get(self.url)
+        try:
+            WebDriverWait(self.driver, self.page_load_timeout_s).until(
+                EC.presence_of_element_located((By.ID, self.SYNC_SCREEN_ID))
+            )
+        except TimeoutException as e:
+            raise RuntimeError(f"MiniWoB page {self.url} did not load") from e
+        self.inner_width, self.inner_height = self.driver.execute_script(
+            "return [window.innerWidth, window.innerHeight];"
+        )
+
+    def driver_pid(self) -> int | None:
+        """Pid of chromedriver (Chromium runs below it), or None before the driver starts."""
+        driver = getattr(self, "driver", None)
+        proc = getattr(getattr(driver, "service", None), "process", None)
+        return proc.pid if proc is not None else None
+
+    def close(self) -> None:
+        """Quit the driver, kill any leftover of its process tree, remove the profile dir."""
+        pid = self.driver_pid()
+        leftovers = _descendants(pid) if pid else []
+        if hasattr(self, "driver"):
+            with contextlib.suppress(Exception):
+                self.driver.quit()
+            del self.driver
+        for p in leftovers:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(p, signal.SIGKILL)
+        if self.user_data_dir:
+            shutil.rmtree(self.user_data_dir, ignore_errors=True)
+            self.user_data_dir = None
+        self.died = True
+
+
+def _descendants(pid: int) -> list[int]:
+    """The process itself and all its descendants (from /proc; Linux only)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # The command name may contain spaces: fields after the last ')' are well-formed.
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = [], [pid]
+    while todo:
+        p = todo.pop()
+        out.append(p)
+        todo.extend(children.get(p, []))
+    return out
+
+
+class MiniWoBEnv:
+    """A `GuiEnv` over one headless Chromium; tasks are MiniWoB++ task names (TaskSpec.task_id).
+
+    `TaskSpec.instruction` is not used: MiniWoB generates each episode's utterance, which becomes
+    `Observation.instruction`. `TaskSpec.config["data_mode"]` ("train" by default) picks MiniWoB's
+    problem distribution. Build it with keyword arguments only, so
+    `functools.partial(make_miniwob_env, ...)` is a picklable factory for the env pool.
+    """
+
+    def __init__(
+        self,
+        *,
+        episode_time_limit_s: float | None = 60.0,
+        chromium_binary: str = CHROMIUM_BINARY,
+        chromedriver: str = CHROMEDRIVER,
+        extra_flags: tuple[str, ...] = (),
+        scroll_px: int = 50,
+        wait_s: float = 0.2,
+        drag_steps: int = 5,
+        settle_timeout_s: float = 1.0,
+    ):
+        """
+        Args:
+            episode_time_limit_s: MiniWoB episode clock (None: no limit); MiniWoB's own default is 10.
+            scroll_px: wheel delta of one `scroll` action in CSS pixels (miniwob's default 50).
+            wait_s: how long `wait()` sleeps.
+            drag_steps: intermediate pointer moves of a drag (jQuery UI needs movement to start one).
+            settle_timeout_s: after the actions, wait up to this long for jQuery animations to end
+                (accordions, dialogs), so the observation shows where things finally are.
+        """
+        self.episode_time_limit_s = episode_time_limit_s
+        self.chromium_binary = chromium_binary
+        self.chromedriver = chromedriver
+        self.extra_flags = tuple(extra_flags)
+        self.scroll_px = scroll_px
+        self.wait_s = wait_s
+        self.drag_steps = drag_steps
+        self.settle_timeout_s = settle_timeout_s
+        self.instance: ChromiumInstance | None = None
+        self.task: TaskSpec | None = None
+        self.utterance = ""
+        self._raw_reward: float | None = None
+        self._done = True
+        self._t0 = 0.0
+
+    # ---------------------------------------------------------------- lifecycle
+    def _start(self, subdomain: str) -> ChromiumInstance:
+        inst = ChromiumInstance(
+            subdomain,
+            chromium_binary=self.chromium_binary,
+            chromedriver=self.chromedriver,
+            extra_flags=self.extra_flags,
+        )
+        try:
+            inst.create_driver()
+        except Exception:
+            inst.close()
+            raise
+        return inst
+
+    def _restart(self, subdomain: str) -> None:
+        if self.instance is not None:
+            self.instance.close()
+            self.instance = None
+        self.instance = self._start(subdomain)
+
+    def reset(self, task: TaskSpec, seed: int | None = None) -> Observation:
+        """Start an episode of `task`; a dead browser is replaced once before giving up."""
+        if task.backend != "miniwob":
+            raise ValueError(f"MiniWoBEnv cannot run backend {task.backend!r}")
+        for attempt in range(2):
+            try:
+                if self.instance is None or self.instance.died:
+                    self._restart(task.task_id)
+                else:
+                    self.instance.load_task(task.task_id)
+                return self._begin(task, seed)
+            except BROWSER_ERRORS:
+                if attempt == 1:
+                    raise
+                self._restart(task.task_id)
+        raise AssertionError("unreachable")
+
+    def _begin(self, task: TaskSpec, seed: int | None) -> Observation:
+        inst = self.instance
+        assert inst is not None
+        inst.mode = str(task.config.get("data_mode", "train"))
+        inst.force_stop()
+        ActionChains(inst.driver).reset_actions()  # release keys/buttons a keydown left pressed
+        # Set every episode (a page load resets it), so changing the attribute takes effect at once.
+        inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {episode_limit_ms(self.episode_time_limit_s)};")
+        inst.begin_task(seed=seed)
+        response = inst.driver.execute_script("return core.getUtterance();")
+        self.utterance = response["utterance"] if isinstance(response, dict) else str(response)
+        self.task = task
+        self._raw_reward = None
+        self._done = False
+        self._t0 = time.monotonic()
+        return self._observe()
+
+    def close(self) -> None:
+        if self.instance is not None:
+            self.instance.close()
+            self.instance = None
+
+    def browser_pids(self) -> list[int]:
+        """chromedriver and the Chromium processes below it (for tests and crash handling)."""
+        pid = self.instance.driver_pid() if self.instance else None
+        return _descendants(pid) if pid else []
+
+    def profile_dir(self) -> str | None:
+        """The browser's --user-data-dir (every Chromium process, crashpad included, names it)."""
+        return self.instance.user_data_dir if self.instance else None
+
+    # ---------------------------------------------------------------- observing
+    def screenshot(self) -> Image.Image:
+        inst = self.instance
+        assert inst is not None
+        return get_screenshot(
+            inst.driver,
+            true_width=inst.inner_width,
+            true_height=inst.inner_height,
+            crop_width=inst.task_width,
+            crop_height=inst.task_height,
+        )
+
+    def _observe(self) -> Observation:
+        return Observation(screenshot=self.screenshot(), instruction=self.utterance, screen_size=SCREEN_SIZE)
+
+    def _metadata(self) -> dict[str, Any]:
+        assert self.instance is not None
+        return self.instance.get_metadata()
+
+    def dom_elements(self) -> list[DomElement]:
+        """All elements of the task area with boxes in screen pixels (never shown to the policy)."""
+        assert self.instance is not None
+        raw = self.instance.driver.execute_script(_DOM_JS % SCREEN_SIZE)
+        return [
+            DomElement(
+                index=i,
+                tag=r["tag"],
+                text=r["text"],
+                full_text=r["full_text"],
+                id=r["id"],
+                classes=r["classes"],
+                bbox=(float(r["left"]), float(r["top"]), float(r["width"]), float(r["height"])),
+                visible=bool(r["visible"]),
+                topmost=bool(r["topmost"]),
+                value=r["value"],
+                focused=bool(r["focused"]),
+                bg=r["bg"],
+                fg=r["fg"],
+                parent=int(r["parent"]),
+            )
+            for i, r in enumerate(raw)
+        ]
+
+    def oracle_reply(self) -> str | None:
+        """The scripted oracle's UI-TARS reply for the current state (None: no oracle for the task)."""
+        from arpo_core.envs.oracles import oracle_reply
+
+        assert self.task is not None
+        return oracle_reply(self.task.task_id, self.utterance, self.dom_elements())
+
+    # ---------------------------------------------------------------- acting
+    def step(self, actions: list[Action]) -> StepResult:
+        """Run the actions in order (stopping once MiniWoB ends the episode), then observe."""
+        if self._done or self.instance is None:
+            return StepResult(self._blank(), True, {"error": "step() called outside an episode"})
+        info: dict[str, Any] = {"action_errors": []}
+        agent_end = None
+        try:
+            for action in actions:
+                if action.kind in TERMINAL_KINDS:
+                    agent_end = action.kind
+                    break
+                try:
+                    self._perform(action)
+                except (KeyError, ValueError) as e:
+                    info["action_errors"].append(f"{action.kind}: {e}")
+                if self._metadata()["done"]:
+                    break
+            self._settle()
+            meta = self._metadata()
+            obs = self._observe()
+        except BROWSER_ERRORS as e:
+            self._done = True
+            if self.instance is not None:
+                self.instance.died = True
+            msg = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            return StepResult(self._blank(), True, {"error": f"browser failure: {msg}", "fatal": True})
+        if meta["done"]:
+            self._raw_reward = float(meta["raw_reward"])
+        self._done = bool(meta["done"]) or agent_end is not None
+        info.update(
+            raw_reward=self._raw_reward,
+            reason=meta.get("reason"),
+            miniwob_done=bool(meta["done"]),
+            agent_end=agent_end,
+            elapsed_s=time.monotonic() - self._t0,
+        )
+        return StepResult(obs, self._done, info)
+
+    def _settle(self) -> None:
+        """Wait (at most settle_timeout_s) until no jQuery animation runs, so the screenshot is final."""
+        assert self.instance is not None
+        deadline = time.monotonic() + self.settle_timeout_s
+        while time.monotonic() < deadline and self.instance.driver.execute_script(_BUSY_JS):
+            time.sleep(0.02)
+
+    def evaluate(self) -> float:
+        """1.0 when MiniWoB ended the episode with a positive raw reward, else 0.0 (decision 5)."""
+        return 1.0 if self._raw_reward is not None and self._raw_reward > 0 else 0.0
+
+    def _blank(self) -> Observation:
+        return Observation(Image.new("RGB", SCREEN_SIZE), self.utterance, SCREEN_SIZE)
+
+    def _chain(self) -> ActionChains:
+        assert self.instance is not None
+        return ActionChains(self.instance.driver, duration=0)
+
+    def _perform(self, a: Action) -> None:
+        kind = a.kind
+        if kind in ("click", "left_double", "right_single", "hover", "scroll", "drag"):
+            if a.point is None:
+                raise ValueError("missing start point")
+            x, y = clamp_point(*a.point)
+            chain = self._chain()
+            ptr = chain.w3c_actions.pointer_action
+            ptr.move_to_location(x, y)
+            if kind == "click":
+                ptr.click()
+            elif kind == "left_double":
+                ptr.double_click()
+            elif kind == "right_single":
+                ptr.context_click()
+            elif kind == "drag":
+                if a.end_point is None:
+                    raise ValueError("drag without end point")
+                ex, ey = clamp_point(*a.end_point)
+                ptr.click_and_hold()
+                for i in range(1, self.drag_steps + 1):
+                    ptr.move_to_location(
+                        round(x + (ex - x) * i / self.drag_steps), round(y + (ey - y) * i / self.drag_steps)
+                    )
+                ptr.release()
+            elif kind == "scroll":
+                dx, dy = {
+                    "up": (0, -1),
+                    "down": (0, 1),
+                    "left": (-1, 0),
+                    "right": (1, 0),
+                }.get(a.direction or "down", (0, 1))
+                chain.w3c_actions.perform()
+                chain = self._chain()
+                chain.w3c_actions.wheel_action.scroll(
+                    x=x, y=y, delta_x=dx * self.scroll_px, delta_y=dy * self.scroll_px, duration=0
+                )
+            chain.w3c_actions.perform()
+        elif kind in ("hotkey", "press", "keydown", "keyup"):
+            names = (a.key or "").split()
+            if not names:
+                raise ValueError("missing key")
+            keys = [webdriver_key(n) for n in names]
+            chain = self._chain()
+            kb = chain.w3c_actions.key_action
+            if kind in ("hotkey", "press", "keydown"):
+                for k in keys:
+                    kb.key_down(k)
+            if kind in ("hotkey", "press", "keyup"):
+                for k in reversed(keys):
+                    kb.key_up(k)
+            chain.w3c_actions.perform()
+        elif kind == "type":
+            chain = self._chain()
+            kb = chain.w3c_actions.key_action
+            for ch in a.content or "":
+                key = Keys.ENTER if ch == "\n" else ch
+                kb.key_down(key)
+                kb.key_up(key)
+            chain.w3c_actions.perform()
+        elif kind == "wait":
+            time.sleep(self.wait_s)
+        else:
+            raise ValueError(f"unsupported action kind {kind!r}")
+
+
+def make_miniwob_env(**kwargs: Any) -> MiniWoBEnv:
+    """Module-level constructor: `functools.partial(make_miniwob_env, ...)` pickles by reference."""
+    return MiniWoBEnv(**kwargs)
