@@ -1,0 +1,150 @@
+"""Offline training on stored trajectories. First part: supervised fine-tuning (behaviour cloning).
+
+Decisions:
+1. The loss is the mean negative log-likelihood of the assistant tokens (reply + `<|im_end|>`), over all
+   assistant tokens of the accumulated batch (token-mean, so long replies weigh by their length), with
+   the same sequences and forward as RL (`policy/sequences.py`): what BC trains is what GRPO later
+   scores, M-RoPE positions included.
+2. Batches are drawn by shuffling the trajectories every epoch with a seeded `random.Random`; an optimizer
+   step takes `batch_size * grad_accum` trajectories in `grad_accum` micro-batches.
+3. bf16 autocast on CPU is optional (about 2x faster on this machine kind, REFERENCE.md §6); weights and
+   optimizer state stay fp32.
+4. Every `checkpoint_every` optimizer steps (and at the end, when a checkpoint dir is given) the policy is
+   written with `save_pretrained` beside `optimizer.pt` and `sft_state.json` (step, loss history), so a
+   checkpoint is a normal policy directory loadable by `load_policy`.
+5. The function returns the loss history; it logs nothing (arpo_core is a library). A tqdm bar shows
+   progress unless disabled.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from arpo_core.policy.model import Policy
+from arpo_core.policy.sequences import collate, encode_trajectory, sequence_logprobs
+from arpo_core.trajectory import Trajectory
+
+__all__ = ["SFTConfig", "masked_mean_nll", "sft"]
+
+
+@dataclass(frozen=True)
+class SFTConfig:
+    """Behaviour-cloning hyperparameters."""
+
+    steps: int = 100
+    """Optimizer steps."""
+    batch_size: int = 8
+    """Trajectories per micro-batch."""
+    grad_accum: int = 1
+    """Micro-batches per optimizer step."""
+    lr: float = 1e-3
+    """AdamW learning rate (constant after warm-up)."""
+    warmup_steps: int = 0
+    """Linear warm-up from 0 over this many optimizer steps."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    bf16: bool = False
+    """bf16 autocast (CPU or GPU); parameters and optimizer stay fp32."""
+    system: str = "uitars"
+    """System prompt name (prompt.SYSTEM_PROMPTS)."""
+    history_images: int | None = None
+    """Screenshots shown as images (None = all); must match the generator's."""
+    checkpoint_every: int = 0
+    """Save every N optimizer steps (0 = only at the end, and only with a checkpoint_dir)."""
+    seed: int = 0
+    """Shuffling seed."""
+
+
+def masked_mean_nll(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Token-mean negative log-likelihood: logps (B, T), mask (B, T) bool -> scalar. 0 if mask is empty."""
+    n = mask.sum()
+    return -(logps * mask).sum() / n.clamp(min=1)
+
+
+def _save(policy: Policy, optimizer: torch.optim.Optimizer, out: Path, state: dict) -> None:
+    policy.save(out)
+    torch.save(optimizer.state_dict(), out / "optimizer.pt")
+    (out / "sft_state.json").write_text(json.dumps(state, indent=1))
+
+
+def sft(
+    policy: Policy,
+    trajectories: Sequence[Trajectory],
+    config: SFTConfig = SFTConfig(),
+    checkpoint_dir: str | Path | None = None,
+    progress: bool = True,
+) -> list[float]:
+    """Behaviour cloning of `policy` (in place) on the replies of `trajectories`.
+
+    Returns the loss of every optimizer step (mean NLL per assistant token over its accumulated batch).
+    Checkpoints go to `checkpoint_dir/step-N/` and `checkpoint_dir/final/`.
+    """
+    if not trajectories:
+        raise ValueError("sft needs at least one trajectory")
+    model = policy.model
+    device = policy.device
+    rng = random.Random(config.seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: min(1.0, (s + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+    )
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+    order: list[int] = []
+    history: list[float] = []
+    model.train()
+    bar = tqdm(range(1, config.steps + 1), desc="sft", disable=not progress)
+    for step in bar:
+        micro = []
+        for _ in range(config.grad_accum):
+            idx = []
+            while len(idx) < config.batch_size:
+                if not order:
+                    order = list(range(len(trajectories)))
+                    rng.shuffle(order)
+                idx.append(order.pop())
+            # Encoded per batch, not up front: pixel tensors of a few thousand demos would take GBs.
+            seqs = [
+                encode_trajectory(policy, trajectories[i], config.system, config.history_images) for i in idx
+            ]
+            micro.append(collate(seqs, policy.pad_id, policy.image_token_id).to(device))
+        n_total = sum(int((b.assistant_mask & b.attention_mask.bool())[:, 1:].sum()) for b in micro)
+        optimizer.zero_grad(set_to_none=True)
+        loss_sum = 0.0
+        for batch in micro:
+            with autocast:
+                logps, mask = sequence_logprobs(model, batch)  # (B, T) each
+            # Weight each micro-batch by its share of tokens so the step is a token-mean (decision 1).
+            loss = masked_mean_nll(logps, mask) * (mask.sum() / max(n_total, 1))
+            loss.backward()
+            loss_sum += float(loss.detach())
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        sched.step()
+        history.append(loss_sum)
+        bar.set_postfix(loss=f"{loss_sum:.3f}")
+        if checkpoint_dir is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
+            _save(
+                policy,
+                optimizer,
+                Path(checkpoint_dir) / f"step-{step}",
+                {"step": step, "losses": history, "config": asdict(config)},
+            )
+    model.eval()
+    if checkpoint_dir is not None:
+        _save(
+            policy,
+            optimizer,
+            Path(checkpoint_dir) / "final",
+            {"step": config.steps, "losses": history, "config": asdict(config)},
+        )
+    return history

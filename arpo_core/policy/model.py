@@ -1,0 +1,454 @@
+"""The policy: a Qwen2.5-VL model with its tokenizer and image processor, loaded from any checkpoint
+directory (UI-TARS-1.5-7B's layout) or built offline as a tiny model of the same architecture.
+
+Decisions:
+1. One loader for every checkpoint. `load_policy` never goes through `AutoProcessor`: without torchvision
+   the stock `Qwen2_5_VLProcessor` cannot be built (its video processor needs torchvision) and
+   `AutoProcessor` silently returns the bare tokenizer (REFERENCE.md §6). Instead it assembles
+   `PolicyProcessor` (a `Qwen2_5_VLProcessor` without a video processor) from `AutoTokenizer` and
+   `Qwen2VLImageProcessorPil`, which read `tokenizer.json` and `preprocessor_config.json` of any
+   Qwen2.5-VL checkpoint, stock or tiny.
+2. The tiny model is built fully offline: a byte-level BPE trained locally with `tokenizers` on a corpus
+   generated here (both system prompts, the UI-TARS reply grammar, MiniWoB-style instructions, numbers),
+   with Qwen's pre-tokeniser, so digits are single tokens and a coordinate is a digit sequence exactly
+   as in Qwen/UI-TARS. Qwen's special tokens are appended after the BPE vocabulary, so the chat markup
+   (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`, `<|image_pad|>`, ...) is identical to UI-TARS's.
+3. Sizes trade CPU time for capacity (REFERENCE.md §6: the vocabulary dominates the cost, so it stays
+   <= 8k). Parameter counts with the default corpus (whose BPE stops at 1,014 merges + 14 specials =
+   1,028 tokens) and tied embeddings: `xs` 741,632 (text h128 x 2 layers, vision h64 x 1),
+   `s` 5,074,816 (h256 x 4, vision h128 x 2), `m` 36,508,928 (h512 x 8, vision h256 x 4);
+   `tests/test_policy_model.py` pins them.
+4. `mrope_section` is derived from the head size (it must sum to head_dim / 2) in the 1:1.5:1.5 ratio of
+   Qwen2.5-VL's [16, 24, 24] for head_dim 128.
+5. The image processor's pixel budget is `size={"shortest_edge": min_pixels, "longest_edge": max_pixels}`
+   (the min/max_pixels call kwargs are deprecated). The tiny default keeps MiniWoB's 160x210 screen at
+   its natural scale (168x224 after smart_resize, 48 visual tokens).
+6. Embeddings are tied for the tiny sizes (the vocabulary is most of a 1M-parameter model); UI-TARS-7B
+   is untied, which `load_policy` simply reads from its config.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, normalizers, pre_tokenizers, trainers
+from tokenizers.models import BPE
+from transformers import (
+    AutoTokenizer,
+    Qwen2_5_VLConfig,
+    Qwen2_5_VLForConditionalGeneration,
+    Qwen2_5_VLProcessor,
+    Qwen2Tokenizer,
+    Qwen2VLImageProcessorPil,
+)
+
+from arpo_core.policy.prompt import SYSTEM_PROMPTS
+
+__all__ = [
+    "QWEN_SPECIAL_TOKENS",
+    "SIZES",
+    "Policy",
+    "PolicyProcessor",
+    "TinySize",
+    "build_tiny_policy",
+    "count_parameters",
+    "default_corpus",
+    "load_policy",
+    "mrope_section",
+    "tiny_config",
+    "train_tokenizer",
+]
+
+QWEN_SPECIAL_TOKENS = (
+    "<|endoftext|>",
+    "<|im_start|>",
+    "<|im_end|>",
+    "<|object_ref_start|>",
+    "<|object_ref_end|>",
+    "<|box_start|>",
+    "<|box_end|>",
+    "<|quad_start|>",
+    "<|quad_end|>",
+    "<|vision_start|>",
+    "<|vision_end|>",
+    "<|vision_pad|>",
+    "<|image_pad|>",
+    "<|video_pad|>",
+)
+"""Qwen2.5-VL's special tokens in their original order (ids 151643.. in Qwen; appended after BPE here)."""
+
+# Qwen2's pre-tokeniser regex: `\p{N}` alone makes every digit its own pre-token, hence its own token.
+_QWEN_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
+
+TINY_MIN_PIXELS = 56 * 56
+TINY_MAX_PIXELS = 448 * 448
+"""Tiny model's pixel budget: MiniWoB's 160x210 is kept at scale; larger screens are scaled down."""
+
+
+class PolicyProcessor(Qwen2_5_VLProcessor):
+    """`Qwen2_5_VLProcessor` without a video processor (which needs torchvision; REFERENCE.md §6).
+
+    Behaves like the stock processor for images and text and saves/loads with `save_pretrained` /
+    `from_pretrained`.
+    """
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
+@dataclass
+class Policy:
+    """A loaded policy: model, processor and tokenizer plus the token ids the rest of the code needs."""
+
+    model: Qwen2_5_VLForConditionalGeneration
+    processor: PolicyProcessor
+    tokenizer: Qwen2Tokenizer
+
+    @property
+    def image_processor(self) -> Qwen2VLImageProcessorPil:
+        return self.processor.image_processor
+
+    @property
+    def image_token_id(self) -> int:
+        return int(self.model.config.image_token_id)
+
+    @property
+    def im_start_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids("<|im_start|>")
+
+    @property
+    def im_end_id(self) -> int:
+        return self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+
+    @property
+    def pad_id(self) -> int:
+        pad = self.tokenizer.pad_token_id
+        return int(pad if pad is not None else self.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
+
+    @property
+    def min_pixels(self) -> int:
+        return int(self.image_processor.size["shortest_edge"])
+
+    @property
+    def max_pixels(self) -> int:
+        return int(self.image_processor.size["longest_edge"])
+
+    @property
+    def patch_factor(self) -> int:
+        """Side of one visual token in model-image pixels (patch 14 x merge 2 = 28)."""
+        return int(self.image_processor.patch_size * self.image_processor.merge_size)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def save(self, out_dir: str | Path) -> Path:
+        """save_pretrained of model and processor (tokenizer + image processor) into one directory."""
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.model.save_pretrained(out_dir)
+        self.processor.save_pretrained(out_dir)
+        return out_dir
+
+
+def load_policy(
+    path: str | Path,
+    dtype: torch.dtype = torch.float32,
+    device: str = "cpu",
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
+) -> Policy:
+    """Load any Qwen2.5-VL checkpoint directory (UI-TARS-1.5-7B or one written by `build_tiny_policy`).
+
+    `min_pixels` / `max_pixels` override the checkpoint's pixel budget (the ARPO reference runs
+    UI-TARS-1.5 with max_pixels 2,116,800, below its stock 12,845,056; REFERENCE.md §2). The model is put
+    in eval mode; callers that train switch it to train mode themselves.
+    """
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise FileNotFoundError(f"no Qwen2.5-VL checkpoint at {path} (config.json missing)")
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # Passed as min/max_pixels, which Qwen2VLImageProcessorPil applies after the stored `size` (or the
+    # stock config's own min/max_pixels keys), so the override wins in both layouts.
+    budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
+    image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, **budget)
+    processor = PolicyProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
+    model.eval()
+    return Policy(model=model, processor=processor, tokenizer=tokenizer)
+
+
+# ----------------------------------------------------------------------------------------------------
+# The tiny offline model
+
+
+@dataclass(frozen=True)
+class TinySize:
+    """Architecture of one tiny size."""
+
+    hidden: int
+    layers: int
+    heads: int
+    kv_heads: int
+    intermediate: int
+    vision_hidden: int
+    vision_depth: int
+    vision_heads: int
+    vocab: int
+    """Target BPE vocabulary (before the special tokens); the trainer may stop earlier on a small corpus."""
+
+
+SIZES: dict[str, TinySize] = {
+    "xs": TinySize(128, 2, 4, 2, 384, 64, 1, 2, 2048),
+    "s": TinySize(256, 4, 4, 2, 1024, 128, 2, 2, 2048),
+    "m": TinySize(512, 8, 8, 4, 2048, 256, 4, 4, 4096),
+}
+
+
+def mrope_section(head_dim: int) -> list[int]:
+    """Split head_dim / 2 rotary frequencies over (t, h, w) like Qwen2.5-VL's [16, 24, 24] for 128.
+
+    >>> mrope_section(128), mrope_section(32)
+    ([16, 24, 24], [4, 6, 6])
+    """
+    half = head_dim // 2
+    t = half // 4
+    h = (half - t) // 2
+    return [t, h, half - t - h]
+
+
+def count_parameters(model: torch.nn.Module) -> int:
+    """Unique parameters (tied embeddings counted once)."""
+    return sum(p.numel() for p in {id(p): p for p in model.parameters()}.values())
+
+
+_TASK_TEMPLATES = (
+    "Click the button.",
+    "Click on the {w} button.",
+    'Click the button labelled "{W}".',
+    "Click on the link {w}.",
+    'Click on the "{w}" link.',
+    "Click the {c} square.",
+    "Click on the {s}.",
+    "Click on the tab #{n}.",
+    "Select {w} from the list and click Submit.",
+    "Select {w}, {w2} and click Submit.",
+    "Focus into the text field.",
+    "Focus into the {o} input field.",
+    "Enter {w} into the text field and press Submit.",
+    'Type "{w}" into the textbox and press Submit.',
+    "Enter the username {w} and the password {w2} into the text fields and press login.",
+    "Expand the section and click on the {w} link.",
+    "Close the dialog box by clicking the x.",
+    "Click OK in the dialog box.",
+    "Click on the {c} colored box.",
+    "Check the {w} checkbox and press Submit.",
+    "Click button ONE, then click button TWO.",
+    "Drag the {w} item to the top of the list.",
+    "Scroll down and click the {w} link.",
+    "Find the email by {W} and reply to them.",
+    "Open the file {w}.txt and save it.",
+    "Enter the date {n}/{n2}/20{n}{n2} and submit.",
+    "Search for {w} and select the first result.",
+)
+_WORDS = (
+    "submit ok cancel yes no next previous previous home about contact login search save open close "
+    "apple banana cherry delta echo golf hotel india juliet kilo lima mike november oscar papa quebec "
+    "romeo sierra tango uniform victor whiskey xray yankee zulu alpha bravo charlie foxtrot red green "
+    "blue yellow orange purple black white gray pink brown circle square triangle rectangle star "
+    "first second third fourth fifth left right up down top bottom middle center"
+).split()
+_COLORS = ("red", "green", "blue", "yellow", "orange", "purple", "black", "white", "gray", "pink")
+_SHAPES = ("circle", "square", "triangle", "rectangle", "star", "digit", "letter")
+_ORDINALS = ("first", "second", "third", "fourth", "fifth", "last")
+_THOUGHTS = (
+    "I need to click the {w} button to finish the task.",
+    "The {w} link is visible near the top, so I will click it.",
+    "The text field is empty. I will click it first and then type the text.",
+    "The task asks me to select {w}; I can see it in the list.",
+    "Everything is done, so I will submit.",
+    "I can see the {c} square in the middle of the screen.",
+    "The dialog is open. I will close it with the x in its corner.",
+    "The page has not loaded yet, so I will wait.",
+    "I should scroll down to find the {w} link.",
+    "The task is complete.",
+)
+
+
+def _action_samples(rng: random.Random) -> list[str]:
+    def pt() -> str:
+        return f"({rng.randint(0, 1999)},{rng.randint(0, 1999)})"
+
+    w = rng.choice(_WORDS)
+    return [
+        f"click(start_box='{pt()}')",
+        f"left_double(start_box='{pt()}')",
+        f"right_single(start_box='{pt()}')",
+        f"hover(start_box='{pt()}')",
+        f"drag(start_box='{pt()}', end_box='{pt()}')",
+        f"hotkey(key='ctrl {rng.choice('acvxzs')}')",
+        f"press(key='{rng.choice(['enter', 'tab', 'space', 'backspace', 'escape', 'down', 'up'])}')",
+        "keydown(key='shift')",
+        "keyup(key='shift')",
+        f"type(content='{w}')",
+        f"type(content='{w}\\n')",
+        f"scroll(start_box='{pt()}', direction='{rng.choice(['up', 'down', 'left', 'right'])}')",
+        "wait()",
+        f"finished(content='{w}')",
+        "call_user()",
+        f"click(start_box='<|box_start|>{pt()}<|box_end|>')",
+    ]
+
+
+def default_corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    """A tokenizer-training corpus: both system prompts, MiniWoB-style instructions and UI-TARS replies.
+
+    Deterministic in `seed`. Replies mix every action kind with random coordinates so that the BPE
+    learns the grammar's punctuation (`(start_box='(`) as a few tokens.
+    """
+    rng = random.Random(seed)
+    lines: list[str] = [p.format(instruction="") for p in SYSTEM_PROMPTS.values()]
+    lines.append("You are a helpful assistant.")
+    for _ in range(n):
+        fill = {
+            "w": rng.choice(_WORDS),
+            "w2": rng.choice(_WORDS),
+            "W": rng.choice(_WORDS).capitalize(),
+            "c": rng.choice(_COLORS),
+            "s": rng.choice(_SHAPES),
+            "o": rng.choice(_ORDINALS),
+            "n": rng.randint(1, 9),
+            "n2": rng.randint(0, 9),
+        }
+        lines.append(rng.choice(_TASK_TEMPLATES).format(**fill))
+        thought = rng.choice(_THOUGHTS).format(**fill)
+        action = rng.choice(_action_samples(rng))
+        lines.append(f"Thought: {thought}\nAction: {action}")
+    return lines
+
+
+def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> Qwen2Tokenizer:
+    """Train a byte-level BPE with Qwen2's normaliser/pre-tokeniser and wrap it as a `Qwen2Tokenizer`.
+
+    Qwen's special tokens are appended after the learned vocabulary; `<|im_end|>` is the end of a turn
+    (eos) and `<|endoftext|>` pads, as in Qwen2.5-VL-Instruct.
+    """
+    tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(_QWEN_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        min_frequency=2,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(list(corpus), trainer=trainer)
+    model_json = json.loads(tok.to_str())["model"]
+    vocab: dict[str, int] = model_json["vocab"]
+    for t in QWEN_SPECIAL_TOKENS:  # fixed ids in Qwen's order, right after the learned vocabulary
+        vocab[t] = len(vocab)
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in model_json["merges"]]
+    wrapped = Qwen2Tokenizer(
+        vocab=vocab,
+        merges=merges,
+        unk_token=None,
+        eos_token="<|im_end|>",
+        pad_token="<|endoftext|>",
+        additional_special_tokens=list(QWEN_SPECIAL_TOKENS),
+        model_max_length=32768,
+    )
+    missing = [
+        t for t in QWEN_SPECIAL_TOKENS if wrapped.convert_tokens_to_ids(t) in (None, wrapped.unk_token_id)
+    ]
+    if missing:
+        raise RuntimeError(f"special tokens not registered: {missing}")
+    return wrapped
+
+
+def tiny_config(size: TinySize, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL config of one tiny size, its token ids taken from `tokenizer`."""
+    head_dim = size.hidden // size.heads
+    ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    text = {
+        "vocab_size": len(tokenizer),
+        "hidden_size": size.hidden,
+        "intermediate_size": size.intermediate,
+        "num_hidden_layers": size.layers,
+        "num_attention_heads": size.heads,
+        "num_key_value_heads": size.kv_heads,
+        "max_position_embeddings": 32768,
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "mrope_section": mrope_section(head_dim),
+        },
+        "bos_token_id": ids["<|endoftext|>"],
+        "eos_token_id": ids["<|im_end|>"],
+        "pad_token_id": ids["<|endoftext|>"],
+        "tie_word_embeddings": True,
+    }
+    vision = {
+        "depth": size.vision_depth,
+        "hidden_size": size.vision_hidden,
+        "intermediate_size": 2 * size.vision_hidden,
+        "num_heads": size.vision_heads,
+        "out_hidden_size": size.hidden,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 112,
+        # The last block attends over the whole image, the others within 4x4-token windows (as in 7B).
+        "fullatt_block_indexes": [size.vision_depth - 1],
+    }
+    return Qwen2_5_VLConfig(
+        text_config=text,
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=ids["<|video_pad|>"],
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+        tie_word_embeddings=True,
+    )
+
+
+def build_tiny_policy(
+    out_dir: str | Path,
+    size: str = "xs",
+    seed: int = 0,
+    corpus: Iterable[str] | None = None,
+    min_pixels: int = TINY_MIN_PIXELS,
+    max_pixels: int = TINY_MAX_PIXELS,
+) -> Policy:
+    """Build a randomly initialised tiny Qwen2.5-VL policy offline, save it to `out_dir`, return it.
+
+    The directory is a normal checkpoint (`load_policy(out_dir)` gives the same model). `corpus` trains
+    the tokenizer; default `default_corpus(seed=seed)`.
+    """
+    if size not in SIZES:
+        raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(SIZES)}")
+    arch = SIZES[size]
+    tokenizer = train_tokenizer(default_corpus(seed=seed) if corpus is None else corpus, arch.vocab)
+    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+    processor = PolicyProcessor(image_processor=image_processor, tokenizer=tokenizer)
+    config = tiny_config(arch, tokenizer)
+    # Weight init draws from torch's global RNG: seed it inside fork_rng so the caller's RNG is untouched.
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = Qwen2_5_VLForConditionalGeneration(config)
+    model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
+    model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
+    model.eval()
+    policy = Policy(model=model, processor=processor, tokenizer=tokenizer)
+    policy.save(out_dir)
+    return policy

@@ -1,0 +1,200 @@
+"""The agent's prompt: system prompt, instruction, and the history of screenshots and replies, laid out as
+Qwen2.5-VL chat turns exactly as UI-TARS-1.5 expects them.
+
+Decisions:
+1. The prompt is a list of `Segment`s (text, image, reply) rather than one string, so that the generator
+   (`generate.py`) and the trainer (`sequences.py`) tokenise exactly the same pieces: a reply is always
+   its own segment (its sampled token ids when known), so the prompt prefix the generator saw is a
+   prefix of the training sequence token for token.
+2. Layout (Qwen chat markup): optional system turn, one user turn holding the task prompt with the
+   instruction, then per step a user turn with the screenshot and an assistant turn with the reply;
+   the current step ends with `<|im_start|>assistant\\n`. This is how UI-TARS-1.5's computer-use agent
+   feeds its history (REFERENCE.md §1).
+3. History window: only the last `history_images` screenshots (K) are shown as images; older steps keep
+   their reply text only (their user turn is dropped). K = None keeps every screenshot, which the ARPO
+   reference does (all up to 15, REFERENCE.md §2) and which makes one training sequence reproduce every
+   step's context exactly (see sequences.py).
+4. Two system prompts, selected by name: "uitars" (the full computer-use prompt, in our own words, with
+   the complete action space of arpo_core/actions.py and the `Thought:`/`Action:` format) and "compact"
+   (a few lines: a long prompt costs the tiny CPU model most of its sequence length).
+5. Coordinates in replies are absolute pixels of the model image, i.e. the screenshot after
+   `smart_resize(h, w, factor=28, min_pixels, max_pixels)` (REFERENCE.md §3); `model_image_size` gives
+   that size so that env code can map clicks back to the screen.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from PIL import Image
+
+__all__ = [
+    "SYSTEM_PROMPTS",
+    "PromptInput",
+    "Reply",
+    "Segment",
+    "build_segments",
+    "kept_image_steps",
+    "model_image_size",
+    "render_text",
+]
+
+_UITARS_PROMPT = """You are an agent that operates a graphical user interface. You get a task, the \
+screenshots seen so far and your own earlier replies. Decide on the next action that brings the task \
+closer to completion.
+
+## Reply format
+```
+Thought: ...
+Action: ...
+```
+
+## Actions
+click(start_box='(x,y)')
+left_double(start_box='(x,y)')
+right_single(start_box='(x,y)')
+hover(start_box='(x,y)')
+drag(start_box='(x1,y1)', end_box='(x2,y2)')
+hotkey(key='ctrl c') # keys in lowercase, separated by one space, at most three keys
+press(key='enter') # a single key
+keydown(key='shift')
+keyup(key='shift')
+type(content='text') # escape quotes as \\' and \\", newlines as \\n; end with \\n to submit the text
+scroll(start_box='(x,y)', direction='down') # direction is one of up, down, left, right
+wait() # pause five seconds, then look at a new screenshot
+finished(content='answer') # the task is done; content may carry the answer
+call_user() # the task cannot be done without help from the user
+
+## Notes
+- (x,y) are pixel coordinates in the screenshot as you see it, x to the right and y downwards.
+- Write the Thought in English: a short plan, then one sentence naming the next action and its target.
+
+## Task
+{instruction}"""
+
+_COMPACT_PROMPT = """Operate the GUI. Reply "Thought: ..." then "Action: ..." with click(start_box='(x,y)'), \
+type(content='...'), press(key='...'), hotkey(key='...'), scroll(start_box='(x,y)', direction='...'), \
+drag(start_box='(x,y)', end_box='(x,y)'), wait(), finished(content='...') or call_user().
+Task: {instruction}"""
+
+SYSTEM_PROMPTS: dict[str, str] = {"uitars": _UITARS_PROMPT, "compact": _COMPACT_PROMPT}
+"""Task prompt templates by name; `{instruction}` is filled in. Shown in the first user turn."""
+
+_SYSTEM_TURN: dict[str, str | None] = {"uitars": "You are a helpful assistant.", "compact": None}
+"""The system turn before the task prompt (UI-TARS uses Qwen's default; compact drops it)."""
+
+
+@dataclass(frozen=True)
+class Reply:
+    """An earlier assistant reply. `token_ids` are the ids the generator sampled (ending with
+    `<|im_end|>` when it stopped on it); empty when unknown (demos), then `text` is tokenised."""
+
+    text: str
+    token_ids: tuple[int, ...] = ()
+
+
+@dataclass(frozen=True)
+class PromptInput:
+    """What the policy sees at one step of one episode."""
+
+    instruction: str
+    screenshots: tuple[Image.Image, ...]
+    """Every screenshot of the episode so far, oldest first; the last one is the current screen."""
+    replies: tuple[Reply, ...] = ()
+    """The replies to all but the last screenshot (len(screenshots) - 1 of them)."""
+
+    def __post_init__(self) -> None:
+        if len(self.replies) != len(self.screenshots) - 1:
+            raise ValueError(
+                f"PromptInput needs one reply per earlier screenshot: {len(self.screenshots)} screenshots, "
+                f"{len(self.replies)} replies"
+            )
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a prompt: literal chat text, the screenshot of step `step`, or the reply of `step`."""
+
+    kind: Literal["text", "image", "reply"]
+    text: str = ""
+    step: int = -1
+    reply: Reply | None = None
+
+
+def kept_image_steps(n_screens: int, history_images: int | None) -> range:
+    """Steps whose screenshot is shown as an image: the last K of n (all when K is None).
+
+    >>> list(kept_image_steps(5, 2)), list(kept_image_steps(2, 5)), list(kept_image_steps(3, None))
+    ([3, 4], [0, 1], [0, 1, 2])
+    """
+    if history_images is not None and history_images < 1:
+        raise ValueError(f"history_images must be >= 1 (the current screen) or None, got {history_images}")
+    k = n_screens if history_images is None else min(history_images, n_screens)
+    return range(n_screens - k, n_screens)
+
+
+def build_segments(
+    instruction: str,
+    n_screens: int,
+    replies: Sequence[Reply | str],
+    history_images: int | None = None,
+    system: str = "uitars",
+) -> list[Segment]:
+    """Chat layout for `n_screens` screenshots and their replies.
+
+    With `len(replies) == n_screens - 1` the result is a generation prompt ending in
+    `<|im_start|>assistant\\n`; with `len(replies) == n_screens` it is a whole trajectory (for training)
+    whose every reply is followed by `<|im_end|>` (part of the reply segment) and `\\n`.
+    """
+    if system not in SYSTEM_PROMPTS:
+        raise ValueError(f"unknown system prompt {system!r}; choose one of {sorted(SYSTEM_PROMPTS)}")
+    if len(replies) not in (n_screens - 1, n_screens) or n_screens < 1:
+        raise ValueError(
+            f"{n_screens} screenshots need {n_screens - 1} or {n_screens} replies, got {len(replies)}"
+        )
+    replies = [r if isinstance(r, Reply) else Reply(text=r) for r in replies]
+    kept = kept_image_steps(n_screens, history_images)
+    segs: list[Segment] = []
+    if (sys_turn := _SYSTEM_TURN[system]) is not None:
+        segs.append(Segment("text", f"<|im_start|>system\n{sys_turn}<|im_end|>\n"))
+    segs.append(
+        Segment("text", f"<|im_start|>user\n{SYSTEM_PROMPTS[system].format(instruction=instruction)}")
+    )
+    segs.append(Segment("text", "<|im_end|>\n"))
+    for step in range(n_screens):
+        if step in kept:
+            segs.append(Segment("text", "<|im_start|>user\n<|vision_start|>"))
+            segs.append(Segment("image", step=step))
+            segs.append(Segment("text", "<|vision_end|><|im_end|>\n"))
+        segs.append(Segment("text", "<|im_start|>assistant\n"))
+        if step < len(replies):
+            segs.append(Segment("reply", step=step, reply=replies[step]))
+            segs.append(Segment("text", "\n"))
+    return segs
+
+
+def render_text(segments: Sequence[Segment]) -> str:
+    """The prompt as one string, each image as a single `<|image_pad|>` and each reply as its text plus
+    `<|im_end|>` (the processor-style form; used for snapshots and logging)."""
+    out = []
+    for s in segments:
+        if s.kind == "text":
+            out.append(s.text)
+        elif s.kind == "image":
+            out.append("<|image_pad|>")
+        else:
+            out.append(s.reply.text + "<|im_end|>")
+    return "".join(out)
+
+
+def model_image_size(
+    screen_w: int, screen_h: int, min_pixels: int, max_pixels: int, factor: int = 28
+) -> tuple[int, int]:
+    """(width, height) of the image the model sees for a screen of (screen_w, screen_h): the frame its
+    coordinates refer to. E.g. MiniWoB's 160x210 -> (168, 224)."""
+    from arpo_core.actions import smart_resize  # filled in by the actions helper; imported on use
+
+    h, w = smart_resize(screen_h, screen_w, factor=factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    return w, h

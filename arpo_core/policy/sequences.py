@@ -1,0 +1,240 @@
+"""Prompts and trajectories -> token sequences with image inputs; per-token log-probs in one padded forward.
+
+Decisions:
+1. One multi-turn trajectory is ONE sequence (REFERENCE.md §1): system + instruction, then screenshot,
+   reply, screenshot, reply... The assistant mask covers each reply's tokens and its `<|im_end|>`, nothing
+   else (not the chat markup, not the images).
+2. Generation prompts and training sequences are encoded by the same function from the same segments
+   (prompt.py), so a generated step's prompt is token for token a prefix of the trajectory's sequence.
+   A reply with known `response_token_ids` (sampled) is used verbatim; otherwise its text is tokenised
+   and `<|im_end|>` appended. A sampled reply cut at max_new_tokens gets `<|im_end|>` appended to close
+   the turn, but that token is outside the mask: it was never sampled, so it has no behaviour log-prob.
+3. History window K (`history_images`): default None = every screenshot, which the ARPO reference uses
+   (all, up to 15) and under which one sequence reproduces every step's context exactly, so recomputed
+   log-probs equal the generator's. With K < n steps a single sequence cannot do that (step t saw the
+   screenshots t-K+1..t, the sequence holds the last K of the episode); we then build the sequence with
+   the final step's window (the last K screenshots as images, all replies as text) and accept that the
+   earlier replies are scored in a slightly different context than they were sampled in. Exact per-step
+   sequences would cost one forward per step.
+4. `mm_token_type_ids = (input_ids == image_token_id)` goes into every hand-built forward: transformers
+   5.x builds Qwen2.5-VL's 3-D (t, h, w) M-RoPE positions only when it is given; without it training
+   silently uses 1-D positions while generation uses 3-D ones (REFERENCE.md §7).
+5. Training batches are right-padded, generation batches left-padded; both carry an attention mask and
+   the positions are computed per row over its unpadded tokens, so padding changes nothing.
+6. Log-probs are of the raw logits at temperature 1 unless a temperature is given: that is what GRPO's
+   old/new log-probs use (the trainer recomputes old_logps, REFERENCE.md §1), and what `generate.py`
+   reports as the behaviour log-probs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from PIL import Image
+
+from arpo_core.policy.model import Policy
+from arpo_core.policy.prompt import PromptInput, Reply, Segment, build_segments
+from arpo_core.trajectory import Trajectory
+
+__all__ = [
+    "EncodedSequence",
+    "SequenceBatch",
+    "collate",
+    "encode_prompt",
+    "encode_segments",
+    "encode_trajectory",
+    "forward_logits",
+    "gather_logprobs",
+    "sequence_logprobs",
+]
+
+
+@dataclass
+class EncodedSequence:
+    """One tokenised sequence with its images."""
+
+    input_ids: list[int]
+    assistant_mask: list[bool]
+    """True at tokens the policy is trained on (reply tokens and their `<|im_end|>`)."""
+    pixel_values: torch.Tensor | None
+    """(P, C*2*14*14) flattened patches of this sequence's images, in order; None without images."""
+    image_grid_thw: torch.Tensor | None
+    """(N_images, 3) patch grid (t, h, w) per image."""
+
+
+@dataclass
+class SequenceBatch:
+    """A padded batch; tensor shapes in the field docs."""
+
+    input_ids: torch.Tensor
+    """(B, T) long, padded with the pad id."""
+    attention_mask: torch.Tensor
+    """(B, T) long, 1 on real tokens."""
+    assistant_mask: torch.Tensor
+    """(B, T) bool, True on trained tokens."""
+    pixel_values: torch.Tensor | None
+    """(P, D) all images' patches, batch row by row."""
+    image_grid_thw: torch.Tensor | None
+    """(N, 3)."""
+    mm_token_type_ids: torch.Tensor
+    """(B, T) int: 1 at image placeholder tokens, 0 elsewhere (REFERENCE.md §7)."""
+
+    def to(self, device: torch.device | str) -> SequenceBatch:
+        def mv(t):
+            return None if t is None else t.to(device)
+
+        return SequenceBatch(*(mv(getattr(self, f)) for f in self.__dataclass_fields__))
+
+
+def _reply_ids(policy: Policy, reply: Reply) -> tuple[list[int], list[bool]]:
+    im_end = policy.im_end_id
+    if reply.token_ids:
+        ids = list(reply.token_ids)
+        mask = [True] * len(ids)
+        if ids[-1] != im_end:  # cut at max_new_tokens: close the turn, but it was never sampled
+            ids.append(im_end)
+            mask.append(False)
+        return ids, mask
+    ids = [*policy.tokenizer.encode(reply.text, add_special_tokens=False), im_end]
+    return ids, [True] * len(ids)
+
+
+def encode_segments(
+    policy: Policy, segments: Sequence[Segment], screenshots: Sequence[Image.Image]
+) -> EncodedSequence:
+    """Tokenise segments; `screenshots[s.step]` is the image of an image segment.
+
+    Each image becomes `grid_h * grid_w / merge**2` copies of `<|image_pad|>` (the image processor's
+    smart_resize decides the grid).
+    """
+    steps = [s.step for s in segments if s.kind == "image"]
+    pixel_values = grid = None
+    n_tokens: list[int] = []
+    if steps:
+        out = policy.image_processor(
+            images=[screenshots[i].convert("RGB") for i in steps], return_tensors="pt"
+        )
+        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+        merge = policy.image_processor.merge_size
+        n_tokens = (grid.prod(-1) // (merge * merge)).tolist()
+    ids: list[int] = []
+    mask: list[bool] = []
+    img = 0
+    for s in segments:
+        if s.kind == "text":
+            part = policy.tokenizer.encode(s.text, add_special_tokens=False)
+            part_mask = [False] * len(part)
+        elif s.kind == "image":
+            part = [policy.image_token_id] * n_tokens[img]
+            part_mask = [False] * len(part)
+            img += 1
+        else:
+            part, part_mask = _reply_ids(policy, s.reply)
+        ids += part
+        mask += part_mask
+    return EncodedSequence(ids, mask, pixel_values, grid)
+
+
+def encode_prompt(
+    policy: Policy, prompt: PromptInput, system: str = "uitars", history_images: int | None = None
+) -> EncodedSequence:
+    """The generation prompt of one step (ends with `<|im_start|>assistant\\n`; earlier replies masked)."""
+    segs = build_segments(prompt.instruction, len(prompt.screenshots), prompt.replies, history_images, system)
+    return encode_segments(policy, segs, prompt.screenshots)
+
+
+def encode_trajectory(
+    policy: Policy, traj: Trajectory, system: str = "uitars", history_images: int | None = None
+) -> EncodedSequence:
+    """A whole trajectory as one training sequence (decision 1; K as in decision 3)."""
+    replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
+    segs = build_segments(traj.instruction, len(traj.steps), replies, history_images, system)
+    return encode_segments(policy, segs, [s.image() for s in traj.steps])
+
+
+def collate(
+    seqs: Sequence[EncodedSequence], pad_id: int, image_token_id: int, padding_side: str = "right"
+) -> SequenceBatch:
+    """Pad to the longest sequence (right for training, left for generation) and concatenate images."""
+    if padding_side not in ("left", "right"):
+        raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
+    T = max(len(s.input_ids) for s in seqs)
+    B = len(seqs)
+    input_ids = torch.full((B, T), pad_id, dtype=torch.long)
+    attention = torch.zeros((B, T), dtype=torch.long)
+    assistant = torch.zeros((B, T), dtype=torch.bool)
+    for b, s in enumerate(seqs):
+        n = len(s.input_ids)
+        sl = slice(T - n, T) if padding_side == "left" else slice(0, n)
+        input_ids[b, sl] = torch.tensor(s.input_ids, dtype=torch.long)
+        attention[b, sl] = 1
+        assistant[b, sl] = torch.tensor(s.assistant_mask, dtype=torch.bool)
+    pix = [s.pixel_values for s in seqs if s.pixel_values is not None]
+    grids = [s.image_grid_thw for s in seqs if s.image_grid_thw is not None]
+    mm = ((input_ids == image_token_id) & attention.bool()).to(torch.int)
+    return SequenceBatch(
+        input_ids=input_ids,
+        attention_mask=attention,
+        assistant_mask=assistant,
+        pixel_values=torch.cat(pix) if pix else None,
+        image_grid_thw=torch.cat(grids) if grids else None,
+        mm_token_type_ids=mm,
+    )
+
+
+def forward_logits(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
+    """Logits (B, T, V) of a full (no cache) forward, with 3-D M-RoPE positions (decision 4)."""
+    return model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        mm_token_type_ids=batch.mm_token_type_ids,
+        use_cache=False,
+    ).logits
+
+
+def gather_logprobs(logits: torch.Tensor, targets: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature)[target] without materialising the full log-softmax.
+
+    logits (..., V), targets (...) long -> (...) float32.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    picked = logits.gather(-1, targets.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def sequence_logprobs(
+    model: torch.nn.Module, batch: SequenceBatch, temperature: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token log-probs of a padded batch.
+
+    Returns `logps` (B, T): logps[b, t] = log p(input_ids[b, t] | input_ids[b, :t]) at assistant tokens,
+    0 elsewhere, and `mask` (B, T) bool: the assistant tokens (where logps is meaningful and trained).
+    The vocabulary projection runs only at positions that predict an assistant token of some row
+    (`logits_to_keep` as 1-D positions), so memory does not scale with T x V (UI-TARS: 152k vocabulary,
+    thousands of image tokens). The call goes through `model(...)`, so a wrapper such as a DeepSpeed
+    engine (ZeRO-3 gathers weights in its forward hooks) can be passed as `model`.
+    """
+    mask = batch.assistant_mask & batch.attention_mask.bool()
+    mask[:, 0] = False
+    predicts = mask[:, 1:]  # (B, T-1): the hidden state at t predicts token t+1
+    keep = predicts.any(0).nonzero().squeeze(-1)  # (K,) positions needed by any row
+    logits = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        pixel_values=batch.pixel_values,
+        image_grid_thw=batch.image_grid_thw,
+        mm_token_type_ids=batch.mm_token_type_ids,
+        use_cache=False,
+        logits_to_keep=keep,
+    ).logits  # (B, K, V)
+    picked = gather_logprobs(logits, batch.input_ids[:, keep + 1], temperature)  # (B, K)
+    picked = picked.masked_fill(~predicts[:, keep], 0.0)
+    B, T = batch.input_ids.shape
+    logps = torch.zeros((B, T), dtype=torch.float32, device=logits.device).index_copy(1, keep + 1, picked)
+    return logps, mask

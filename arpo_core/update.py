@@ -1,0 +1,251 @@
+"""The GRPO/ARPO policy update: trajectories + advantages -> clipped policy-gradient optimizer steps.
+
+Decisions:
+1. One trajectory = one sequence (REFERENCE.md §1); its advantage is given to every assistant token.
+   Sequences are encoded once per update (images processed once) and reused for the old-log-prob pass
+   and every PPO epoch.
+2. Old log-probs are recomputed by the trainer under the current weights before the update, in eval
+   mode and without grad, not taken from the inference engine (REFERENCE.md §1). For a replayed
+   trajectory this is the current policy too: ARPO applies no staleness correction.
+3. Micro-batching is exact: each micro-batch's loss is weighted so that the sum over micro-batches
+   equals the loss of the whole mini-batch in one piece. For `token-mean` the weight is (masked tokens in
+   the micro-batch) / (masked tokens in the mini-batch); for the `seq-mean-*` modes it is
+   (sequences in the micro-batch) / (sequences in the mini-batch). A plain average of per-micro-batch
+   token-means would silently turn token-mean into seq-mean-token-mean at micro-batch 1.
+4. A mini-batch (`mini_batch_size` trajectories) is one optimizer step; the reference takes 2 optimizer
+   steps of 64 trajectories per 128-trajectory iteration. Mini-batches are drawn in a seeded order.
+5. The optimizer and gradient clipping live behind a small `Engine` interface so the same loop drives
+   the plain torch engine here and DeepSpeed on GPUs (engines.py).
+6. No logging inside: the function returns `UpdateStats` (means over micro-batches weighted like the
+   loss) and the caller logs them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass
+from typing import NamedTuple, Protocol
+
+import torch
+
+from arpo_core.losses import policy_loss
+from arpo_core.policy.model import Policy
+from arpo_core.policy.sequences import EncodedSequence, collate, encode_trajectory, sequence_logprobs
+from arpo_core.trajectory import Trajectory
+
+__all__ = [
+    "Engine",
+    "UpdateConfig",
+    "UpdateStats",
+    "compute_logps",
+    "encode_trajectories",
+    "ppo_update",
+]
+
+
+class Engine(Protocol):
+    """What the update loop needs from a training engine (torch or DeepSpeed)."""
+
+    model: torch.nn.Module
+    accumulates: bool
+    """Whether several backward calls may precede one step (false for DeepSpeed ZeRO-3, engines.py)."""
+    module: torch.nn.Module
+    """What forward passes must go through (DeepSpeed's wrapper gathers ZeRO-3 shards in its hooks)."""
+
+    def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
+        """Accumulate gradients; `boundary` marks the last backward before `step()`."""
+        ...
+
+    def step(self) -> float:
+        """Clip gradients, take one optimizer step, zero the gradients; return the pre-clip grad norm."""
+        ...
+
+
+@dataclass(frozen=True)
+class UpdateConfig:
+    micro_batch_size: int = 4
+    """Sequences per forward/backward."""
+    mini_batch_size: int = 64
+    """Sequences per optimizer step."""
+    ppo_epochs: int = 1
+    """Passes over the batch."""
+    clip_low: float = 0.2
+    """PPO clip below."""
+    clip_high: float = 0.3
+    """PPO clip above."""
+    clip_dual: float | None = 3.0
+    """Dual clip constant (None: off)."""
+    kl_coef: float = 0.0
+    """KL-to-reference coefficient (needs ref_logps)."""
+    kl_estimator: str = "k3"
+    """k1, k2 or k3."""
+    agg: str = "token-mean"
+    """Loss aggregation mode."""
+    sum_norm: float | None = None
+    """Divisor for seq-mean-token-sum-norm."""
+    bf16: bool = False
+    """bf16 autocast for the forward passes."""
+    seed: int = 0
+    """Seed of the mini-batch order."""
+
+
+class UpdateStats(NamedTuple):
+    loss: float
+    pg_loss: float
+    clip_low_frac: float
+    clip_high_frac: float
+    clip_dual_frac: float
+    approx_kl: float
+    grad_norm: float
+    """Mean pre-clip gradient norm over optimizer steps."""
+    n_sequences: int
+    n_tokens: int
+    n_optimizer_steps: int
+
+    def as_metrics(self) -> dict[str, float]:
+        return {
+            "loss/total": self.loss,
+            "loss/policy": self.pg_loss,
+            "clip/low_frac": self.clip_low_frac,
+            "clip/high_frac": self.clip_high_frac,
+            "clip/dual_frac": self.clip_dual_frac,
+            "loss/approx_kl": self.approx_kl,
+            "optim/grad_norm": self.grad_norm,
+            "update/sequences": float(self.n_sequences),
+            "update/tokens": float(self.n_tokens),
+            "update/optimizer_steps": float(self.n_optimizer_steps),
+        }
+
+
+def encode_trajectories(
+    policy: Policy, trajs: Sequence[Trajectory], system: str = "uitars", history_images: int | None = None
+) -> list[EncodedSequence]:
+    """Each trajectory as one training sequence (decision 1)."""
+    return [encode_trajectory(policy, t, system, history_images) for t in trajs]
+
+
+def _autocast(enabled: bool, device: torch.device):
+    return torch.autocast(device.type, dtype=torch.bfloat16) if enabled else nullcontext()
+
+
+def _forward(
+    policy: Policy, seqs: Sequence[EncodedSequence], bf16: bool, module: torch.nn.Module | None = None
+):
+    batch = collate(seqs, policy.pad_id, policy.image_token_id, padding_side="right").to(policy.device)
+    with _autocast(bf16, policy.device):
+        logps, mask = sequence_logprobs(module or policy.model, batch)  # (B, T), (B, T)
+    return logps.float(), mask
+
+
+@torch.no_grad()
+def compute_logps(
+    policy: Policy,
+    seqs: Sequence[EncodedSequence],
+    micro_batch_size: int = 4,
+    bf16: bool = False,
+    module: torch.nn.Module | None = None,
+) -> list[torch.Tensor]:
+    """Per-token log-probs of each sequence (unpadded, (L_i,) float32, 0 at position 0), in eval mode."""
+    was_training = policy.model.training
+    policy.model.eval()
+    out: list[torch.Tensor] = []
+    try:
+        for i in range(0, len(seqs), micro_batch_size):
+            chunk = seqs[i : i + micro_batch_size]
+            logps, _ = _forward(policy, chunk, bf16, module)
+            out.extend(logps[b, : len(s.input_ids)].cpu() for b, s in enumerate(chunk))
+    finally:
+        policy.model.train(was_training)
+    return out
+
+
+def _pad(rows: Sequence[torch.Tensor], T: int) -> torch.Tensor:
+    out = torch.zeros(len(rows), T, dtype=torch.float32)
+    for b, r in enumerate(rows):
+        out[b, : r.shape[0]] = r
+    return out
+
+
+def ppo_update(
+    policy: Policy,
+    engine: Engine,
+    seqs: Sequence[EncodedSequence],
+    advantages: torch.Tensor,
+    cfg: UpdateConfig,
+    old_logps: Sequence[torch.Tensor] | None = None,
+    ref_logps: Sequence[torch.Tensor] | None = None,
+) -> UpdateStats:
+    """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,).
+
+    Sequences whose advantage is exactly 0 still count in the token-mean denominator (as in verl: they
+    dilute the batch) but contribute no gradient; callers that want to skip them filter first.
+    """
+    n = len(seqs)
+    if advantages.shape != (n,):
+        raise ValueError(f"advantages must have shape ({n},), got {tuple(advantages.shape)}")
+    if n == 0:
+        return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
+    if old_logps is None:
+        old_logps = compute_logps(policy, seqs, cfg.micro_batch_size, cfg.bf16, engine.module)
+    if not getattr(engine, "accumulates", True) and cfg.micro_batch_size < min(cfg.mini_batch_size, n):
+        raise ValueError(
+            "this engine cannot accumulate gradients over several backward calls (DeepSpeed ZeRO-3, see "
+            "engines.py): set micro_batch_size >= mini_batch_size"
+        )
+    if cfg.kl_coef > 0 and ref_logps is None:
+        raise ValueError("kl_coef > 0 needs ref_logps (log-probs of a reference policy)")
+    n_masked = [sum(s.assistant_mask[1:]) for s in seqs]
+    seq_weighted = cfg.agg != "token-mean"
+
+    policy.model.train()
+    gen = torch.Generator().manual_seed(cfg.seed)
+    sums = dict.fromkeys(("loss", "pg", "low", "high", "dual", "kl"), 0.0)
+    grad_norms: list[float] = []
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(n, generator=gen).tolist()
+        for m0 in range(0, n, cfg.mini_batch_size):
+            mini = order[m0 : m0 + cfg.mini_batch_size]
+            denom = len(mini) if seq_weighted else max(1, sum(n_masked[i] for i in mini))
+            for u0 in range(0, len(mini), cfg.micro_batch_size):
+                micro = mini[u0 : u0 + cfg.micro_batch_size]
+                logps, mask = _forward(policy, [seqs[i] for i in micro], cfg.bf16, engine.module)  # (B, T)
+                T = logps.shape[1]
+                old = _pad([old_logps[i] for i in micro], T).to(logps.device)
+                ref = _pad([ref_logps[i] for i in micro], T).to(logps.device) if ref_logps else None
+                out = policy_loss(
+                    logps,
+                    old,
+                    advantages[micro].to(logps.device),
+                    mask,
+                    clip_low=cfg.clip_low,
+                    clip_high=cfg.clip_high,
+                    clip_dual=cfg.clip_dual,
+                    ref_logps=ref,
+                    kl_coef=cfg.kl_coef,
+                    kl_estimator=cfg.kl_estimator,
+                    agg=cfg.agg,
+                    sum_norm=cfg.sum_norm,
+                )
+                w = (len(micro) if seq_weighted else sum(n_masked[i] for i in micro)) / denom
+                engine.backward(out.loss * w, boundary=u0 + cfg.micro_batch_size >= len(mini))
+                sums["loss"] += float(out.loss.detach()) * w
+                sums["pg"] += float(out.pg_loss) * w
+                sums["low"] += float(out.clip_low_frac) * w
+                sums["high"] += float(out.clip_high_frac) * w
+                sums["dual"] += float(out.clip_dual_frac) * w
+                sums["kl"] += float(out.approx_kl) * w
+            grad_norms.append(engine.step())
+    steps = len(grad_norms)
+    return UpdateStats(
+        loss=sums["loss"] / steps,
+        pg_loss=sums["pg"] / steps,
+        clip_low_frac=sums["low"] / steps,
+        clip_high_frac=sums["high"] / steps,
+        clip_dual_frac=sums["dual"] / steps,
+        approx_kl=sums["kl"] / steps,
+        grad_norm=sum(grad_norms) / steps,
+        n_sequences=n,
+        n_tokens=sum(n_masked),
+        n_optimizer_steps=steps,
+    )

@@ -1,0 +1,147 @@
+"""Tiny offline policy: tokenizer, processor and model round trip; sizes; loading a stock-layout checkpoint."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from PIL import Image, ImageDraw
+from transformers import Qwen2_5_VLForConditionalGeneration
+
+from arpo_core.policy.model import (
+    QWEN_SPECIAL_TOKENS,
+    SIZES,
+    Policy,
+    PolicyProcessor,
+    build_tiny_policy,
+    count_parameters,
+    default_corpus,
+    load_policy,
+    mrope_section,
+    tiny_config,
+    train_tokenizer,
+)
+from arpo_core.policy.prompt import PromptInput
+from arpo_core.policy.sequences import collate, encode_prompt, forward_logits
+
+REPLY = "Thought: The OK button is at the bottom.\nAction: click(start_box='(120,195)')"
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory) -> tuple[Policy, str]:
+    out = tmp_path_factory.mktemp("tiny_xs")
+    return build_tiny_policy(out, size="xs", seed=0), str(out)
+
+
+def _screen() -> Image.Image:
+    im = Image.new("RGB", (160, 210), "white")
+    ImageDraw.Draw(im).rectangle([100, 180, 140, 205], fill=(30, 90, 200))
+    return im
+
+
+@pytest.mark.parametrize(("head_dim", "expected"), [(128, [16, 24, 24]), (32, [4, 6, 6]), (64, [8, 12, 12])])
+def test_mrope_section(head_dim, expected):
+    assert mrope_section(head_dim) == expected
+    assert sum(mrope_section(head_dim)) == head_dim // 2
+
+
+# Pinned parameter counts (default corpus -> 1,028 tokens, tied embeddings); model.py decision 3.
+@pytest.mark.parametrize(("size", "params"), [("xs", 741_632), ("s", 5_074_816), ("m", 36_508_928)])
+def test_parameter_counts(size, params):
+    tok = train_tokenizer(default_corpus(), SIZES[size].vocab)
+    assert len(tok) == 1028
+    with torch.device("meta"):
+        model = Qwen2_5_VLForConditionalGeneration(tiny_config(SIZES[size], tok))
+    assert count_parameters(model) == params
+
+
+def test_tokenizer_specials_and_digits(built):
+    policy, _ = built
+    tok = policy.tokenizer
+    ids = [tok.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS]
+    assert ids == list(range(len(tok) - len(QWEN_SPECIAL_TOKENS), len(tok)))  # appended, in Qwen's order
+    for t, i in zip(QWEN_SPECIAL_TOKENS, ids, strict=True):
+        assert tok.encode(t, add_special_tokens=False) == [i]
+    assert tok.eos_token == "<|im_end|>" and tok.pad_token == "<|endoftext|>"
+    pieces = tok.tokenize("click(start_box='(1234,567)')")
+    assert [p for p in pieces if p.isdigit()] == list("1234567")  # digits are single tokens
+    text = REPLY + "\nünïcödé ✓ 中文"  # byte-level: anything round-trips, even unseen characters
+    assert tok.decode(tok.encode(text, add_special_tokens=False)) == text
+
+
+def test_round_trip_build_save_load(built):
+    policy, path = built
+    loaded = load_policy(path)
+    assert isinstance(loaded.processor, PolicyProcessor)
+    assert (loaded.min_pixels, loaded.max_pixels) == (policy.min_pixels, policy.max_pixels)
+    prompt = PromptInput("Click OK.", (_screen(),))
+    a = encode_prompt(policy, prompt)
+    b = encode_prompt(loaded, prompt)
+    assert a.input_ids == b.input_ids
+    assert torch.equal(a.pixel_values, b.pixel_values) and torch.equal(a.image_grid_thw, b.image_grid_thw)
+    assert a.image_grid_thw.tolist() == [[1, 16, 12]]  # 160x210 -> 168x224 -> 48 visual tokens
+    assert a.input_ids.count(policy.image_token_id) == 48
+    batch = collate([a], policy.pad_id, policy.image_token_id)
+    with torch.no_grad():
+        la, lb = forward_logits(policy.model, batch), forward_logits(loaded.model, batch)
+    assert torch.equal(la, lb)
+    assert la.shape == (1, len(a.input_ids), len(policy.tokenizer))
+
+
+def test_build_is_deterministic_in_seed(tmp_path):
+    torch.manual_seed(123)
+    p1 = build_tiny_policy(tmp_path / "a", size="xs", seed=3)
+    after_build = torch.rand(1)
+    torch.manual_seed(123)
+    assert torch.equal(torch.rand(1), after_build)  # the caller's global RNG is left alone
+    p2 = build_tiny_policy(tmp_path / "b", size="xs", seed=3)
+    p3 = build_tiny_policy(tmp_path / "c", size="xs", seed=4)
+    w = [p.model.lm_head.weight for p in (p1, p2, p3)]
+    assert torch.equal(w[0], w[1]) and not torch.equal(w[0], w[2])
+    assert p1.tokenizer.get_vocab() == p2.tokenizer.get_vocab()
+
+
+def test_loads_stock_uitars_layout(built, tmp_path):
+    """A checkpoint laid out like UI-TARS-1.5-7B (preprocessor_config.json with min/max_pixels and the
+    stock Qwen2_5_VLProcessor class, no processor_config.json) loads with our processor."""
+    policy, path = built
+    stock = tmp_path / "stock"
+    shutil.copytree(path, stock)
+    (stock / "processor_config.json").unlink()
+    (stock / "preprocessor_config.json").write_text(
+        json.dumps(
+            {
+                "min_pixels": 3136,
+                "max_pixels": 2116800,
+                "patch_size": 14,
+                "temporal_patch_size": 2,
+                "merge_size": 2,
+                "image_mean": [0.48145466, 0.4578275, 0.40821073],
+                "image_std": [0.26862954, 0.26130258, 0.27577711],
+                "image_processor_type": "Qwen2VLImageProcessor",
+                "processor_class": "Qwen2_5_VLProcessor",
+            }
+        )
+    )
+    loaded = load_policy(stock)
+    assert (loaded.min_pixels, loaded.max_pixels) == (3136, 2116800)
+    big = Image.new("RGB", (1920, 1080), "gray")
+    grid = loaded.image_processor(images=[big], return_tensors="pt")["image_grid_thw"]
+    assert grid.tolist() == [[1, 1092 // 14, 1932 // 14]]  # REFERENCE.md §2: 1932x1092, 2,691 tokens
+    assert int(grid.prod()) // 4 == 2691
+    assert torch.equal(loaded.model.lm_head.weight, policy.model.lm_head.weight)
+    smaller = load_policy(stock, max_pixels=28 * 28 * 100)  # override wins over the stored max_pixels
+    assert (smaller.min_pixels, smaller.max_pixels) == (3136, 78400)
+    assert int(smaller.image_processor(images=[big], return_tensors="pt")["image_grid_thw"].prod()) <= 400
+    tiny_override = load_policy(path, min_pixels=28 * 28 * 100)  # and over the tiny layout's `size`
+    assert (tiny_override.min_pixels, tiny_override.max_pixels) == (78400, policy.max_pixels)
+
+
+def test_load_missing_dir(tmp_path):
+    with pytest.raises(FileNotFoundError, match=r"config\.json"):
+        load_policy(tmp_path)
+
+
+def test_unknown_size(tmp_path):
+    with pytest.raises(ValueError, match="unknown tiny size"):
+        build_tiny_policy(tmp_path, size="xl")
