@@ -1,0 +1,211 @@
+"""Rollout loop: batching, queueing over few envs, format errors, env-fault retries, metrics; and one
+end-to-end run with the tiny policy on real MiniWoB."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import Future
+
+import pytest
+from PIL import Image
+
+from arpo_core.envs.base import Observation, TaskSpec
+from arpo_core.envs.pool import EnvResult
+from arpo_core.policy.generate import Generation
+from arpo_core.rollout import EpisodeJob, RolloutConfig, make_group_jobs, run_episodes
+
+SCREEN = (160, 210)
+
+
+def done_future(value) -> Future:
+    f: Future = Future()
+    f.set_result(value)
+    return f
+
+
+class FakePool:
+    """Envs where an episode succeeds when the agent clicks left of x=80 (screen px) and ends after
+    `steps_to_done` steps. `faults` maps (task_id, seed) -> number of resets that fail first."""
+
+    def __init__(self, n, steps_to_done=2, faults=None, step_faults=None):
+        self.n = n
+        self.steps_to_done = steps_to_done
+        self.faults = dict(faults or {})
+        self.step_faults = dict(step_faults or {})
+        self.state = {}
+        self.log = []
+
+    def obs(self, i):
+        return Observation(Image.new("RGB", SCREEN, (i * 20, 0, 0)), f"instr {self.state[i]['task']}", SCREEN)
+
+    def submit_reset(self, i, task, seed):
+        self.log.append(("reset", i, task.task_id, seed))
+        key = (task.task_id, seed)
+        if self.faults.get(key, 0) > 0:
+            self.faults[key] -= 1
+            return done_future(EnvResult(i, done=True, error="browser crashed"))
+        self.state[i] = {"task": task.task_id, "seed": seed, "steps": 0, "good": False}
+        return done_future(EnvResult(i, observation=self.obs(i)))
+
+    def submit_step(self, i, actions):
+        st = self.state[i]
+        self.log.append(("step", i, [(a.kind, a.point) for a in actions]))
+        key = (st["task"], st["seed"])
+        if self.step_faults.get(key, 0) > 0:
+            self.step_faults[key] -= 1
+            return done_future(EnvResult(i, done=True, error="step timed out"))
+        st["steps"] += 1
+        st["good"] = st["good"] or any(a.point and a.point[0] < 80 for a in actions)
+        return done_future(EnvResult(i, observation=self.obs(i), done=st["steps"] >= self.steps_to_done))
+
+    def submit_evaluate(self, i):
+        self.log.append(("evaluate", i))
+        return done_future(EnvResult(i, done=True, score=1.0 if self.state[i]["good"] else 0.0))
+
+
+class ScriptedGenerator:
+    """Reply chosen by the instruction's task id; records batch sizes."""
+
+    def __init__(self, replies):
+        self.replies = replies
+        self.batches = []
+
+    def generate(self, batch, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=0):
+        self.batches.append(len(batch))
+        out = []
+        for p in batch:
+            text = self.replies[p.instruction.split()[-1]]
+            out.append(Generation(text, (5, 6, 7), (-0.5, -0.25, -0.25), "stop"))
+        return out
+
+
+GOOD = "Thought: left.\nAction: click(start_box='(20,30)')"
+BAD_CLICK = "Thought: right.\nAction: click(start_box='(150,30)')"
+GARBAGE = "I think I should click somewhere"
+
+
+def tasks(*ids):
+    return [TaskSpec(domain="fake", task_id=t, split="in_domain") for t in ids]
+
+
+def test_group_jobs_layout():
+    jobs = make_group_jobs(tasks("a", "b"), group_size=3, seed=10, first_group=4)
+    assert [(j.task.task_id, j.group_id, j.sample_idx, j.seed) for j in jobs] == [
+        ("a", 4, 0, 10),
+        ("a", 4, 1, 10),
+        ("a", 4, 2, 10),
+        ("b", 5, 0, 11),
+        ("b", 5, 1, 11),
+        ("b", 5, 2, 11),
+    ]
+
+
+def test_more_jobs_than_envs_all_finish_in_job_order_with_batched_generation():
+    pool = FakePool(n=3, steps_to_done=2)
+    gen = ScriptedGenerator({"a": GOOD, "b": BAD_CLICK})
+    jobs = make_group_jobs(tasks("a", "b"), group_size=4, seed=0)
+    res = run_episodes(pool, gen, jobs, RolloutConfig(max_steps=5), run_id="r", stage="train", epoch=2)
+    assert res.failed == []
+    assert [(t.task_id, t.sample_idx) for t in res.trajectories] == [
+        (j.task.task_id, j.sample_idx) for j in jobs
+    ]
+    assert [t.success for t in res.trajectories] == [1.0] * 4 + [0.0] * 4
+    assert all(len(t.steps) == 2 and t.steps[-1].done and not t.steps[0].done for t in res.trajectories)
+    assert max(gen.batches) == 3  # every live env in one generation call
+    assert sum(gen.batches) == 16  # 8 episodes x 2 steps
+    t = res.trajectories[0]
+    assert t.epoch == 2 and t.stage == "train" and t.run_id == "r" and t.reward == 1.0
+    # model coords (20, 30) in a 168x224 model image -> screen (19.05.., 28.1..)
+    acts = json.loads(t.steps[0].actions_json)
+    assert acts[0]["kind"] == "click"
+    assert acts[0]["point"] == pytest.approx([20 * 160 / 168, 30 * 210 / 224])
+    assert t.steps[0].response_token_ids == [5, 6, 7]
+    assert t.steps[0].gen_logprob_sum == pytest.approx(-1.0)
+    assert res.metrics["rollout/success_rate"] == 0.5
+    assert res.metrics["rollout/episodes"] == 8
+
+
+def test_format_error_ends_episode_without_env_step_and_gets_penalty():
+    pool = FakePool(n=2)
+    gen = ScriptedGenerator({"a": GARBAGE})
+    res = run_episodes(pool, gen, make_group_jobs(tasks("a"), 2, 0), RolloutConfig(format_penalty=-0.5))
+    assert [t.reward for t in res.trajectories] == [-0.5, -0.5]
+    t = res.trajectories[0]
+    assert len(t.steps) == 1 and not t.steps[0].parse_ok and t.steps[0].done
+    assert "parse_error" in json.loads(t.steps[0].actions_json)
+    assert not [e for e in pool.log if e[0] in ("step", "evaluate")]
+    assert res.metrics["rollout/format_error_rate"] == 1.0
+
+
+def test_max_steps_stops_and_evaluates():
+    pool = FakePool(n=1, steps_to_done=100)
+    res = run_episodes(
+        pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 1, 0), RolloutConfig(max_steps=3)
+    )
+    (t,) = res.trajectories
+    assert len(t.steps) == 3 and not t.steps[-1].done
+    assert t.success == 1.0  # the checker decides, even when the step limit ended the episode
+
+
+def test_env_faults_are_retried_then_reported_not_scored():
+    # a: first reset fails once (retried, succeeds); b: always fails (reported); c: one step fault.
+    pool = FakePool(n=2, faults={("a", 0): 1, ("b", 1): 99}, step_faults={("c", 2): 1})
+    gen = ScriptedGenerator({"a": GOOD, "b": GOOD, "c": GOOD})
+    jobs = [
+        EpisodeJob(tasks("a")[0], 0),
+        EpisodeJob(tasks("b")[0], 1, group_id=1),
+        EpisodeJob(tasks("c")[0], 2, group_id=2),
+    ]
+    res = run_episodes(pool, gen, jobs, RolloutConfig(env_retries=2))
+    assert [t.task_id for t in res.trajectories] == ["a", "c"]
+    assert all(t.success == 1.0 and t.env_error == "" for t in res.trajectories)
+    assert (
+        len(res.failed) == 1
+        and res.failed[0][0].task.task_id == "b"
+        and "browser crashed" in res.failed[0][1]
+    )
+    assert res.metrics["rollout/env_faults"] == 1 + 3 + 1
+    assert res.metrics["rollout/failed_jobs"] == 1
+
+
+def test_time_split_adds_up():
+    pool = FakePool(n=2)
+    res = run_episodes(
+        pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 4, 0), RolloutConfig()
+    )
+    m = res.metrics
+    assert m["time/env_wait_s"] + m["time/inference_s"] + m["time/other_s"] == pytest.approx(
+        m["time/rollout_s"], rel=1e-6
+    )
+
+
+@pytest.mark.slow
+def test_tiny_policy_on_real_miniwob(tmp_path):
+    """The whole path: real Chromium envs in worker processes, the tiny policy's batched generation."""
+    import functools
+
+    import torch
+
+    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.pool import EnvPool
+    from arpo_core.policy.generate import HFGenerator
+    from arpo_core.policy.model import build_tiny_policy
+
+    torch.set_num_threads(1)
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    gen = HFGenerator(policy, system="compact")
+    task = TaskSpec(domain="miniwob", task_id="click-test", split="in_domain", backend="miniwob")
+    pool = EnvPool(functools.partial(make_miniwob_env), n=2)
+    try:
+        res = run_episodes(
+            pool, gen, make_group_jobs([task], 3, seed=0), RolloutConfig(max_steps=2, max_new_tokens=24)
+        )
+    finally:
+        pool.close()
+    assert len(res.trajectories) == 3 and res.failed == []
+    for t in res.trajectories:
+        assert t.instruction.startswith("Click")  # the per-episode utterance from MiniWoB
+        assert 1 <= len(t.steps) <= 2
+        assert t.steps[0].image().size == SCREEN
+        assert t.steps[0].response_token_ids
+        assert t.reward in (0.0, 1.0, -1.0)

@@ -1,0 +1,164 @@
+"""The ARPO epoch loop: replay fills all-failed groups (and not when disabled), checkpoints every epoch,
+and a SIGKILLed run resumes to the same buffer and epoch count as an uninterrupted one."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from arpo_core.policy.model import build_tiny_policy
+from arpo_core.replay import ReplayBuffer, ReplayConfig
+from arpo_core.trainer import latest_checkpoint, prepare_batch, train
+from arpo_core.trajectory import Step, Trajectory
+
+sys.path.insert(0, str(Path(__file__).parent))
+import trainer_harness as harness
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def traj(task, group, k, success, reward=None, replayed=False):
+    step = Step(step_idx=0, screenshot_png=b"png", screen_w=160, screen_h=210, response_text=f"r{group}{k}")
+    return Trajectory(
+        "r",
+        "train",
+        1,
+        "fake",
+        task,
+        "i",
+        [step],
+        group_id=group,
+        sample_idx=k,
+        success=success,
+        reward=success if reward is None else reward,
+        replayed=replayed,
+    )
+
+
+@pytest.mark.parametrize("enabled", [True, False])
+def test_all_failed_group_is_filled_from_buffer_only_when_enabled(enabled):
+    buf = ReplayBuffer(ReplayConfig(enabled=enabled, seed=0))
+    buf.add([traj("a", 0, 0, 1.0)])  # a stored success of task a from an earlier iteration
+    fresh = [traj("a", 5, k, 0.0) for k in range(4)] + [traj("b", 6, k, float(k == 1)) for k in range(4)]
+    batch = prepare_batch(fresh, buf, group_size=4)
+    adv_a = batch.advantages[:4]
+    if enabled:
+        assert (
+            batch.n_replayed == 1 and batch.trajectories[0].replayed and batch.trajectories[0].group_id == 5
+        )
+        # rewards [1, 0, 0, 0]: mean .25, unbiased std .5 -> [1.5, -.5, -.5, -.5]
+        torch.testing.assert_close(adv_a, torch.tensor([1.5, -0.5, -0.5, -0.5]), atol=1e-5, rtol=0)
+    else:
+        assert batch.n_replayed == 0 and not any(t.replayed for t in batch.trajectories)
+        assert torch.count_nonzero(adv_a) == 0
+    # the mixed group b is never touched and has non-zero advantages either way
+    assert [t.replayed for t in batch.trajectories[4:]] == [False] * 4
+    assert torch.count_nonzero(batch.advantages[4:]) == 4
+
+
+def test_group_with_missing_rollout_is_dropped():
+    buf = ReplayBuffer(ReplayConfig())
+    fresh = [traj("a", 0, k, float(k == 0)) for k in range(3)] + [
+        traj("b", 1, k, float(k == 0)) for k in range(4)
+    ]
+    batch = prepare_batch(fresh, buf, group_size=4)
+    assert batch.n_groups == 1 and {t.task_id for t in batch.trajectories} == {"b"}
+
+
+@pytest.fixture(scope="module")
+def policy_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    build_tiny_policy(d, size="xs", seed=0)
+    return d
+
+
+def test_train_loop_checkpoints_every_epoch_and_fills_groups(policy_dir, tmp_path):
+    torch.set_num_threads(1)
+    seen = []
+    state = train(
+        policy_dir,
+        harness.TASKS,
+        tmp_path,
+        harness.settings(2),
+        harness.FakePool(),
+        generator_factory=harness.RandomReplies,
+        on_iteration=lambda e, i, m: seen.append((e, i, m)),
+        on_epoch=lambda e, p: {"eval/marker": float(e)},
+    )
+    assert state.epoch == 2 and [h["epoch"] for h in state.history] == [1, 2]
+    assert [h["eval/marker"] for h in state.history] == [1.0, 2.0]
+    assert len(seen) == 4  # 3 tasks / 2 per iteration -> 2 iterations per epoch
+    assert all(
+        "loss/policy" in m and "rollout/success_rate" in m and "replay/groups_filled" in m for *_, m in seen
+    )
+    ck = latest_checkpoint(tmp_path)
+    assert ck is not None and ck.name == "epoch-0002"
+    assert json.loads((ck / "state.json").read_text())["policy_version"] == 4
+    assert (
+        sorted(p.name for p in (tmp_path / "trajectories").glob("*.parquet"))[0]
+        == "epoch-0001-iter-000.parquet"
+    )
+    # 'never' fails always and 'hard' mostly: by epoch 2 at least one all-failed 'hard' group can be
+    # filled; the stats must account for every failed group either way
+    last = seen[-1][2]
+    assert last["replay/groups_failed"] >= last["replay/groups_filled"]
+
+
+def _buffer_signature(ckpt: Path):
+    buf = ReplayBuffer.load(ckpt / "replay")
+    return {
+        k: [(t.epoch, t.group_id, t.sample_idx, t.steps[0].response_text) for t in v]
+        for k, v in buf._items.items()
+    }
+
+
+@pytest.mark.slow
+def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(policy_dir, tmp_path):
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
+    script = [sys.executable, str(ROOT / "tests" / "trainer_harness.py"), str(policy_dir)]
+
+    ref = tmp_path / "ref"
+    subprocess.run([*script, str(ref), "3"], env=env, check=True, timeout=600, capture_output=True)
+
+    run = tmp_path / "run"
+    proc = subprocess.Popen(
+        [*script, str(run), "3"], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    try:
+        deadline = time.monotonic() + 300
+        # kill once epoch 1 is checkpointed and epoch 2 has started writing trajectories
+        while time.monotonic() < deadline:
+            if (
+                latest_checkpoint(run) is not None
+                and (run / "trajectories" / "epoch-0002-iter-000.parquet").exists()
+            ):
+                break
+            assert proc.poll() is None, "trainer exited before it could be killed"
+            time.sleep(0.05)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    ck = latest_checkpoint(run)
+    assert ck is not None and json.loads((ck / "state.json").read_text())["epoch"] in (1, 2)
+
+    subprocess.run([*script, str(run), "3"], env=env, check=True, timeout=600, capture_output=True)
+    a, b = latest_checkpoint(ref), latest_checkpoint(run)
+    sa, sb = json.loads((a / "state.json").read_text()), json.loads((b / "state.json").read_text())
+    assert sa["epoch"] == sb["epoch"] == 3
+    assert sa["policy_version"] == sb["policy_version"]
+    assert _buffer_signature(a) == _buffer_signature(b)
+    ra = [h["rollout/success_rate"] for h in sa["history"]]
+    rb = [h["rollout/success_rate"] for h in sb["history"]]
+    assert ra == rb
+    # no half-written checkpoint directories or temp files are left behind
+    assert not [p for p in (run / "checkpoints").iterdir() if p.name.startswith(".")]

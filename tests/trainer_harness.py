@@ -1,0 +1,101 @@
+"""Deterministic stand-ins for the trainer tests: an in-process env pool and a seeded reply sampler
+that emits valid token ids of the real tiny policy (so the real update trains on them).
+
+Run as a script it trains for N epochs into OUT (used by the kill-and-resume test):
+    python tests/trainer_harness.py POLICY_DIR OUT EPOCHS
+"""
+
+from __future__ import annotations
+
+import random
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+
+from PIL import Image
+
+from arpo_core.envs.base import Observation, TaskSpec
+from arpo_core.envs.pool import EnvResult
+from arpo_core.policy.generate import Generation
+
+SCREEN = (160, 210)
+TASKS = [TaskSpec(domain="fake", task_id=t, split="in_domain") for t in ("easy", "hard", "never")]
+
+
+def _done(v) -> Future:
+    f: Future = Future()
+    f.set_result(v)
+    return f
+
+
+class FakePool:
+    """One-step episodes. 'easy': any click left of x=80 succeeds; 'hard': only clicks left of x=20;
+    'never': nothing succeeds."""
+
+    def __init__(self, n: int = 4):
+        self.n = n
+        self.state: dict[int, dict] = {}
+
+    def submit_reset(self, i, task, seed):
+        self.state[i] = {"task": task.task_id, "good": False}
+        img = Image.new("RGB", SCREEN, (seed % 255, 10, 10))
+        return _done(EnvResult(i, observation=Observation(img, f"Click for {task.task_id}", SCREEN)))
+
+    def submit_step(self, i, actions):
+        st = self.state[i]
+        limit = {"easy": 80, "hard": 20, "never": -1}[st["task"]]
+        st["good"] = any(a.point is not None and a.point[0] < limit for a in actions)
+        img = Image.new("RGB", SCREEN, "white")
+        return _done(EnvResult(i, observation=Observation(img, "", SCREEN), done=True))
+
+    def submit_evaluate(self, i):
+        return _done(EnvResult(i, done=True, score=1.0 if self.state[i]["good"] else 0.0))
+
+
+class RandomReplies:
+    """Samples a click x uniformly from a few values with a seeded RNG (per call seed + row)."""
+
+    XS = (10, 50, 120, 150)
+
+    def __init__(self, policy):
+        self.policy = policy
+
+    def generate(self, batch, temperature=1.0, top_p=1.0, max_new_tokens=64, seed=0):
+        out = []
+        for b, _prompt in enumerate(batch):
+            x = random.Random(seed + b).choice(self.XS)
+            text = f"Thought: try {x}.\nAction: click(start_box='({x},100)')"
+            ids = (*self.policy.tokenizer.encode(text, add_special_tokens=False), self.policy.im_end_id)
+            out.append(Generation(text, ids, tuple(-1.0 for _ in ids), "stop"))
+        return out
+
+
+def settings(epochs: int):
+    from arpo_core.replay import ReplayConfig
+    from arpo_core.rollout import RolloutConfig
+    from arpo_core.trainer import TrainerSettings
+    from arpo_core.update import UpdateConfig
+
+    return TrainerSettings(
+        epochs=epochs,
+        tasks_per_iteration=2,
+        group_size=4,
+        lr=1e-3,
+        seed=3,
+        update=UpdateConfig(micro_batch_size=4, mini_batch_size=8),
+        rollout=RolloutConfig(max_steps=1),
+        replay=ReplayConfig(capacity_per_task=3),
+    )
+
+
+def main(policy_dir: str, out: str, epochs: int) -> None:
+    import torch
+
+    from arpo_core.trainer import train
+
+    torch.set_num_threads(1)
+    train(policy_dir, TASKS, Path(out), settings(epochs), FakePool(), generator_factory=RandomReplies)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], int(sys.argv[3]))
