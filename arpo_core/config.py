@@ -26,6 +26,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
+from arpo_core.offline import SFTConfig
 from arpo_core.replay import ReplayConfig
 from arpo_core.selection import SelectConfig
 
@@ -46,6 +47,92 @@ class ProjectConfig:
     """MLflow experiment name and prefix of run names."""
     seed: int = 0
     """Global seed: env episodes, sampling, replay draws and selection are derived from it."""
+    torch_threads: int = 1
+    """torch intra-op threads per process. On 2 cores shared with browsers, more threads spin and made
+    CPU training ~10x slower (measured); raise it on machines with cores to spare."""
+
+
+@dataclass(frozen=True)
+class EnvConfig:
+    backend: Literal["process", "ray"] = "process"
+    """Env workers as local processes, or owned by Ray actors (placeable across machines)."""
+    n_envs: int = 8
+    """Parallel envs (reference: tasks per iteration x group size = 128)."""
+    in_domain_suite: str = "data/suites/miniwob_in_domain.yaml"
+    """Tasks trained on (and their demos)."""
+    out_of_domain_suite: str = "data/suites/miniwob_out_of_domain.yaml"
+    """Held-out tasks for generalisation."""
+    episode_time_limit_s: float | None = 60.0
+    """MiniWoB episode clock (its own default of 10 s fails slow CPU policies); null: no limit."""
+    reset_timeout_s: float = 120.0
+    """Limit for one reset (browser start included)."""
+    step_timeout_s: float = 60.0
+    """Limit for one step."""
+    eval_timeout_s: float = 60.0
+    """Limit for one evaluation."""
+    reset_retries: int = 8
+    """Reset attempts before an env is reported failed (reference: 8)."""
+    ray_resources: dict[str, float] = field(default_factory=dict)
+    """Custom Ray resources per env actor, e.g. {env_node: 0.01} (backend ray)."""
+
+
+@dataclass(frozen=True)
+class PolicyConfig:
+    system_prompt: Literal["uitars", "compact"] = "compact"
+    """Prompt template: the full UI-TARS computer-use prompt, or a short one for tiny CPU models."""
+    history_images: int | None = None
+    """Screenshots shown as images (older turns keep their text); null: all, which keeps the
+    trainer's recomputed log-probs exactly equal to the generator's."""
+    max_new_tokens: int = 64
+    """Reply length limit in tokens."""
+    coord_mode: Literal["absolute", "relative1000"] = "absolute"
+    """Model coordinates: pixels of the smart_resized image (UI-TARS-1.5) or 0-1000 (UI-TARS-1.0)."""
+
+
+@dataclass(frozen=True)
+class InitPolicyConfig:
+    size: Literal["xs", "s", "m"] = "s"
+    """Tiny architecture built offline (xs 0.7M, s 5.1M, m 36.5M parameters)."""
+    seed: int = 0
+    """Tokenizer corpus and weight initialisation."""
+    pretrained: str | None = None
+    """Path of an existing Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B): used instead of building one."""
+
+
+@dataclass(frozen=True)
+class DemosConfig:
+    episodes_per_task: int = 60
+    """Oracle episodes per in-domain task (seeded, distinct instances)."""
+    seed: int = 100000
+    """First env seed of the demos (kept apart from evaluation seeds)."""
+
+
+@dataclass(frozen=True)
+class BaselineConfig:
+    episodes_per_task: int = 16
+    """Base-policy rollouts per task for task selection (paper: 16)."""
+    temperature: float = 1.0
+    """Sampling temperature of those rollouts."""
+    max_steps: int = 15
+    """Episode step limit."""
+    seed: int = 200000
+    """First env seed."""
+
+
+@dataclass(frozen=True)
+class EvaluateConfig:
+    episodes_per_task: int = 50
+    """Episodes per task and split (>= 50 to see a 10-point change, REFERENCE.md §7)."""
+    temperature: float = 0.0
+    """0: greedy. The paper evaluates with 0.5-0.6; `sampled_temperature` adds that mode."""
+    sampled_temperature: float | None = None
+    """Also evaluate sampled at this temperature (null: greedy only)."""
+    max_steps: int = 15
+    """Episode step limit."""
+    seed: int = 900000
+    """First env seed (disjoint from demos, baseline and training seeds)."""
+    osworld_hard: bool = False
+    """Score with the OSWorld-Hard rule (step limit + FAIL scores 0)."""
 
 
 @dataclass(frozen=True)
@@ -90,6 +177,8 @@ class TrainConfig:
     """Gradient norm clip."""
     micro_batch_size: int = 4
     """Trajectories per forward/backward."""
+    mini_batch_size: int = 32
+    """Trajectories per optimizer step (reference: 64, i.e. 2 steps per 128-trajectory iteration)."""
     ppo_epochs: int = 1
     """Optimisation passes over each rollout batch."""
     temperature: float = 1.0
@@ -102,6 +191,11 @@ class TrainConfig:
     """Train on the selected tasks (true) or on the whole in-domain suite (false)."""
     engine: Literal["torch", "deepspeed"] = "torch"
     """Training engine."""
+    zero_stage: int = 2
+    """DeepSpeed ZeRO stage (engine deepspeed)."""
+    skip_zero_advantage: bool = False
+    """Leave sequences with advantage exactly 0 out of the update (compute saving; the reference keeps
+    them, which also dilutes the token-mean)."""
     bf16: bool = False
     """bf16 autocast (CPU or GPU)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
@@ -110,12 +204,20 @@ class TrainConfig:
 
 @dataclass(frozen=True)
 class Params:
-    """The whole params file. Sections are added here as stages appear. Sections whose semantics live
-    in one module are defined there (`ReplayConfig` in replay.py, `SelectConfig` in selection.py)."""
+    """The whole params file: shared sections (project, env, policy), then one per pipeline stage in
+    order. Sections whose semantics live in one module are defined there (`ReplayConfig` in replay.py,
+    `SelectConfig` in selection.py, `SFTConfig` in offline.py)."""
 
     project: ProjectConfig = field(default_factory=ProjectConfig)
+    env: EnvConfig = field(default_factory=EnvConfig)
+    policy: PolicyConfig = field(default_factory=PolicyConfig)
+    init_policy: InitPolicyConfig = field(default_factory=InitPolicyConfig)
+    demos: DemosConfig = field(default_factory=DemosConfig)
+    sft: SFTConfig = field(default_factory=SFTConfig)
+    baseline: BaselineConfig = field(default_factory=BaselineConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+    evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -225,15 +327,43 @@ def _deepcopy(m: Mapping[str, Any]) -> dict[str, Any]:
     return {k: _deepcopy(v) if isinstance(v, Mapping) else v for k, v in m.items()}
 
 
-def load_params(path: str | Path = "params.yaml", overrides: Sequence[str] = ()) -> Params:
-    """Read a params file, apply overrides, validate. Unknown keys raise ConfigError naming the file."""
-    path = Path(path)
+def _read_yaml(path: Path) -> dict[str, Any]:
     if not path.exists():
         raise ConfigError(f"params file not found: {path}")
     raw = yaml.safe_load(path.read_text()) or {}
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return parse_params(apply_overrides(raw, overrides), file=str(path))
+    return dict(raw)
+
+
+def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
+    """Deep merge: sections merge key by key, leaves of `over` win."""
+    out = _deepcopy(base)
+    for k, v in over.items():
+        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
+            out[k] = merge(out[k], v)
+        else:
+            out[k] = _deepcopy(v) if isinstance(v, Mapping) else v
+    return out
+
+
+def load_params(
+    path: str | Path = "params.yaml", overrides: Sequence[str] = (), preset: str | Path | None = None
+) -> Params:
+    """Read a params file, merge a preset file over it (a partial params file, e.g. presets/quick.yaml),
+    apply dotted overrides, validate. Unknown keys raise ConfigError naming the file they came from."""
+    path = Path(path)
+    raw = _read_yaml(path)
+    where = str(path)
+    if preset is not None:
+        preset_path = Path(preset)
+        if not preset_path.exists() and not preset_path.suffix:
+            preset_path = path.parent / "presets" / f"{preset}.yaml"
+        over = _read_yaml(preset_path)
+        parse_params(merge({}, over), file=str(preset_path))  # a typo in the preset names the preset
+        raw = merge(raw, over)
+        where = f"{path} + {preset_path}"
+    return parse_params(apply_overrides(raw, overrides), file=where)
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

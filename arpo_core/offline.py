@@ -55,10 +55,6 @@ class SFTConfig:
     """Gradient clipping norm."""
     bf16: bool = False
     """bf16 autocast (CPU or GPU); parameters and optimizer stay fp32."""
-    system: str = "uitars"
-    """System prompt name (prompt.SYSTEM_PROMPTS)."""
-    history_images: int | None = None
-    """Screenshots shown as images (None = all); must match the generator's."""
     checkpoint_every: int = 0
     """Save every N optimizer steps (0 = only at the end, and only with a checkpoint_dir)."""
     seed: int = 0
@@ -83,6 +79,8 @@ def sft(
     config: SFTConfig = SFTConfig(),
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
+    system: str = "uitars",
+    history_images: int | None = None,
 ) -> list[float]:
     """Behaviour cloning of `policy` (in place) on the replies of `trajectories`.
 
@@ -113,9 +111,7 @@ def sft(
                     rng.shuffle(order)
                 idx.append(order.pop())
             # Encoded per batch, not up front: pixel tensors of a few thousand demos would take GBs.
-            seqs = [
-                encode_trajectory(policy, trajectories[i], config.system, config.history_images) for i in idx
-            ]
+            seqs = [encode_trajectory(policy, trajectories[i], system, history_images) for i in idx]
             micro.append(collate(seqs, policy.pad_id, policy.image_token_id).to(device))
         n_total = sum(int((b.assistant_mask & b.attention_mask.bool())[:, 1:].sum()) for b in micro)
         optimizer.zero_grad(set_to_none=True)

@@ -83,8 +83,8 @@ def test_sft_learns_demos_and_reproduces_them_greedily(tmp_path, one_thread):
     policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
     trajs = demos()
     before = _eval_loss(policy, trajs)
-    cfg = SFTConfig(steps=100, batch_size=4, lr=5e-3, warmup_steps=10, system="compact", checkpoint_every=50)
-    history = sft(policy, trajs, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False)
+    cfg = SFTConfig(steps=100, batch_size=4, lr=5e-3, warmup_steps=10, checkpoint_every=50)
+    history = sft(policy, trajs, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False, system="compact")
     after = _eval_loss(policy, trajs)
     print(
         f"sft loss: first {history[0]:.3f} last {history[-1]:.4f}; eval before {before:.3f} after {after:.4f}"
@@ -121,8 +121,8 @@ def test_sft_bf16_grad_accum_moves_every_parameter(tmp_path, one_thread):
     start = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     trajs = demos()
     before = _eval_loss(policy, trajs)
-    cfg = SFTConfig(steps=12, batch_size=2, grad_accum=2, lr=3e-3, bf16=True, system="compact")
-    history = sft(policy, trajs, cfg, progress=False)
+    cfg = SFTConfig(steps=12, batch_size=2, grad_accum=2, lr=3e-3, bf16=True)
+    history = sft(policy, trajs, cfg, progress=False, system="compact")
     assert len(history) == 12 and all(h > 0 for h in history)
     assert _eval_loss(policy, trajs) < before
     unchanged = [n for n, p in policy.model.named_parameters() if torch.equal(p, start[n])]

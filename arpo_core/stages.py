@@ -1,0 +1,302 @@
+"""The pipeline stages as plain functions: params + input paths -> output paths + a metrics dict.
+
+Decisions:
+1. One function per DVC stage / Prefect flow / MLflow run, with the same name (DESIGN.md's 1:1:1
+   rule): `init_policy, demos, sft, baseline, select, train, evaluate` (+ `ground` once its recipe
+   lands). The orchestration layers (tasks/, flows/) only wrap these; they add retries, tracking and
+   artifacts, never logic, so `arpo stage NAME`, `dvc repro` and a Prefect deployment run the same code.
+2. Inputs and outputs are paths (Parquet trajectories, checkpoint directories, JSON), never tensors.
+   Each function returns a flat dict of slash-namespaced metrics, also written next to its outputs.
+3. Env pools are created and closed inside the stage that needs them (no process outlives a stage).
+4. A pretrained checkpoint (UI-TARS-1.5-7B) is not copied: `init_policy` writes a pointer file and
+   `resolve_policy` follows it.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+from collections.abc import Callable
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from tqdm import tqdm
+
+from arpo_core.config import Params
+from arpo_core.demos import play_oracle_episodes
+from arpo_core.envs.base import TaskSpec, load_suite
+from arpo_core.envs.pool import EnvPool
+from arpo_core.offline import sft
+from arpo_core.policy.model import build_tiny_policy, load_policy
+from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes
+from arpo_core.selection import read_selection, select_tasks, write_selection
+from arpo_core.trainer import TrainerSettings, train
+from arpo_core.trajectory import read_trajectories, write_trajectories
+from arpo_core.update import UpdateConfig
+
+__all__ = [
+    "STAGES",
+    "baseline",
+    "demos",
+    "init_policy",
+    "make_pool",
+    "resolve_policy",
+    "select",
+    "sft_stage",
+    "suite_tasks",
+    "train_stage",
+]
+
+POINTER = "pretrained.json"
+
+
+def setup_torch(p: Params) -> None:
+    torch.set_num_threads(p.project.torch_threads)
+
+
+def resolve_policy(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, following `init_policy`'s pointer file for pretrained models."""
+    path = Path(path)
+    pointer = path / POINTER
+    if pointer.exists():
+        return Path(json.loads(pointer.read_text())["path"])
+    return path
+
+
+def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
+    """Tasks of the 'in_domain' or 'out_of_domain' suite named in params."""
+    path = {"in_domain": p.env.in_domain_suite, "out_of_domain": p.env.out_of_domain_suite}[split]
+    return load_suite(path)
+
+
+@contextmanager
+def make_pool(p: Params, n: int | None = None):
+    """An EnvPool for the embedded default (MiniWoB), closed on exit (decision 3)."""
+    from arpo_core.envs.miniwob import make_miniwob_env
+
+    factory = functools.partial(make_miniwob_env, episode_time_limit_s=p.env.episode_time_limit_s)
+    pool = EnvPool(
+        factory,
+        n=n or p.env.n_envs,
+        backend=p.env.backend,
+        reset_timeout_s=p.env.reset_timeout_s,
+        step_timeout_s=p.env.step_timeout_s,
+        eval_timeout_s=p.env.eval_timeout_s,
+        reset_retries=p.env.reset_retries,
+        ray_resources=p.env.ray_resources or None,
+    )
+    try:
+        yield pool
+    finally:
+        pool.close()
+
+
+def _write_metrics(path: Path, metrics: dict[str, Any]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
+    os.replace(tmp, path)
+
+
+def _bar(total: int, desc: str):
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=2.0)
+
+
+def pixel_budget(policy_dir: Path) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of a checkpoint's image processor without loading the model: from
+    `processor_config.json` (the tiny layout) or `preprocessor_config.json` (Qwen/UI-TARS layout)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = policy_dir / name
+        if f.exists():
+            proc = json.loads(f.read_text())
+            proc = proc.get("image_processor", proc)
+            size = proc.get("size") or {}
+            lo = size.get("shortest_edge", proc.get("min_pixels"))
+            hi = size.get("longest_edge", proc.get("max_pixels"))
+            if lo is not None and hi is not None:
+                return int(lo), int(hi)
+    raise FileNotFoundError(f"{policy_dir}: no image processor config with min/max pixels")
+
+
+def _rollout_cfg(p: Params, policy_dir: Path, temperature: float, max_steps: int, seed: int) -> RolloutConfig:
+    min_pixels, max_pixels = pixel_budget(policy_dir)
+    return RolloutConfig(
+        max_steps=max_steps,
+        temperature=temperature,
+        top_p=p.train.top_p,
+        max_new_tokens=p.policy.max_new_tokens,
+        format_penalty=p.train.loss.format_penalty,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        coord_mode=p.policy.coord_mode,
+        seed=seed,
+    )
+
+
+# ------------------------------------------------------------------------------------------------
+# Stages
+
+
+def init_policy(p: Params, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Build the tiny offline policy, or point at a pretrained checkpoint."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if p.init_policy.pretrained:
+        src = Path(p.init_policy.pretrained)
+        if not (src / "config.json").exists():
+            raise FileNotFoundError(f"init_policy.pretrained: no checkpoint (config.json) at {src}")
+        (out_dir / POINTER).write_text(json.dumps({"path": str(src.resolve())}))
+        return {"init_policy/pretrained": 1.0}
+    policy = build_tiny_policy(out_dir, size=p.init_policy.size, seed=p.init_policy.seed)
+    n = sum(x.numel() for x in policy.model.parameters())
+    return {"init_policy/parameters": float(n), "init_policy/vocab": float(len(policy.tokenizer))}
+
+
+def demos(p: Params, out_path: str | os.PathLike) -> dict[str, Any]:
+    """Oracle demonstrations on the in-domain suite (successful episodes only)."""
+    tasks = suite_tasks(p, "in_domain")
+    jobs = [
+        EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)
+        for g, t in enumerate(tasks)
+        for k in range(p.demos.episodes_per_task)
+    ]
+    with make_pool(p) as pool:
+        bar = _bar(len(jobs), "demos")
+        res = play_oracle_episodes(pool, jobs, max_steps=p.baseline.max_steps, progress=bar)
+        bar.close()
+    if not res.trajectories:
+        raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")
+    write_trajectories(out_path, res.trajectories)
+    return {
+        "demos/episodes": float(len(res.trajectories)),
+        "demos/failed": float(res.n_failed),
+        "demos/env_errors": float(len(res.errors)),
+        "demos/steps": float(sum(len(t.steps) for t in res.trajectories)),
+    }
+
+
+def sft_stage(
+    p: Params, policy_dir: str | os.PathLike, demos_path: str | os.PathLike, out_dir: str | os.PathLike
+) -> dict:
+    """Behaviour cloning of the policy on the demos -> the base policy."""
+    setup_torch(p)
+    policy = load_policy(resolve_policy(policy_dir))
+    trajs = read_trajectories(demos_path)
+    history = sft(
+        policy,
+        trajs,
+        p.sft,
+        checkpoint_dir=None,
+        progress=True,
+        system=p.policy.system_prompt,
+        history_images=p.policy.history_images,
+    )
+    policy.save(out_dir)
+    return {"sft/loss_first": history[0], "sft/loss_last": history[-1], "sft/steps": float(len(history))}
+
+
+def baseline(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """N sampled rollouts per in-domain task of the base policy (input of task selection)."""
+    from arpo_core.policy.generate import HFGenerator
+
+    setup_torch(p)
+    policy_dir = resolve_policy(policy_dir)
+    policy = load_policy(policy_dir)
+    gen = HFGenerator(policy, system=p.policy.system_prompt, history_images=p.policy.history_images)
+    tasks = suite_tasks(p, "in_domain")
+    jobs = [
+        EpisodeJob(t, seed=p.baseline.seed + k, group_id=g, sample_idx=k)
+        for g, t in enumerate(tasks)
+        for k in range(p.baseline.episodes_per_task)
+    ]
+    cfg = _rollout_cfg(p, policy_dir, p.baseline.temperature, p.baseline.max_steps, p.project.seed)
+    with make_pool(p) as pool:
+        bar = _bar(len(jobs), "baseline")
+        res = run_episodes(pool, gen, jobs, cfg, run_id="baseline", stage="baseline", progress=bar)
+        bar.close()
+    write_trajectories(Path(out_dir) / "in_domain.parquet", res.trajectories)
+    return {k.replace("rollout/", "baseline/"): v for k, v in res.metrics.items()}
+
+
+def select(p: Params, baseline_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
+    """Valuable task selection from the baseline rollouts."""
+    trajs = read_trajectories(baseline_dir)
+    infeasible = {t.key for t in suite_tasks(p, "in_domain") if not t.feasible}
+    sel = select_tasks(trajs, p.select, infeasible=infeasible)
+    write_selection(out_path, sel)
+    return {"select/kept": float(len(sel.kept)), "select/tasks": float(len(sel.counts))}
+
+
+def train_stage(
+    p: Params,
+    policy_dir: str | os.PathLike,
+    selected_path: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    *,
+    on_iteration: Callable[[int, int, dict[str, float]], None] | None = None,
+    on_epoch: Callable[[int, Any], dict[str, Any] | None] | None = None,
+    resume: bool = True,
+) -> dict[str, Any]:
+    """ARPO (or GRPO with train.replay.enabled=false) from the base policy; resumes by default."""
+    setup_torch(p)
+    policy_dir = resolve_policy(policy_dir)
+    tasks = suite_tasks(p, "in_domain")
+    if p.train.use_selection and selected_path is not None:
+        keep = {tuple(k) for k in read_selection(selected_path).kept}
+        tasks = [t for t in tasks if t.key in keep]
+        if not tasks:
+            raise RuntimeError(f"task selection {selected_path} kept no task: nothing to train on")
+    t = p.train
+    settings = TrainerSettings(
+        epochs=t.epochs,
+        tasks_per_iteration=t.tasks_per_iteration,
+        group_size=t.group_size,
+        lr=t.lr,
+        weight_decay=t.weight_decay,
+        max_grad_norm=t.max_grad_norm,
+        engine=t.engine,
+        zero_stage=t.zero_stage,
+        advantage_scale=t.loss.advantage_scale,
+        advantage_eps=t.loss.advantage_eps,
+        skip_zero_advantage=t.skip_zero_advantage,
+        system=p.policy.system_prompt,
+        history_images=p.policy.history_images,
+        seed=p.project.seed,
+        update=UpdateConfig(
+            micro_batch_size=t.micro_batch_size,
+            mini_batch_size=t.mini_batch_size,
+            ppo_epochs=t.ppo_epochs,
+            clip_low=t.loss.clip_low,
+            clip_high=t.loss.clip_high,
+            clip_dual=t.loss.clip_dual,
+            kl_coef=t.loss.kl_coef,
+            kl_estimator=t.loss.kl_estimator,
+            agg=t.loss.agg,
+            sum_norm=t.loss.sum_norm,
+            bf16=t.bf16,
+        ),
+        rollout=_rollout_cfg(p, policy_dir, t.temperature, t.max_steps, p.project.seed),
+        replay=t.replay,
+    )
+    with make_pool(p, n=min(p.env.n_envs, t.tasks_per_iteration * t.group_size)) as pool:
+        state = train(
+            policy_dir,
+            tasks,
+            out_dir,
+            settings,
+            pool,
+            resume=resume,
+            on_iteration=on_iteration,
+            on_epoch=on_epoch,
+            progress_factory=_bar,
+        )
+    final = Path(out_dir) / "policy"
+    load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)
+    last = state.history[-1] if state.history else {}
+    return {"train/epochs": float(state.epoch), **{k: v for k, v in last.items() if isinstance(v, float)}}
+
+
+STAGES = ("init_policy", "demos", "sft", "baseline", "select", "train", "evaluate")
