@@ -41,6 +41,7 @@ __all__ = [
     "STAGES",
     "baseline",
     "demos",
+    "evaluate",
     "init_policy",
     "make_pool",
     "resolve_policy",
@@ -297,6 +298,56 @@ def train_stage(
     load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)
     last = state.history[-1] if state.history else {}
     return {"train/epochs": float(state.epoch), **{k: v for k, v in last.items() if isinstance(v, float)}}
+
+
+def evaluate(
+    p: Params,
+    policies: dict[str, str | os.PathLike],
+    out_dir: str | os.PathLike,
+    metrics_path: str | os.PathLike,
+) -> dict[str, Any]:
+    """Success of each named policy (e.g. base, arpo) on the in-domain and out-of-domain suites, greedy
+    (and sampled when evaluate.sampled_temperature is set); trajectories to `out_dir/<name>.parquet`,
+    metrics (with 95% intervals, per task / domain / split) to `metrics_path`."""
+    from arpo_core.evaluate import evaluate_policy
+    from arpo_core.policy.generate import HFGenerator
+
+    setup_torch(p)
+    e = p.evaluate
+    tasks = suite_tasks(p, "in_domain") + suite_tasks(p, "out_of_domain")
+    modes = [("greedy", e.temperature)] + (
+        [("sampled", e.sampled_temperature)] if e.sampled_temperature else []
+    )
+    metrics: dict[str, Any] = {}
+    with make_pool(p) as pool:
+        for name, path in policies.items():
+            policy_dir = resolve_policy(path)
+            gen = HFGenerator(
+                load_policy(policy_dir), system=p.policy.system_prompt, history_images=p.policy.history_images
+            )
+            trajs = []
+            for mode, temperature in modes:
+                bar = _bar(len(tasks) * e.episodes_per_task, f"evaluate {name} {mode}")
+                res = evaluate_policy(
+                    pool,
+                    gen,
+                    tasks,
+                    e.episodes_per_task,
+                    temperature,
+                    e.seed,
+                    rollout=_rollout_cfg(p, policy_dir, temperature, e.max_steps, e.seed),
+                    scoring="osworld_hard" if e.osworld_hard else "standard",
+                    prefix=f"eval/{name}/{mode}",
+                    run_id=f"evaluate-{name}",
+                    progress=bar,
+                )
+                bar.close()
+                metrics.update(res.metrics)
+                trajs += res.trajectories
+            if trajs:
+                write_trajectories(Path(out_dir) / f"{name}.parquet", trajs)
+    _write_metrics(Path(metrics_path), metrics)
+    return metrics
 
 
 STAGES = ("init_policy", "demos", "sft", "baseline", "select", "train", "evaluate")

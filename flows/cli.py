@@ -25,7 +25,10 @@ PATHS = {
     "baseline": Path("data/baseline"),
     "select": Path("data/selected_tasks.json"),
     "train": Path("models/arpo"),
+    "evaluate": Path("data/eval"),
+    "metrics": Path("metrics/evaluate.json"),
 }
+STAGE_NAMES = ("init_policy", "demos", "sft", "baseline", "select", "train", "evaluate")
 
 
 def _load(params: Path, overrides: list[str], preset: str | None = None) -> Params:
@@ -62,12 +65,15 @@ def run_stage(name: str, p: Params, root: Path = Path(".")) -> dict:
         return stages.select(p, P["baseline"], P["select"])
     if name == "train":
         return stages.train_stage(p, P["sft"], P["select"], P["train"])
-    raise typer.BadParameter(f"unknown stage {name!r}; stages: {', '.join(PATHS)}")
+    if name == "evaluate":
+        policies = {"base": P["sft"], "arpo": P["train"] / "policy"}
+        return stages.evaluate(p, policies, P["evaluate"], P["metrics"])
+    raise typer.BadParameter(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
 
 
 @app.command()
 def stage(
-    name: str = typer.Argument(..., help="init_policy | demos | sft | baseline | select | train"),
+    name: str = typer.Argument(..., help="init_policy | demos | sft | baseline | select | train | evaluate"),
     params: Path = PARAMS_OPT,
     set_: list[str] = SET_OPT,
     preset: str = PRESET_OPT,
@@ -84,7 +90,7 @@ def run(params: Path = PARAMS_OPT, set_: list[str] = SET_OPT, preset: str = PRES
     """Run the pipeline on the embedded default, stage after stage (the stages that exist so far)."""
     p = _load(params, set_, preset)
     typer.echo(f"[arpo] params OK: project {p.project.name!r}, seed {p.project.seed}")
-    for name in PATHS:
+    for name in STAGE_NAMES:
         t0 = time.monotonic()
         typer.secho(f"[arpo] stage {name} ...", fg=typer.colors.CYAN)
         metrics = run_stage(name, p)
