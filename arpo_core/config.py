@@ -27,6 +27,7 @@ from typing import Any, Literal, TypeVar
 import yaml
 
 from arpo_core.offline import SFTConfig
+from arpo_core.preference import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.replay import ReplayConfig
 from arpo_core.selection import SelectConfig
 
@@ -206,7 +207,8 @@ class TrainConfig:
 class Params:
     """The whole params file: shared sections (project, env, policy), then one per pipeline stage in
     order. Sections whose semantics live in one module are defined there (`ReplayConfig` in replay.py,
-    `SelectConfig` in selection.py, `SFTConfig` in offline.py)."""
+    `SelectConfig` in selection.py, `SFTConfig` in offline.py, `RFTConfig`/`DPOConfig`/`KTOConfig` (the
+    offline baselines, trained on the baseline rollouts) in preference.py)."""
 
     project: ProjectConfig = field(default_factory=ProjectConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
@@ -218,6 +220,9 @@ class Params:
     select: SelectConfig = field(default_factory=SelectConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
     evaluate: EvaluateConfig = field(default_factory=EvaluateConfig)
+    rft: RFTConfig = field(default_factory=RFTConfig)
+    dpo: DPOConfig = field(default_factory=DPOConfig)
+    kto: KTOConfig = field(default_factory=KTOConfig)
 
 
 # --------------------------------------------------------------------------------------------------

@@ -44,6 +44,7 @@ __all__ = [
     "evaluate",
     "init_policy",
     "make_pool",
+    "offline_baseline",
     "resolve_policy",
     "select",
     "sft_stage",
@@ -347,6 +348,45 @@ def evaluate(
             if trajs:
                 write_trajectories(Path(out_dir) / f"{name}.parquet", trajs)
     _write_metrics(Path(metrics_path), metrics)
+    return metrics
+
+
+def offline_baseline(
+    p: Params,
+    method: str,
+    policy_dir: str | os.PathLike,
+    baseline_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """The paper's offline comparisons, trained from the base policy on its own baseline rollouts (the
+    same trajectories task selection sees): `rft` (SFT on successes), `dpo` (success vs failure of the
+    same task, reference = base), `kto` (desirable / undesirable, unpaired)."""
+    from arpo_core.engines import TorchEngine
+    from arpo_core.preference import dpo, kto, rft
+
+    setup_torch(p)
+    policy = load_policy(resolve_policy(policy_dir))
+    trajs = read_trajectories(baseline_dir)
+    kw = {"progress": True, "system": p.policy.system_prompt, "history_images": p.policy.history_images}
+    if method == "rft":
+        losses = rft(policy, trajs, p.rft, **kw)
+        metrics = {"rft/loss_first": losses[0], "rft/loss_last": losses[-1], "rft/steps": float(len(losses))}
+    elif method in ("dpo", "kto"):
+        cfg = p.dpo if method == "dpo" else p.kto
+        engine = TorchEngine(
+            policy.model, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm
+        )
+        res = (dpo if method == "dpo" else kto)(policy, trajs, cfg, engine=engine, **kw)
+        metrics = {
+            k if k.startswith(f"{method}/") else f"{method}/{k}": float(v) for k, v in res.info.items()
+        }
+        metrics[f"{method}/examples"] = float(res.n_examples)
+        if res.history:
+            metrics.update({f"{method}/first/{k}": v for k, v in res.history[0].items()})
+            metrics.update({f"{method}/last/{k}": v for k, v in res.history[-1].items()})
+    else:
+        raise ValueError(f"unknown offline method {method!r}; choose rft, dpo or kto")
+    policy.save(out_dir)
     return metrics
 
 
