@@ -1,0 +1,118 @@
+"""Batched vs one-at-a-time generation on the tiny policy: generated tokens per second, batch 1-16.
+
+    .venv/bin/python benchmarks/bench_generation.py [--size s] [--repeats 3]
+    # writes benchmarks/results/generation.json
+
+Every prompt is a real policy prompt (compact system prompt + one 160x210 screenshot). Generation is
+forced to the full `max_new_tokens` (the stop token is masked out) so each batch produces exactly
+batch x max_new_tokens tokens and batches are comparable. "one at a time" generates the same prompts
+sequentially with batch size 1. Medians of `--repeats` runs; torch uses one thread (params.yaml
+project.torch_threads) unless --threads says otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+from PIL import Image, ImageDraw
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from arpo_core.policy.generate import HFGenerator  # noqa: E402
+from arpo_core.policy.model import build_tiny_policy  # noqa: E402
+from arpo_core.policy.prompt import PromptInput  # noqa: E402
+
+
+def screen(i: int) -> Image.Image:
+    img = Image.new("RGB", (160, 210), "white")
+    d = ImageDraw.Draw(img)
+    d.rectangle(
+        (10 + i * 7 % 100, 40 + i * 13 % 120, 60 + i * 7 % 100, 70 + i * 13 % 120), fill=(200, 30, 30)
+    )
+    d.text((10, 10), f"Click button {i}", fill="black")
+    return img
+
+
+class NoStop(HFGenerator):
+    """Generation that never stops early, so every row yields max_new_tokens tokens."""
+
+    def generate(self, batch, **kw):
+        model = self.policy.model
+        stop = [self.policy.im_end_id, self.policy.pad_id]
+        orig = model.forward
+
+        def forward(*a, **k):
+            out = orig(*a, **k)
+            out.logits[..., stop] = -1e9
+            return out
+
+        model.forward = forward
+        try:
+            return super().generate(batch, **kw)
+        finally:
+            model.forward = orig
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--size", default="s")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    with tempfile.TemporaryDirectory() as d:
+        policy = build_tiny_policy(Path(d) / "p", size=args.size)
+    gen = NoStop(policy, system="compact")
+    prompts = [PromptInput(f"Click button {i}", (screen(i),)) for i in range(16)]
+    gen.generate(prompts[:2], temperature=1.0, max_new_tokens=4, seed=0)  # warm-up
+
+    rows = []
+    for bs in (1, 2, 4, 8, 16):
+        batched, single = [], []
+        for r in range(args.repeats):
+            t0 = time.perf_counter()
+            out = gen.generate(prompts[:bs], temperature=1.0, max_new_tokens=args.tokens, seed=r)
+            batched.append(time.perf_counter() - t0)
+            assert all(len(g.token_ids) == args.tokens for g in out)
+            t0 = time.perf_counter()
+            for i in range(bs):
+                gen.generate(prompts[i : i + 1], temperature=1.0, max_new_tokens=args.tokens, seed=r + i)
+            single.append(time.perf_counter() - t0)
+        tb, ts = statistics.median(batched), statistics.median(single)
+        n = bs * args.tokens
+        rows.append(
+            {
+                "batch": bs,
+                "batched_s": tb,
+                "one_at_a_time_s": ts,
+                "batched_tokens_per_s": n / tb,
+                "one_at_a_time_tokens_per_s": n / ts,
+                "speedup": ts / tb,
+            }
+        )
+        print(rows[-1], flush=True)
+    out = {
+        "benchmark": "generation",
+        "command": f"python benchmarks/bench_generation.py --size {args.size} --repeats {args.repeats}",
+        "date": dt.date.today().isoformat(),
+        "machine": f"{platform.machine()}, torch {torch.__version__}, {args.threads} thread(s)",
+        "model": {"size": args.size, "parameters": sum(p.numel() for p in policy.model.parameters())},
+        "tokens_per_reply": args.tokens,
+        "results": rows,
+    }
+    (ROOT / "benchmarks" / "results" / "generation.json").write_text(json.dumps(out, indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    main()
