@@ -1,0 +1,263 @@
+"""The local desktop server: pure helpers, then a real Xvfb desktop (started and stopped by the tests)."""
+
+import base64
+import io
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from arpo_core.envs import desktop_server as ds
+from arpo_core.envs.osworld import DesktopClient
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+# ------------------------------------------------------------------ pure helpers
+@pytest.mark.parametrize(
+    ("path", "want"),
+    [
+        ("/home/user", "/h"),
+        ("/home/user/Desktop/a.txt", "/h/Desktop/a.txt"),
+        ("/home/username/x", "/home/username/x"),
+        ("~/x", "/h/x"),
+        ("~", "/h"),
+        ("rel/x.sh", "/h/rel/x.sh"),
+        ("/tmp/x", "/tmp/x"),
+    ],
+)
+def test_map_path(path, want):
+    assert ds.map_path(path, "/h") == want
+
+
+def test_strip_terminal():
+    raw = "\x1b[?2004hroot@vm:~# ls\r\n\x1b[01;34mdir\x1b[0m\r\n\x1b]0;title\x07$ \r"
+    assert ds.strip_terminal(raw) == "root@vm:~# ls\ndir\n$ "
+
+
+def test_token_checks():
+    assert ds.token_ok("abc", "abc")
+    assert not ds.token_ok("abd", "abc")
+    assert not ds.token_ok("", "")
+    assert not ds.token_ok(None, "abc")
+    assert ds.token_from_header("Bearer tok") == "tok"
+    assert ds.token_from_header("Basic " + base64.b64encode(b"tok:").decode()) == "tok"
+    assert ds.token_from_header("Basic " + base64.b64encode(b"user:tok").decode()) == "tok"
+    assert ds.token_from_header("Basic !!!") is None
+    assert ds.token_from_header("") is None
+    assert ds.split_token_path("/t/tok/setup/execute?x=1") == ("tok", "/setup/execute")
+    assert ds.split_token_path("/screenshot?x=1") == (None, "/screenshot")
+
+
+def test_directory_tree(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "b.txt").write_text("")
+    (tmp_path / "a.txt").write_text("")
+    tree = ds.directory_tree(str(tmp_path))
+    assert tree["type"] == "directory"
+    assert tree["children"] == [
+        {"type": "file", "name": "a.txt"},
+        {"type": "directory", "name": "d", "children": [{"type": "file", "name": "b.txt"}]},
+    ]
+
+
+def test_draw_cursor_marks_pixels_at_the_tip():
+    img = Image.new("RGB", (40, 40))
+    ds.draw_cursor(img, 10, 10)
+    # arrow (10,10)-(10,26)-(14,22)-(17,28)-(19,27)-(16,21)-(21,21): (12,18) is inside, (25,12) outside
+    assert img.getpixel((12, 18)) == (255, 255, 255)
+    assert img.getpixel((25, 12)) == (0, 0, 0)
+
+
+# ------------------------------------------------------------------ a real desktop
+def group_pids(pgid: int) -> list[int]:
+    out = []
+    for e in os.listdir("/proc"):
+        if e.isdigit():
+            try:
+                stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if stat[0] != "Z" and int(stat[2]) == pgid:
+                out.append(int(e))
+    return out
+
+
+def wait_until(pred, timeout_s: float = 10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if pred():
+            return True
+        time.sleep(0.1)
+    return False
+
+
+@pytest.fixture(scope="module")
+def desktop():
+    d = ds.LocalDesktop(screen_size=(640, 480), command_timeout_s=20)
+    info = d.start()
+    yield d, info, DesktopClient(info.base_url, info.token, timeout_s=30)
+    d.stop()
+
+
+def raw(url: str, method: str = "GET", body: bytes | None = None, headers: dict | None = None) -> int:
+    req = urllib.request.Request(url, data=body, method=method, headers=headers or {})
+    try:
+        with urllib.request.urlopen(req, timeout=10) as r:
+            return r.status
+    except urllib.error.HTTPError as e:
+        return e.code
+
+
+def test_requests_without_the_token_are_refused(desktop):
+    _d, info, _ = desktop
+    cmd = json.dumps({"command": "touch ~/pwned", "shell": True}).encode()
+    json_h = {"Content-Type": "application/json"}
+    assert raw(info.base_url + "/screenshot") == 401
+    assert raw(info.base_url + "/execute", "POST", cmd, json_h) == 401
+    assert raw(info.base_url + "/execute", "POST", cmd, {**json_h, "Authorization": "Bearer wrong"}) == 401
+    assert raw(info.base_url + "/t/wrong/execute", "POST", cmd, json_h) == 401
+    assert raw(info.base_url + "/setup/upload", "POST", b"x", {"Content-Type": "text/plain"}) == 401
+    assert not os.path.exists(os.path.join(info.home, "pwned"))
+    # the token opens it, in each accepted form
+    assert raw(info.base_url + "/platform", headers={"Authorization": f"Bearer {info.token}"}) == 200
+    assert raw(info.base_url + f"/t/{info.token}/platform") == 200
+    basic = "Basic " + base64.b64encode(f"{info.token}:".encode()).decode()
+    assert raw(info.base_url + "/platform", headers={"Authorization": basic}) == 200
+
+
+def test_binds_loopback_only(desktop):
+    _, info, _ = desktop
+    assert info.base_url.startswith("http://127.0.0.1:")
+
+
+def test_screenshot_execute_and_screen_size(desktop):
+    _, info, c = desktop
+    img = c.screenshot()
+    assert img.size == (640, 480)
+    assert c.screen_size() == {"width": 640, "height": 480}
+    res = c.execute("echo $HOME; pwd", shell=True)
+    assert res["output"] == f"{info.home}\n{info.home}\n" and res["returncode"] == 0
+    res = c.execute(["python", "-c", "import pyautogui; print(pyautogui.size())"])
+    assert res["returncode"] == 0 and "640" in res["output"]
+    res = c.execute(["sh", "-c", "echo err >&2; exit 3"])
+    assert (res["error"], res["returncode"]) == ("err\n", 3)
+
+
+def test_pyautogui_moves_the_real_pointer(desktop):
+    _, _, c = desktop
+    c.execute(["python", "-c", "import pyautogui; pyautogui.moveTo(123, 45)"])
+    code, body = c.request("GET", "/cursor_position")
+    assert (code, json.loads(body)) == (200, [123, 45])
+
+
+def test_upload_file_list_directory_with_osworld_paths(desktop):
+    _, info, c = desktop
+    c.upload("/home/user/Documents/up/a.bin", b"\x00\x01data")
+    assert Path(info.home, "Documents/up/a.bin").read_bytes() == b"\x00\x01data"
+    assert c.get_file("/home/user/Documents/up/a.bin") == b"\x00\x01data"
+    assert c.get_file("/home/user/Documents/up/missing") is None
+    tree = c.list_directory("/home/user/Documents/up")
+    assert tree == {"type": "directory", "name": "up", "children": [{"type": "file", "name": "a.bin"}]}
+    assert c.list_directory("/home/user/nope") is None
+
+
+def test_sudo_shim_consumes_the_password_and_runs_unprivileged(desktop):
+    _, info, c = desktop
+    res = c.execute("echo 'password' | sudo -S mkdir ~/Desktop/by_sudo && echo ok", shell=True)
+    assert res["output"] == "ok\n"
+    assert os.path.isdir(os.path.join(info.home, "Desktop/by_sudo"))
+
+
+def test_terminal_window_activate_close_and_terminal_output(desktop):
+    _, _, c = desktop
+    code, _ = c.request("GET", "/terminal")
+    assert code == 404  # no terminal yet
+    code, _ = c.post_json("/setup/launch", {"command": ["x-terminal-emulator"], "shell": False})
+    assert code == 200
+    assert wait_until(
+        lambda: c.execute("xdotool search --onlyvisible --name '^Terminal$'", True)["output"].strip()
+    )
+    code, _ = c.post_json("/setup/activate_window", {"window_name": "Terminal", "strict": True})
+    assert code == 200
+    c.execute(
+        ["python", "-c", "import pyautogui; pyautogui.write('echo MARK$((6*7))'); pyautogui.press('enter')"]
+    )
+    assert wait_until(lambda: "MARK42" in (c.terminal_output() or ""))
+    code, _ = c.post_json("/setup/close_window", {"window_name": "Terminal", "strict": True})
+    assert code == 200
+    assert wait_until(
+        lambda: not c.execute("xdotool search --onlyvisible --name '^Terminal$'", True)["output"]
+    )
+    assert c.post_json("/setup/activate_window", {"window_name": "Nope"})[0] == 404
+
+
+def test_unknown_endpoint_and_no_accessibility(desktop):
+    _, _, c = desktop
+    assert c.request("GET", "/nope")[0] == 404
+    assert c.request("GET", "/accessibility")[0] == 501
+
+
+def test_command_timeout_is_reported_not_hung(desktop):
+    _, _, c = desktop
+    t0 = time.monotonic()
+    code, res = c.post_json("/execute", {"command": "sleep 30", "shell": True, "timeout": 1})
+    assert code == 500 and "timed out" in res["error"] and time.monotonic() - t0 < 10
+
+
+def test_stop_kills_the_whole_desktop_and_removes_its_files():
+    d = ds.LocalDesktop(screen_size=(320, 240))
+    info = d.start()
+    c = DesktopClient(info.base_url, info.token)
+    c.post_json("/setup/launch", {"command": "sleep 300", "shell": True})
+    assert wait_until(lambda: len(group_pids(info.pid)) >= 4)  # server, Xvfb, openbox, sleep
+    runtime = Path(info.home).parent
+    d.stop()
+    assert wait_until(lambda: not group_pids(info.pid), 5)
+    assert not runtime.exists()
+    d.stop()  # idempotent
+
+
+def test_desktop_dies_with_its_parent(tmp_path):
+    """A SIGKILLed owner leaves nothing behind: the server's watchdog kills its own group."""
+    script = textwrap.dedent(
+        f"""
+        import sys, time
+        sys.path.insert(0, {str(REPO)!r})
+        from arpo_core.envs.desktop_server import LocalDesktop
+        info = LocalDesktop(screen_size=(320, 240)).start()
+        print(info.pid, info.home, flush=True)
+        time.sleep(60)
+        """
+    )
+    owner = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, text=True)
+    try:
+        pid, home = owner.stdout.readline().split()
+        pgid = int(pid)
+        assert group_pids(pgid) and os.path.isdir(home)
+        owner.send_signal(signal.SIGKILL)
+        owner.wait(5)
+        assert wait_until(lambda: not group_pids(pgid), 5)
+        assert wait_until(lambda: not os.path.exists(Path(home).parent), 5)  # its files are gone too
+    finally:
+        owner.kill()
+        owner.wait()
+
+
+def test_screenshot_is_png_with_the_cursor_drawn(desktop):
+    _, _, c = desktop
+    c.execute(["python", "-c", "import pyautogui; pyautogui.moveTo(300, 200)"])
+    _code, body = c.request("GET", "/screenshot")
+    img = Image.open(io.BytesIO(body)).convert("RGB")
+    assert body[:8] == b"\x89PNG\r\n\x1a\n"
+    # the root window is black; the drawn cursor is white just below/right of the tip
+    assert img.getpixel((302, 206)) == (255, 255, 255)
