@@ -2,9 +2,10 @@
 UI-TARS replies become trajectories for behaviour cloning (DESIGN.md stage `demos`).
 
 Decisions:
-1. The oracle runs inside the env worker (`oracle_reply` reads the DOM there); the reply travels as
-   text and goes through the same parser and coordinate mapping as a policy's reply, so a demo is
-   exactly what the policy should have said, in model-image coordinates.
+1. The oracle runs inside the env worker (`oracle_reply` reads the DOM there) and writes its reply in
+   the model-image frame of the policy's pixel budget; the reply travels as text and goes through the
+   same parser and coordinate mapping as a policy's reply, so a demo is exactly what the policy
+   should have said.
 2. Only successful episodes are kept: a demo that failed teaches the wrong thing. Failures and env
    faults are counted and returned so a broken oracle is visible (the oracles reach 20/20 in tests).
 3. Each env works through its own queue of jobs in a thread; calls to one env are sequential, envs run
@@ -19,6 +20,7 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from arpo_core.actions import ActionParseError, parse_response, smart_resize, to_screen
+from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS
 from arpo_core.envs.pool import EnvPool
 from arpo_core.rollout import EpisodeJob
 from arpo_core.trajectory import Step, Trajectory, png_bytes
@@ -36,7 +38,14 @@ class DemoResult:
     """Env faults / missing oracles, one line each."""
 
 
-def _play(pool: EnvPool, env_idx: int, job: EpisodeJob, max_steps: int, min_pixels: int, max_pixels: int):
+def _play(
+    pool: EnvPool,
+    env_idx: int,
+    job: EpisodeJob,
+    max_steps: int,
+    min_pixels: int | None,
+    max_pixels: int | None,
+):
     res = pool.submit_reset(env_idx, job.task, job.seed).result()
     if res.error or res.observation is None:
         return None, f"{job.task.task_id} seed {job.seed}: reset: {res.error}"
@@ -44,7 +53,7 @@ def _play(pool: EnvPool, env_idx: int, job: EpisodeJob, max_steps: int, min_pixe
     instruction = obs.instruction or job.task.instruction
     steps: list[Step] = []
     for k in range(max_steps):
-        reply = pool.submit_call(env_idx, "oracle_reply").result()
+        reply = pool.submit_call(env_idx, "oracle_reply", min_pixels, max_pixels).result()
         if reply.error or not reply.value:
             return None, f"{job.task.task_id} seed {job.seed}: no oracle reply ({reply.error})"
         text = reply.value
@@ -53,7 +62,9 @@ def _play(pool: EnvPool, env_idx: int, job: EpisodeJob, max_steps: int, min_pixe
         except ActionParseError as e:
             return None, f"{job.task.task_id}: oracle reply does not parse: {e}"
         w, h = obs.screen_size
-        mh, mw = smart_resize(h, w, min_pixels=min_pixels, max_pixels=max_pixels)
+        mh, mw = smart_resize(
+            h, w, min_pixels=min_pixels or MODEL_MIN_PIXELS, max_pixels=max_pixels or MODEL_MAX_PIXELS
+        )
         actions = to_screen(parsed.actions, (mw, mh), (w, h))
         step = Step(
             step_idx=k,
@@ -94,8 +105,8 @@ def play_oracle_episodes(
     pool: EnvPool,
     jobs: Sequence[EpisodeJob],
     max_steps: int = 15,
-    min_pixels: int = 3136,
-    max_pixels: int = 1003520,
+    min_pixels: int | None = None,
+    max_pixels: int | None = None,
     progress=None,
 ) -> DemoResult:
     """Play every job with the oracle; keep the successes (decision 2)."""

@@ -157,17 +157,28 @@ def init_policy(p: Params, out_dir: str | os.PathLike) -> dict[str, Any]:
     return {"init_policy/parameters": float(n), "init_policy/vocab": float(len(policy.tokenizer))}
 
 
-def demos(p: Params, out_path: str | os.PathLike) -> dict[str, Any]:
-    """Oracle demonstrations on the in-domain suite (successful episodes only)."""
+def demos(
+    p: Params, out_path: str | os.PathLike, policy_dir: str | os.PathLike | None = None
+) -> dict[str, Any]:
+    """Oracle demonstrations on the in-domain suite (successful episodes only), in the model-image
+    frame of the policy at `policy_dir` (its image processor's pixel budget; default: the oracles')."""
     tasks = suite_tasks(p, "in_domain")
     jobs = [
         EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)
         for g, t in enumerate(tasks)
         for k in range(p.demos.episodes_per_task)
     ]
+    min_pixels, max_pixels = pixel_budget(resolve_policy(policy_dir)) if policy_dir else (None, None)
     with make_pool(p) as pool:
         bar = _bar(len(jobs), "demos")
-        res = play_oracle_episodes(pool, jobs, max_steps=p.baseline.max_steps, progress=bar)
+        res = play_oracle_episodes(
+            pool,
+            jobs,
+            max_steps=p.baseline.max_steps,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            progress=bar,
+        )
         bar.close()
     if not res.trajectories:
         raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")

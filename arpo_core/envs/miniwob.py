@@ -485,12 +485,19 @@ class MiniWoBEnv:
             for i, r in enumerate(raw)
         ]
 
-    def oracle_reply(self) -> str | None:
-        """The scripted oracle's UI-TARS reply for the current state (None: no oracle for the task)."""
-        from arpo_core.envs.oracles import oracle_reply
+    def oracle_reply(self, min_pixels: int | None = None, max_pixels: int | None = None) -> str | None:
+        """The scripted oracle's UI-TARS reply for the current state (None: no oracle for the task), in
+        the model-image frame of a policy with this pixel budget (default: the oracles' own)."""
+        from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, oracle_reply
 
         assert self.task is not None
-        return oracle_reply(self.task.task_id, self.utterance, self.dom_elements())
+        return oracle_reply(
+            self.task.task_id,
+            self.utterance,
+            self.dom_elements(),
+            min_pixels=min_pixels or MODEL_MIN_PIXELS,
+            max_pixels=max_pixels or MODEL_MAX_PIXELS,
+        )
 
     # ---------------------------------------------------------------- acting
     def step(self, actions: list[Action]) -> StepResult:
