@@ -1,0 +1,14 @@
+"""Prefect flows (one per pipeline stage, plus `arpo-train`), MLflow tracking and the `arpo` CLI.
+
+Importing this package sets local, private defaults before Prefect or MLflow are imported (each only
+when the variable is not already set): Prefect's home inside the project (`.prefect/`, so its sqlite
+database and settings stay with the project), no Prefect, MLflow or DVC usage analytics.
+"""
+
+import os
+from pathlib import Path
+
+os.environ.setdefault("PREFECT_HOME", str(Path.cwd() / ".prefect"))
+os.environ.setdefault("PREFECT_SERVER_ANALYTICS_ENABLED", "false")
+os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
+os.environ.setdefault("DVC_NO_ANALYTICS", "1")

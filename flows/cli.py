@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import time
 from pathlib import Path
@@ -10,6 +11,8 @@ import typer
 import yaml
 
 from arpo_core.config import ConfigError, Params, load_params, to_dict
+from flows.runner import PATHS  # noqa: F401  (re-exported: the default output path of each stage)
+from flows.spec import STAGE_NAMES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ARPO training pipeline for GUI agents.")
 
@@ -17,18 +20,8 @@ PARAMS_OPT = typer.Option(Path("params.yaml"), "--params", "-p", help="params fi
 SET_OPT = typer.Option([], "--set", "-S", help="override, e.g. train.replay.enabled=false (repeatable)")
 PRESET_OPT = typer.Option(None, "--preset", help="partial params file merged over --params, e.g. quick")
 
-# Default locations of every stage's outputs (the same paths as dvc.yaml).
-PATHS = {
-    "init_policy": Path("models/init"),
-    "demos": Path("data/demos/demos.parquet"),
-    "sft": Path("models/base"),
-    "baseline": Path("data/baseline"),
-    "select": Path("data/selected_tasks.json"),
-    "train": Path("models/arpo"),
-    "evaluate": Path("data/eval"),
-    "metrics": Path("metrics/evaluate.json"),
-}
-STAGE_NAMES = ("init_policy", "demos", "sft", "baseline", "select", "train", "evaluate")
+STAGE_HELP = " | ".join(STAGE_NAMES)
+METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)")
 
 
 def _load(params: Path, overrides: list[str], preset: str | None = None) -> Params:
@@ -48,54 +41,68 @@ def params(
     typer.echo(json.dumps(cfg, indent=2) if as_json else yaml.safe_dump(cfg, sort_keys=False).rstrip())
 
 
-def run_stage(name: str, p: Params, root: Path = Path(".")) -> dict:
-    """Run one stage with the default paths under `root`; returns its metrics."""
-    from arpo_core import stages
-
-    P = {k: root / v for k, v in PATHS.items()}
-    if name == "init_policy":
-        return stages.init_policy(p, P["init_policy"])
-    if name == "demos":
-        return stages.demos(p, P["demos"])
-    if name == "sft":
-        return stages.sft_stage(p, P["init_policy"], P["demos"], P["sft"])
-    if name == "baseline":
-        return stages.baseline(p, P["sft"], P["baseline"])
-    if name == "select":
-        return stages.select(p, P["baseline"], P["select"])
-    if name == "train":
-        return stages.train_stage(p, P["sft"], P["select"], P["train"])
-    if name == "evaluate":
-        policies = {"base": P["sft"], "arpo": P["train"] / "policy"}
-        return stages.evaluate(p, policies, P["evaluate"], P["metrics"])
-    raise typer.BadParameter(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
+def run_stage(
+    name: str,
+    params: Path = Path("params.yaml"),
+    overrides: list[str] | None = None,
+    preset: str | None = None,
+) -> dict[str, float]:
+    """Run one stage outside Prefect (what `arpo stage` and so each DVC stage does), tracked in MLflow
+    like the stage's flow: the flow's own function, whose task calls then run as plain functions."""
+    if name not in STAGE_NAMES:
+        raise typer.BadParameter(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
+    stage_flow = getattr(importlib.import_module(f"flows.{name}"), name)
+    return stage_flow.fn(params=str(params), preset=preset, overrides=list(overrides or ()))
 
 
 @app.command()
 def stage(
-    name: str = typer.Argument(..., help="init_policy | demos | sft | baseline | select | train | evaluate"),
+    name: str = typer.Argument(..., help=STAGE_HELP),
     params: Path = PARAMS_OPT,
     set_: list[str] = SET_OPT,
     preset: str = PRESET_OPT,
 ) -> None:
-    """Run one pipeline stage (what a DVC stage and a Prefect flow call)."""
-    p = _load(params, set_, preset)
-    t0 = time.monotonic()
-    metrics = run_stage(name, p)
-    typer.echo(json.dumps({**metrics, f"time/{name}_s": time.monotonic() - t0}, indent=1, sort_keys=True))
+    """Run one pipeline stage without Prefect (each DVC stage's cmd); tracked in MLflow."""
+    _load(params, set_, preset)  # a bad key exits 2 with the message, before any work
+    metrics = run_stage(name, params, set_, preset)
+    typer.echo(json.dumps(metrics, indent=1, sort_keys=True))
 
 
 @app.command()
-def run(params: Path = PARAMS_OPT, set_: list[str] = SET_OPT, preset: str = PRESET_OPT) -> None:
-    """Run the pipeline on the embedded default, stage after stage (the stages that exist so far)."""
-    p = _load(params, set_, preset)
-    typer.echo(f"[arpo] params OK: project {p.project.name!r}, seed {p.project.seed}")
-    for name in STAGE_NAMES:
-        t0 = time.monotonic()
-        typer.secho(f"[arpo] stage {name} ...", fg=typer.colors.CYAN)
-        metrics = run_stage(name, p)
-        shown = ", ".join(f"{k}={v:.3g}" for k, v in sorted(metrics.items()) if isinstance(v, float))
-        typer.echo(f"[arpo] stage {name} done in {time.monotonic() - t0:.0f} s: {shown}")
+def run(
+    params: Path = PARAMS_OPT,
+    set_: list[str] = SET_OPT,
+    preset: str = PRESET_OPT,
+    force: bool = typer.Option(False, "--force", help="re-run stages that are up to date"),
+) -> None:
+    """Run the pipeline (the Prefect flow `arpo-train`) here, skipping up-to-date stages. Without a
+    Prefect server configured (PREFECT_API_URL) Prefect starts a temporary local one for the run."""
+    _load(params, set_, preset)
+    from flows.arpo_train import arpo_train
+
+    t0 = time.monotonic()
+    arpo_train(params=str(params), preset=preset, overrides=list(set_), force=force)
+    typer.secho(f"[arpo] pipeline finished in {(time.monotonic() - t0) / 60:.1f} min", fg=typer.colors.GREEN)
+
+
+@app.command()
+def runs(
+    experiment: str = typer.Option(None, "--experiment", "-e", help="default: project.name of --params"),
+    stage_name: str = typer.Option(None, "--stage", "-s", help="only runs of this stage, e.g. evaluate"),
+    metric: list[str] = METRIC_OPT,
+    params: Path = PARAMS_OPT,
+    limit: int = typer.Option(30, help="newest N runs"),
+) -> None:
+    """Compare the MLflow runs of an experiment in a terminal table (one row per stage run)."""
+    from flows import tracking
+
+    name = experiment or _load(params, []).project.name
+    rows = tracking.run_rows(tracking.client(), name, stage_name)[:limit]
+    if not rows:
+        typer.echo(f"no runs in experiment {name!r} ({tracking.tracking_uri()})")
+        raise typer.Exit(1)
+    columns = list(metric) or tracking.default_columns(rows)
+    typer.echo(tracking.comparison_table(rows, columns))
 
 
 if __name__ == "__main__":

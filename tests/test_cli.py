@@ -39,3 +39,23 @@ def test_console_script_is_installed():
     out = subprocess.run([str(exe), "--help"], capture_output=True, text=True, timeout=60, cwd=ROOT)
     assert out.returncode == 0
     assert "params" in out.stdout and "run" in out.stdout
+
+
+def test_stage_rejects_unknown_stage_name():
+    res = runner.invoke(app, ["stage", "trian", "-p", str(ROOT / "params.yaml")])
+    assert res.exit_code != 0
+    assert "unknown stage 'trian'" in res.output and "init_policy" in res.output
+
+
+def test_run_fails_on_bad_override_before_starting_prefect():
+    res = runner.invoke(app, ["run", "-p", str(ROOT / "params.yaml"), "-S", "train.epochz=1"])
+    assert res.exit_code == 2
+    assert "unknown key 'epochz' in section 'train'" in res.output
+
+
+def test_help_lists_orchestration_commands():
+    res = runner.invoke(app, ["--help"])
+    assert res.exit_code == 0
+    for cmd in ("params", "stage", "run", "runs"):
+        assert cmd in res.output
+    assert "--force" in runner.invoke(app, ["run", "--help"]).output

@@ -1,0 +1,95 @@
+"""`arpo-train`: the whole pipeline as one Prefect flow composing the stage flows as subflows.
+
+Decisions:
+1. The flow only composes: stage order and the up-to-date check; every stage is its own subflow (and
+   MLflow run) with the stage's name, so the Prefect UI, `dvc.yaml` and MLflow show the same names.
+2. A stage whose stamp matches its params, inputs and code (flows/spec.py) is skipped and says so;
+   `force=True` re-runs everything. Because upstream outputs are part of a stage's key, re-running an
+   early stage re-runs everything downstream of it whose inputs actually changed.
+3. Deployment parameters are strings (params file, preset name, dotted overrides), the same inputs as
+   `arpo run` and `dvc exp run -S`, so a deployment run is reproducible from its parameters alone.
+4. Progress: one line when a stage starts, is skipped or ends (with its wall time and headline
+   metrics), through `print` with `log_prints` so it reaches the terminal and the Prefect UI.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from pathlib import Path
+
+from prefect import flow
+from prefect.context import FlowRunContext
+
+from arpo_core.config import load_params
+from flows.baseline import baseline
+from flows.demos import demos
+from flows.evaluate import evaluate
+from flows.init_policy import init_policy
+from flows.runner import variant_name
+from flows.select import select
+from flows.sft import sft
+from flows.spec import SPECS, STAGE_NAMES, is_up_to_date
+from flows.train import train
+
+__all__ = ["FLOWS", "arpo_train", "headline"]
+
+# In pipeline order; `ground` (flows/spec.py decision 5) slots in after init_policy.
+FLOWS = {
+    "init_policy": init_policy,
+    "demos": demos,
+    "sft": sft,
+    "baseline": baseline,
+    "select": select,
+    "train": train,
+    "evaluate": evaluate,
+}
+assert tuple(FLOWS) == STAGE_NAMES
+
+HEADLINE_KEYS = (
+    "init_policy/parameters",
+    "demos/episodes",
+    "sft/loss_last",
+    "baseline/success_rate",
+    "select/kept",
+    "rollout/success_rate",
+    "replay/groups_filled",
+    "eval/base/greedy/in_domain/success_rate",
+    "eval/arpo/greedy/in_domain/success_rate",
+    "eval/arpo/greedy/out_of_domain/success_rate",
+)
+
+
+def headline(metrics: dict[str, float]) -> str:
+    """The few metrics worth a progress line: 'rollout/success_rate=0.25, replay/groups_filled=1'."""
+    return ", ".join(f"{k}={metrics[k]:.3g}" for k in HEADLINE_KEYS if k in metrics)
+
+
+@flow(name="arpo-train", log_prints=True)
+def arpo_train(
+    params: str = "params.yaml",
+    preset: str | None = None,
+    overrides: list[str] | None = None,
+    force: bool = False,
+) -> dict[str, dict[str, float]]:
+    """init_policy -> demos -> sft -> baseline -> select -> train -> evaluate, skipping up-to-date stages.
+    Returns each executed stage's metrics."""
+    p = load_params(params, list(overrides or ()), preset=preset)  # fail before any stage on a bad key
+    ctx = FlowRunContext.get()
+    pipeline_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
+    print(
+        f"[arpo-train] {variant_name(preset, overrides)}: project {p.project.name!r}, seed {p.project.seed}"
+    )
+    results: dict[str, dict[str, float]] = {}
+    t_all = time.monotonic()
+    for i, (name, stage_flow) in enumerate(FLOWS.items(), 1):
+        tag = f"[arpo-train] {i}/{len(FLOWS)} {name}"
+        if not force and is_up_to_date(p, SPECS[name], Path(".")):
+            print(f"{tag}: up to date, skipped")
+            continue
+        print(f"{tag}: running")
+        t0 = time.monotonic()
+        results[name] = stage_flow(params=params, preset=preset, overrides=overrides, pipeline_id=pipeline_id)
+        print(f"{tag}: done in {time.monotonic() - t0:.0f} s  {headline(results[name])}")
+    print(f"[arpo-train] finished in {time.monotonic() - t_all:.0f} s")
+    return results

@@ -1,0 +1,223 @@
+"""MLflow tracking for the pipeline: one experiment per pipeline, one run per stage, same names.
+
+Decisions:
+1. The store is local by default: sqlite at `<root>/mlflow.db`, artifacts under `<root>/mlruns`
+   (MLflow 3 refuses the plain file store). `MLFLOW_TRACKING_URI` overrides it (e.g. a shared
+   `mlflow server`); the artifact location is then the server's.
+2. All calls go through `MlflowClient` with an explicit run id, never the fluent `mlflow.start_run`
+   stack: Prefect runs tasks in worker threads and the fluent active-run state is per thread, while
+   an explicit id works from any thread (the train task logs per-iteration metrics from its thread).
+3. Metrics are logged in batches (`log_batch`, at most 1000 per call, MLflow's limit), with a step for
+   per-iteration and per-epoch series; params are a stage's params flattened to dotted keys.
+4. Tags link the run to the code and data it came from: `mlflow.source.git.commit` (MLflow's own key,
+   shown in the UI), `arpo.stage`, `arpo.key` (the stage's input hash, flows/spec.py), `arpo.pipeline_id`
+   (shared by the stage runs of one pipeline run), `arpo.preset` / `arpo.overrides` (the ablation), and
+   under DVC `dvc.exp_name` / `dvc.baseline_rev`.
+5. No telemetry: MLflow's usage telemetry is switched off by the environment set in flows/__init__.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections.abc import Iterable, Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from mlflow import MlflowClient
+from mlflow.entities import Metric, Param, RunStatus, RunTag
+
+__all__ = [
+    "comparison_table",
+    "ensure_experiment",
+    "finish_run",
+    "git_commit",
+    "log_artifacts",
+    "log_metrics",
+    "log_params",
+    "start_run",
+    "tracking_uri",
+]
+
+MAX_METRICS = 1000
+MAX_PARAMS = 100
+MAX_PARAM_CHARS = 6000
+
+
+def tracking_uri(root: str | os.PathLike = ".") -> str:
+    """`MLFLOW_TRACKING_URI` if set, else sqlite at `<root>/mlflow.db` (decision 1)."""
+    env = os.environ.get("MLFLOW_TRACKING_URI")
+    if env:
+        return env
+    return f"sqlite:///{(Path(root) / 'mlflow.db').resolve()}"
+
+
+def client(root: str | os.PathLike = ".") -> MlflowClient:
+    uri = tracking_uri(root)
+    return MlflowClient(tracking_uri=uri, registry_uri=uri)
+
+
+def ensure_experiment(c: MlflowClient, name: str, root: str | os.PathLike = ".") -> str:
+    """Id of experiment `name`, created (artifacts under `<root>/mlruns` for a local store) if new."""
+    exp = c.get_experiment_by_name(name)
+    if exp is not None:
+        return exp.experiment_id
+    location = None
+    if not os.environ.get("MLFLOW_TRACKING_URI"):
+        location = (Path(root).resolve() / "mlruns" / name).as_uri()
+    return c.create_experiment(name, artifact_location=location)
+
+
+def git_commit(root: str | os.PathLike = ".") -> str | None:
+    """HEAD commit of the repository holding `root`, or None outside git."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=10, check=False
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    return out.stdout.strip() or None if out.returncode == 0 else None
+
+
+def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
+    """Tags of a stage run (decision 4); None values are left out."""
+    tags: dict[str, Any] = {
+        "arpo.stage": stage,
+        "mlflow.source.git.commit": git_commit(root),
+        "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
+        "dvc.baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+        **(extra or {}),
+    }
+    return {k: str(v) for k, v in tags.items() if v is not None}
+
+
+def start_run(c: MlflowClient, experiment_id: str, name: str, tags: Mapping[str, str] | None = None) -> str:
+    """A new run named `name` (the stage name); returns its id."""
+    return c.create_run(experiment_id, run_name=name, tags=dict(tags or {})).info.run_id
+
+
+def _chunks(items: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
+    for i in range(0, len(items), n):
+        yield items[i : i + n]
+
+
+def log_params(c: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
+    """Log flat params (values stringified; None as 'null', as YAML writes it)."""
+    items = [Param(k, ("null" if v is None else str(v))[:MAX_PARAM_CHARS]) for k, v in sorted(params.items())]
+    for chunk in _chunks(items, MAX_PARAMS):
+        c.log_batch(run_id, params=chunk)
+
+
+def log_metrics(c: MlflowClient, run_id: str, metrics: Mapping[str, Any], step: int = 0) -> int:
+    """Log the numeric entries of `metrics` at `step` in batches (decision 3); returns how many."""
+    now = int(time.time() * 1000)
+    items = [
+        Metric(k, float(v), now, step)
+        for k, v in sorted(metrics.items())
+        if isinstance(v, int | float) and not isinstance(v, bool)
+    ]
+    for chunk in _chunks(items, MAX_METRICS):
+        c.log_batch(run_id, metrics=chunk)
+    return len(items)
+
+
+def log_artifacts(c: MlflowClient, run_id: str, path: str | os.PathLike, artifact_path: str) -> None:
+    """A file or a directory as artifacts under `artifact_path`; a missing path is skipped."""
+    path = Path(path)
+    if path.is_dir():
+        c.log_artifacts(run_id, str(path), artifact_path)
+    elif path.is_file():
+        c.log_artifact(run_id, str(path), artifact_path)
+
+
+def finish_run(c: MlflowClient, run_id: str, ok: bool) -> None:
+    c.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
+
+
+def set_tags(c: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
+    c.log_batch(run_id, tags=[RunTag(k, v) for k, v in tags.items()])
+
+
+# ------------------------------------------------------------------------------------------------
+# Comparison table (`arpo runs`)
+
+DEFAULT_COLUMNS = (
+    "rollout/success_rate",
+    "replay/groups_filled",
+    "loss/policy",
+    "eval/base/greedy/in_domain/success_rate",
+    "eval/arpo/greedy/in_domain/success_rate",
+    "eval/arpo/greedy/out_of_domain/success_rate",
+)
+
+
+def default_columns(rows: Sequence[Mapping[str, Any]], n: int = 6) -> list[str]:
+    """DEFAULT_COLUMNS present in `rows`, else the first `n` metric keys the rows have (sorted)."""
+    cols = [c for c in DEFAULT_COLUMNS if any(c in r for r in rows)]
+    if cols:
+        return cols
+    keys = sorted({k for r in rows for k in r if "/" in k and not k.startswith(("time/", "iter/"))})
+    return keys[:n]
+
+
+def comparison_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], max_width: int = 14) -> str:
+    """Plain-text table of runs: `rows` are dicts with 'run', 'stage', 'variant', 'status', 'minutes'
+    and metric values; `columns` are the metric keys shown (headers shortened by `short_name`).
+    Missing values print as '-'; numbers with 3 significant digits."""
+    head = ["run", "stage", "variant", "status", "min", *[short_name(c) for c in columns]]
+    body = []
+    for r in rows:
+        cells = [
+            str(r.get("run", ""))[:8],
+            str(r.get("stage", "")),
+            str(r.get("variant", "")),
+            str(r.get("status", "")),
+            _fmt(r.get("minutes")),
+            *[_fmt(r.get(c)) for c in columns],
+        ]
+        body.append(cells)
+    widths = [max(len(x) for x in col) for col in zip(head, *body, strict=True)]
+    lines = [
+        "  ".join(x.ljust(w) for x, w in zip(row, widths, strict=True)).rstrip() for row in [head, *body]
+    ]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def short_name(key: str) -> str:
+    """Column header of a metric: 'eval/arpo/greedy/in_domain/success_rate' -> 'arpo/in_domain/success'."""
+    out = key.removeprefix("eval/").replace("/greedy/", "/").replace("success_rate", "success")
+    return out
+
+
+def _fmt(v: Any) -> str:
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.3g}"
+    return str(v)
+
+
+def run_rows(c: MlflowClient, experiment: str, stage: str | None = None) -> list[dict[str, Any]]:
+    """One dict per run of `experiment` (newest first), optionally only runs named `stage`."""
+    exp = c.get_experiment_by_name(experiment)
+    if exp is None:
+        return []
+    flt = f"attributes.run_name = '{stage}'" if stage else ""
+    runs = c.search_runs([exp.experiment_id], filter_string=flt, order_by=["attributes.start_time DESC"])
+    rows = []
+    for run in runs:
+        info, data = run.info, run.data
+        minutes = (info.end_time - info.start_time) / 60000 if info.end_time and info.start_time else None
+        rows.append(
+            {
+                "run": info.run_id,
+                "stage": info.run_name,
+                "variant": data.tags.get("arpo.variant", ""),
+                "status": info.status,
+                "minutes": minutes,
+                **data.metrics,
+            }
+        )
+    return rows

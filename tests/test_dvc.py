@@ -1,0 +1,156 @@
+"""dvc.yaml against params.yaml, the config dataclasses and flows/spec.py; `dvc repro` twice and an
+ablation with `dvc exp run -S` on the quick preset (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+
+import orchestration_helpers as oh
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from arpo_core.config import ConfigError, load_params, parse_params, to_dict
+from flows.cli import app
+from flows.runner import PATHS
+from flows.spec import SPECS, STAGE_NAMES
+
+ROOT = Path(__file__).resolve().parents[1]
+DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+RAW_PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
+
+
+def _lookup(tree, dotted):
+    node = tree
+    for part in dotted.split("."):
+        assert isinstance(node, dict) and part in node, f"params key '{dotted}' missing at '{part}'"
+        node = node[part]
+    return node
+
+
+def test_dvc_stages_are_the_pipeline_stages_in_order():
+    assert tuple(DVC["stages"]) == STAGE_NAMES
+
+
+@pytest.mark.parametrize("name", STAGE_NAMES)
+def test_dvc_stage_matches_flow_spec(name):
+    """deps, params, outs and metrics of each DVC stage are those the Prefect pipeline's up-to-date
+    check uses (flows/spec.py), and its command is `arpo stage NAME`."""
+    stage, spec = DVC["stages"][name], SPECS[name]
+    assert stage["cmd"] == f"arpo stage {name}"
+    assert stage["deps"] == list(spec.deps)
+    assert stage["params"] == list(spec.params)
+    assert stage["outs"] == list(spec.outs)
+    assert stage["metrics"] == [spec.metrics]
+    for dep in spec.deps:
+        assert (ROOT / dep).exists() or any(dep == o for s in SPECS.values() for o in s.outs), dep
+    # the CLI's default paths lie inside the stage's outs
+    assert any(str(PATHS[name]).startswith(o) for o in spec.outs)
+
+
+@pytest.mark.parametrize("key", sorted({k for s in DVC["stages"].values() for k in s["params"]}))
+def test_every_dvc_params_key_exists_in_params_yaml_and_parses(key):
+    raw = _lookup(RAW_PARAMS, key)
+    parsed = _lookup(to_dict(parse_params(RAW_PARAMS, "params.yaml")), key)
+    if isinstance(raw, dict):
+        assert set(raw) <= set(parsed)
+    else:
+        assert parsed == raw
+
+
+def test_every_stage_reads_its_own_params_section():
+    for name, stage in DVC["stages"].items():
+        assert name in stage["params"], name
+
+
+def test_dvc_plots_read_columns_the_train_stage_writes():
+    from flows.runner import PLOT_COLUMNS
+
+    for plot in DVC["plots"]:
+        ((_, spec),) = plot.items()
+        assert spec["x"] in PLOT_COLUMNS
+        for file, cols in spec["y"].items():
+            assert file == "plots/train_epochs.csv"
+            assert set(cols) <= set(PLOT_COLUMNS)
+
+
+def test_unknown_key_in_params_yaml_fails_with_a_clear_message(tmp_path):
+    bad = tmp_path / "params.yaml"
+    raw = yaml.safe_load((ROOT / "params.yaml").read_text())
+    raw["train"]["replay"]["enabeld"] = False
+    bad.write_text(yaml.safe_dump(raw))
+    with pytest.raises(ConfigError, match=r"unknown key 'enabeld' in section 'train\.replay'"):
+        load_params(bad)
+    # what a DVC stage's command does with it: exit 2 before any work, naming key, section and file
+    res = CliRunner().invoke(app, ["stage", "select", "-p", str(bad)])
+    assert res.exit_code == 2
+    assert "unknown key 'enabeld' in section 'train.replay'" in res.output and str(bad) in res.output
+
+
+def test_dvc_config_is_local_without_analytics():
+    text = (ROOT / ".dvc" / "config").read_text()
+    assert "analytics = false" in text and "url = ../dvc-remote" in text
+    assert "/dvc-remote/" in (ROOT / ".gitignore").read_text()
+    assert "__pycache__" in (ROOT / ".dvcignore").read_text()
+
+
+# ------------------------------------------------------------------------------------------------
+# Real DVC on a copy of the project (slow)
+
+
+def _git(project: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=test@example.com", "-c", "user.name=test", *args],
+        cwd=project,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_dvc_repro_quick_then_noop_then_ablation_experiment(tmp_path):
+    project = oh.copy_project(tmp_path / "proj")
+    oh.write_quick_params(project)  # the quick preset reaches DVC as params.yaml values
+    env = oh.base_env(project)
+    _git(project, "init", "-q")
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "quick")
+
+    first = oh.run(["dvc", "repro"], project, env, timeout=600)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    for name in STAGE_NAMES:
+        assert f"Running stage '{name}'" in first.stdout
+    assert (project / "data" / "demos" / "demos.parquet").exists()
+    metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
+    assert "eval/arpo/greedy/in_domain/success_rate" in metrics
+    lock = (project / "dvc.lock").read_text()
+
+    second = oh.run(["dvc", "repro"], project, env, timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    assert "Running stage" not in second.stdout
+    assert "Data and pipelines are up to date." in second.stdout
+    assert (project / "dvc.lock").read_text() == lock
+
+    # An ablation as an experiment: only the stages reading train.* re-run.
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "lock")
+    exp = oh.run(["dvc", "exp", "run", "-S", "train.replay.enabled=false"], project, env, timeout=600)
+    assert exp.returncode == 0, exp.stdout[-4000:] + exp.stderr[-4000:]
+    assert "Running stage 'train'" in exp.stdout and "Running stage 'evaluate'" in exp.stdout
+    assert "Running stage 'sft'" not in exp.stdout
+    shown = oh.run(["dvc", "exp", "show", "--json"], project, env, timeout=120)
+    assert "train.replay.enabled" in shown.stdout or '"enabled": false' in shown.stdout
+
+    from flows import tracking
+
+    c = tracking.client(project)
+    trains = tracking.run_rows(c, "arpo-embedded", "train")
+    assert len(trains) == 2
+    tags = [c.get_run(r["run"]).data.tags for r in trains]
+    assert sum("dvc.exp_name" in t for t in tags) == 1
+    params = [c.get_run(r["run"]).data.params["train.replay.enabled"] for r in trains]
+    assert sorted(params) == ["False", "True"]

@@ -1,0 +1,313 @@
+"""Stage specs, up-to-date stamps, a tracked stage run, and the `arpo-train` deployment on a real
+Prefect server with a process worker (slow)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import time
+from pathlib import Path
+
+import orchestration_helpers as oh
+import pyarrow.parquet as pq
+import pytest
+import torch
+import yaml
+
+from arpo_core.config import load_params, parse_params
+from flows import tracking
+from flows.runner import PLOT_COLUMNS, StageRun, variant_name, write_epoch_plot
+from flows.spec import (
+    SPECS,
+    STAGE_NAMES,
+    fingerprint,
+    is_up_to_date,
+    read_stamp,
+    stage_key,
+    stage_params,
+    write_stamp,
+)
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture
+def one_thread():
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ------------------------------------------------------------------------------------------------
+# Pure helpers
+
+
+def test_stage_order_has_every_design_stage_but_ground():
+    assert STAGE_NAMES == ("init_policy", "demos", "sft", "baseline", "select", "train", "evaluate")
+
+
+def test_stage_params_flattens_sections_and_keeps_cross_keys():
+    p = parse_params({"select": {"min_successes": 3}, "env": {"in_domain_suite": "x.yaml"}})
+    got = stage_params(p, SPECS["select"])
+    assert got["select.min_successes"] == 3
+    assert got["env.in_domain_suite"] == "x.yaml"
+    assert "env.n_envs" not in got  # operational settings are not inputs (spec decision 2)
+    assert all(k.startswith(("select.", "env.in_domain_suite")) for k in got)
+
+
+def test_fingerprint_tracks_content_and_names_but_not_bytecode(tmp_path):
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "a.py").write_text("x = 1\n")
+    f0 = fingerprint(["d"], tmp_path)
+    (tmp_path / "d" / "__pycache__").mkdir()
+    (tmp_path / "d" / "__pycache__" / "a.cpython-312.pyc").write_bytes(b"\0")
+    (tmp_path / "d" / ".a.json.tmp").write_text("partial")
+    assert fingerprint(["d"], tmp_path) == f0
+    (tmp_path / "d" / "a.py").write_text("x = 2\n")
+    f1 = fingerprint(["d"], tmp_path)
+    assert f1 != f0
+    (tmp_path / "d" / "a.py").rename(tmp_path / "d" / "b.py")
+    assert fingerprint(["d"], tmp_path) not in (f0, f1)
+    assert fingerprint(["missing"], tmp_path) != fingerprint(["missing2"], tmp_path)
+
+
+def _fake_select_inputs(root: Path) -> None:
+    for rel in SPECS["select"].deps:
+        path = root / rel
+        if rel.endswith((".py", ".json")):
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.write_text(f"# {rel}\n")
+        else:
+            path.mkdir(parents=True, exist_ok=True)
+            (path / "f.txt").write_text(rel)
+
+
+def test_stage_key_changes_with_its_params_and_deps_only(tmp_path):
+    _fake_select_inputs(tmp_path)
+    spec = SPECS["select"]
+    p = parse_params({})
+    k0 = stage_key(p, spec, tmp_path)
+    assert stage_key(parse_params({"env": {"n_envs": 3}}), spec, tmp_path) == k0
+    assert stage_key(parse_params({"train": {"lr": 0.5}}), spec, tmp_path) == k0
+    assert stage_key(parse_params({"select": {"min_successes": 2}}), spec, tmp_path) != k0
+    (tmp_path / "arpo_core" / "selection.py").write_text("# changed code\n")
+    assert stage_key(p, spec, tmp_path) != k0
+
+
+def test_stamp_up_to_date_until_params_inputs_or_outputs_change(tmp_path):
+    _fake_select_inputs(tmp_path)
+    spec, p = SPECS["select"], parse_params({})
+    assert not is_up_to_date(p, spec, tmp_path)  # no stamp
+    out = tmp_path / "data" / "selected_tasks.json"
+    out.write_text("{}")
+    write_stamp(tmp_path, spec, stage_key(p, spec, tmp_path), {"mlflow_run_id": "r1"})
+    assert read_stamp(tmp_path, "select")["mlflow_run_id"] == "r1"
+    assert is_up_to_date(p, spec, tmp_path)
+    assert not is_up_to_date(parse_params({"select": {"min_successes": 4}}), spec, tmp_path)
+    out.write_text('{"other": 1}')  # e.g. `dvc checkout` of another experiment
+    assert not is_up_to_date(p, spec, tmp_path)
+    out.unlink()
+    assert not is_up_to_date(p, spec, tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("preset", "overrides", "exp", "want"),
+    [
+        (None, None, None, "default"),
+        ("quick", [], None, "quick"),
+        ("presets/grpo.yaml", ["train.lr=0.001"], None, "grpo train.lr=0.001"),
+        (None, None, "puffy-walk", "dvc-exp:puffy-walk"),
+    ],
+)
+def test_variant_name(preset, overrides, exp, want):
+    assert variant_name(preset, overrides, exp) == want
+
+
+def test_epoch_plot_has_one_row_per_epoch(tmp_path):
+    path = tmp_path / "plots" / "train_epochs.csv"
+    write_epoch_plot([{"epoch": 1, "rollout/success_rate": 0.25}, {"epoch": 2, "loss/policy": -0.5}], path)
+    lines = path.read_text().splitlines()
+    assert lines[0].split(",") == list(PLOT_COLUMNS)
+    assert lines[1].split(",")[:2] == ["1", "0.25"]
+    assert lines[2].split(",")[0] == "2" and lines[2].split(",")[PLOT_COLUMNS.index("loss/policy")] == "-0.5"
+
+
+def test_prefect_yaml_deployments_use_existing_presets_and_the_pipeline_flow():
+    cfg = yaml.safe_load((ROOT / "prefect.yaml").read_text())
+    names = {d["name"] for d in cfg["deployments"]}
+    assert {"arpo-train", "quick", "grpo", "no-selection"} <= names
+    for d in cfg["deployments"]:
+        assert d["entrypoint"] == "flows/arpo_train.py:arpo_train"
+        assert d["work_pool"]["name"] == "arpo-local"
+        params = d["parameters"]
+        load_params(ROOT / params["params"], preset=params.get("preset"))  # every preset parses
+    assert load_params(ROOT / "params.yaml", preset="grpo").train.replay.enabled is False
+    assert load_params(ROOT / "params.yaml", preset="no-selection").train.use_selection is False
+
+
+def test_arpo_train_flow_is_named_for_the_deployments():
+    from flows.arpo_train import FLOWS, arpo_train
+
+    assert arpo_train.name == "arpo-train"
+    assert {name: f.name for name, f in FLOWS.items()} == {n: n for n in STAGE_NAMES}
+
+
+# ------------------------------------------------------------------------------------------------
+# One tracked stage, in process, outside Prefect (what `arpo stage` / DVC do)
+
+
+def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypatch, one_thread):
+    monkeypatch.chdir(oh.copy_project(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    stale = tmp_path / "models" / "init" / "stale.bin"
+    stale.parent.mkdir(parents=True)
+    stale.write_bytes(b"from another configuration")
+    from flows.init_policy import init_policy
+
+    metrics = init_policy.fn(preset="quick", pipeline_id="pipe-1")  # the flow body, no Prefect server
+    assert metrics["init_policy/parameters"] > 0 and metrics["time/init_policy_s"] > 0
+    assert not stale.exists()  # outputs of another configuration are removed first (runner decision 4)
+    assert json.loads((tmp_path / "metrics" / "init_policy.json").read_text()) == metrics
+    stamp = read_stamp(Path("."), "init_policy")
+    p = load_params("params.yaml", preset="quick")
+    assert is_up_to_date(p, SPECS["init_policy"], Path("."))
+    assert not Path(".arpo/stamps/init_policy.running").exists()
+
+    c = tracking.client(".")
+    (row,) = tracking.run_rows(c, "arpo-embedded", "init_policy")
+    run = c.get_run(row["run"])
+    assert run.info.run_id == stamp["mlflow_run_id"] and run.info.status == "FINISHED"
+    assert run.data.tags["arpo.variant"] == "quick" and run.data.tags["arpo.pipeline_id"] == "pipe-1"
+    assert run.data.tags["arpo.key"] == stamp["key"]
+    assert run.data.params["init_policy.size"] == "xs"
+    assert run.data.metrics["init_policy/parameters"] == metrics["init_policy/parameters"]
+    arts = {a.path for a in c.list_artifacts(run.info.run_id)}
+    assert arts == {"metrics", "policy"}
+    assert "config.json" in {Path(a.path).name for a in c.list_artifacts(run.info.run_id, "policy")}
+    exp = c.get_experiment_by_name("arpo-embedded")
+    assert exp.artifact_location == (tmp_path / "mlruns" / "arpo-embedded").resolve().as_uri()
+
+
+def test_failed_stage_marks_run_failed_and_keeps_marker(tmp_path, monkeypatch):
+    monkeypatch.chdir(oh.copy_project(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def boom(_):
+        raise RuntimeError("env died")
+
+    with pytest.raises(RuntimeError, match="env died"):
+        StageRun("select", preset="quick").execute(boom)
+    (row,) = tracking.run_rows(tracking.client("."), "arpo-embedded", "select")
+    assert row["status"] == "FAILED"
+    assert read_stamp(Path("."), "select") is None
+    assert Path(".arpo/stamps/select.running").exists()  # a retry with the same key may resume
+
+
+# ------------------------------------------------------------------------------------------------
+# The deployment on a real Prefect server (slow)
+
+
+def _dvc_dir_files(project: Path, out: str) -> dict[str, str]:
+    """{relpath: md5} of a directory output recorded in dvc.lock, from DVC's cache manifest."""
+    lock = yaml.safe_load((project / "dvc.lock").read_text())
+    for stage in lock["stages"].values():
+        for o in stage.get("outs", []):
+            if o["path"] == out:
+                md5 = o["md5"]
+                manifest = project / ".dvc" / "cache" / "files" / "md5" / md5[:2] / md5[2:]
+                return {e["relpath"]: e["md5"] for e in json.loads(manifest.read_text())}
+    raise KeyError(out)
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
+    project = oh.copy_project(tmp_path / "proj")
+    (project / "scripts").mkdir()
+    for name in ("prefect_env.sh", "prefect_server.sh", "prefect_worker.sh"):
+        (project / "scripts" / name).write_bytes((ROOT / "scripts" / name).read_bytes())
+        (project / "scripts" / name).chmod(0o755)
+    port = oh.free_port()
+    env = oh.base_env(project)
+    env.update(PREFECT_PORT=str(port), PREFECT_WORKER_QUERY_SECONDS="2")
+    cli_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
+    server = oh.start(["bash", "scripts/prefect_server.sh"], project, env, tmp_path / "server.log")
+    worker = None
+    try:
+        oh.wait_http(f"http://127.0.0.1:{port}/api/health", 120, server, tmp_path / "server.log")
+        worker = oh.start(["bash", "scripts/prefect_worker.sh"], project, env, tmp_path / "worker.log")
+        deadline = time.monotonic() + 60
+        while "Worker" not in (tmp_path / "worker.log").read_text() and time.monotonic() < deadline:
+            assert worker.poll() is None, (tmp_path / "worker.log").read_text()
+            time.sleep(1)
+        out = oh.run(["prefect", "--no-prompt", "deploy", "--all"], project, cli_env, timeout=180)
+        assert out.returncode == 0, out.stdout + out.stderr
+        t0 = time.monotonic()
+        out = oh.run(
+            ["prefect", "deployment", "run", "arpo-train/quick", "--watch", "--watch-timeout", "600"],
+            project,
+            cli_env,
+            timeout=660,
+        )
+        run_s = time.monotonic() - t0
+        log = (tmp_path / "worker.log").read_text()
+        assert out.returncode == 0 and "Completed" in out.stdout, out.stdout + out.stderr + log[-5000:]
+        print(f"arpo-train/quick deployment run: {run_s:.0f} s")
+        # A second run finds every stage up to date and runs none (flows/spec.py).
+        again = oh.run(
+            ["prefect", "deployment", "run", "arpo-train/quick", "--watch", "--watch-timeout", "300"],
+            project,
+            cli_env,
+            timeout=360,
+        )
+        assert again.returncode == 0 and "Completed" in again.stdout, again.stdout + again.stderr
+        log2 = (tmp_path / "worker.log").read_text()[len(log) :]
+    finally:
+        if worker is not None:
+            oh.stop(worker)
+        oh.stop(server)
+    assert server.poll() is not None and (worker is None or worker.poll() is not None)
+    for name in STAGE_NAMES:
+        assert f"{name}: done in" in log, log[-3000:]
+        assert f"{name}: up to date, skipped" in log2, log2[-3000:]
+    assert "done in" not in log2
+
+    # MLflow: one finished run per stage, named after it, sharing the pipeline id (the flow run id).
+    c = tracking.client(project)
+    rows = tracking.run_rows(c, "arpo-embedded")
+    assert sorted(r["stage"] for r in rows) == sorted(STAGE_NAMES)
+    assert {r["status"] for r in rows} == {"FINISHED"} and {r["variant"] for r in rows} == {"quick"}
+    runs = {r["stage"]: c.get_run(r["run"]) for r in rows}
+    assert len({r.data.tags["arpo.pipeline_id"] for r in runs.values()}) == 1
+    train = runs["train"]
+    assert train.data.params["train.replay.enabled"] == "True"
+    assert "iter/rollout/success_rate" in train.data.metrics and "rollout/success_rate" in train.data.metrics
+    assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"policy", "trajectories", "checkpoint"}
+    assert "eval/arpo/greedy/in_domain/success_rate" in runs["evaluate"].data.metrics
+
+    # Outputs at the dvc.yaml paths; Parquet row counts as the quick preset implies.
+    demos = pq.read_table(project / "data" / "demos" / "demos.parquet")
+    assert demos.num_rows > 0 and "screenshot_png" in demos.column_names
+    assert pq.read_table(project / "data" / "baseline" / "in_domain.parquet").num_rows >= 4  # 2 tasks x 2
+    assert list((project / "models" / "arpo" / "trajectories").glob("*.parquet"))
+    assert {p.name for p in (project / "data" / "eval").glob("*.parquet")} == {"base.parquet", "arpo.parquet"}
+
+    # DVC takes the deployment's outputs as its own: `dvc commit` records them, then nothing to repro,
+    # and the Parquet files are in DVC's cache and, after `dvc push`, in the local remote.
+    denv = oh.base_env(project)
+    write_quick_params_for_dvc = oh.run(["arpo", "params", "--preset", "quick"], project, denv, 120)
+    (project / "params.yaml").write_text(write_quick_params_for_dvc.stdout)
+    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
+    for cmd in (["dvc", "commit", "-f"], ["dvc", "push"]):
+        out = oh.run(cmd, project, denv, 300)
+        assert out.returncode == 0, out.stdout + out.stderr
+    out = oh.run(["dvc", "status"], project, denv, 120)
+    assert "up to date" in out.stdout, out.stdout + out.stderr
+    files = _dvc_dir_files(project, "data/demos")
+    md5 = files["demos.parquet"]
+    assert (project / "dvc-remote" / "files" / "md5" / md5[:2] / md5[2:]).exists()
+    assert any(
+        k.startswith("trajectories/") and k.endswith(".parquet")
+        for k in _dvc_dir_files(project, "models/arpo")
+    )

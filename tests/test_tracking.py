@@ -1,0 +1,192 @@
+"""MLflow helpers on a real sqlite store: experiments, batched metrics and params, tags, the comparison
+table; and the MLflow UI script serving those runs on a loopback port (slow)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import urllib.parse
+import urllib.request
+from pathlib import Path
+
+import orchestration_helpers as oh
+import pytest
+from typer.testing import CliRunner
+
+from flows import tracking
+from flows.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def empty_db(tmp_path_factory):
+    """An initialised (migrated) empty sqlite store, made once: creating one costs ~7 s here."""
+    root = tmp_path_factory.mktemp("template")
+    tracking.client(root).search_experiments()
+    return root / "mlflow.db"
+
+
+@pytest.fixture
+def store(tmp_path, monkeypatch, empty_db):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    monkeypatch.chdir(tmp_path)
+    shutil.copy(empty_db, tmp_path / "mlflow.db")
+    return tracking.client(tmp_path)
+
+
+def test_tracking_uri_default_and_override(tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    assert tracking.tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
+    assert tracking.tracking_uri(tmp_path) == "http://127.0.0.1:5999"
+
+
+def test_experiment_created_once_with_local_artifacts(store, tmp_path):
+    a = tracking.ensure_experiment(store, "exp-a", tmp_path)
+    assert tracking.ensure_experiment(store, "exp-a", tmp_path) == a
+    assert store.get_experiment(a).artifact_location == (tmp_path / "mlruns" / "exp-a").resolve().as_uri()
+
+
+def test_metrics_batched_past_mlflow_limit_with_steps(store, tmp_path):
+    exp = tracking.ensure_experiment(store, "e", tmp_path)
+    run_id = tracking.start_run(store, exp, "evaluate", {"arpo.stage": "evaluate"})
+    many = {f"eval/task/t{i:04d}/success_rate": i / 1500 for i in range(1500)}
+    many["flag"] = True  # bools are not metrics
+    many["name"] = "text"
+    assert tracking.log_metrics(store, run_id, many, step=0) == 1500
+    tracking.log_metrics(store, run_id, {"loss/policy": 0.5}, step=1)
+    tracking.log_metrics(store, run_id, {"loss/policy": 0.25}, step=2)
+    run = store.get_run(run_id)
+    assert len(run.data.metrics) == 1501
+    assert run.data.metrics["eval/task/t0003/success_rate"] == pytest.approx(0.002)
+    hist = store.get_metric_history(run_id, "loss/policy")
+    assert [(m.step, m.value) for m in hist] == [(1, 0.5), (2, 0.25)]
+    assert run.info.run_name == "evaluate"
+
+
+def test_params_batched_and_stringified(store, tmp_path):
+    exp = tracking.ensure_experiment(store, "e", tmp_path)
+    run_id = tracking.start_run(store, exp, "train")
+    params = {f"train.k{i:03d}": i for i in range(150)} | {"train.sum_norm": None, "train.bf16": False}
+    tracking.log_params(store, run_id, params)
+    got = store.get_run(run_id).data.params
+    assert len(got) == 152
+    assert got["train.k042"] == "42" and got["train.sum_norm"] == "null" and got["train.bf16"] == "False"
+
+
+def test_finish_run_sets_status(store, tmp_path):
+    exp = tracking.ensure_experiment(store, "e", tmp_path)
+    ok, bad = tracking.start_run(store, exp, "sft"), tracking.start_run(store, exp, "demos")
+    tracking.finish_run(store, ok, True)
+    tracking.finish_run(store, bad, False)
+    assert store.get_run(ok).info.status == "FINISHED" and store.get_run(bad).info.status == "FAILED"
+
+
+def test_run_tags_link_git_and_dvc(tmp_path, monkeypatch):
+    monkeypatch.setenv("DVC_EXP_NAME", "puffy-walk")
+    monkeypatch.delenv("DVC_EXP_BASELINE_REV", raising=False)
+    tags = tracking.run_tags("train", ROOT, {"arpo.key": "abc", "arpo.pipeline_id": None})
+    head = subprocess.run(
+        ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
+    ).stdout.strip()
+    assert tags == {
+        "arpo.stage": "train",
+        "mlflow.source.git.commit": head,
+        "dvc.exp_name": "puffy-walk",
+        "arpo.key": "abc",
+    }
+    assert tracking.git_commit(tmp_path) is None  # not a git repository
+
+
+@pytest.mark.parametrize(
+    ("key", "short"),
+    [
+        ("eval/arpo/greedy/in_domain/success_rate", "arpo/in_domain/success"),
+        ("eval/base/sampled/all/success_rate", "base/sampled/all/success"),
+        ("rollout/success_rate", "rollout/success"),
+        ("loss/policy", "loss/policy"),
+    ],
+)
+def test_short_name(key, short):
+    assert tracking.short_name(key) == short
+
+
+def test_comparison_table_layout():
+    rows = [
+        {"run": "0123456789abcdef", "stage": "train", "variant": "grpo", "status": "FINISHED", "minutes": 2.5,
+         "loss/policy": 0.123456},
+        {"run": "fedcba9876543210", "stage": "train", "variant": "default", "status": "RUNNING", "minutes": None},
+    ]  # fmt: skip
+    assert tracking.comparison_table(rows, ["loss/policy"]).splitlines() == [
+        "run       stage  variant  status    min  loss/policy",
+        "--------  -----  -------  --------  ---  -----------",
+        "01234567  train  grpo     FINISHED  2.5  0.123",
+        "fedcba98  train  default  RUNNING   -    -",
+    ]
+
+
+def test_default_columns_fall_back_to_stage_metrics():
+    rows = [{"init_policy/parameters": 1.0, "time/init_policy_s": 0.1, "run": "x"}]
+    assert tracking.default_columns(rows) == ["init_policy/parameters"]
+    assert tracking.default_columns([{"rollout/success_rate": 0.5}]) == ["rollout/success_rate"]
+
+
+def _two_train_runs(store, tmp_path):
+    exp = tracking.ensure_experiment(store, "arpo-embedded", tmp_path)
+    for variant, sr in (("default", 0.5), ("grpo", 0.25)):
+        rid = tracking.start_run(store, exp, "train", {"arpo.variant": variant})
+        tracking.log_metrics(store, rid, {"rollout/success_rate": sr})
+        tracking.finish_run(store, rid, True)
+    rid = tracking.start_run(store, exp, "sft", {"arpo.variant": "default"})
+    tracking.finish_run(store, rid, True)
+
+
+def test_run_rows_filter_by_stage_newest_first(store, tmp_path):
+    _two_train_runs(store, tmp_path)
+    rows = tracking.run_rows(store, "arpo-embedded", "train")
+    assert [r["variant"] for r in rows] == ["grpo", "default"]
+    assert [r["rollout/success_rate"] for r in rows] == [0.25, 0.5]
+    assert len(tracking.run_rows(store, "arpo-embedded")) == 3
+    assert tracking.run_rows(store, "no-such-experiment") == []
+
+
+def test_arpo_runs_prints_comparison(store, tmp_path):
+    _two_train_runs(store, tmp_path)
+    res = CliRunner().invoke(app, ["runs", "-e", "arpo-embedded", "-s", "train"])
+    assert res.exit_code == 0, res.output
+    lines = res.output.splitlines()
+    assert "rollout/success" in lines[0]
+    assert "grpo" in lines[2] and "0.25" in lines[2] and "default" in lines[3] and "0.5" in lines[3]
+    missing = CliRunner().invoke(app, ["runs", "-e", "nothing-here"])
+    assert missing.exit_code == 1 and "no runs" in missing.output
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(180)
+def test_mlflow_ui_script_serves_the_runs(store, tmp_path):
+    _two_train_runs(store, tmp_path)
+    (tmp_path / "scripts").mkdir()
+    (tmp_path / "scripts" / "mlflow_ui.sh").write_bytes((ROOT / "scripts" / "mlflow_ui.sh").read_bytes())
+    (tmp_path / ".venv").symlink_to(oh.VENV_BIN.parent)  # the script runs .venv/bin/mlflow
+    port = oh.free_port()
+    env = {**oh.base_env(tmp_path), "MLFLOW_PORT": str(port)}
+    log = tmp_path / "mlflow.log"
+    proc = oh.start(["bash", "scripts/mlflow_ui.sh"], tmp_path, env, log)
+    try:
+        base = f"http://127.0.0.1:{port}"
+        oh.wait_http(f"{base}/health", 120, proc, log)
+        q = urllib.parse.urlencode({"experiment_name": "arpo-embedded"})
+        with urllib.request.urlopen(f"{base}/api/2.0/mlflow/experiments/get-by-name?{q}", timeout=10) as r:
+            exp_id = json.loads(r.read())["experiment"]["experiment_id"]
+        body = json.dumps({"experiment_ids": [exp_id], "filter": "attributes.run_name = 'train'"}).encode()
+        req = urllib.request.Request(
+            f"{base}/api/2.0/mlflow/runs/search", data=body, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as r:
+            runs = json.loads(r.read())["runs"]
+        assert len(runs) == 2
+    finally:
+        oh.stop(proc)
+    assert proc.poll() is not None
