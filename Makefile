@@ -1,5 +1,5 @@
 # The two commands of the README are `make run` and `make test`; both set up first (idempotent).
-.PHONY: setup run test test-fast lint format
+.PHONY: setup run test test-fast lint format repro
 
 setup:
 	@bash scripts/setup.sh
@@ -19,3 +19,7 @@ lint: setup
 
 format: setup
 	@.venv/bin/ruff format . && .venv/bin/ruff check --fix .
+
+# The DVC pipeline (dvc.yaml); its stages call `arpo stage NAME`, so the venv's bin goes first on PATH.
+repro: setup
+	@PATH="$(CURDIR)/.venv/bin:$$PATH" DVC_NO_ANALYTICS=1 .venv/bin/dvc repro

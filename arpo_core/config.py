@@ -26,8 +26,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from arpo_core.offline import SFTConfig
-from arpo_core.preference import DPOConfig, KTOConfig, RFTConfig
+from arpo_core.offline_config import DPOConfig, KTOConfig, RFTConfig, SFTConfig
 from arpo_core.replay import ReplayConfig
 from arpo_core.selection import SelectConfig
 
@@ -207,8 +206,8 @@ class TrainConfig:
 class Params:
     """The whole params file: shared sections (project, env, policy), then one per pipeline stage in
     order. Sections whose semantics live in one module are defined there (`ReplayConfig` in replay.py,
-    `SelectConfig` in selection.py, `SFTConfig` in offline.py, `RFTConfig`/`DPOConfig`/`KTOConfig` (the
-    offline baselines, trained on the baseline rollouts) in preference.py)."""
+    `SelectConfig` in selection.py, `SFTConfig`/`RFTConfig`/`DPOConfig`/`KTOConfig` (behaviour cloning
+    and the offline baselines) in offline_config.py)."""
 
     project: ProjectConfig = field(default_factory=ProjectConfig)
     env: EnvConfig = field(default_factory=EnvConfig)

@@ -22,43 +22,18 @@ import json
 import random
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from arpo_core.offline_config import SFTConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import collate, encode_trajectory, sequence_logprobs
 from arpo_core.trajectory import Trajectory
 
 __all__ = ["SFTConfig", "masked_mean_nll", "sft"]
-
-
-@dataclass(frozen=True)
-class SFTConfig:
-    """Behaviour-cloning hyperparameters."""
-
-    steps: int = 100
-    """Optimizer steps."""
-    batch_size: int = 8
-    """Trajectories per micro-batch."""
-    grad_accum: int = 1
-    """Micro-batches per optimizer step."""
-    lr: float = 1e-3
-    """AdamW learning rate (constant after warm-up)."""
-    warmup_steps: int = 0
-    """Linear warm-up from 0 over this many optimizer steps."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = False
-    """bf16 autocast (CPU or GPU); parameters and optimizer stay fp32."""
-    checkpoint_every: int = 0
-    """Save every N optimizer steps (0 = only at the end, and only with a checkpoint_dir)."""
-    seed: int = 0
-    """Shuffling seed."""
 
 
 def masked_mean_nll(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

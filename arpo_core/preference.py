@@ -62,7 +62,8 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from arpo_core.engines import TorchEngine
-from arpo_core.offline import SFTConfig, sft
+from arpo_core.offline import sft
+from arpo_core.offline_config import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import EncodedSequence, collate, encode_trajectory, sequence_logprobs
 from arpo_core.trajectory import Step, Trajectory
@@ -92,83 +93,6 @@ __all__ = [
 
 # --------------------------------------------------------------------------------------------------
 # Configs
-
-
-@dataclass(frozen=True)
-class DPOConfig:
-    """DPO on success-vs-failure pairs of the same task (decisions 3-4)."""
-
-    beta: float = 0.1
-    """Inverse temperature of the implicit reward beta * (log pi - log ref) (TRL default 0.1)."""
-    label_smoothing: float = 0.0
-    """cDPO: assumed probability that a preference label is flipped (0 = plain DPO)."""
-    success_threshold: float = 0.1
-    """A trajectory with success > this is 'chosen', the others 'rejected' (strict, as selection.py
-    and replay.py count a success)."""
-    max_pairs_per_task: int | None = 16
-    """Cap on pairs per task (None: max(successes, failures) of the task)."""
-    steps: int = 50
-    """Optimizer steps."""
-    batch_size: int = 8
-    """Pairs per optimizer step."""
-    micro_batch_size: int = 2
-    """Pairs per forward/backward (2x as many sequences)."""
-    lr: float = 1e-5
-    """AdamW learning rate (TRL's DPO default 1e-6 is for 7B models; the tiny policy needs more)."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = False
-    """bf16 autocast for the forward passes."""
-    seed: int = 0
-    """Seed of pairing and batch order."""
-
-
-@dataclass(frozen=True)
-class KTOConfig:
-    """KTO on desirable (successful) and undesirable (failed) trajectories, unpaired (decisions 5-6)."""
-
-    beta: float = 0.1
-    """Inverse temperature of the implicit reward (TRL default 0.1)."""
-    desirable_weight: float = 1.0
-    """lambda_D: weight of the desirable losses."""
-    undesirable_weight: float = 1.0
-    """lambda_U: weight of the undesirable losses."""
-    balance: bool = True
-    """Scale the two weights so lambda_D n_D / (lambda_U n_U) is in [1, 4/3] (TRL's advice)."""
-    success_threshold: float = 0.1
-    """A trajectory with success > this is desirable, the others undesirable (strict, as elsewhere)."""
-    steps: int = 50
-    """Optimizer steps."""
-    batch_size: int = 8
-    """Trajectories per optimizer step (the KL reference point is estimated on this batch; >= 2)."""
-    micro_batch_size: int = 4
-    """Trajectories per forward/backward."""
-    lr: float = 1e-5
-    """AdamW learning rate."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = False
-    """bf16 autocast for the forward passes."""
-    seed: int = 0
-    """Seed of KL partners and batch order."""
-
-
-@dataclass(frozen=True)
-class RFTConfig:
-    """Rejection-sampling fine-tuning: SFT on the successful trajectories (decision 7)."""
-
-    success_threshold: float = 0.1
-    """Trajectories with success > this are kept (strict, as elsewhere)."""
-    max_per_task: int | None = 16
-    """Keep at most this many successes per task (None: all)."""
-    seed: int = 0
-    """Seed of which successes are kept when a task has more than max_per_task."""
-    sft: SFTConfig = field(default_factory=SFTConfig)
-    """The behaviour-cloning run on the kept trajectories."""
 
 
 # --------------------------------------------------------------------------------------------------
