@@ -4,7 +4,7 @@ Design decisions:
 1. One env = one worker process started with `start_new_session=True`, so the worker, its chromedriver
    and every Chromium process share one process group that `os.killpg` removes in one call (killing
    only the Python process leaves the browser running, REFERENCE.md §6). Workers are plain
-   `python -m arpo_core.envs.pool` subprocesses speaking pickled messages over a socketpair, not
+   `python -c` worker subprocesses (entry `worker_main`) speaking pickled messages over a socketpair, not
    multiprocessing children: no fork of a parent holding torch threads, no `__main__` re-import, and
    the same code runs unchanged inside a Ray actor.
 2. No orphans, even when the parent is SIGKILLed: a watchdog thread in the worker polls its parent
@@ -55,6 +55,10 @@ from arpo_core.actions import Action
 from arpo_core.envs.base import GuiEnv, Observation, StepResult, TaskSpec
 
 EnvFactory = Callable[[], GuiEnv]
+_WORKER_BOOT = (
+    "import sys; from arpo_core.envs.pool import worker_main; "
+    "worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else '')"
+)
 _WATCHDOG_PERIOD_S = 0.2
 
 
@@ -182,7 +186,9 @@ class ProcessWorker:
         self.tmpdir = tempfile.mkdtemp(prefix="arpo-envworker-")
         env = {**os.environ, "PYTHONUNBUFFERED": "1", "TMPDIR": self.tmpdir}
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "arpo_core.envs.pool", str(child_fd), str(os.getpid()), self.tmpdir],
+            # `-c` rather than `-m arpo_core.envs.pool`: the package imports pool, and runpy warns when the
+            # module it is about to run as __main__ is already in sys.modules.
+            [sys.executable, "-c", _WORKER_BOOT, str(child_fd), str(os.getpid()), self.tmpdir],
             pass_fds=[child_fd],
             start_new_session=True,
             stdin=subprocess.DEVNULL,
