@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import json
 import random
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -376,9 +376,23 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> Qwen2Tokenizer:
     return wrapped
 
 
-def tiny_config(size: TinySize, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
-    """Qwen2.5-VL config of one tiny size, its token ids taken from `tokenizer`."""
+def tiny_config(
+    size: TinySize,
+    tokenizer: Qwen2Tokenizer,
+    rope_theta: float = 1e6,
+    mrope: Sequence[int] | None = None,
+) -> Qwen2_5_VLConfig:
+    """Qwen2.5-VL config of one tiny size, its token ids taken from `tokenizer`.
+
+    `rope_theta` / `mrope` (the (t, h, w) split of head_dim / 2 frequencies; default `mrope_section`)
+    override the LM's rotary settings. Qwen2.5-VL gives the (t, h, w) sections contiguous frequency
+    bands, highest first, so with theta 1e6 the w band of a 64-wide head turns < 2e-4 rad per image token:
+    no usable horizontal resolution in a 6-token-wide image (arpo_core/grounding.py, decision 6).
+    """
     head_dim = size.hidden // size.heads
+    section = list(mrope) if mrope is not None else mrope_section(head_dim)
+    if sum(section) != head_dim // 2 or len(section) != 3:
+        raise ValueError(f"mrope must be 3 numbers summing to head_dim / 2 = {head_dim // 2}, got {section}")
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
     text = {
         "vocab_size": len(tokenizer),
@@ -390,8 +404,8 @@ def tiny_config(size: TinySize, tokenizer: Qwen2Tokenizer) -> Qwen2_5_VLConfig:
         "max_position_embeddings": 32768,
         "rope_parameters": {
             "rope_type": "default",
-            "rope_theta": 1e6,
-            "mrope_section": mrope_section(head_dim),
+            "rope_theta": float(rope_theta),
+            "mrope_section": section,
         },
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
@@ -429,11 +443,14 @@ def build_tiny_policy(
     corpus: Iterable[str] | None = None,
     min_pixels: int = TINY_MIN_PIXELS,
     max_pixels: int = TINY_MAX_PIXELS,
+    rope_theta: float = 1e6,
+    mrope: Sequence[int] | None = None,
 ) -> Policy:
     """Build a randomly initialised tiny Qwen2.5-VL policy offline, save it to `out_dir`, return it.
 
     The directory is a normal checkpoint (`load_policy(out_dir)` gives the same model). `corpus` trains
-    the tokenizer; default `default_corpus(seed=seed)`.
+    the tokenizer; default `default_corpus(seed=seed)`. `rope_theta` / `mrope` set the LM's rotary
+    frequencies (see `tiny_config`; both are plain Qwen2.5-VL config values, so any loader reads them).
     """
     if size not in SIZES:
         raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(SIZES)}")
@@ -441,7 +458,7 @@ def build_tiny_policy(
     tokenizer = train_tokenizer(default_corpus(seed=seed) if corpus is None else corpus, arch.vocab)
     image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
     processor = PolicyProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    config = tiny_config(arch, tokenizer)
+    config = tiny_config(arch, tokenizer, rope_theta=rope_theta, mrope=mrope)
     # Weight init draws from torch's global RNG: seed it inside fork_rng so the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)

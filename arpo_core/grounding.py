@@ -1,0 +1,706 @@
+"""Grounding pretraining: teach the policy to click where the instruction's target is on the screen.
+
+Behaviour cloning a randomly initialised tiny model learns the reply format but not to look at the
+screen (REFERENCE.md §7): its clicks are image-blind. This module supplies the stage that comes before
+BC (DESIGN.md stage `ground`): unlimited cheap "where is X" examples, a training loop, and the measures
+that say whether clicks follow the image.
+
+Decisions:
+1. An example is one screenshot, an instruction naming one target, and the UI-TARS reply
+   `Thought: ...\\nAction: click(start_box='(x,y)')` with (x, y) the target's centre in model-image
+   pixels (the smart_resized frame the policy sees, REFERENCE.md §3). It is trained with exactly the
+   sequence layout, prompt and loss of BC and RL (`policy/sequences.py`), so the grounding transfers to
+   the task replies unchanged: no special tokens, no extra heads, no change to what the model sees.
+2. Two sources: synthetic screens drawn with PIL in MiniWoB's style (160x210, the yellow instruction
+   strip on top, coloured boxes, buttons, links, checkboxes with words; `synthetic_examples`), and real
+   MiniWoB screens of many tasks where every visible, topmost DOM element with a unique text is a target
+   (`miniwob_examples`). Synthetic data costs ~1 ms per screen and needs no browser, so the training
+   loop draws fresh screens every step (no overfitting, no dataset on disk).
+3. A curriculum of synthetic levels (`LEVELS`): one salient box -> a named box among distractors ->
+   text widgets -> mixtures. The level of each drawn example comes from `GroundConfig.mix`.
+4. Image dependence is measured on held-out screens with greedy decoding: mean pixel error, hit rate
+   (click inside the target box), Pearson correlation of predicted vs target x and y, the spread of the
+   clicks, and the image-blind ceiling (the best constant click for the same screens). REFERENCE.md §7:
+   a success rate alone proves nothing here.
+5. Library code: the training loop returns its history (loss per step, evaluations) and logs nothing.
+6. What makes looking learnable (benchmarks/results/grounding.md): the LM's rotary frequencies. Qwen2.5-VL
+   splits head_dim / 2 rotary frequencies into contiguous (t, h, w) bands, highest first; at the stock
+   theta 1e6 a tiny head's w band turns < 2e-4 rad per image token and the h band < 0.03, so relative
+   attention cannot tell image columns (and barely rows) apart and absolute position has to come from
+   slow side channels. Building the tiny model with `rope_theta=5` (all bands 0.2-1 rad per token, still a
+   stock Qwen2.5-VL config value; `build_tiny_policy(rope_theta=..., mrope=...)`) made greedy clicks
+   follow a single target after ~1k steps of the xs model, where theta 1e6 stayed image-blind. A
+   coordinate code blended into the pixels (`coord_pattern`, `GroundConfig.pattern`) was tried as well;
+   it is off by default and would have to become part of the saved image processor to be used.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import time
+from collections.abc import Callable, Sequence
+from contextlib import nullcontext
+from dataclasses import dataclass, field, replace
+
+import numpy as np
+import torch
+from PIL import Image, ImageDraw, ImageFont
+
+from arpo_core.actions import ActionParseError, parse_response
+from arpo_core.policy.model import Policy
+from arpo_core.policy.prompt import PromptInput, build_segments, model_image_size
+from arpo_core.policy.sequences import collate, encode_segments, sequence_logprobs
+from arpo_core.trajectory import Step, Trajectory, png_bytes
+
+__all__ = [
+    "LEVELS",
+    "GroundConfig",
+    "GroundExample",
+    "GroundMetrics",
+    "best_constant_click",
+    "click_reply",
+    "coord_pattern",
+    "coordinate_nll",
+    "element_kind",
+    "evaluate_grounding",
+    "first_click",
+    "grounding_metrics",
+    "image_dependence",
+    "lr_factor",
+    "make_grounding_examples",
+    "miniwob_examples",
+    "pearson",
+    "synthetic_example",
+    "synthetic_examples",
+    "to_trajectory",
+    "train_grounding",
+]
+
+SCREEN_W, SCREEN_H = 160, 210
+"""MiniWoB's task area in screen pixels."""
+HEADER_H = 50
+"""Height of MiniWoB's yellow instruction strip (#query) at the top of the task area."""
+
+COLORS: dict[str, tuple[int, int, int]] = {
+    "red": (230, 25, 25),
+    "green": (20, 170, 40),
+    "blue": (30, 60, 230),
+    "yellow": (240, 220, 20),
+    "orange": (250, 140, 0),
+    "purple": (140, 40, 180),
+    "black": (0, 0, 0),
+    "gray": (128, 128, 128),
+    "pink": (250, 120, 200),
+    "cyan": (0, 200, 220),
+}
+"""Named colours of synthetic boxes (MiniWoB click-color uses similar plain colours)."""
+
+WORDS = (
+    "ok submit cancel yes no next back home about login search save open close apple banana cherry "
+    "delta echo golf hotel india kilo lima mike oscar papa romeo sierra tango victor zulu alpha bravo "
+    "one two three four five left right top bottom red green blue"
+).split()
+"""Words on synthetic widgets."""
+
+
+@dataclass(frozen=True)
+class GroundExample:
+    """One grounding example; coordinates in model-image pixels (decision 1)."""
+
+    image: Image.Image
+    """The screenshot as the env returns it (screen pixels, e.g. 160x210)."""
+    instruction: str
+    """Names exactly one target, e.g. 'Click the red box.'."""
+    target: tuple[float, float]
+    """Centre of the target, model-image pixels."""
+    bbox: tuple[float, float, float, float]
+    """Target box (x0, y0, x1, y1), model-image pixels."""
+    source: str
+    """'synthetic/<level>' or 'miniwob/<task>'."""
+    thought: str = ""
+    """Thought of the reply (names the target)."""
+
+    @property
+    def reply(self) -> str:
+        return click_reply(self.thought, self.target)
+
+
+def click_reply(thought: str, point: tuple[float, float]) -> str:
+    """The UI-TARS reply clicking `point` (rounded to integer model pixels).
+
+    >>> click_reply("I click the box.", (12.4, 99.6))
+    "Thought: I click the box.\\nAction: click(start_box='(12,100)')"
+    """
+    return f"Thought: {thought}\nAction: click(start_box='({round(point[0])},{round(point[1])})')"
+
+
+def _scale(screen: tuple[int, int], model: tuple[int, int]) -> tuple[float, float]:
+    return model[0] / screen[0], model[1] / screen[1]
+
+
+def _to_model_box(
+    box: tuple[float, float, float, float], sx: float, sy: float
+) -> tuple[tuple[float, float], tuple[float, float, float, float]]:
+    """Screen box (x0, y0, x1, y1) -> (centre, box) in model pixels."""
+    x0, y0, x1, y1 = box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy
+    return ((x0 + x1) / 2, (y0 + y1) / 2), (x0, y0, x1, y1)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Synthetic screens (decision 2, 3)
+
+_FONT = ImageFont.load_default()
+
+
+def _header(draw: ImageDraw.ImageDraw, text: str) -> None:
+    """MiniWoB's yellow instruction strip with the instruction text (the policy also gets it as text)."""
+    draw.rectangle((0, 0, SCREEN_W - 1, HEADER_H - 1), fill=(255, 255, 0))
+    words, line, y = text.split(), "", 3
+    for w in words:  # naive word wrap at ~25 characters
+        if len(line) + len(w) + 1 > 25:
+            draw.text((3, y), line, fill=(0, 0, 0), font=_FONT)
+            line, y = w, y + 11
+        else:
+            line = f"{line} {w}".strip()
+    draw.text((3, y), line, fill=(0, 0, 0), font=_FONT)
+
+
+def _free_box(rng: random.Random, w: int, h: int, taken: list[tuple], top: int) -> tuple[int, int, int, int]:
+    """A (x0, y0, x1, y1) box of size w x h in the task area below `top`, not overlapping `taken`."""
+    for _ in range(200):
+        x0 = rng.randint(2, SCREEN_W - w - 2)
+        y0 = rng.randint(top + 2, SCREEN_H - h - 2)
+        b = (x0, y0, x0 + w, y0 + h)
+        if all(b[2] + 2 < t[0] or t[2] + 2 < b[0] or b[3] + 2 < t[1] or t[3] + 2 < b[1] for t in taken):
+            return b
+    raise RuntimeError("no free space for another widget")
+
+
+def _level_box(
+    rng: random.Random,
+    draw: ImageDraw.ImageDraw,
+    n_distract: int,
+    header: bool,
+    size: tuple[int, int] = (16, 34),
+):
+    """Coloured squares (side in `size`, px); the target is named by colour; distractors have other colours."""
+    names = rng.sample(sorted(COLORS), 1 + n_distract)
+    taken: list[tuple] = []
+    top = HEADER_H if header else 0
+    boxes = []
+    for name in names:
+        s = rng.randint(*size)
+        b = _free_box(rng, s, s, taken, top)
+        taken.append(b)
+        boxes.append(b)
+        draw.rectangle(b, fill=COLORS[name])
+    instr = f"Click the {names[0]} box."
+    return instr, boxes[0], f"I will click the {names[0]} box."
+
+
+def _widget(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, word: str, taken: list, top: int):
+    tw = int(draw.textlength(word, font=_FONT))
+    if kind == "button":
+        w, h = tw + 14, 20
+        b = _free_box(rng, w, h, taken, top)
+        draw.rectangle(b, fill=(239, 239, 239), outline=(118, 118, 118))
+        draw.text((b[0] + 7, b[1] + 5), word, fill=(0, 0, 0), font=_FONT)
+    elif kind == "link":
+        w, h = tw + 2, 12
+        b = _free_box(rng, w, h, taken, top)
+        draw.text((b[0] + 1, b[1] + 1), word, fill=(0, 0, 238), font=_FONT)
+        draw.line((b[0] + 1, b[3] - 1, b[2] - 1, b[3] - 1), fill=(0, 0, 238))
+    else:  # checkbox with its label; the target is the box itself
+        w, h = tw + 18, 13
+        b = _free_box(rng, w, h, taken, top)
+        draw.rectangle((b[0] + 1, b[1] + 1, b[0] + 11, b[1] + 11), fill=(255, 255, 255), outline=(80, 80, 80))
+        draw.text((b[0] + 16, b[1] + 1), word, fill=(0, 0, 0), font=_FONT)
+        taken.append(b)
+        return (b[0] + 1, b[1] + 1, b[0] + 12, b[1] + 12)
+    taken.append(b)
+    return b
+
+
+def _level_widgets(rng: random.Random, draw: ImageDraw.ImageDraw, n_distract: int, header: bool):
+    """Buttons, links and checkboxes with words; the target is named by its word and kind."""
+    words = rng.sample(WORDS, 1 + n_distract)
+    kinds = [rng.choice(("button", "link", "checkbox")) for _ in words]
+    taken: list[tuple] = []
+    top = HEADER_H if header else 0
+    boxes = [_widget(rng, draw, k, w, taken, top) for k, w in zip(kinds, words, strict=True)]
+    kind, word = kinds[0], words[0]
+    instr = {
+        "button": f'Click on the "{word}" button.',
+        "link": f"Click on the link {word}.",
+        "checkbox": f"Check the {word} checkbox.",
+    }[kind]
+    return instr, boxes[0], f"I will click the {kind} {word}."
+
+
+LEVELS: dict[str, Callable] = {
+    "big1": lambda rng, d: _level_box(rng, d, 0, header=False, size=(48, 96)),
+    "box1": lambda rng, d: _level_box(rng, d, 0, header=False),
+    "box1h": lambda rng, d: _level_box(rng, d, 0, header=True),
+    "box4": lambda rng, d: _level_box(rng, d, rng.randint(1, 3), header=True),
+    "widget1": lambda rng, d: _level_widgets(rng, d, 0, header=True),
+    "widget4": lambda rng, d: _level_widgets(rng, d, rng.randint(1, 4), header=True),
+}
+"""Synthetic levels: `big1` one large (48-96 px) box on white; `box1` one box on white; `box1h` one box below the instruction strip; `box4` the
+named box among 1-3 distractors; `widget1` one button/link/checkbox; `widget4` the named widget among 1-4
+others. A name maps (rng, draw) -> (instruction, screen box, thought)."""
+
+
+def synthetic_example(
+    rng: random.Random, level: str, model_size: tuple[int, int] = (168, 224)
+) -> GroundExample:
+    """One synthetic 160x210 screen of `level` (see LEVELS); deterministic in the rng state."""
+    img = Image.new("RGB", (SCREEN_W, SCREEN_H), (255, 255, 255))
+    draw = ImageDraw.Draw(img)
+    instr, box, thought = LEVELS[level](rng, draw)
+    if level not in ("box1", "big1"):
+        _header(draw, instr)
+    sx, sy = _scale((SCREEN_W, SCREEN_H), model_size)
+    centre, mbox = _to_model_box(box, sx, sy)
+    return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought)
+
+
+def synthetic_examples(
+    n: int, mix: dict[str, float], seed: int = 0, model_size: tuple[int, int] = (168, 224)
+) -> list[GroundExample]:
+    """`n` synthetic examples, levels drawn with the weights of `mix`; deterministic in `seed`."""
+    rng = random.Random(seed)
+    names, weights = zip(*sorted(mix.items()), strict=True)
+    return [synthetic_example(rng, rng.choices(names, weights)[0], model_size) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Real MiniWoB screens (decision 2)
+
+
+def element_kind(tag: str, classes: str) -> str:
+    """How an instruction names a DOM element: button, link (MiniWoB links are `span.alink`), label, text.
+
+    >>> element_kind("span", "alink"), element_kind("button", ""), element_kind("div", "")
+    ('link', 'button', 'text')
+    """
+    if tag.startswith("button") or tag == "input_submit":
+        return "button"
+    if tag == "a" or "alink" in classes.split():
+        return "link"
+    if tag == "label":
+        return "label"
+    return "text"
+
+
+def miniwob_examples(
+    env,
+    tasks: Sequence[str],
+    seeds: Sequence[int],
+    model_size: tuple[int, int] = (168, 224),
+    max_per_screen: int = 4,
+    domain: str = "miniwob",
+) -> list[GroundExample]:
+    """Grounding examples from real MiniWoB screens: for each task and seed, reset the env and make every
+    visible, topmost element with a unique short text (outside the instruction strip, narrower than the
+    task area: full-width blocks have no meaningful centre) a target, "Click on the "<text>" <kind>." ->
+    its centre. `env` is a `MiniWoBEnv` (anything with reset,
+    dom_elements and screenshot); at most `max_per_screen` targets per screen (the first ones by a
+    seeded shuffle)."""
+    from arpo_core.envs.base import TaskSpec
+
+    out: list[GroundExample] = []
+    for task in tasks:
+        for seed in seeds:
+            obs = env.reset(TaskSpec(domain=domain, task_id=task), seed=seed)
+            shot = obs.screenshot
+            sx, sy = _scale(shot.size, model_size)
+            els = [
+                e
+                for e in env.dom_elements()
+                if e.visible
+                and e.topmost
+                and e.text
+                and len(e.text) <= 24
+                and e.bbox[1] >= HEADER_H
+                and e.bbox[2] >= 4
+                and e.bbox[3] >= 4
+            ]
+            counts: dict[str, int] = {}
+            for e in els:
+                counts[e.text.lower()] = counts.get(e.text.lower(), 0) + 1
+            els = [e for e in els if counts[e.text.lower()] == 1]
+            random.Random(seed).shuffle(els)
+            for e in els[:max_per_screen]:
+                left, top, w, h = e.bbox
+                centre, mbox = _to_model_box((left, top, left + w, top + h), sx, sy)
+                kind = element_kind(e.tag, e.classes)
+                instr = f'Click on the "{e.text}" {kind}.'
+                out.append(
+                    GroundExample(
+                        shot, instr, centre, mbox, f"miniwob/{task}", f"I will click the {kind} {e.text}."
+                    )
+                )
+    return out
+
+
+def make_grounding_examples(
+    n_synthetic: int,
+    mix: dict[str, float],
+    seed: int = 0,
+    env=None,
+    tasks: Sequence[str] = (),
+    seeds: Sequence[int] = (),
+    model_size: tuple[int, int] = (168, 224),
+) -> list[GroundExample]:
+    """A fixed grounding set: `n_synthetic` synthetic screens of `mix` plus, when an env is given, the
+    real MiniWoB targets of `tasks` x `seeds` (see `miniwob_examples`)."""
+    out = synthetic_examples(n_synthetic, mix, seed, model_size) if n_synthetic else []
+    if env is not None and tasks:
+        out += miniwob_examples(env, tasks, seeds, model_size)
+    return out
+
+
+def to_trajectory(ex: GroundExample, run_id: str = "ground") -> Trajectory:
+    """A one-step Trajectory of an example (stage "ground"), e.g. to mix grounding into `offline.sft`."""
+    step = Step(0, png_bytes(ex.image), ex.image.size[0], ex.image.size[1], ex.reply, done=True)
+    domain, _, task = ex.source.partition("/")
+    return Trajectory(run_id, "ground", 0, domain, task, ex.instruction, [step], success=1.0, reward=1.0)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Training
+
+
+@dataclass(frozen=True)
+class GroundConfig:
+    """Grounding-pretraining hyperparameters (params.yaml section `ground`)."""
+
+    steps: int = 2000
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Examples per optimizer step (fresh synthetic screens every step)."""
+    lr: float = 3e-3
+    """AdamW peak learning rate."""
+    warmup_steps: int = 50
+    """Linear warm-up from 0 to `lr` over this many steps."""
+    min_lr_frac: float = 0.1
+    """Cosine decay from `lr` to `min_lr_frac * lr` at the last step."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    bf16: bool = True
+    """bf16 autocast; parameters and optimizer state stay fp32."""
+    mix: dict[str, float] = field(default_factory=lambda: {"box1": 1.0})
+    """Synthetic level -> sampling weight (LEVELS); the curriculum below overrides it per phase."""
+    curriculum: tuple[tuple[int, dict[str, float]], ...] = ()
+    """(start step, mix) phases; from each start step on, that mix is used (empty: `mix` throughout)."""
+    system: str = "compact"
+    """System prompt name (prompt.SYSTEM_PROMPTS); the tiny policy uses the compact one."""
+    eval_every: int = 100
+    """Evaluate on the held-out set every N steps (0: never during training)."""
+    seed: int = 0
+    """Seed of the example stream (the held-out set uses other seeds)."""
+    pattern: float = 0.0
+    """Experimental: strength of the coordinate code blended into the pixels (coord_pattern); 0 = off."""
+
+    def mix_at(self, step: int) -> dict[str, float]:
+        """The level mix in force at optimizer step `step` (1-based)."""
+        mix = self.mix
+        for start, m in self.curriculum:
+            if step >= start:
+                mix = m
+        return mix
+
+
+def lr_factor(step: int, warmup: int, total: int, min_frac: float) -> float:
+    """Warm-up then cosine schedule: factor of the peak LR at 0-based `step`.
+
+    >>> [round(lr_factor(s, 2, 6, 0.0), 3) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.75, 0.25, 0.0]
+    """
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup - 1)
+    t = min(1.0, (step - warmup) / span)
+    return min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t))
+
+
+def coord_pattern(image: Image.Image, model_size: tuple[int, int], strength: float) -> Image.Image:
+    """Resize to the model frame and blend in a fixed coordinate code: pixel (x, y) becomes
+    (1 - s) * pixel + s * (255 x / w, 255 y / h, 128). Experimental (decision 6); strength 0 = identity
+    apart from the resize, which the image processor would do anyway."""
+    img = image.convert("RGB").resize(model_size, Image.BICUBIC)
+    if strength <= 0:
+        return img
+    w, h = model_size
+    xs = np.broadcast_to(np.linspace(0, 255, w, dtype=np.float32)[None, :], (h, w))
+    ys = np.broadcast_to(np.linspace(0, 255, h, dtype=np.float32)[:, None], (h, w))
+    code = np.stack([xs, ys, np.full((h, w), 128.0, np.float32)], axis=-1)  # (H, W, 3)
+    pix = np.asarray(img, dtype=np.float32)  # (H, W, 3)
+    out = np.clip(np.rint((1 - strength) * pix + strength * code), 0, 255).astype(np.uint8)
+    return Image.fromarray(out, "RGB")
+
+
+def _encode(policy: Policy, ex: GroundExample, system: str, pattern: float = 0.0):
+    segs = build_segments(ex.instruction, 1, [ex.reply], None, system)
+    img = ex.image
+    if pattern > 0:
+        img = coord_pattern(img, model_image_size(*img.size, policy.min_pixels, policy.max_pixels), pattern)
+    return encode_segments(policy, segs, [img])
+
+
+def train_grounding(
+    policy: Policy,
+    config: GroundConfig = GroundConfig(),
+    examples: Sequence[GroundExample] | None = None,
+    heldout: Sequence[GroundExample] | None = None,
+    time_limit_s: float | None = None,
+    callback: Callable[[dict], None] | None = None,
+) -> dict:
+    """Train `policy` in place on grounding replies; returns the history.
+
+    Examples come from `examples` (a fixed list, e.g. real MiniWoB screens, cycled in seeded order)
+    mixed with fresh synthetic screens: with a fixed list each batch takes half from the list and half
+    synthetic; without one all are synthetic. The loss is BC's token-mean NLL of the reply (decision 1).
+    History: {"loss": [per step], "evals": [{"step", "seconds", **metrics}], "seconds": total}.
+    `callback` gets each evaluation dict as it is made (for a driver to print or save).
+    """
+    model = policy.model
+    device = policy.device
+    rng = random.Random(config.seed)
+    msize = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
+    )
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+    order: list[int] = []
+    history: dict = {"loss": [], "evals": []}
+    t0 = time.perf_counter()
+    for step in range(1, config.steps + 1):
+        mix = config.mix_at(step)
+        n_fixed = config.batch_size // 2 if examples else 0
+        batch_ex: list[GroundExample] = []
+        for _ in range(n_fixed):
+            if not order:
+                order = list(range(len(examples)))
+                rng.shuffle(order)
+            batch_ex.append(examples[order.pop()])
+        names, weights = zip(*sorted(mix.items()), strict=True)
+        for _ in range(config.batch_size - n_fixed):
+            batch_ex.append(synthetic_example(rng, rng.choices(names, weights)[0], msize))
+        batch = collate(
+            [_encode(policy, e, config.system, config.pattern) for e in batch_ex],
+            policy.pad_id,
+            policy.image_token_id,
+        ).to(device)
+        model.train()
+        with autocast:
+            logps, mask = sequence_logprobs(model, batch)  # (B, T) each
+        loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        optimizer.step()
+        sched.step()
+        history["loss"].append(float(loss.detach()))
+        last = step == config.steps
+        out_of_time = time_limit_s is not None and time.perf_counter() - t0 > time_limit_s
+        if heldout and (last or out_of_time or (config.eval_every and step % config.eval_every == 0)):
+            m = evaluate_grounding(policy, heldout, config.system, pattern=config.pattern)
+            ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1), **m.as_dict()}
+            ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
+            history["evals"].append(ev)
+            if callback is not None:
+                callback(ev)
+        if out_of_time:
+            break
+    model.eval()
+    history["seconds"] = time.perf_counter() - t0
+    history["steps"] = len(history["loss"])
+    return history
+
+
+# ----------------------------------------------------------------------------------------------------
+# Measures (decision 4)
+
+
+def pearson(a: Sequence[float], b: Sequence[float]) -> float:
+    """Pearson correlation of two equally long sequences; 0.0 when either is constant.
+
+    >>> round(pearson([1, 2, 3], [2, 4, 7]), 4)
+    0.9934
+    """
+    n = len(a)
+    if n != len(b) or n < 2:
+        raise ValueError(f"pearson needs two sequences of the same length >= 2, got {n} and {len(b)}")
+    ma, mb = sum(a) / n, sum(b) / n
+    cov = sum((x - ma) * (y - mb) for x, y in zip(a, b, strict=True))
+    va = sum((x - ma) ** 2 for x in a)
+    vb = sum((y - mb) ** 2 for y in b)
+    if va == 0 or vb == 0:
+        return 0.0
+    return cov / math.sqrt(va * vb)
+
+
+def _inside(p: tuple[float, float], box: tuple[float, float, float, float]) -> bool:
+    return box[0] <= p[0] <= box[2] and box[1] <= p[1] <= box[3]
+
+
+def best_constant_click(
+    boxes: Sequence[tuple[float, float, float, float]],
+    candidates: Sequence[tuple[float, float]] | None = None,
+) -> tuple[tuple[float, float], float]:
+    """The image-blind ceiling: the one point inside the most target boxes -> (point, hit rate).
+
+    Candidates default to every box centre and corner (an optimum of a point-in-boxes count is always
+    attained at an intersection of box edges; those lie in this set only approximately, so this is a
+    lower bound of the exact ceiling that is exact for nested or disjoint boxes).
+    """
+    if not boxes:
+        raise ValueError("best_constant_click needs at least one box")
+    if candidates is None:
+        xs = sorted({v for b in boxes for v in (b[0], b[2])})
+        ys = sorted({v for b in boxes for v in (b[1], b[3])})
+        candidates = [(x, y) for x in xs for y in ys]
+    best, best_hits = candidates[0], -1
+    for c in candidates:
+        hits = sum(_inside(c, b) for b in boxes)
+        if hits > best_hits:
+            best, best_hits = c, hits
+    return best, best_hits / len(boxes)
+
+
+@dataclass(frozen=True)
+class GroundMetrics:
+    """Image-dependence measures on a held-out set (all coordinates in model-image pixels)."""
+
+    n: int
+    """Examples evaluated."""
+    parse_rate: float
+    """Replies that parse to a click."""
+    mean_err_px: float
+    """Mean Euclidean distance of the click to the target centre (unparsed replies count as the
+    centre of the image)."""
+    hit_rate: float
+    """Clicks inside the target box."""
+    corr_x: float
+    """Pearson correlation of predicted and target x."""
+    corr_y: float
+    """Pearson correlation of predicted and target y."""
+    spread_px: float
+    """sqrt(var(x) + var(y)) of the clicks: 0 for an image-blind constant click."""
+    blind_err_px: float
+    """Mean error of the best image-blind constant click for mean error (the mean target)."""
+    blind_hit_rate: float
+    """Hit rate of the best image-blind constant click (best_constant_click)."""
+    coord_nll: float = float("nan")
+    """Teacher-forced NLL (nats) of the coordinate digits of the correct reply, summed over one reply's
+    digits and averaged over examples: falls below the blind prior's entropy before greedy clicks move."""
+
+    def as_dict(self) -> dict[str, float]:
+        return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
+
+
+def grounding_metrics(
+    clicks: Sequence[tuple[float, float] | None],
+    targets: Sequence[tuple[float, float]],
+    boxes: Sequence[tuple[float, float, float, float]],
+    image_size: tuple[int, int] = (168, 224),
+) -> GroundMetrics:
+    """Measures of decision 4 from predicted clicks (None = unparsable reply), target centres and boxes."""
+    n = len(targets)
+    if not (n == len(clicks) == len(boxes)) or n < 2:
+        raise ValueError("clicks, targets and boxes need the same length >= 2")
+    centre = (image_size[0] / 2, image_size[1] / 2)
+    pts = [c if c is not None else centre for c in clicks]
+    err = [math.dist(p, t) for p, t in zip(pts, targets, strict=True)]
+    mx = sum(t[0] for t in targets) / n
+    my = sum(t[1] for t in targets) / n
+    px = [p[0] for p in pts]
+    py = [p[1] for p in pts]
+    mpx, mpy = sum(px) / n, sum(py) / n
+    spread = math.sqrt(sum((x - mpx) ** 2 for x in px) / n + sum((y - mpy) ** 2 for y in py) / n)
+    return GroundMetrics(
+        n=n,
+        parse_rate=sum(c is not None for c in clicks) / n,
+        mean_err_px=sum(err) / n,
+        hit_rate=sum(c is not None and _inside(c, b) for c, b in zip(clicks, boxes, strict=True)) / n,
+        corr_x=pearson(px, [t[0] for t in targets]),
+        corr_y=pearson(py, [t[1] for t in targets]),
+        spread_px=spread,
+        blind_err_px=sum(math.dist((mx, my), t) for t in targets) / n,
+        blind_hit_rate=best_constant_click(boxes)[1],
+    )
+
+
+def first_click(text: str) -> tuple[float, float] | None:
+    """The point of the first click-like action of a reply (None if it does not parse or has none).
+
+    >>> first_click("Thought: x\\nAction: click(start_box='(3,4)')")
+    (3.0, 4.0)
+    """
+    try:
+        parsed = parse_response(text)
+    except ActionParseError:
+        return None
+    for a in parsed.actions:
+        if a.point is not None:
+            return (float(a.point[0]), float(a.point[1]))
+    return None
+
+
+def evaluate_grounding(
+    policy: Policy,
+    examples: Sequence[GroundExample],
+    system: str = "compact",
+    batch_size: int = 32,
+    pattern: float = 0.0,
+) -> GroundMetrics:
+    """Greedy replies of `policy` on `examples` -> GroundMetrics."""
+    from arpo_core.policy.generate import HFGenerator
+
+    gen = HFGenerator(policy, system=system)
+    size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
+    if pattern > 0:
+        examples = [replace(e, image=coord_pattern(e.image, size, pattern)) for e in examples]
+    clicks: list[tuple[float, float] | None] = []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        outs = gen.generate(
+            [PromptInput(e.instruction, (e.image,)) for e in chunk], temperature=0.0, max_new_tokens=48
+        )
+        clicks += [first_click(o.text) for o in outs]
+    nll = coordinate_nll(policy, examples, system, batch_size)
+    m = grounding_metrics(clicks, [e.target for e in examples], [e.bbox for e in examples], size)
+    return replace(m, coord_nll=nll)
+
+
+@torch.no_grad()
+def coordinate_nll(
+    policy: Policy, examples: Sequence[GroundExample], system: str = "compact", batch_size: int = 32
+) -> float:
+    """Mean over examples of the summed NLL of the digit tokens after `start_box` in the reply
+    (teacher-forced, fp32). Images are used as given (apply any pattern before)."""
+    digit_ids = {i for t, i in policy.tokenizer.get_vocab().items() if len(t) == 1 and t.isdigit()}
+    total, n = 0.0, 0
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        seqs = [_encode(policy, e, system) for e in chunk]
+        batch = collate(seqs, policy.pad_id, policy.image_token_id).to(policy.device)
+        logps, mask = sequence_logprobs(policy.model, batch)  # (B, T) each
+        is_digit = torch.zeros_like(mask)
+        for d in digit_ids:
+            is_digit |= batch.input_ids == d
+        total += float(-(logps * (mask & is_digit)).sum())
+        n += len(chunk)
+    return total / max(n, 1)
+
+
+def image_dependence(
+    policy: Policy, examples: Sequence[GroundExample], system: str = "compact"
+) -> dict[str, float]:
+    """The image-dependence summary reported beside success rates (REFERENCE.md §7)."""
+    return evaluate_grounding(policy, examples, system).as_dict()

@@ -1,0 +1,178 @@
+"""Grounding experiments: build a tiny policy, train it on grounding data, print held-out measures.
+
+One experiment per call; each evaluation is printed as a JSON line and the whole run (config, curve,
+compute) is appended to benchmarks/results/grounding_runs.jsonl.
+
+    .venv/bin/python benchmarks/grounding_lab.py --name base_s --size s --steps 1500 --mix box1h=1
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import sys
+import tempfile
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+import torch
+
+from arpo_core.grounding import GroundConfig, synthetic_examples, train_grounding
+from arpo_core.policy.model import build_tiny_policy, count_parameters
+
+RESULTS = Path(__file__).parent / "results"
+
+
+def parse_mix(text: str) -> dict[str, float]:
+    """'box1h=1,box4=0.5' -> {'box1h': 1.0, 'box4': 0.5}."""
+    return {k: float(v) for k, v in (p.split("=") for p in text.split(","))}
+
+
+def parse_curriculum(text: str) -> tuple:
+    """'0:box1h=1;400:box4=1' -> ((0, {...}), (400, {...}))."""
+    if not text:
+        return ()
+    return tuple((int(s), parse_mix(m)) for s, m in (p.split(":", 1) for p in text.split(";")))
+
+
+MINIWOB_TASKS = (
+    "click-button",
+    "click-link",
+    "click-tab",
+    "click-checkboxes",
+    "click-option",
+    "click-dialog",
+    "click-widget",
+    "click-collapsible",
+    "identify-shape",
+    "choose-list",
+    "login-user",
+    "enter-text",
+)
+"""Tasks whose screens give MiniWoB grounding targets (buttons, links, labels, tabs, texts)."""
+
+
+def evaluate_checkpoint(path: str, levels: list[str], n: int, miniwob_seeds: int, pattern: float) -> dict:
+    """Held-out measures of a saved policy on synthetic levels and (if seeds > 0) real MiniWoB screens."""
+    from arpo_core.grounding import evaluate_grounding, miniwob_examples
+    from arpo_core.policy.model import load_policy
+
+    policy = load_policy(path)
+    out: dict = {}
+    for level in levels:
+        t = time.perf_counter()
+        m = evaluate_grounding(policy, synthetic_examples(n, {level: 1.0}, seed=20_000), pattern=pattern)
+        out[f"synthetic/{level}"] = {**m.as_dict(), "eval_s": round(time.perf_counter() - t, 1)}
+        print(level, json.dumps(out[f"synthetic/{level}"]), flush=True)
+    if miniwob_seeds:
+        from arpo_core.envs.miniwob import MiniWoBEnv
+
+        env = MiniWoBEnv()
+        try:
+            t = time.perf_counter()
+            exs = miniwob_examples(env, MINIWOB_TASKS, range(1000, 1000 + miniwob_seeds), max_per_screen=2)
+            gen_s = time.perf_counter() - t
+        finally:
+            env.close()
+        m = evaluate_grounding(policy, exs, pattern=pattern)
+        out["miniwob"] = {**m.as_dict(), "tasks": list(MINIWOB_TASKS), "data_s": round(gen_s, 1)}
+        print("miniwob", json.dumps(out["miniwob"]), flush=True)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--name", required=True)
+    ap.add_argument("--eval-ckpt", default="", help="only evaluate this saved policy (writes --eval-out)")
+    ap.add_argument("--eval-levels", default="box1,box1h,box4,widget1")
+    ap.add_argument("--miniwob-seeds", type=int, default=0)
+    ap.add_argument("--eval-out", default="")
+    ap.add_argument("--size", default="s")
+    ap.add_argument("--steps", type=int, default=1500)
+    ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--lr", type=float, default=2e-3)
+    ap.add_argument("--warmup", type=int, default=100)
+    ap.add_argument("--mix", default="box1h=1")
+    ap.add_argument("--curriculum", default="")
+    ap.add_argument("--eval-every", type=int, default=100)
+    ap.add_argument("--eval-n", type=int, default=128)
+    ap.add_argument("--eval-mix", default="")
+    ap.add_argument("--time-limit", type=float, default=None, help="seconds of training")
+    ap.add_argument("--rope-theta", type=float, default=1e6)
+    ap.add_argument("--mrope", default="", help="t,h,w frequency split, e.g. 4,14,14")
+    ap.add_argument("--pattern", type=float, default=0.0)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--fp32", action="store_true")
+    ap.add_argument("--save", default="", help="save the trained policy here")
+    ap.add_argument("--init", default="", help="start from this checkpoint instead of a fresh build")
+    args = ap.parse_args(argv)
+
+    torch.set_num_threads(args.threads)
+    if args.eval_ckpt:
+        res = evaluate_checkpoint(
+            args.eval_ckpt, args.eval_levels.split(","), args.eval_n, args.miniwob_seeds, args.pattern
+        )
+        if args.eval_out:
+            Path(args.eval_out).write_text(
+                json.dumps({"name": args.name, "checkpoint": args.eval_ckpt, **res}, indent=1)
+            )
+        return 0
+    if args.init:
+        from arpo_core.policy.model import load_policy
+
+        policy = load_policy(args.init)
+    else:
+        mrope = [int(v) for v in args.mrope.split(",")] if args.mrope else None
+        policy = build_tiny_policy(
+            tempfile.mkdtemp(prefix="ground_"), size=args.size, rope_theta=args.rope_theta, mrope=mrope
+        )
+    cfg = GroundConfig(
+        steps=args.steps,
+        batch_size=args.batch,
+        lr=args.lr,
+        warmup_steps=args.warmup,
+        bf16=not args.fp32,
+        mix=parse_mix(args.mix),
+        curriculum=parse_curriculum(args.curriculum),
+        eval_every=args.eval_every,
+        pattern=args.pattern,
+    )
+    heldout = synthetic_examples(args.eval_n, parse_mix(args.eval_mix or args.mix), seed=10_000)
+
+    def show(ev: dict) -> None:
+        print(json.dumps(ev), flush=True)
+
+    t0 = time.process_time()
+    hist = train_grounding(policy, cfg, heldout=heldout, time_limit_s=args.time_limit, callback=show)
+    cpu = time.process_time() - t0
+    if args.save:
+        policy.save(args.save)
+    rec = {
+        "name": args.name,
+        "argv": sys.argv[1:],
+        "size": args.size if not args.init else f"init:{args.init}",
+        "params": count_parameters(policy.model),
+        "config": {k: v for k, v in asdict(cfg).items()},
+        "threads": args.threads,
+        "wall_s": round(hist["seconds"], 1),
+        "cpu_s": round(cpu, 1),
+        "steps": hist["steps"],
+        "evals": hist["evals"],
+        "loss_every_10": [
+            round(sum(hist["loss"][i : i + 10]) / len(hist["loss"][i : i + 10]), 4)
+            for i in range(0, len(hist["loss"]), 10)
+        ],
+        "machine": platform.processor() or platform.machine(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+    RESULTS.mkdir(exist_ok=True)
+    with open(RESULTS / "grounding_runs.jsonl", "a") as f:
+        f.write(json.dumps(rec) + "\n")
+    print("FINAL", json.dumps(rec["evals"][-1] if rec["evals"] else {}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

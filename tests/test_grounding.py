@@ -1,0 +1,234 @@
+"""Grounding data, training loop and image-dependence measures."""
+
+import math
+import random
+
+import pytest
+import torch
+
+from arpo_core.actions import parse_response
+from arpo_core.grounding import (
+    LEVELS,
+    GroundConfig,
+    best_constant_click,
+    click_reply,
+    coord_pattern,
+    element_kind,
+    first_click,
+    grounding_metrics,
+    lr_factor,
+    make_grounding_examples,
+    miniwob_examples,
+    pearson,
+    synthetic_example,
+    synthetic_examples,
+    train_grounding,
+)
+from arpo_core.policy.model import build_tiny_policy
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread: two spin on this 2-core machine beside other work (REFERENCE.md §6)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+# ---------------------------------------------------------------------------------------------- data
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_synthetic_targets_lie_inside_their_box_and_replies_parse(level):
+    rng = random.Random(3)
+    for _ in range(40):
+        ex = synthetic_example(rng, level)
+        x0, y0, x1, y1 = ex.bbox
+        assert ex.image.size == (160, 210)
+        assert 0 <= x0 < ex.target[0] < x1 <= 168 and 0 <= y0 < ex.target[1] < y1 <= 224
+        (action,) = parse_response(ex.reply).actions
+        assert action.kind == "click"
+        # The reply rounds the centre to integer model pixels, which stays inside the box.
+        assert x0 <= action.point[0] <= x1 and y0 <= action.point[1] <= y1
+        assert abs(action.point[0] - ex.target[0]) <= 0.5 and abs(action.point[1] - ex.target[1]) <= 0.5
+
+
+def test_synthetic_box_target_is_where_its_colour_is_drawn():
+    """The target box in model pixels maps back onto pixels of the named colour on the 160x210 screen."""
+    from arpo_core.grounding import COLORS
+
+    rng = random.Random(0)
+    for _ in range(20):
+        ex = synthetic_example(rng, "box4")
+        colour = ex.instruction.split()[2]
+        sx, sy = 160 / 168, 210 / 224  # model -> screen
+        cx, cy = ex.target[0] * sx, ex.target[1] * sy
+        assert ex.image.getpixel((int(cx), int(cy))) == COLORS[colour]
+
+
+def test_synthetic_examples_are_deterministic_and_follow_the_mix():
+    a = synthetic_examples(30, {"box1": 1.0, "widget4": 1.0}, seed=5)
+    b = synthetic_examples(30, {"box1": 1.0, "widget4": 1.0}, seed=5)
+    assert [e.reply for e in a] == [e.reply for e in b]
+    assert {e.source for e in a} == {"synthetic/box1", "synthetic/widget4"}
+    assert {e.source for e in synthetic_examples(10, {"box4": 1.0}, seed=1)} == {"synthetic/box4"}
+
+
+def test_make_grounding_examples_without_env_is_the_synthetic_set():
+    a = make_grounding_examples(12, {"widget1": 1.0}, seed=4)
+    b = synthetic_examples(12, {"widget1": 1.0}, seed=4)
+    assert [e.reply for e in a] == [e.reply for e in b] and len(a) == 12
+
+
+def test_click_reply_rounds_to_model_pixels():
+    assert click_reply("Go.", (10.5, 11.49)) == "Thought: Go.\nAction: click(start_box='(10,11)')"
+    assert first_click(click_reply("Go.", (7, 9))) == (7.0, 9.0)
+    assert first_click("Thought: no action here") is None
+
+
+# ---------------------------------------------------------------------------------------------- measures
+
+
+def test_pearson_hand_computed():
+    # a = [1, 2, 3], b = [2, 4, 7]: cov = 5, var_a = 2, var_b = 12.667 -> 5 / sqrt(25.333) = 0.99340
+    assert pearson([1, 2, 3], [2, 4, 7]) == pytest.approx(0.993399, abs=1e-6)
+    assert pearson([1, 2, 3], [3, 2, 1]) == pytest.approx(-1.0)
+    assert pearson([5, 5, 5], [1, 2, 3]) == 0.0
+    with pytest.raises(ValueError):
+        pearson([1.0], [1.0])
+
+
+def test_best_constant_click_counts_the_most_covered_point():
+    boxes = [(0, 0, 10, 10), (5, 5, 20, 20), (8, 8, 30, 30), (50, 50, 60, 60)]
+    point, rate = best_constant_click(boxes)
+    assert rate == 0.75  # (8..10, 8..10) lies in the first three boxes
+    assert all(b[0] <= point[0] <= b[2] and b[1] <= point[1] <= b[3] for b in boxes[:3])
+
+
+def test_grounding_metrics_hand_computed():
+    targets = [(10.0, 20.0), (30.0, 40.0), (50.0, 60.0)]
+    boxes = [(5, 15, 15, 25), (25, 35, 35, 45), (45, 55, 55, 65)]
+    clicks = [(10.0, 23.0), (34.0, 40.0), None]  # third reply unparsable -> counted at the image centre
+    m = grounding_metrics(clicks, targets, boxes, image_size=(100, 100))
+    assert m.n == 3 and m.parse_rate == pytest.approx(2 / 3)
+    # errors 3, 4 and dist((50, 50), (50, 60)) = 10
+    assert m.mean_err_px == pytest.approx(17 / 3)
+    assert m.hit_rate == pytest.approx(2 / 3)
+    px, py = [10, 34, 50], [23, 40, 50]
+    assert m.corr_x == pytest.approx(pearson(px, [10, 30, 50]))
+    assert m.corr_y == pytest.approx(pearson(py, [20, 40, 60]))
+    var = sum((x - 94 / 3) ** 2 for x in px) / 3 + sum((y - 113 / 3) ** 2 for y in py) / 3
+    assert m.spread_px == pytest.approx(math.sqrt(var))
+    # Blind: the mean target (30, 40) is 28.28 px from the outer two, 0 from the middle one.
+    assert m.blind_err_px == pytest.approx(2 * math.dist((30, 40), (10, 20)) / 3)
+    assert m.blind_hit_rate == pytest.approx(1 / 3)
+
+
+def test_constant_clicks_have_zero_spread_and_correlation():
+    targets = [(10.0, 20.0), (30.0, 40.0), (50.0, 60.0)]
+    boxes = [(0, 0, 100, 100)] * 3
+    m = grounding_metrics([(30.0, 40.0)] * 3, targets, boxes, image_size=(100, 100))
+    assert m.spread_px == 0.0 and m.corr_x == 0.0 and m.corr_y == 0.0 and m.hit_rate == 1.0
+
+
+def test_lr_factor_warmup_then_cosine():
+    assert [lr_factor(s, 2, 6, 0.0) for s in range(2)] == [0.5, 1.0]
+    assert lr_factor(5, 2, 6, 0.1) == pytest.approx(0.1)
+    assert lr_factor(3, 2, 6, 0.0) == pytest.approx(0.75)
+
+
+def test_curriculum_phases_switch_the_mix():
+    cfg = GroundConfig(mix={"box1": 1.0}, curriculum=((1, {"box1": 1.0}), (10, {"box4": 1.0})))
+    assert cfg.mix_at(1) == {"box1": 1.0} and cfg.mix_at(9) == {"box1": 1.0}
+    assert cfg.mix_at(10) == {"box4": 1.0} and cfg.mix_at(500) == {"box4": 1.0}
+
+
+# ---------------------------------------------------------------------------------------------- training
+
+
+def test_training_lowers_the_loss_and_reports_measures(tmp_path, one_thread):
+    policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, mrope=[2, 7, 7])
+    heldout = synthetic_examples(8, {"box1": 1.0}, seed=99)
+    cfg = GroundConfig(
+        steps=30, batch_size=8, lr=3e-3, warmup_steps=5, bf16=False, mix={"box1": 1.0}, eval_every=0
+    )
+    hist = train_grounding(policy, cfg, heldout=heldout)
+    loss = hist["loss"]
+    assert len(loss) == 30
+    assert sum(loss[-5:]) / 5 < 0.5 * sum(loss[:5]) / 5
+    (ev,) = hist["evals"]  # evaluated once, at the last step
+    assert ev["step"] == 30 and ev["n"] == 8
+    assert 0.0 <= ev["hit_rate"] <= 1.0 and ev["blind_err_px"] > 0
+
+
+def test_element_kind_names_miniwob_elements():
+    assert element_kind("button", "") == "button"
+    assert element_kind("span", "alink") == "link"
+    assert element_kind("label", "") == "label"
+    assert element_kind("div", "") == "text"
+
+
+def test_coord_pattern_blends_a_fixed_code_in_the_model_frame():
+    from PIL import Image
+
+    img = Image.new("RGB", (160, 210), (255, 255, 255))
+    same = coord_pattern(img, (168, 224), 0.0)
+    assert same.size == (168, 224) and same.getpixel((100, 100)) == (255, 255, 255)
+    out = coord_pattern(img, (168, 224), 0.2)
+    # (x, y) = (0, 0): 0.8 * 255 + 0.2 * (0, 0, 128) = (204, 204, 229.6 -> 230)
+    assert out.getpixel((0, 0)) == (204, 204, 230)
+    # bottom-right corner: code (255, 255, 128) -> (255, 255, 230)
+    assert out.getpixel((167, 223)) == (255, 255, 230)
+
+
+def test_miniwob_examples_target_the_named_element(tmp_path):
+    """Real Chromium: the target centre (model pixels -> screen) lands on the element named in the
+    instruction."""
+    from arpo_core.envs.miniwob import MiniWoBEnv
+
+    env = MiniWoBEnv()
+    try:
+        exs = miniwob_examples(env, ["click-button", "click-link"], [3], max_per_screen=3)
+        assert {e.source for e in exs} == {"miniwob/click-button", "miniwob/click-link"}
+        checked = 0
+        for e in exs:
+            if e.source != "miniwob/click-link":
+                continue  # the env's current screen is click-link's (the last reset)
+            x, y = e.target[0] * 160 / 168, e.target[1] * 210 / 224
+            text = env.instance.driver.execute_script(
+                "return document.elementFromPoint(arguments[0], arguments[1]).textContent;", x, y
+            )
+            named = e.instruction.split('"')[1]
+            assert named in text
+            assert 0 <= e.bbox[0] < e.target[0] < e.bbox[2] <= 168
+            assert parse_response(e.reply).actions[0].kind == "click"
+            checked += 1
+        assert checked >= 1
+    finally:
+        env.close()
+
+
+def test_to_trajectory_encodes_like_the_training_loop(tmp_path, one_thread):
+    """A grounding example as a one-step Trajectory gives BC the same token sequence the loop trains on."""
+    from arpo_core.grounding import _encode, to_trajectory
+    from arpo_core.policy.sequences import encode_trajectory
+
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    ex = synthetic_example(random.Random(1), "widget4")
+    traj = to_trajectory(ex)
+    assert traj.task_domain == "synthetic" and traj.task_id == "widget4" and traj.steps[0].done
+    a, b = encode_trajectory(policy, traj, "compact"), _encode(policy, ex, "compact")
+    assert a.input_ids == b.input_ids and a.assistant_mask == b.assistant_mask
+    assert torch.equal(a.pixel_values, b.pixel_values)
+
+
+def test_tiny_policy_rope_options_are_saved_and_validated(tmp_path):
+    """The additive build_tiny_policy(rope_theta=, mrope=) options land in the stock config and reload."""
+    from arpo_core.policy.model import load_policy
+
+    build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, mrope=[2, 7, 7])
+    cfg = load_policy(tmp_path / "p").model.config.text_config
+    assert cfg.rope_parameters["rope_theta"] == 5.0 and cfg.rope_parameters["mrope_section"] == [2, 7, 7]
+    with pytest.raises(ValueError, match="head_dim / 2 = 16"):
+        build_tiny_policy(tmp_path / "q", size="xs", mrope=[4, 4, 4])
