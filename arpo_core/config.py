@@ -97,6 +97,13 @@ class InitPolicyConfig:
     """Tokenizer corpus and weight initialisation."""
     pretrained: str | None = None
     """Path of an existing Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B): used instead of building one."""
+    rope_theta: float = 5.0
+    """Base of the tiny LM's rotary positions. At Qwen's 1e6 a tiny head's M-RoPE h/w bands barely turn
+    across the visual tokens and clicks stay image-blind; 5 made them follow the target
+    (benchmarks/results/grounding.md)."""
+    mrope: list[int] | None = None
+    """(t, h, w) split of head_dim/2 rotary frequencies; null: Qwen's proportions (xs [4,6,6], s [8,12,12]);
+    the grounding runs used [2,7,7] for xs."""
 
 
 @dataclass(frozen=True)

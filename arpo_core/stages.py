@@ -152,7 +152,8 @@ def init_policy(p: Params, out_dir: str | os.PathLike) -> dict[str, Any]:
             raise FileNotFoundError(f"init_policy.pretrained: no checkpoint (config.json) at {src}")
         (out_dir / POINTER).write_text(json.dumps({"path": str(src.resolve())}))
         return {"init_policy/pretrained": 1.0}
-    policy = build_tiny_policy(out_dir, size=p.init_policy.size, seed=p.init_policy.seed)
+    ip = p.init_policy
+    policy = build_tiny_policy(out_dir, size=ip.size, seed=ip.seed, rope_theta=ip.rope_theta, mrope=ip.mrope)
     n = sum(x.numel() for x in policy.model.parameters())
     return {"init_policy/parameters": float(n), "init_policy/vocab": float(len(policy.tokenizer))}
 
