@@ -49,7 +49,6 @@ import json
 import math
 import os
 import random
-import tempfile
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
@@ -57,6 +56,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from arpo_core.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory, read_trajectories, write_trajectories
 
 __all__ = [
@@ -164,19 +164,6 @@ def group_failed(values: Sequence[float], trigger_std: float, trigger_mean: floa
 def _identity(t: Trajectory) -> tuple:
     """What makes two stored trajectories the same rollout (used to refuse duplicates)."""
     return (t.run_id, t.stage, t.epoch, t.task_domain, t.task_id, t.group_id, t.sample_idx, t.policy_version)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _rng_state_to_json(state: tuple) -> list:
@@ -350,7 +337,7 @@ class ReplayBuffer:
                 "n_evicted": self._n_evicted,
             },
         }
-        _atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
+        atomic_write_text(directory / MANIFEST, json.dumps(manifest, indent=1))
         # Only now is the previous items file unreferenced.
         for old in directory.glob("items-*.parquet"):
             if old.name != items_file:

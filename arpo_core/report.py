@@ -23,13 +23,14 @@ import csv
 import io
 import math
 import os
-import tempfile
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
+
+from arpo_core.fileio import atomic_open
 
 __all__ = [
     "comparison_json",
@@ -137,14 +138,8 @@ def _save(fig: Figure, out_png: str | os.PathLike) -> Path:
     out = Path(out_png)
     out.parent.mkdir(parents=True, exist_ok=True)
     FigureCanvasAgg(fig)
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".png", dir=out.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(out) as f:
+        fig.savefig(f, format="png", dpi=100, bbox_inches="tight")
     return out
 
 

@@ -29,12 +29,12 @@ from __future__ import annotations
 import json
 import os
 import random
-import tempfile
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Literal, NamedTuple
 
+from arpo_core.fileio import atomic_write_json
 from arpo_core.trajectory import Trajectory
 
 __all__ = [
@@ -209,17 +209,7 @@ def write_selection(path: str | os.PathLike, selection: Selection) -> Path:
             {"task_domain": d, "task_id": i, **c._asdict()} for (d, i), c in sorted(selection.counts.items())
         ],
     }
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            json.dump(doc, f, indent=1)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_json(path, doc, indent=1)
     return path
 
 

@@ -29,6 +29,7 @@ from arpo_core.config import Params
 from arpo_core.demos import play_oracle_episodes
 from arpo_core.envs.base import TaskSpec, load_suite
 from arpo_core.envs.pool import EnvPool
+from arpo_core.fileio import atomic_write_json
 from arpo_core.offline import sft
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes
@@ -97,10 +98,7 @@ def make_pool(p: Params, n: int | None = None):
 
 
 def _write_metrics(path: Path, metrics: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(metrics, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_json(path, metrics, sort_keys=True)
 
 
 def _bar(total: int, desc: str):

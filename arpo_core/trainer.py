@@ -40,6 +40,7 @@ import torch
 from arpo_core.advantages import group_advantages
 from arpo_core.engines import make_engine
 from arpo_core.envs.base import TaskSpec
+from arpo_core.fileio import atomic_write_text
 from arpo_core.policy.generate import HFGenerator
 from arpo_core.policy.model import Policy, load_policy
 from arpo_core.replay import ReplayBuffer, ReplayConfig
@@ -93,14 +94,6 @@ def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
     return path if (path / "state.json").exists() else None
 
 
-def _atomic_write_text(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 def _rng_state() -> dict[str, Any]:
     return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state()}
 
@@ -130,7 +123,7 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
     final = ckpts / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
-    _atomic_write_text(ckpts / "latest", name)
+    atomic_write_text(ckpts / "latest", name)
     # Keep the last two epochs: the newest, and one more in case the newest is damaged on disk.
     for old in sorted(p for p in ckpts.glob("epoch-*") if p.is_dir())[:-2]:
         shutil.rmtree(old, ignore_errors=True)

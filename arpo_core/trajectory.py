@@ -18,7 +18,6 @@ from __future__ import annotations
 import io
 import json
 import os
-import tempfile
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
@@ -26,6 +25,8 @@ from pathlib import Path
 import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
+
+from arpo_core.fileio import atomic_open
 
 __all__ = [
     "SCHEMA",
@@ -195,16 +196,8 @@ def write_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = trajectories_to_table(trajs)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as f:
+        pq.write_table(table, f, compression="zstd")
     return path
 
 

@@ -30,10 +30,10 @@ import html
 import json
 import os
 import re
-import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 
+from arpo_core.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory
 
 __all__ = ["split_reply", "viewer_data", "write_viewer"]
@@ -151,14 +151,7 @@ def write_viewer(
         .replace("__SCRIPT__", _SCRIPT)
         .replace("__DATA__", _json_for_script(viewer_data(trajectories)))
     )
-    fd, tmp = tempfile.mkstemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(page)
-        os.replace(tmp, out)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    atomic_write_text(out, page)
     return out
 
 

@@ -33,6 +33,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, load_params
+from arpo_core.fileio import atomic_open, atomic_write_json
 from flows import tracking
 from flows.spec import SPECS, stage_key, stage_params, stamp_path, write_stamp
 
@@ -81,21 +82,15 @@ def variant_name(preset: str | None, overrides: Sequence[str] | None, dvc_exp: s
 
 def write_epoch_plot(history: Sequence[dict[str, Any]], path: Path = EPOCH_PLOT) -> None:
     """One CSV row per epoch with PLOT_COLUMNS (empty cell where a metric is absent)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", newline="") as f:
+    with atomic_open(path, "w") as f:
         w = csv.writer(f)
         w.writerow(PLOT_COLUMNS)
         for row in history:
             w.writerow(["" if row.get(c) is None else row[c] for c in PLOT_COLUMNS])
-    os.replace(tmp, path)
 
 
 def _write_json(path: Path, data: dict[str, Any]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(data, indent=2, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_json(path, data, sort_keys=True)
 
 
 class StageRun:

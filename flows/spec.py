@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, to_dict
+from arpo_core.fileio import atomic_write_json
 
 __all__ = [
     "STAGES",
@@ -233,9 +234,7 @@ def write_stamp(root: Path, spec: StageSpec, key: str, extra: Mapping[str, Any] 
     path = stamp_path(root, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     stamp = {"key": key, "outs": fingerprint(spec.outs, root), "time": time.time(), **(extra or {})}
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(stamp, indent=1, sort_keys=True))
-    os.replace(tmp, path)
+    atomic_write_json(path, stamp, indent=1, sort_keys=True)
 
 
 def is_up_to_date(p: Params, spec: StageSpec, root: Path) -> bool:

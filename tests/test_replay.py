@@ -404,7 +404,7 @@ def test_save_is_atomic_and_cleans_up(tmp_path, monkeypatch):
     def boom(path, text):
         raise OSError("disk full")
 
-    monkeypatch.setattr(replay_mod, "_atomic_write_text", boom)
+    monkeypatch.setattr(replay_mod, "atomic_write_text", boom)
     with pytest.raises(OSError, match="disk full"):
         buf.save(d)
     assert ReplayBuffer.load(d).sizes() == saved_sizes
