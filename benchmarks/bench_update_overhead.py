@@ -42,7 +42,8 @@ def trajectories(n: int) -> list[Trajectory]:
         steps = []
         for k in range(1 + i % 3):
             img = Image.new("RGB", (160, 210), "white")
-            ImageDraw.Draw(img).rectangle((10 + 9 * k, 20 + 7 * i % 150, 50, 60), fill=(20, 20, 200))
+            x0, y0 = 10 + 9 * k, 20 + 7 * i % 150
+            ImageDraw.Draw(img).rectangle((x0, y0, x0 + 40, y0 + 30), fill=(20, 20, 200))
             reply = f"Thought: step {k} of task {i}.\nAction: click(start_box='({30 + k},{40 + i})')"
             steps.append(Step(k, png_bytes(img), 160, 210, reply))
         out.append(Trajectory("b", "train", 1, "bench", f"t{i}", "Click the blue box.", steps, sample_idx=i))
