@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from proctools import group_pids, wait_until
 
 from arpo_core.envs import desktop_server as ds
 from arpo_core.envs.osworld import DesktopClient
@@ -79,28 +80,6 @@ def test_draw_cursor_marks_pixels_at_the_tip():
 
 
 # ------------------------------------------------------------------ a real desktop
-def group_pids(pgid: int) -> list[int]:
-    out = []
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if stat[0] != "Z" and int(stat[2]) == pgid:
-                out.append(int(e))
-    return out
-
-
-def wait_until(pred, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
-
-
 @pytest.fixture(scope="module")
 def desktop():
     d = ds.LocalDesktop(screen_size=(640, 480), command_timeout_s=20)

@@ -6,6 +6,7 @@ import time
 
 import numpy as np
 import pytest
+from proctools import alive, pids_naming
 
 from arpo_core.actions import Action
 from arpo_core.envs.base import TaskSpec
@@ -14,30 +15,6 @@ from arpo_core.envs.miniwob import MiniWoBEnv, clamp_point, episode_limit_ms, we
 
 def task(name: str) -> TaskSpec:
     return TaskSpec("miniwob", name)
-
-
-def alive(pid: int) -> bool:
-    """True for a running (non-zombie) process."""
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def pids_naming(text: str) -> list[int]:
-    """Live processes whose command line contains `text` (e.g. a browser profile dir)."""
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmd and alive(int(entry)):
-                out.append(int(entry))
-    return out
 
 
 def wait_gone(pids: list[int], timeout_s: float = 10.0) -> list[int]:

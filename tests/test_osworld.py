@@ -5,11 +5,11 @@ import functools
 import json
 import os
 import signal
-import time
 from collections import Counter
 from pathlib import Path
 
 import pytest
+from proctools import group_pids, wait_until
 
 from arpo_core.actions import Action, parse_response, to_screen
 from arpo_core.envs.base import TaskSpec
@@ -33,28 +33,6 @@ REPO = Path(__file__).resolve().parents[1]
 SUITE = REPO / "data" / "suites" / "osworld_local.yaml"
 SCREEN = (1280, 800)
 FAST = dict(screen_size=SCREEN, settle_s=0.3, setup_settle_s=0.3, wait_s=0.1)
-
-
-def group_pids(pgid: int) -> list[int]:
-    out = []
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if stat[0] != "Z" and int(stat[2]) == pgid:
-                out.append(int(e))
-    return out
-
-
-def wait_until(pred, timeout_s: float = 10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if pred():
-            return True
-        time.sleep(0.1)
-    return False
 
 
 # ------------------------------------------------------------------ the 369 OSWorld task files

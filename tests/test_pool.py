@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 import pytest
+from proctools import alive, pids_naming
 
 from arpo_core.actions import Action, parse_response, to_screen
 from arpo_core.envs.base import TaskSpec
@@ -24,28 +25,6 @@ FACTORY = functools.partial(make_miniwob_env, episode_time_limit_s=60)
 
 def task(name: str) -> TaskSpec:
     return TaskSpec("miniwob", name)
-
-
-def alive(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
-
-
-def pids_naming(text: str) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                with open(f"/proc/{entry}/cmdline", "rb") as f:
-                    cmd = f.read().decode(errors="replace")
-            except OSError:
-                continue
-            if text in cmd and alive(int(entry)):
-                out.append(int(entry))
-    return out
 
 
 def wait_gone(pids, timeout_s: float = 10.0) -> list[int]:
