@@ -18,7 +18,6 @@ Decisions:
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -28,6 +27,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from arpo_core.fileio import atomic_write_json
 from arpo_core.offline_config import SFTConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import collate, encode_trajectory, sequence_logprobs
@@ -45,7 +45,7 @@ def masked_mean_nll(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 def _save(policy: Policy, optimizer: torch.optim.Optimizer, out: Path, state: dict) -> None:
     policy.save(out)
     torch.save(optimizer.state_dict(), out / "optimizer.pt")
-    (out / "sft_state.json").write_text(json.dumps(state, indent=1))
+    atomic_write_json(out / "sft_state.json", state, indent=1)
 
 
 def sft(

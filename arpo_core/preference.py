@@ -48,7 +48,6 @@ Decisions:
 
 from __future__ import annotations
 
-import json
 import random
 from collections import defaultdict
 from collections.abc import Callable, Sequence
@@ -62,6 +61,7 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from arpo_core.engines import TorchEngine
+from arpo_core.fileio import atomic_write_json
 from arpo_core.offline import sft
 from arpo_core.offline_config import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.policy.model import Policy
@@ -369,7 +369,7 @@ def _make_engine(policy: Policy, engine: Engine | None, cfg: DPOConfig | KTOConf
 
 def _save(policy: Policy, out: Path, state: dict) -> None:
     policy.save(out)
-    (out / "preference_state.json").write_text(json.dumps(state, indent=1))
+    atomic_write_json(out / "preference_state.json", state, indent=1)
 
 
 def dpo(
