@@ -91,7 +91,7 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class InitPolicyConfig:
-    size: Literal["xs", "s", "m"] = "s"
+    size: Literal["xs", "s", "m"] = "xs"
     """Tiny architecture built offline (xs 0.7M, s 5.1M, m 36.5M parameters)."""
     seed: int = 0
     """Tokenizer corpus and weight initialisation."""
@@ -101,9 +101,81 @@ class InitPolicyConfig:
     """Base of the tiny LM's rotary positions. At Qwen's 1e6 a tiny head's M-RoPE h/w bands barely turn
     across the visual tokens and clicks stay image-blind; 5 made them follow the target
     (benchmarks/results/grounding.md)."""
-    mrope: list[int] | None = None
-    """(t, h, w) split of head_dim/2 rotary frequencies; null: Qwen's proportions (xs [4,6,6], s [8,12,12]);
-    the grounding runs used [2,7,7] for xs."""
+    mrope: list[int] | None = field(default_factory=lambda: [2, 7, 7])
+    """(t, h, w) split of head_dim/2 rotary frequencies; null: Qwen's proportions (xs [4,6,6], s [8,12,12]).
+    [2,7,7] (xs) is the architecture of the grounding recipe and of `ground.checkpoint`."""
+
+
+@dataclass(frozen=True)
+class GroundPhase:
+    """One phase of grounding pretraining (`ground.phases[i]`). The training fields are those of
+    `arpo_core.grounding.GroundConfig` (same names, same meaning; kept here so params parse without
+    torch); `miniwob_seeds` and `grow_after` are applied by the stage around the training loop."""
+
+    steps: int = 2000
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Examples per optimizer step (half from the real MiniWoB screens when `miniwob_seeds` > 0)."""
+    lr: float = 3e-3
+    """AdamW peak learning rate."""
+    warmup_steps: int = 50
+    """Linear warm-up from 0 to `lr`."""
+    min_lr_frac: float = 0.1
+    """Cosine decay to `min_lr_frac * lr` at the last step."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    bf16: bool = True
+    """bf16 autocast; parameters and optimizer state stay fp32."""
+    mix: dict[str, float] = field(default_factory=lambda: {"box1": 1.0})
+    """Synthetic level -> sampling weight (levels of `arpo_core.grounding.LEVELS`)."""
+    seed: int = 0
+    """Seed of this phase's stream of synthetic screens."""
+    miniwob_seeds: int = 0
+    """Real MiniWoB screens of the in-domain suite's tasks with env seeds 0..N-1 as a fixed example
+    list (half of every batch); 0 = synthetic screens only."""
+    grow_after: list[int] | None = None
+    """Before this phase, insert a zero-output decoder layer after each listed layer index
+    (`policy.model.grow_depth`); null = keep the depth."""
+
+    def __post_init__(self) -> None:
+        if self.steps < 1 or self.batch_size < 1:
+            raise ValueError(
+                f"ground phase steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}"
+            )
+        if self.miniwob_seeds < 0:
+            raise ValueError(f"ground phase miniwob_seeds must be >= 0, got {self.miniwob_seeds}")
+        if not self.mix or any(not w > 0 for w in self.mix.values()):
+            raise ValueError(f"ground phase mix needs at least one level, weights > 0, got {self.mix}")
+
+
+@dataclass(frozen=True)
+class GroundSectionConfig:
+    """Grounding pretraining (stage `ground`): where the grounded policy comes from and how it is measured.
+    (Not named `GroundConfig`: that is `arpo_core.grounding`'s training-loop config, one per phase.)"""
+
+    checkpoint: str | None = "assets/checkpoints/grounded-xs-J"
+    """Start from this checkpoint directory (the project's versioned grounded tiny policy) instead of
+    `models/init`; null = start from `models/init` and train with `phases`. A pretrained model named by
+    `init_policy.pretrained` wins over it (this is a tiny model)."""
+    phases: list[GroundPhase] = field(default_factory=list)
+    """Training phases run in order on the starting policy; empty = use the start as it is."""
+    eval_levels: list[str] = field(default_factory=lambda: ["box1h", "box4", "widget1", "widget4"])
+    """Held-out synthetic levels measured after training (one measure set per level)."""
+    eval_per_level: int = 64
+    """Held-out synthetic screens per level (>= 2: correlations need two points)."""
+    eval_miniwob_seeds: int = 3
+    """Held-out real MiniWoB screens: the in-domain suite's tasks with env seeds 1000..1000+N-1;
+    0 = none (no browser)."""
+    miniwob_per_screen: int = 4
+    """At most this many targets per real MiniWoB screen (training and held-out)."""
+
+    def __post_init__(self) -> None:
+        if self.eval_levels and self.eval_per_level < 2:
+            raise ValueError(f"ground eval_per_level must be >= 2, got {self.eval_per_level}")
+        if self.eval_miniwob_seeds < 0 or self.miniwob_per_screen < 1:
+            raise ValueError("ground eval_miniwob_seeds must be >= 0 and miniwob_per_screen >= 1")
 
 
 @dataclass(frozen=True)
@@ -220,6 +292,7 @@ class Params:
     env: EnvConfig = field(default_factory=EnvConfig)
     policy: PolicyConfig = field(default_factory=PolicyConfig)
     init_policy: InitPolicyConfig = field(default_factory=InitPolicyConfig)
+    ground: GroundSectionConfig = field(default_factory=GroundSectionConfig)
     demos: DemosConfig = field(default_factory=DemosConfig)
     sft: SFTConfig = field(default_factory=SFTConfig)
     baseline: BaselineConfig = field(default_factory=BaselineConfig)

@@ -54,6 +54,70 @@ MINIWOB_TASKS = (
 """Tasks whose screens give MiniWoB grounding targets (buttons, links, labels, tabs, texts)."""
 
 
+def save_examples(examples, path: str) -> None:
+    """Cache grounding examples (images as PNG bytes) so several runs share one browser pass."""
+    import io
+    import pickle
+
+    rows = []
+    for e in examples:
+        buf = io.BytesIO()
+        e.image.save(buf, "PNG")
+        rows.append(
+            {
+                **{k: getattr(e, k) for k in ("instruction", "target", "bbox", "source", "thought")},
+                "png": buf.getvalue(),
+            }
+        )
+    with open(path, "wb") as f:
+        pickle.dump(rows, f)
+
+
+def dump_miniwob(path: str, first_seed: int, n_seeds: int, per_screen: int = 6) -> None:
+    """Real MiniWoB grounding examples of every in-domain suite task (one browser) -> pickle.
+
+    The cached sets of runs K/L: `--dump-miniwob train.pkl --dump-seeds 0:120` (5,814 examples, 220 s)
+    and `--dump-miniwob heldout.pkl --dump-seeds 1000:6` (297 examples)."""
+    from collections import Counter
+
+    from arpo_core.envs.base import load_suite
+    from arpo_core.envs.miniwob import MiniWoBEnv
+    from arpo_core.grounding import miniwob_examples
+
+    tasks = [t.task_id for t in load_suite("data/suites/miniwob_in_domain.yaml")]
+    env = MiniWoBEnv()
+    t = time.perf_counter()
+    try:
+        exs = miniwob_examples(env, tasks, range(first_seed, first_seed + n_seeds), max_per_screen=per_screen)
+    finally:
+        env.close()
+    save_examples(exs, path)
+    print(len(exs), "examples", round(time.perf_counter() - t, 1), "s", dict(Counter(e.source for e in exs)))
+
+
+def load_examples(path: str) -> list:
+    """The examples `save_examples` wrote."""
+    import io
+    import pickle
+
+    from PIL import Image
+
+    from arpo_core.grounding import GroundExample
+
+    with open(path, "rb") as f:
+        rows = pickle.load(f)
+    out = []
+    for r in rows:
+        img = Image.open(io.BytesIO(r["png"]))
+        img.load()
+        out.append(
+            GroundExample(
+                img, r["instruction"], tuple(r["target"]), tuple(r["bbox"]), r["source"], r["thought"]
+            )
+        )
+    return out
+
+
 def evaluate_checkpoint(path: str, levels: list[str], n: int, miniwob_seeds: int, pattern: float) -> dict:
     """Held-out measures of a saved policy on synthetic levels and (if seeds > 0) real MiniWoB screens."""
     from arpo_core.grounding import evaluate_grounding, miniwob_examples
@@ -107,9 +171,23 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--save", default="", help="save the trained policy here")
     ap.add_argument("--init", default="", help="start from this checkpoint instead of a fresh build")
+    ap.add_argument(
+        "--dump-miniwob", default="", help="only write real MiniWoB examples (in-domain suite) to this pickle"
+    )
+    ap.add_argument("--dump-seeds", default="0:120", help="first:count env seeds for --dump-miniwob")
+    ap.add_argument("--grow-after", default="", help="insert zero-output layers after these, e.g. 0,1")
+    ap.add_argument(
+        "--miniwob-train", default="", help="pickle of real MiniWoB examples (half of each batch)"
+    )
+    ap.add_argument(
+        "--miniwob-heldout", default="", help="pickle of held-out MiniWoB examples (the eval set)"
+    )
     args = ap.parse_args(argv)
 
     torch.set_num_threads(args.threads)
+    if args.dump_miniwob:
+        dump_miniwob(args.dump_miniwob, *(int(v) for v in args.dump_seeds.split(":")))
+        return 0
     if args.eval_ckpt:
         res = evaluate_checkpoint(
             args.eval_ckpt, args.eval_levels.split(","), args.eval_n, args.miniwob_seeds, args.pattern
@@ -123,6 +201,10 @@ def main(argv: list[str] | None = None) -> int:
         from arpo_core.policy.model import load_policy
 
         policy = load_policy(args.init)
+        if args.grow_after:
+            from arpo_core.policy.model import grow_depth
+
+            policy = grow_depth(policy, [int(v) for v in args.grow_after.split(",")])
     else:
         mrope = [int(v) for v in args.mrope.split(",")] if args.mrope else None
         policy = build_tiny_policy(
@@ -140,12 +222,17 @@ def main(argv: list[str] | None = None) -> int:
         pattern=args.pattern,
     )
     heldout = synthetic_examples(args.eval_n, parse_mix(args.eval_mix or args.mix), seed=10_000)
+    train_fixed = load_examples(args.miniwob_train) if args.miniwob_train else None
+    if args.miniwob_heldout:
+        heldout = load_examples(args.miniwob_heldout)
 
     def show(ev: dict) -> None:
         print(json.dumps(ev), flush=True)
 
     t0 = time.process_time()
-    hist = train_grounding(policy, cfg, heldout=heldout, time_limit_s=args.time_limit, callback=show)
+    hist = train_grounding(
+        policy, cfg, examples=train_fixed, heldout=heldout, time_limit_s=args.time_limit, callback=show
+    )
     cpu = time.process_time() - t0
     if args.save:
         policy.save(args.save)

@@ -25,6 +25,7 @@ from arpo_core.config import load_params
 from flows.baseline import baseline
 from flows.demos import demos
 from flows.evaluate import evaluate
+from flows.ground import ground
 from flows.init_policy import init_policy
 from flows.runner import variant_name
 from flows.select import select
@@ -34,9 +35,10 @@ from flows.train import train
 
 __all__ = ["FLOWS", "arpo_train", "headline"]
 
-# In pipeline order; `ground` (flows/spec.py decision 5) slots in after init_policy.
+# In pipeline order (flows/spec.py).
 FLOWS = {
     "init_policy": init_policy,
+    "ground": ground,
     "demos": demos,
     "sft": sft,
     "baseline": baseline,
@@ -48,6 +50,9 @@ assert tuple(FLOWS) == STAGE_NAMES
 
 HEADLINE_KEYS = (
     "init_policy/parameters",
+    "ground/box1h/hit_rate",
+    "ground/widget4/hit_rate",
+    "ground/miniwob/hit_rate",
     "demos/episodes",
     "sft/loss_last",
     "baseline/success_rate",
@@ -72,7 +77,7 @@ def arpo_train(
     overrides: list[str] | None = None,
     force: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """init_policy -> demos -> sft -> baseline -> select -> train -> evaluate, skipping up-to-date stages.
+    """init_policy -> ground -> demos -> sft -> baseline -> select -> train -> evaluate, skipping up-to-date stages.
     Returns each executed stage's metrics."""
     p = load_params(params, list(overrides or ()), preset=preset)  # fail before any stage on a bad key
     ctx = FlowRunContext.get()

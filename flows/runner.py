@@ -7,7 +7,7 @@ Decisions:
    artifacts, write the stage stamp (flows/spec.py), close the run FINISHED or FAILED.
 2. `call(task, ...)` runs a Prefect task as a task run inside a flow run, and as its plain function
    (`task.fn`) outside one. DVC stages run outside Prefect: a flow run needs an API server, and a
-   temporary one costs 10-20 s per process on this machine (measured), 7x per `dvc repro`. So under
+   temporary one costs 10-20 s per process on this machine (measured), 8x per `dvc repro`. So under
    DVC there are no Prefect retries (DVC itself re-runs a failed stage); everything else is identical.
 3. Paths are relative to the working directory, which is the project root for all three front doors
    (DVC runs commands there; the Prefect deployment's pull step sets it), because params.yaml's suite
@@ -42,6 +42,7 @@ __all__ = ["PATHS", "PLOT_COLUMNS", "StageRun", "call", "variant_name", "write_e
 # Default locations of every stage's outputs (the same paths as dvc.yaml's outs).
 PATHS: dict[str, Path] = {
     "init_policy": Path("models/init"),
+    "ground": Path("models/grounded"),
     "demos": Path("data/demos/demos.parquet"),
     "sft": Path("models/base"),
     "baseline": Path("data/baseline"),
@@ -188,7 +189,7 @@ class StageRun:
     def _artifacts(self) -> list[tuple[Path, str]]:
         """(path, artifact dir) pairs: trajectories, policies and the last checkpoint (issue 6)."""
         r = self.root
-        if self.name in ("init_policy", "sft"):
+        if self.name in ("init_policy", "ground", "sft"):
             return [(self.path(self.name), "policy")]
         if self.name in ("demos", "baseline", "evaluate"):
             return [(r / self.spec.outs[0], "trajectories")]

@@ -15,7 +15,7 @@ def sft(
     overrides: list[str] | None = None,
     pipeline_id: str | None = None,
 ) -> dict[str, float]:
-    """Behaviour cloning on the demos -> the base policy: models/base."""
+    """Behaviour cloning of the grounded policy on the demos -> the base policy: models/base."""
     return StageRun("sft", params, preset, overrides, pipeline_id).execute(
-        lambda s: call(clone_behaviour, s.p, s.path("init_policy"), s.path("demos"), s.path("sft"))
+        lambda s: call(clone_behaviour, s.p, s.path("ground"), s.path("demos"), s.path("sft"))
     )

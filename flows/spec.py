@@ -18,10 +18,11 @@ Decisions:
 4. Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`, dotfiles
    and temp names are skipped so that running Python does not make code look changed (the same
    patterns are in .dvcignore for DVC's own hashes).
-5. The `ground` stage (grounding pretraining, DESIGN.md) belongs between `init_policy` and `sft`; its
-   recipe is being researched. Until it lands, `sft` starts from `models/init`. Adding it = one row here
-   (deps models/init, outs models/grounded), one stage in dvc.yaml, one flow, and `sft` reading
-   `models/grounded`.
+5. `ground` (grounding pretraining, DESIGN.md) sits between `init_policy` and `sft`, which trains from
+   its output `models/grounded`. Its start may be `ground.checkpoint`, a directory named by a param;
+   DVC cannot make a dep depend on a param, so the whole `assets/checkpoints` directory is a dep (a
+   changed versioned checkpoint re-runs `ground`; a checkpoint outside it is not hashed). It reads the in-domain suite for its real MiniWoB
+   screens (`env.in_domain_suite`, the suite files, the env code) and the prompt (`policy.system_prompt`).
 """
 
 from __future__ import annotations
@@ -81,7 +82,22 @@ STAGES: tuple[StageSpec, ...] = (
         params=("init_policy",),
         outs=("models/init",),
     ),
-    # `ground` goes here (decision 5): deps models/init -> outs models/grounded.
+    StageSpec(
+        "ground",
+        deps=(
+            "arpo_core/stages.py",
+            "arpo_core/grounding.py",
+            *POLICY_CODE,
+            "arpo_core/envs",
+            "arpo_core/actions.py",
+            "arpo_core/trajectory.py",
+            "data/suites",
+            "assets/checkpoints",
+            "models/init",
+        ),
+        params=("ground", "policy.system_prompt", "env.in_domain_suite"),
+        outs=("models/grounded",),
+    ),
     StageSpec(
         "demos",
         deps=("arpo_core/stages.py", "arpo_core/demos.py", *ENV_CODE, "data/suites"),
@@ -90,7 +106,7 @@ STAGES: tuple[StageSpec, ...] = (
     ),
     StageSpec(
         "sft",
-        deps=("arpo_core/stages.py", "arpo_core/offline.py", *POLICY_CODE, "models/init", "data/demos"),
+        deps=("arpo_core/stages.py", "arpo_core/offline.py", *POLICY_CODE, "models/grounded", "data/demos"),
         params=("sft", "policy.system_prompt", "policy.history_images"),
         outs=("models/base",),
     ),

@@ -6,6 +6,8 @@ Decisions:
 2. Retries with exponential back-off only where environments are involved (browsers crash, a reset
    times out): demos, baseline, train rollouts and evaluation. Building the policy, SFT and task
    selection are deterministic CPU work; a failure there is a bug, and retrying would hide it.
+   Grounding is CPU work too: its one browser only reads a few MiniWoB screens before and after
+   training, and a retry would repeat the whole training (it has no resume), so it is not retried.
    The train task retries by resuming from its last epoch checkpoint (the stage resumes by default),
    so a retry does not repeat finished epochs.
 3. No Prefect result caching (`NO_CACHE`): whether a stage is up to date is decided by the pipeline
@@ -32,6 +34,7 @@ __all__ = [
     "build_policy",
     "clone_behaviour",
     "evaluate_policies",
+    "ground_policy",
     "play_demos",
     "roll_out_baseline",
     "select_tasks",
@@ -49,6 +52,12 @@ ENV_RETRIES = {
 def build_policy(p: Params, out_dir: Path) -> dict[str, float]:
     """Build the tiny offline policy (or point at a pretrained checkpoint)."""
     return stages.init_policy(p, out_dir)
+
+
+@task(cache_policy=NO_CACHE)
+def ground_policy(p: Params, policy_dir: Path, out_dir: Path) -> dict[str, float]:
+    """Grounding pretraining (or the versioned grounded checkpoint) plus its held-out measures."""
+    return stages.ground(p, policy_dir, out_dir)
 
 
 @task(cache_policy=NO_CACHE, **ENV_RETRIES)

@@ -43,8 +43,8 @@ def one_thread():
 # Pure helpers
 
 
-def test_stage_order_has_every_design_stage_but_ground():
-    assert STAGE_NAMES == ("init_policy", "demos", "sft", "baseline", "select", "train", "evaluate")
+def test_stage_order_is_the_design_pipeline():
+    assert STAGE_NAMES == ("init_policy", "ground", "demos", "sft", "baseline", "select", "train", "evaluate")
 
 
 def test_stage_params_flattens_sections_and_keeps_cross_keys():

@@ -16,6 +16,7 @@ from arpo_core.policy.model import (
     build_tiny_policy,
     count_parameters,
     default_corpus,
+    grow_depth,
     load_policy,
     mrope_section,
     tiny_config,
@@ -145,3 +146,29 @@ def test_load_missing_dir(tmp_path):
 def test_unknown_size(tmp_path):
     with pytest.raises(ValueError, match="unknown tiny size"):
         build_tiny_policy(tmp_path, size="xl")
+
+
+def test_grow_depth_same_function_then_trainable(built, tmp_path):
+    policy, _ = built
+    grown = grow_depth(policy, [0, 1])
+    assert grown.model.config.text_config.num_hidden_layers == 4
+    old, new = policy.model.model.language_model.layers, grown.model.model.language_model.layers
+    # (a, b) -> (a, new, b, new): old layers copied in place, new ones write nothing to the residual
+    assert torch.equal(new[0].mlp.up_proj.weight, old[0].mlp.up_proj.weight)
+    assert torch.equal(new[2].self_attn.q_proj.weight, old[1].self_attn.q_proj.weight)
+    for i in (1, 3):
+        assert not new[i].self_attn.o_proj.weight.any() and not new[i].mlp.down_proj.weight.any()
+        assert new[i].self_attn.q_proj.weight.any()  # freshly initialised, not zero
+    batch = collate(
+        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)))], policy.pad_id, policy.image_token_id
+    )
+    with torch.no_grad():
+        assert torch.equal(forward_logits(policy.model, batch), forward_logits(grown.model, batch))
+    grown.save(tmp_path / "g")
+    again = load_policy(tmp_path / "g")
+    with torch.no_grad():
+        assert torch.equal(forward_logits(again.model, batch), forward_logits(policy.model, batch))
+    forward_logits(grown.model, batch).logsumexp(-1).sum().backward()
+    assert grown.model.model.language_model.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="must name layers"):
+        grow_depth(policy, [2])

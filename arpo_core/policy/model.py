@@ -58,6 +58,7 @@ __all__ = [
     "build_tiny_policy",
     "count_parameters",
     "default_corpus",
+    "grow_depth",
     "load_policy",
     "mrope_section",
     "tiny_config",
@@ -181,6 +182,49 @@ def load_policy(
     model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
     model.eval()
     return Policy(model=model, processor=processor, tokenizer=tokenizer)
+
+
+def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
+    """A deeper copy of `policy`'s language model that computes exactly the same function at first.
+
+    One new decoder layer is inserted after each old layer index in `after` (e.g. `[0, 1]` turns
+    layers (a, b) into (a, new, b, new)). A new layer is freshly initialised except its attention output
+    and MLP down projections, which are zero, so it adds nothing to the residual stream until trained
+    (the same trick as LoRA's zero B). The vision tower, embeddings and head are copied unchanged. The
+    result is a stock Qwen2.5-VL checkpoint with a larger `num_hidden_layers`: used to give a trained
+    tiny model more depth without losing what it learned.
+    """
+    old = policy.model
+    n_old = old.config.text_config.num_hidden_layers
+    if not after or any(not 0 <= i < n_old for i in after):
+        raise ValueError(f"`after` must name layers in [0, {n_old}), got {list(after)}")
+    config = old.config.__class__.from_dict(old.config.to_dict())
+    n_new = n_old + len(after)
+    config.text_config.num_hidden_layers = n_new
+    if getattr(config.text_config, "layer_types", None) is not None:
+        config.text_config.layer_types = [config.text_config.layer_types[0]] * n_new
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(config).to(old.dtype)
+    order: list[int | None] = []  # new position -> old index (None = new layer)
+    for i in range(n_old):
+        order.append(i)
+        order += [None] * list(after).count(i)
+    state = old.state_dict()
+    new_state = model.state_dict()
+    prefix = "model.language_model.layers."
+    for key in new_state:
+        if key.startswith(prefix):
+            idx, rest = key[len(prefix) :].split(".", 1)
+            src = order[int(idx)]
+            if src is not None:
+                new_state[key] = state[f"{prefix}{src}.{rest}"].clone()
+            elif rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+                new_state[key] = torch.zeros_like(new_state[key])
+        else:
+            new_state[key] = state[key].clone()
+    model.load_state_dict(new_state)
+    model.to(old.device).eval()
+    return Policy(model=model, processor=policy.processor, tokenizer=policy.tokenizer)
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -1,0 +1,220 @@
+"""The `ground` stage: its params section, the phase -> GroundConfig mapping, and the stage on a tiny
+fresh xs model (one short synthetic phase, depth growth), on the versioned checkpoint (copied bit for
+bit), on a pretrained pointer (passed through) and, slow, with real MiniWoB screens."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from arpo_core import stages
+from arpo_core.config import ConfigError, GroundPhase, load_params, parse_params, to_dict
+from arpo_core.grounding import GroundConfig
+from arpo_core.policy.model import load_policy
+
+ROOT = Path(__file__).resolve().parents[1]
+CHECKPOINT = ROOT / "assets" / "checkpoints" / "grounded-xs-J"
+MEASURES = {
+    "n",
+    "parse_rate",
+    "mean_err_px",
+    "hit_rate",
+    "corr_x",
+    "corr_y",
+    "spread_px",
+    "blind_err_px",
+    "blind_hit_rate",
+    "coord_nll",
+}
+TINY_PHASE = "ground.phases=[{steps: 3, batch_size: 4, warmup_steps: 1, bf16: false, mix: {box1: 1}}]"
+TINY_EVAL = ("ground.eval_levels=[box1h, box4]", "ground.eval_per_level=3")
+
+
+def params(*overrides):
+    """Quick params without a browser (held-out MiniWoB screens off unless an override turns them on)."""
+    over = ["ground.eval_miniwob_seeds=0", *overrides]
+    return load_params(ROOT / "params.yaml", over, preset=ROOT / "presets" / "quick.yaml")
+
+
+@pytest.fixture(scope="module")
+def init_dir(tmp_path_factory):
+    """A freshly built xs model (the params' init_policy architecture) in models/init's place."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    d = tmp_path_factory.mktemp("ground") / "init"
+    stages.init_policy(params(), d)
+    yield d
+    torch.set_num_threads(n)
+
+
+def _state(path: Path) -> dict[str, torch.Tensor]:
+    return load_policy(path).model.state_dict()
+
+
+# ------------------------------------------------------------------------------------------------
+# Params
+
+
+def test_ground_section_parses_phases_and_names_unknown_keys():
+    g = parse_params(
+        {"ground": {"checkpoint": None, "phases": [{"steps": 5, "mix": {"box4": 2}, "grow_after": [0, 1]}]}}
+    ).ground
+    assert g.checkpoint is None
+    assert g.phases == [GroundPhase(steps=5, mix={"box4": 2}, grow_after=[0, 1])]
+    with pytest.raises(ConfigError, match=r"my\.yaml: unknown key 'stepz' in section 'ground\.phases\[0\]'"):
+        parse_params({"ground": {"phases": [{"stepz": 5}]}}, file="my.yaml")
+    with pytest.raises(ConfigError, match=r"unknown key 'eval_level' in section 'ground'"):
+        parse_params({"ground": {"eval_level": ["box4"]}})
+    with pytest.raises(ConfigError, match=r"'ground\.phases\[0\]\.grow_after' = 'x' is not a"):
+        parse_params({"ground": {"phases": [{"grow_after": "x"}]}})
+    with pytest.raises(ConfigError, match="weights > 0"):
+        parse_params({"ground": {"phases": [{"mix": {"box1": 0}}]}})
+    with pytest.raises(ConfigError, match="eval_per_level must be >= 2"):
+        parse_params({"ground": {"eval_per_level": 1}})
+
+
+def test_ground_section_survives_the_printed_params_round_trip():
+    """`arpo params > params.yaml` (how a preset reaches DVC) keeps the phases as they were."""
+    raw = {
+        "ground": {"phases": [{"steps": 5, "mix": {"box4": 2.0}, "grow_after": [1]}, {"miniwob_seeds": 2}]}
+    }
+    p = parse_params(raw)
+    assert parse_params(yaml.safe_load(yaml.safe_dump(to_dict(p)))) == p
+
+
+def test_repo_params_start_from_the_versioned_checkpoint_with_its_architecture():
+    p = load_params(ROOT / "params.yaml")
+    assert (ROOT / p.ground.checkpoint / "config.json").exists()
+    text = json.loads((ROOT / p.ground.checkpoint / "config.json").read_text())["text_config"]
+    # init_policy builds the same architecture, so `ground.checkpoint: null` + the recipe rebuilds it
+    assert p.init_policy.size == "xs" and text["hidden_size"] == 128
+    assert text["rope_parameters"]["mrope_section"] == p.init_policy.mrope
+    assert text["rope_parameters"]["rope_theta"] == p.init_policy.rope_theta
+
+
+def test_every_phase_training_field_is_a_ground_config_field():
+    config_fields = {f.name for f in dataclasses.fields(GroundConfig)}
+    phase_fields = {f.name for f in dataclasses.fields(GroundPhase)} - {"miniwob_seeds", "grow_after"}
+    assert phase_fields <= config_fields
+    for name in phase_fields:  # the same defaults, so an omitted key means what GroundConfig means
+        assert getattr(GroundPhase(), name) == getattr(GroundConfig(), name), name
+
+
+def test_ground_config_copies_a_phase():
+    phase = GroundPhase(
+        steps=7, batch_size=6, lr=0.5, warmup_steps=2, mix={"box4": 2}, seed=3, grow_after=[0]
+    )
+    cfg = stages.ground_config(phase, "uitars")
+    assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.warmup_steps, cfg.seed) == (7, 6, 0.5, 2, 3)
+    assert cfg.mix == {"box4": 2.0} and isinstance(cfg.mix["box4"], float)
+    assert cfg.system == "uitars" and cfg.eval_every == 0 and cfg.curriculum == ()
+
+
+def test_ground_measure_keys():
+    got = stages.ground_measure_keys("miniwob", {"hit_rate": 0.25, "n": 8})
+    assert got == {"ground/miniwob/hit_rate": 0.25, "ground/miniwob/n": 8.0}
+
+
+# ------------------------------------------------------------------------------------------------
+# The stage
+
+
+def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(init_dir, tmp_path):
+    p = params("ground.checkpoint=null", TINY_PHASE, *TINY_EVAL)
+    m = stages.ground(p, init_dir, tmp_path / "grounded")
+    trained, init = _state(tmp_path / "grounded"), _state(init_dir)
+    assert trained.keys() == init.keys()
+    assert any(not torch.equal(trained[k], init[k]) for k in init)  # the phase trained it
+    expected = {f"ground/{lv}/{k}" for lv in ("box1h", "box4") for k in MEASURES}
+    expected |= {"ground/phase0/loss_first", "ground/phase0/loss_last", "ground/phase0/seconds"}
+    expected |= {"ground/eval_s", "ground/parameters", "ground/layers", "ground/steps"}
+    assert set(m) == expected
+    assert m["ground/steps"] == 3.0 and m["ground/layers"] == 2.0 and m["ground/box4/n"] == 3.0
+    report = json.loads((tmp_path / "grounded" / stages.GROUND_REPORT).read_text())
+    assert report["start"] == str(init_dir)
+    assert report["phases"][0]["steps"] == 3 and len(report["phases"][0]["loss_every_50"]) == 1
+    assert report["config"]["phases"][0]["steps"] == 3
+    assert set(report["measures"]) == {"box1h", "box4"}
+
+
+def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
+    phases = (
+        "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, bf16: false},"
+        " {steps: 2, batch_size: 2, warmup_steps: 1, bf16: false, grow_after: [0, 1]}]"
+    )
+    m = stages.ground(params("ground.checkpoint=null", phases, *TINY_EVAL), init_dir, tmp_path / "g")
+    policy = load_policy(tmp_path / "g")
+    assert policy.model.config.text_config.num_hidden_layers == 4 and m["ground/layers"] == 4.0
+    report = json.loads((tmp_path / "g" / stages.GROUND_REPORT).read_text())
+    assert [ph["layers"] for ph in report["phases"]] == [2, 4]
+    assert m["ground/steps"] == 4.0
+
+
+def test_checkpoint_without_phases_is_copied_bit_for_bit_and_measured(init_dir, tmp_path):
+    p = params(f"ground.checkpoint={CHECKPOINT}", "ground.eval_levels=[box1h]", "ground.eval_per_level=16")
+    m = stages.ground(p, init_dir, tmp_path / "g")
+    want, got = _state(CHECKPOINT), _state(tmp_path / "g")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    assert (tmp_path / "g" / "model.safetensors").read_bytes() == (
+        CHECKPOINT / "model.safetensors"
+    ).read_bytes()
+    assert m["ground/steps"] == 0.0 and "ground/miniwob/n" not in m
+    # the versioned policy looks at the screen: one box under the instruction strip is clicked where it is
+    assert m["ground/box1h/corr_x"] > 0.8 and m["ground/box1h/hit_rate"] > m["ground/box1h/blind_hit_rate"]
+
+
+def test_no_checkpoint_no_phases_passes_models_init_on(init_dir, tmp_path):
+    p = params("ground.checkpoint=null", "ground.eval_levels=[box1]", "ground.eval_per_level=2")
+    m = stages.ground(p, init_dir, tmp_path / "g")
+    want, got = _state(init_dir), _state(tmp_path / "g")
+    assert all(torch.equal(want[k], got[k]) for k in want)
+    assert set(m) >= {"ground/box1/hit_rate", "ground/box1/blind_hit_rate"}
+
+
+def test_a_pretrained_pointer_passes_through_over_the_checkpoint(init_dir, tmp_path):
+    p = params(f"init_policy.pretrained={init_dir}")
+    stages.init_policy(p, tmp_path / "init")
+    m = stages.ground(p, tmp_path / "init", tmp_path / "g")
+    assert m == {"ground/pretrained": 1.0}
+    assert stages.resolve_policy(tmp_path / "g") == init_dir.resolve()
+
+
+def test_unknown_level_fails_before_any_work(init_dir, tmp_path):
+    with pytest.raises(ValueError, match=r"unknown synthetic level\(s\) \['box9'\]"):
+        stages.ground(params("ground.eval_levels=[box9]"), init_dir, tmp_path / "g")
+    assert not (tmp_path / "g").exists()
+
+
+def test_missing_checkpoint_is_a_clear_error(init_dir, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no checkpoint"):
+        stages.ground(params(f"ground.checkpoint={tmp_path / 'none'}"), init_dir, tmp_path / "g")
+
+
+def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch):
+    """Real Chromium (~4 s): a phase with real screens of the quick suite (2 tasks, seed 0) and held-out
+    screens (seed 1000), all from one browser that is closed afterwards."""
+    from arpo_core.envs.miniwob import MiniWoBEnv
+
+    opened, closed = [], []
+    monkeypatch.setattr(MiniWoBEnv, "__init__", _spy(MiniWoBEnv.__init__, opened))
+    monkeypatch.setattr(MiniWoBEnv, "close", _spy(MiniWoBEnv.close, closed))
+    phase = "ground.phases=[{steps: 2, batch_size: 4, warmup_steps: 1, bf16: false, miniwob_seeds: 1}]"
+    p = params("ground.checkpoint=null", phase, "ground.eval_levels=[]", "ground.eval_miniwob_seeds=1")
+    m = stages.ground(p, init_dir, tmp_path / "g")
+    report = json.loads((tmp_path / "g" / stages.GROUND_REPORT).read_text())
+    assert report["phases"][0]["real_examples"] >= 2
+    assert m["ground/miniwob/n"] >= 2 and "ground/miniwob/hit_rate" in m
+    assert len(opened) == 1 and len(closed) == 1
+
+
+def _spy(fn, calls):
+    def wrapped(*args, **kwargs):
+        calls.append(1)
+        return fn(*args, **kwargs)
+
+    return wrapped
