@@ -22,6 +22,8 @@ PRESET_OPT = typer.Option(None, "--preset", help="partial params file merged ove
 
 STAGE_HELP = " | ".join(STAGE_NAMES)
 METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)")
+VIEW_PATHS_ARG = typer.Argument(..., help="trajectory Parquet files or directories of them")
+VIEW_OUT_OPT = typer.Option(Path("plots/viewer/view.html"), "--out", "-o", help="HTML page to write")
 
 
 def _load(params: Path, overrides: list[str], preset: str | None = None) -> Params:
@@ -103,6 +105,37 @@ def runs(
         raise typer.Exit(1)
     columns = list(metric) or tracking.default_columns(rows)
     typer.echo(tracking.comparison_table(rows, columns))
+
+
+@app.command()
+def view(
+    paths: list[Path] = VIEW_PATHS_ARG,
+    out: Path = VIEW_OUT_OPT,
+    title: str = typer.Option("", help="page title (default: the input names)"),
+    task: str = typer.Option(None, help="only episodes of this task id"),
+    limit: int = typer.Option(0, help="at most N episodes (0 = all)"),
+) -> None:
+    """Write a self-contained HTML page showing each episode step by step (screenshot with the click,
+    thought, action, reward, replayed flag; filters by task, success and epoch)."""
+    from arpo_core.trajectory import read_trajectories
+    from arpo_core.viewer import write_viewer
+
+    trajs = []
+    for path in paths:
+        try:
+            trajs += read_trajectories(path)
+        except (FileNotFoundError, ValueError) as e:
+            typer.secho(f"error: {path}: {e}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(2) from e
+    if task:
+        trajs = [t for t in trajs if t.task_id == task]
+    if limit:
+        trajs = trajs[:limit]
+    if not trajs:
+        typer.secho("error: no episodes to show", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1)
+    page = write_viewer(trajs, out, title=title or ", ".join(p.name for p in paths))
+    typer.echo(f"{page} ({len(trajs)} episodes)")
 
 
 if __name__ == "__main__":

@@ -51,6 +51,10 @@ PATHS: dict[str, Path] = {
     "evaluate": Path("data/eval"),
 }
 EPOCH_PLOT = Path("plots/train_epochs.csv")
+VIEWER_DIR = Path("plots/viewer")
+"""Trajectory viewer pages (issue 8), one per trajectory file of a stage, logged under `viewer/`."""
+VIEWER_MAX_EPISODES = 400
+"""Episodes per viewer page (the first ones in file order); keeps a page a few MB."""
 PLOT_COLUMNS = (
     "epoch",
     "rollout/success_rate",
@@ -173,6 +177,27 @@ class StageRun:
         tracking.log_artifacts(c, run_id, self.root / self.spec.metrics, "metrics")
         for rel, artifact_path in self._artifacts():
             tracking.log_artifacts(c, run_id, rel, artifact_path)
+        for page in self._write_viewers():
+            tracking.log_artifacts(c, run_id, page, "viewer")
+
+    def _write_viewers(self) -> list[Path]:
+        """A self-contained HTML viewer per trajectory file of the stage (episodes step by step)."""
+        from arpo_core.trajectory import read_trajectories
+        from arpo_core.viewer import write_viewer
+
+        sources = [
+            (path, rel)
+            for path, rel in self._artifacts()
+            if rel == "trajectories" and path.exists() and self.name != "demos"
+        ]
+        pages = []
+        for path, _ in sources:
+            files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+            for f in files:
+                trajs = read_trajectories(f)[:VIEWER_MAX_EPISODES]
+                out = self.root / VIEWER_DIR / self.name / f"{f.stem}.html"
+                pages.append(write_viewer(trajs, out, title=f"{self.name}: {f.stem}"))
+        return pages
 
     def _log_train_history(self) -> int:
         """Per-epoch summaries at step=epoch under the plain keys (so the run's latest value equals

@@ -285,6 +285,12 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
     assert "iter/rollout/success_rate" in train.data.metrics and "rollout/success_rate" in train.data.metrics
     assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"policy", "trajectories", "checkpoint"}
     assert "eval/arpo/greedy/in_domain/success_rate" in runs["evaluate"].data.metrics
+    # The trajectory viewer (issue 8): one page per evaluated policy, logged to the evaluate run.
+    assert {a.path for a in c.list_artifacts(runs["evaluate"].info.run_id, "viewer")} == {
+        "viewer/base.html",
+        "viewer/arpo.html",
+    }
+    assert "viewer" in {a.path for a in c.list_artifacts(train.info.run_id)}
 
     # Outputs at the dvc.yaml paths; Parquet row counts as the quick preset implies.
     demos = pq.read_table(project / "data" / "demos" / "demos.parquet")

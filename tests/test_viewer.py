@@ -214,3 +214,30 @@ def test_viewer_in_headless_chromium(browser, tmp_path):
     assert full.shape[0] > 300 and full.shape[1] > 600
     colours = len(np.unique(full.reshape(-1, 3), axis=0))
     assert colours > 50, f"screenshot looks blank ({colours} colours)"
+
+
+# ------------------------------------------------------------------------------------------------ arpo view
+
+
+def test_arpo_view_command_writes_page_and_filters(tmp_path):
+    from typer.testing import CliRunner
+
+    from arpo_core.trajectory import write_trajectories
+    from flows.cli import app
+
+    src = tmp_path / "trajs"
+    src.mkdir()
+    write_trajectories(src / "a.parquet", make_trajs()[:2])
+    write_trajectories(src / "b.parquet", make_trajs()[2:])
+    runner = CliRunner()
+    out = tmp_path / "v.html"
+    res = runner.invoke(app, ["view", str(src), "--out", str(out), "--task", "click-button"])
+    assert res.exit_code == 0, res.output
+    assert "(2 episodes)" in res.output
+    page = out.read_text()
+    data = json.loads(page.split('<script type="application/json" id="data">')[1].split("</script>")[0])
+    assert [e["task"] for e in data["episodes"]] == ["miniwob/click-button", "miniwob/click-button"]
+    res = runner.invoke(app, ["view", str(tmp_path / "missing.parquet"), "--out", str(out)])
+    assert res.exit_code == 2 and "missing.parquet" in res.output
+    res = runner.invoke(app, ["view", str(src), "--out", str(out), "--task", "nope"])
+    assert res.exit_code == 1 and "no episodes" in res.output
