@@ -161,3 +161,34 @@ def test_vllm_backend_prompt_tokens(policy):
     assert vllm_prompt["prompt_token_ids"] == collapsed
     assert len(vllm_prompt["multi_modal_data"]["image"]) == 2
     assert [17, 18, policy.im_end_id] in [collapsed[i : i + 3] for i in range(len(collapsed))]
+
+
+def test_sample_next_never_draws_banned_ids():
+    logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.9]])
+    banned = torch.tensor([1, 0])
+    assert sample_next(logits, 0.0, 1.0, [], banned).tolist() == [2, 2]
+    gens = [torch.Generator().manual_seed(i) for i in range(2)]
+    assert all(sample_next(logits, 5.0, 1.0, gens, banned).tolist() == [2, 2] for _ in range(20))
+
+
+def test_vision_tokens_never_generated_and_logps_stay_raw(tmp_path):
+    """A policy that prefers `<|image_pad|>` above everything still never emits it (the next prompt would
+    otherwise have a wrong image-token count), and the recorded log-probs are the raw model's."""
+    pol = build_tiny_policy(tmp_path, size="xs", seed=1)
+    assert pol.image_token_id in pol.vision_token_ids and len(pol.vision_token_ids) >= 3
+    head = pol.model.lm_head
+    biased = torch.nn.Linear(head.in_features, head.out_features, bias=True)
+    with torch.no_grad():
+        biased.weight.copy_(head.weight)
+        biased.bias.zero_()
+        biased.bias[pol.image_token_id] = 50.0
+    pol.model.lm_head = biased
+    gen = HFGenerator(pol, system="compact")
+    for temperature in (0.0, 1.0):
+        outs = gen.generate(prompts(), temperature=temperature, max_new_tokens=6, seed=3)
+        for o in outs:
+            assert not set(o.token_ids) & set(pol.vision_token_ids)
+            assert all(lp < -40 for lp in o.logprobs)  # the raw distribution puts ~all mass on image_pad
+    # and the reply can go back into a prompt as history without breaking the next step
+    nxt = PromptInput("Click.", (screen(0), screen(1)), (Reply(outs[0].text, outs[0].token_ids),))
+    assert len(gen.generate([nxt], temperature=0.0, max_new_tokens=3)) == 1

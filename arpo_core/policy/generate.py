@@ -16,6 +16,11 @@ Decisions:
    text after the last image.
 4. A row stops at `<|im_end|>` or `<|endoftext|>` (kept as the last token id and log-prob; finish_reason
    "stop") or after max_new_tokens ("length"). The text excludes special tokens.
+6. The vision special tokens (`<|image_pad|>`, `<|vision_start|>`, ...; `Policy.vision_token_ids`) are
+   never drawn: a reply containing one would come back as history text and corrupt the next prompt's
+   image-token count (a crash of the whole batch in `get_rope_index`). Like temperature, this only
+   shapes which token is drawn; the recorded log-prob stays the raw one (decision 2). An untrained policy
+   samples them readily; a trained one gives them ~0 probability.
 5. Prompts are encoded by sequences.encode_prompt, the function the trainer uses, so a step's prompt is a
    token-exact prefix of the trajectory's training sequence.
 """
@@ -78,9 +83,16 @@ def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
 
 
 def sample_next(
-    logits: torch.Tensor, temperature: float, top_p: float, generators: Sequence[torch.Generator]
+    logits: torch.Tensor,
+    temperature: float,
+    top_p: float,
+    generators: Sequence[torch.Generator],
+    banned: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Draw one token per row: logits (B, V) -> ids (B,). temperature 0 = greedy."""
+    """Draw one token per row: logits (B, V) -> ids (B,). temperature 0 = greedy. `banned` token ids
+    are never drawn (decision 6)."""
+    if banned is not None and banned.numel():
+        logits = logits.index_fill(-1, banned, float("-inf"))
     if temperature == 0.0:
         return logits.argmax(-1)
     probs = top_p_filter(torch.softmax(logits.float() / temperature, dim=-1), top_p)
@@ -113,6 +125,7 @@ class HFGenerator:
         B = enc.input_ids.shape[0]
         gens = [torch.Generator(device=device).manual_seed(seed + b) for b in range(B)]
         stop_ids = torch.tensor([policy.im_end_id, policy.pad_id], device=device)
+        banned = torch.tensor(policy.vision_token_ids, dtype=torch.long, device=device)
 
         # Prefill with explicit 3-D positions (decision 3).
         if enc.image_grid_thw is not None:
@@ -143,7 +156,7 @@ class HFGenerator:
         logps: list[list[float]] = [[] for _ in range(B)]
         done = torch.zeros(B, dtype=torch.bool, device=device)
         for _ in range(max_new_tokens):
-            nxt = sample_next(logits, temperature, top_p, gens)  # (B,)
+            nxt = sample_next(logits, temperature, top_p, gens, banned)  # (B,)
             lp = torch.log_softmax(logits.float(), dim=-1).gather(-1, nxt[:, None]).squeeze(-1)  # (B,)
             for b in range(B):
                 if not done[b]:
@@ -249,6 +262,7 @@ class VLLMGenerator:
                 logprobs=0,
                 stop_token_ids=stops,
                 skip_special_tokens=True,
+                logit_bias={i: -100.0 for i in self.policy.vision_token_ids},  # decision 6
             )
             for b in range(len(batch))
         ]

@@ -127,6 +127,14 @@ class Policy:
         return self.tokenizer.convert_tokens_to_ids("<|im_end|>")
 
     @property
+    def vision_token_ids(self) -> list[int]:
+        """Ids of the vision special tokens (`<|vision_start|>`, `<|image_pad|>`, ...) this tokenizer has;
+        a reply must never contain one (generate.py decision 6)."""
+        vocab = self.tokenizer.get_vocab()
+        names = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
+        return sorted(vocab[n] for n in names if n in vocab)
+
+    @property
     def pad_id(self) -> int:
         pad = self.tokenizer.pad_token_id
         return int(pad if pad is not None else self.tokenizer.convert_tokens_to_ids("<|endoftext|>"))
