@@ -1,0 +1,124 @@
+"""benchmarks/bench_rollout.py helpers (no Chromium, no model): job lists, the clicking generator wrapper,
+the latency proxy, summaries, ratios and argument parsing."""
+
+from __future__ import annotations
+
+import sys
+from concurrent.futures import Future
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_rollout as br  # noqa: E402
+
+from arpo_core.actions import parse_response  # noqa: E402
+from arpo_core.policy.generate import Generation  # noqa: E402
+from arpo_core.policy.prompt import PromptInput  # noqa: E402
+
+
+def test_make_jobs_cycles_tasks_with_distinct_seeds():
+    jobs = br.make_jobs(["a", "b"], 5, first_seed=10)
+    assert [j.task.task_id for j in jobs] == ["a", "b", "a", "b", "a"]
+    assert [j.seed for j in jobs] == [10, 11, 12, 13, 14]
+    assert all(j.task.domain == "miniwob" and j.task.backend == "miniwob" for j in jobs)
+
+
+class Recorder:
+    def __init__(self):
+        self.calls = []
+
+    def generate(self, batch, **kw):
+        self.calls.append((len(batch), kw.get("seed")))
+        return [Generation("garbage", (1, 2, 3), (-0.1, -0.2, -0.3), "length") for _ in batch]
+
+
+@pytest.mark.parametrize("one_at_a_time", [False, True])
+def test_clicking_generator_keeps_tokens_and_clicks_inside_the_model_image(one_at_a_time):
+    inner = Recorder()
+    gen = br.ClickingGenerator(
+        inner, min_pixels=3136, max_pixels=448 * 448, seed=0, one_at_a_time=one_at_a_time
+    )
+    batch = [PromptInput("Click", (Image.new("RGB", (160, 210)),), ()) for _ in range(3)]
+    out = gen.generate(batch, seed=7, max_new_tokens=3)
+    # one batched call, or three batch-1 calls with consecutive seeds
+    assert inner.calls == ([(1, 7), (1, 8), (1, 9)] if one_at_a_time else [(3, 7)])
+    assert gen.batch_sizes == [3]
+    for g in out:
+        assert g.token_ids == (1, 2, 3) and g.logprobs == (-0.1, -0.2, -0.3)
+        (a,) = parse_response(g.text).actions
+        # 160x210 -> smart_resize 168x224 model image
+        assert a.kind == "click" and 0 <= a.point[0] < 168 and 0 <= a.point[1] < 224
+
+
+def test_timed_pool_records_latency_by_kind():
+    class Pool:
+        n = 2
+
+        def __init__(self):
+            self.pending = []
+
+        def submit_reset(self, *a):
+            f = Future()
+            self.pending.append(f)
+            return f
+
+        submit_step = submit_evaluate = submit_reset
+
+    pool = Pool()
+    timed = br.TimedPool(pool)
+    assert timed.n == 2
+    f1, f2 = timed.submit_reset(0, None, 1), timed.submit_step(1, [])
+    timed.submit_evaluate(0)
+    assert timed.latency == {"reset": [], "step": [], "evaluate": []}  # nothing finished yet
+    assert not f1.done()
+    pool.pending[0].set_result("r")
+    pool.pending[1].set_result("s")
+    assert f1.done() and f1.result() == "r" and f2.result() == "s"
+    assert len(timed.latency["reset"]) == 1 and len(timed.latency["step"]) == 1
+    assert timed.latency["evaluate"] == [] and timed.latency["reset"][0] >= 0
+
+
+def test_block_timer_counts_time_spent_waiting():
+    import threading
+
+    fut, blocked = Future(), {"reset": 0.0}
+    proxy = br._BlockTimer(fut, "reset", blocked)
+    threading.Timer(0.2, fut.set_result, args=(1,)).start()
+    assert proxy.result() == 1
+    assert 0.15 < blocked["reset"] < 2.0  # waited for the timer, not for nothing
+
+
+def test_summarize_and_median():
+    m = {"time/rollout_s": 10.0, "time/env_wait_s": 4.0, "time/inference_s": 5.0, "time/other_s": 1.0}
+    s = br.summarize(m, n_steps=30, n_episodes=8)
+    assert s["env_steps_per_s"] == 3.0 and s["episodes_per_s"] == 0.8
+    assert (s["env_frac"], s["inference_frac"], s["other_frac"]) == (0.4, 0.5, 0.1)
+    med = br.median_summary([{"x": 1.0}, {"x": 5.0}, {"x": 2.0}])
+    assert med == {"x": 2.0}
+
+
+def test_ratios():
+    res = [
+        {"backend": "process", "n_envs": 1, "mode": "batched", "env_steps_per_s": 4.0},
+        {"backend": "process", "n_envs": 4, "mode": "batched", "env_steps_per_s": 10.0},
+        {"backend": "process", "n_envs": 4, "mode": "one_at_a_time", "env_steps_per_s": 8.0},
+    ]
+    rows = {(r["n_envs"], r["mode"]): r for r in br.ratios(res)}
+    assert rows[(4, "batched")]["speedup_vs_1_env"] == 2.5
+    assert rows[(4, "batched")]["batched_over_one_at_a_time"] == 1.25
+    assert rows[(4, "one_at_a_time")]["speedup_vs_1_env"] == 2.0  # against batched n=1 (same loop)
+    assert "batched_over_one_at_a_time" not in rows[(1, "batched")]
+
+
+def test_parse_args():
+    a = br.parse_args(["--envs", "1,2", "--backends", "ray", "--episodes", "8"])
+    assert a.envs == [1, 2] and a.backends == ["ray"] and a.episodes == 8
+    assert br.parse_args([]).modes == ["batched", "one_at_a_time"]
+    with pytest.raises(SystemExit):
+        br.parse_args(["--backends", "thread"])
+    with pytest.raises(SystemExit):
+        br.parse_args(["--modes", "serial"])
