@@ -18,7 +18,7 @@ from arpo_core.grounding import GroundConfig
 from arpo_core.policy.model import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
-CHECKPOINT = ROOT / "assets" / "checkpoints" / "grounded-xs-J"
+CHECKPOINT = ROOT / "assets" / "checkpoints" / "grounded-xs"
 MEASURES = {
     "n",
     "parse_rate",
