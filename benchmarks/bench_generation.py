@@ -46,9 +46,13 @@ def screen(i: int) -> Image.Image:
 class NoStop(HFGenerator):
     """Generation that never stops early, so every row yields max_new_tokens tokens."""
 
+    def masked_ids(self) -> list[int]:
+        """Token ids whose logits are forced to -1e9 (never drawn, never stop a row)."""
+        return [self.policy.im_end_id, self.policy.pad_id]
+
     def generate(self, batch, **kw):
         model = self.policy.model
-        stop = [self.policy.im_end_id, self.policy.pad_id]
+        stop = self.masked_ids()
         orig = model.forward
 
         def forward(*a, **k):

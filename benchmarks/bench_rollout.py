@@ -52,12 +52,15 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_generation import NoStop  # noqa: E402
 
 from arpo_core.actions import smart_resize  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
 from arpo_core.envs.miniwob import make_miniwob_env  # noqa: E402
 from arpo_core.envs.pool import EnvPool  # noqa: E402
-from arpo_core.policy.generate import Generation, HFGenerator  # noqa: E402
+from arpo_core.policy.generate import Generation  # noqa: E402
 from arpo_core.policy.prompt import PromptInput  # noqa: E402
 from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
 
@@ -65,26 +68,13 @@ TASKS = ("click-test", "click-button", "click-link", "click-dialog")
 """In-domain click tasks (data/suites/miniwob_in_domain.yaml)."""
 
 
-class FixedLengthGenerator(HFGenerator):
+class FixedLengthGenerator(NoStop):
     """HFGenerator whose replies always have `max_new_tokens` tokens (decision 2) and never contain a
     special token: a random policy samples `<|image_pad|>` now and then, and that id fed back as reply
     history breaks the next prompt's image-token count (get_rope_index raises StopIteration)."""
 
-    def generate(self, batch, **kw):
-        model = self.policy.model
-        stop = sorted(self.policy.tokenizer.added_tokens_decoder)  # every special/added token id
-        orig = model.forward
-
-        def forward(*a, **k):
-            out = orig(*a, **k)
-            out.logits[..., stop] = -1e9
-            return out
-
-        model.forward = forward
-        try:
-            return super().generate(batch, **kw)
-        finally:
-            del model.forward  # back to the class method
+    def masked_ids(self) -> list[int]:
+        return sorted(self.policy.tokenizer.added_tokens_decoder)  # every special/added token id
 
 
 class ClickingGenerator:
