@@ -6,7 +6,12 @@ Decisions:
    and every PPO epoch.
 2. Old log-probs are recomputed by the trainer under the current weights before the update, in eval
    mode and without grad, not taken from the inference engine (REFERENCE.md §1). For a replayed
-   trajectory this is the current policy too: ARPO applies no staleness correction.
+   trajectory this is the current policy too: ARPO applies no staleness correction. When the update is
+   one optimizer step on fresh weights (ppo_epochs 1 and one mini-batch holding every sequence), that
+   recomputation equals the training forward's own log-probs, so those are used (detached) and the
+   extra no-grad forward is skipped: the ratio is exactly 1, as the recomputation gives up to float
+   noise. This removes ARPO's overhead over a bare fwd+bwd+step in that case (benchmarks/results/
+   update_overhead.json: +37% with the extra forward).
 3. Micro-batching is exact: each micro-batch's loss is weighted so that the sum over micro-batches
    equals the loss of the whole mini-batch in one piece. For `token-mean` the weight is (masked tokens in
    the micro-batch) / (masked tokens in the mini-batch); for the `seq-mean-*` modes it is
@@ -186,7 +191,8 @@ def ppo_update(
         raise ValueError(f"advantages must have shape ({n},), got {tuple(advantages.shape)}")
     if n == 0:
         return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
-    if old_logps is None:
+    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= n  # decision 2
+    if old_logps is None and not on_policy:
         old_logps = compute_logps(policy, seqs, cfg.micro_batch_size, cfg.bf16, engine.module)
     if not getattr(engine, "accumulates", True) and cfg.micro_batch_size < min(cfg.mini_batch_size, n):
         raise ValueError(
@@ -211,7 +217,7 @@ def ppo_update(
                 micro = mini[u0 : u0 + cfg.micro_batch_size]
                 logps, mask = _forward(policy, [seqs[i] for i in micro], cfg.bf16, engine.module)  # (B, T)
                 T = logps.shape[1]
-                old = _pad([old_logps[i] for i in micro], T).to(logps.device)
+                old = logps.detach() if on_policy else _pad([old_logps[i] for i in micro], T).to(logps.device)
                 ref = _pad([ref_logps[i] for i in micro], T).to(logps.device) if ref_logps else None
                 out = policy_loss(
                     logps,

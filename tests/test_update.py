@@ -124,6 +124,31 @@ def test_first_step_is_on_policy_ratio_one(policy_dir):
     assert stats.approx_kl == pytest.approx(0.0, abs=1e-6)
 
 
+def test_single_on_policy_step_skips_the_old_logp_forward_with_the_same_gradient(policy_dir, monkeypatch):
+    """ppo_epochs 1 and one mini-batch: the training forward's own log-probs are the old ones (decision 2);
+    the gradient equals the one with explicitly recomputed old log-probs, and no extra forward runs."""
+    import arpo_core.update as update
+
+    policy = load_policy(policy_dir)
+    seqs = encode_trajectories(policy, [traj(POS), traj(NEG, n_steps=2), traj(POS + " ")], system="compact")
+    adv = torch.tensor([1.0, -1.0, 0.5])
+    cfg = UpdateConfig(micro_batch_size=2, mini_batch_size=3)
+    ref = RecordingEngine(policy.model)
+    ppo_update(policy, ref, seqs, adv, cfg, old_logps=compute_logps(policy, seqs))
+    calls = []
+    monkeypatch.setattr(update, "compute_logps", lambda *a, **k: calls.append(1) or compute_logps(*a, **k))
+    fast = RecordingEngine(policy.model)
+    stats = ppo_update(policy, fast, seqs, adv, cfg)
+    assert calls == [] and stats.approx_kl == 0.0 and stats.clip_low_frac == 0.0
+    for name, g in ref.grads[0].items():
+        torch.testing.assert_close(fast.grads[0][name], g, atol=1e-6, rtol=1e-5, msg=name)
+    # two mini-batches (the second runs on updated weights in a real engine): old log-probs are recomputed
+    ppo_update(
+        policy, RecordingEngine(policy.model), seqs, adv, UpdateConfig(micro_batch_size=2, mini_batch_size=2)
+    )
+    assert calls == [1]
+
+
 def test_zero_advantages_give_zero_gradient(policy_dir):
     policy = load_policy(policy_dir)
     seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact")
