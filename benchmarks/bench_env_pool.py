@@ -29,6 +29,7 @@ from arpo_core.actions import Action
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.miniwob import make_miniwob_env
 from arpo_core.envs.pool import EnvPool
+from arpo_core.fileio import atomic_write_json
 
 TASK = TaskSpec("miniwob", "enter-text")
 EMPTY_SPOT = (150.0, 205.0)  # below the enter-text form: a click there changes nothing
@@ -95,10 +96,7 @@ def main() -> None:
         "step": "click on empty space + settle + reward poll + 160x210 screenshot",
         "results": results,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = args.out.with_suffix(".tmp")
-    tmp.write_text(json.dumps(record, indent=2) + "\n")
-    tmp.replace(args.out)
+    atomic_write_json(args.out, record)
     print(f"wrote {args.out}")
 
 

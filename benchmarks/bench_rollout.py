@@ -60,6 +60,7 @@ from arpo_core.actions import smart_resize  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
 from arpo_core.envs.miniwob import make_miniwob_env  # noqa: E402
 from arpo_core.envs.pool import EnvPool  # noqa: E402
+from arpo_core.fileio import atomic_write_json  # noqa: E402
 from arpo_core.policy.generate import Generation  # noqa: E402
 from arpo_core.policy.prompt import PromptInput  # noqa: E402
 from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
@@ -351,10 +352,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "results": results,
         "ratios": ratios(results),
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = args.out.with_suffix(".tmp")
-    tmp_out.write_text(json.dumps(record, indent=2) + "\n")
-    tmp_out.replace(args.out)
+    atomic_write_json(args.out, record)
     print(f"wrote {args.out}")
 
 

@@ -387,14 +387,20 @@ def cmd_base(args: argparse.Namespace) -> Path:
     return out
 
 
-def cmd_learning(args: argparse.Namespace) -> Path:
-    """Issue #5: per-epoch in-domain success of ARPO and GRPO from the same base and selection."""
+def _start(args: argparse.Namespace) -> tuple[Run, Path, list, list]:
+    """The common start of `learning` and `comparison`: work dir bound to the base policy, torch set up,
+    the in-domain tasks and their first-step targets."""
     run = Run(args)
     base = stages.resolve_policy(Path(args.base).resolve())
     bind_base(run, base)
     stages.setup_torch(run.p)
     tasks = stages.suite_tasks(run.p, "in_domain")
-    recs = targets(run, tasks)
+    return run, base, tasks, targets(run, tasks)
+
+
+def cmd_learning(args: argparse.Namespace) -> Path:
+    """Issue #5: per-epoch in-domain success of ARPO and GRPO from the same base and selection."""
+    run, base, tasks, recs = _start(args)
     ceiling = blind_ceiling(recs)
     doc: dict[str, Any] = {"issue": 5, "policy": str(base)}
     with stages.make_pool(run.p) as pool:
@@ -435,14 +441,9 @@ def cmd_comparison(args: argparse.Namespace) -> Path:
     from arpo_core.envs.oracles import ORACLES
     from arpo_core.report import comparison_table
 
-    run = Run(args)
-    base = stages.resolve_policy(Path(args.base).resolve())
-    bind_base(run, base)
-    stages.setup_torch(run.p)
-    tasks = stages.suite_tasks(run.p, "in_domain")
+    run, base, tasks, recs = _start(args)
     ood = stages.suite_tasks(run.p, "out_of_domain")
     ood_measurable = [t for t in ood if t.task_id in ORACLES]  # targets need a DOM oracle
-    recs = targets(run, tasks)
     ood_recs = targets(run, ood_measurable, "out_of_domain") if ood_measurable else []
     sel = baseline_and_select(run, base)
     policies: dict[str, Path] = {"base": base}
