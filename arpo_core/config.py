@@ -26,7 +26,7 @@ from typing import Any, Literal, TypeVar
 
 import yaml
 
-from arpo_core.offline_config import DPOConfig, KTOConfig, RFTConfig, SFTConfig
+from arpo_core.offline_config import DPOConfig, GroundTrainConfig, KTOConfig, RFTConfig, SFTConfig
 from arpo_core.replay import ReplayConfig
 from arpo_core.selection import SelectConfig
 
@@ -107,31 +107,11 @@ class InitPolicyConfig:
 
 
 @dataclass(frozen=True)
-class GroundPhase:
-    """One phase of grounding pretraining (`ground.phases[i]`). The training fields are those of
-    `arpo_core.grounding.GroundConfig` (same names, same meaning; kept here so params parse without
-    torch); `miniwob_seeds` and `grow_after` are applied by the stage around the training loop."""
+class GroundPhase(GroundTrainConfig):
+    """One phase of grounding pretraining (`ground.phases[i]`): the training fields of
+    `GroundTrainConfig` (shared with `arpo_core.grounding.GroundConfig`), plus `miniwob_seeds` and
+    `grow_after`, which the stage applies around the training loop."""
 
-    steps: int = 2000
-    """Optimizer steps."""
-    batch_size: int = 16
-    """Examples per optimizer step (half from the real MiniWoB screens when `miniwob_seeds` > 0)."""
-    lr: float = 3e-3
-    """AdamW peak learning rate."""
-    warmup_steps: int = 50
-    """Linear warm-up from 0 to `lr`."""
-    min_lr_frac: float = 0.1
-    """Cosine decay to `min_lr_frac * lr` at the last step."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = True
-    """bf16 autocast; parameters and optimizer state stay fp32."""
-    mix: dict[str, float] = field(default_factory=lambda: {"box1": 1.0})
-    """Synthetic level -> sampling weight (levels of `arpo_core.grounding.LEVELS`)."""
-    seed: int = 0
-    """Seed of this phase's stream of synthetic screens."""
     miniwob_seeds: int = 0
     """Real MiniWoB screens of the in-domain suite's tasks with env seeds 0..N-1 as a fixed example
     list (half of every batch); 0 = synthetic screens only."""

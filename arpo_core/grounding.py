@@ -41,13 +41,14 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 
 import numpy as np
 import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from arpo_core.actions import ActionParseError, parse_response
+from arpo_core.offline_config import GroundTrainConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, build_segments, model_image_size
 from arpo_core.policy.sequences import collate, encode_segments, sequence_logprobs
@@ -373,35 +374,16 @@ def to_trajectory(ex: GroundExample, run_id: str = "ground") -> Trajectory:
 
 
 @dataclass(frozen=True)
-class GroundConfig:
-    """Grounding-pretraining hyperparameters (params.yaml section `ground`)."""
+class GroundConfig(GroundTrainConfig):
+    """The training loop's config: the shared fields of `GroundTrainConfig` (a params phase has the same
+    ones) plus a curriculum, the prompt and evaluation settings."""
 
-    steps: int = 2000
-    """Optimizer steps."""
-    batch_size: int = 16
-    """Examples per optimizer step (fresh synthetic screens every step)."""
-    lr: float = 3e-3
-    """AdamW peak learning rate."""
-    warmup_steps: int = 50
-    """Linear warm-up from 0 to `lr` over this many steps."""
-    min_lr_frac: float = 0.1
-    """Cosine decay from `lr` to `min_lr_frac * lr` at the last step."""
-    weight_decay: float = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: float = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = True
-    """bf16 autocast; parameters and optimizer state stay fp32."""
-    mix: dict[str, float] = field(default_factory=lambda: {"box1": 1.0})
-    """Synthetic level -> sampling weight (LEVELS); the curriculum below overrides it per phase."""
     curriculum: tuple[tuple[int, dict[str, float]], ...] = ()
     """(start step, mix) phases; from each start step on, that mix is used (empty: `mix` throughout)."""
     system: str = "compact"
     """System prompt name (prompt.SYSTEM_PROMPTS); the tiny policy uses the compact one."""
     eval_every: int = 100
     """Evaluate on the held-out set every N steps (0: never during training)."""
-    seed: int = 0
-    """Seed of the example stream (the held-out set uses other seeds)."""
     pattern: float = 0.0
     """Experimental: strength of the coordinate code blended into the pixels (coord_pattern); 0 = off."""
 

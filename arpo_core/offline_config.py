@@ -1,13 +1,42 @@
-"""Configs of the offline training methods (behaviour cloning, RFT, DPO, KTO), kept free of torch so
+"""Configs of the offline training methods (grounding, behaviour cloning, RFT, DPO, KTO), kept free of torch so
 that params.yaml can be parsed and validated without importing the training stack (`arpo params` stays
-fast). The training code lives in offline.py and preference.py.
+fast). The training code lives in grounding.py, offline.py and preference.py.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["DPOConfig", "KTOConfig", "RFTConfig", "SFTConfig"]
+__all__ = ["DPOConfig", "GroundTrainConfig", "KTOConfig", "RFTConfig", "SFTConfig"]
+
+
+@dataclass(frozen=True)
+class GroundTrainConfig:
+    """Grounding-pretraining hyperparameters shared by a params phase (`config.GroundPhase`) and the
+    training loop's config (`grounding.GroundConfig`), which each add their own fields."""
+
+    steps: int = 2000
+    """Optimizer steps."""
+    batch_size: int = 16
+    """Examples per optimizer step (half from a fixed example list when one is given, e.g. real MiniWoB
+    screens; the rest fresh synthetic screens)."""
+    lr: float = 3e-3
+    """AdamW peak learning rate."""
+    warmup_steps: int = 50
+    """Linear warm-up from 0 to `lr` over this many steps."""
+    min_lr_frac: float = 0.1
+    """Cosine decay from `lr` to `min_lr_frac * lr` at the last step."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: float = 1.0
+    """Gradient clipping norm."""
+    bf16: bool = True
+    """bf16 autocast; parameters and optimizer state stay fp32."""
+    mix: dict[str, float] = field(default_factory=lambda: {"box1": 1.0})
+    """Synthetic level -> sampling weight (levels of `arpo_core.grounding.LEVELS`)."""
+    seed: int = 0
+    """Seed of the stream of synthetic screens and of the fixed list's order (held-out sets use other
+    seeds)."""
 
 
 @dataclass(frozen=True)

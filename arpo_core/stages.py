@@ -36,7 +36,7 @@ import shutil
 import time
 from collections.abc import Callable, Sequence
 from contextlib import contextmanager
-from dataclasses import asdict
+from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +49,7 @@ from arpo_core.envs.base import TaskSpec, load_suite
 from arpo_core.envs.pool import EnvPool
 from arpo_core.fileio import atomic_write_json
 from arpo_core.offline import sft
+from arpo_core.offline_config import GroundTrainConfig
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes
 from arpo_core.selection import read_selection, select_tasks, write_selection
@@ -188,7 +189,7 @@ def ground_config(phase: GroundPhase, system: str) -> Any:
     floats, no evaluation during training (the stage measures once, at the end)."""
     from arpo_core.grounding import GroundConfig
 
-    shared = {k: v for k, v in asdict(phase).items() if k not in ("miniwob_seeds", "grow_after")}
+    shared = {f.name: getattr(phase, f.name) for f in fields(GroundTrainConfig)}
     shared["mix"] = {level: float(w) for level, w in phase.mix.items()}
     return GroundConfig(**shared, system=system, eval_every=0)
 

@@ -11,7 +11,6 @@ from pathlib import Path
 import orchestration_helpers as oh
 import pyarrow.parquet as pq
 import pytest
-import torch
 import yaml
 
 from arpo_core.config import load_params, parse_params
@@ -29,14 +28,6 @@ from flows.spec import (
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
 
 
 # ------------------------------------------------------------------------------------------------

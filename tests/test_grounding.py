@@ -26,16 +26,6 @@ from arpo_core.grounding import (
 )
 from arpo_core.policy.model import build_tiny_policy
 
-
-@pytest.fixture
-def one_thread():
-    """One torch thread: two spin on this 2-core machine beside other work (REFERENCE.md §6)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 # ---------------------------------------------------------------------------------------------- data
 
 

@@ -54,16 +54,6 @@ def demos() -> list[Trajectory]:
     return out
 
 
-@pytest.fixture
-def one_thread():
-    """Two torch threads on this 2-core machine, beside other CPU-heavy work (browsers, other tests),
-    measured 13x slower per step than one thread (spinning OpenMP workers); restore afterwards."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def test_masked_mean_nll_hand_computed():
     logps = torch.tensor([[-1.0, -2.0, -3.0], [-4.0, -5.0, -6.0]])
     mask = torch.tensor([[False, True, True], [True, False, False]])

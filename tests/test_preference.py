@@ -221,14 +221,6 @@ def policy_dir(tmp_path_factory):
     return d
 
 
-@pytest.fixture
-def one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
-
-
 def pref_data() -> list[Trajectory]:
     return [
         traj("click-test", 1.0, POS),
