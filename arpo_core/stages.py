@@ -283,9 +283,7 @@ def ground(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike)
         policy = load_policy(start)
         for i, phase in enumerate(g.phases):
             if phase.grow_after:
-                generation_config = policy.model.generation_config
                 policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
-                policy.model.generation_config = generation_config  # keep the stop tokens
             fixed = train_real[phase.miniwob_seeds] if phase.miniwob_seeds else None
             hist = train_grounding(policy, ground_config(phase, p.policy.system_prompt), examples=fixed)
             losses = hist["loss"]

@@ -152,6 +152,7 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
     policy, _ = built
     grown = grow_depth(policy, [0, 1])
     assert grown.model.config.text_config.num_hidden_layers == 4
+    assert grown.model.generation_config.to_dict() == policy.model.generation_config.to_dict()
     old, new = policy.model.model.language_model.layers, grown.model.model.language_model.layers
     # (a, b) -> (a, new, b, new): old layers copied in place, new ones write nothing to the residual
     assert torch.equal(new[0].mlp.up_proj.weight, old[0].mlp.up_proj.weight)

@@ -29,6 +29,7 @@ Decisions:
 
 from __future__ import annotations
 
+import copy
 import json
 import random
 from collections.abc import Iterable, Sequence
@@ -198,9 +199,9 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
     One new decoder layer is inserted after each old layer index in `after` (e.g. `[0, 1]` turns
     layers (a, b) into (a, new, b, new)). A new layer is freshly initialised except its attention output
     and MLP down projections, which are zero, so it adds nothing to the residual stream until trained
-    (the same trick as LoRA's zero B). The vision tower, embeddings and head are copied unchanged. The
-    result is a stock Qwen2.5-VL checkpoint with a larger `num_hidden_layers`: used to give a trained
-    tiny model more depth without losing what it learned.
+    (the same trick as LoRA's zero B). The vision tower, embeddings, head and generation config are
+    copied unchanged. The result is a stock Qwen2.5-VL checkpoint with a larger `num_hidden_layers`:
+    used to give a trained tiny model more depth without losing what it learned.
     """
     old = policy.model
     n_old = old.config.text_config.num_hidden_layers
@@ -231,6 +232,7 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
         else:
             new_state[key] = state[key].clone()
     model.load_state_dict(new_state)
+    model.generation_config = copy.deepcopy(old.generation_config)  # stop tokens etc. carry over
     model.to(old.device).eval()
     return Policy(model=model, processor=policy.processor, tokenizer=policy.tokenizer)
 
