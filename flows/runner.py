@@ -175,23 +175,21 @@ class StageRun:
         else:
             tracking.log_metrics(c, run_id, metrics)
         tracking.log_artifacts(c, run_id, self.root / self.spec.metrics, "metrics")
-        for rel, artifact_path in self._artifacts():
+        artifacts = self._artifacts()
+        for rel, artifact_path in artifacts:
             tracking.log_artifacts(c, run_id, rel, artifact_path)
-        for page in self._write_viewers():
-            tracking.log_artifacts(c, run_id, page, "viewer")
+        if self.name != "demos":  # oracle demos: nothing of the policy's to look at
+            sources = [path for path, kind in artifacts if kind == "trajectories" and path.exists()]
+            for page in self._write_viewers(sources):
+                tracking.log_artifacts(c, run_id, page, "viewer")
 
-    def _write_viewers(self) -> list[Path]:
-        """A self-contained HTML viewer per trajectory file of the stage (episodes step by step)."""
+    def _write_viewers(self, sources: Sequence[Path]) -> list[Path]:
+        """A self-contained HTML viewer per trajectory file under `sources` (episodes step by step)."""
         from arpo_core.trajectory import read_trajectories
         from arpo_core.viewer import write_viewer
 
-        sources = [
-            (path, rel)
-            for path, rel in self._artifacts()
-            if rel == "trajectories" and path.exists() and self.name != "demos"
-        ]
         pages = []
-        for path, _ in sources:
+        for path in sources:
             files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
             for f in files:
                 trajs = read_trajectories(f)[:VIEWER_MAX_EPISODES]
