@@ -603,17 +603,12 @@ def machine_info() -> dict[str, Any]:
     return info
 
 
-def write_json(path: Path, obj: Any) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(".tmp")
-    tmp.write_text(json.dumps(obj, indent=2) + "\n")
-    tmp.replace(path)
-
-
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
+    from arpo_core.fileio import atomic_write_json as write_json  # stdlib only: fine in .venv-gpu
+
     if args.part is not None:  # child
         write_json(args.part_out, run_part(args.part, args))
         return {}

@@ -52,7 +52,7 @@ sys.path.insert(0, str(ROOT))
 from arpo_core import stages  # noqa: E402
 from arpo_core.config import Params, load_params  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
-from arpo_core.fileio import atomic_write_json  # noqa: E402
+from arpo_core.fileio import atomic_write_json, atomic_write_text  # noqa: E402
 from arpo_core.probe import TargetRecord, blind_ceiling, click_alignment, first_step_targets  # noqa: E402
 from arpo_core.trajectory import Trajectory, read_trajectories, write_trajectories  # noqa: E402
 
@@ -521,7 +521,7 @@ def cmd_comparison(args: argparse.Namespace) -> Path:
     for m, why in skipped.items():
         md_doc += f"\n{m}: not trained ({why}).\n"
     run.write(out, doc)
-    out.with_suffix(".md").write_text(md_doc)
+    atomic_write_text(out.with_suffix(".md"), md_doc)
     return out
 
 
