@@ -20,6 +20,10 @@ Decisions:
    staleness can be measured.
 7. Evaluation and metric logging are callbacks (`on_iteration`, `on_epoch`): the library does not know
    MLflow (DESIGN.md), and the per-epoch evaluation's results go into the checkpointed history.
+8. `train.loss.kl_coef > 0` keeps a frozen reference policy: the run's starting policy (`policy_dir`,
+   also on resume - the reference never moves), loaded once, in eval mode, without gradients. Its
+   per-token log-probs of every update batch enter the loss as the KL penalty (losses.py decision 3).
+   ARPO's default is 0: no reference is loaded and no extra forward runs.
 """
 
 from __future__ import annotations
@@ -46,7 +50,7 @@ from arpo_core.policy.model import Policy, load_policy
 from arpo_core.replay import ReplayBuffer, ReplayConfig
 from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes
 from arpo_core.trajectory import Trajectory, write_trajectories
-from arpo_core.update import UpdateConfig, encode_trajectories, ppo_update
+from arpo_core.update import UpdateConfig, compute_logps, encode_trajectories, ppo_update
 
 __all__ = ["PreparedBatch", "TrainState", "TrainerSettings", "latest_checkpoint", "prepare_batch", "train"]
 
@@ -130,6 +134,14 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
     return final
 
 
+def _load_reference(policy_dir: str | os.PathLike, policy: Policy) -> Policy:
+    """Decision 8: the frozen starting policy, on the trained policy's device."""
+    ref = load_policy(policy_dir, device=str(policy.device))
+    ref.model.eval()
+    ref.model.requires_grad_(False)
+    return ref
+
+
 def _iteration_chunks(tasks: Sequence[TaskSpec], k: int, seed: int, epoch: int) -> list[list[TaskSpec]]:
     order = list(tasks)
     random.Random(seed * 7919 + epoch).shuffle(order)
@@ -203,6 +215,7 @@ def train(
         policy = load_policy(policy_dir)
         state = TrainState()
         replay = ReplayBuffer(s.replay)
+    reference = _load_reference(policy_dir, policy) if s.update.kl_coef > 0 else None
     engine = make_engine(
         s.engine,
         policy.model,
@@ -256,8 +269,18 @@ def train(
                 keep = [i for i in range(len(filled)) if not (s.skip_zero_advantage and adv[i] == 0)]
                 seqs = encode_trajectories(policy, [filled[i] for i in keep], s.system, s.history_images)
                 t_up = time.monotonic()
+                ref_logps = (
+                    compute_logps(reference, seqs, s.update.micro_batch_size, s.update.bf16)
+                    if reference is not None
+                    else None
+                )
                 ustats = ppo_update(
-                    policy, engine, seqs, adv[keep], replace(s.update, seed=s.seed + epoch * 1000 + it)
+                    policy,
+                    engine,
+                    seqs,
+                    adv[keep],
+                    replace(s.update, seed=s.seed + epoch * 1000 + it),
+                    ref_logps=ref_logps,
                 )
                 metrics.update(ustats.as_metrics())
                 metrics["time/update_s"] = time.monotonic() - t_up

@@ -107,9 +107,12 @@ class UpdateStats(NamedTuple):
     n_sequences: int
     n_tokens: int
     n_optimizer_steps: int
+    ref_kl: float | None = None
+    """Token-mean KL estimate to the reference policy (None without one)."""
 
     def as_metrics(self) -> dict[str, float]:
-        return {
+        extra = {"loss/ref_kl": self.ref_kl} if self.ref_kl is not None else {}
+        return extra | {
             "loss/total": self.loss,
             "loss/policy": self.pg_loss,
             "clip/low_frac": self.clip_low_frac,
@@ -206,7 +209,7 @@ def ppo_update(
 
     policy.model.train()
     gen = torch.Generator().manual_seed(cfg.seed)
-    sums = dict.fromkeys(("loss", "pg", "low", "high", "dual", "kl"), 0.0)
+    sums = dict.fromkeys(("loss", "pg", "low", "high", "dual", "kl", "ref_kl"), 0.0)
     grad_norms: list[float] = []
     for _ in range(cfg.ppo_epochs):
         order = torch.randperm(n, generator=gen).tolist()
@@ -241,6 +244,8 @@ def ppo_update(
                 sums["high"] += float(out.clip_high_frac) * w
                 sums["dual"] += float(out.clip_dual_frac) * w
                 sums["kl"] += float(out.approx_kl) * w
+                if out.kl is not None:
+                    sums["ref_kl"] += float(out.kl) * w
             grad_norms.append(engine.step())
     steps = len(grad_norms)
     return UpdateStats(
@@ -254,4 +259,5 @@ def ppo_update(
         n_sequences=n,
         n_tokens=sum(n_masked),
         n_optimizer_steps=steps,
+        ref_kl=sums["ref_kl"] / steps if ref_logps is not None else None,
     )

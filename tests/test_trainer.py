@@ -112,6 +112,52 @@ def test_train_loop_checkpoints_every_epoch_and_fills_groups(policy_dir, tmp_pat
     assert last["replay/groups_failed"] >= last["replay/groups_filled"]
 
 
+def test_kl_coef_trains_against_the_frozen_starting_policy_also_after_resume(policy_dir, tmp_path):
+    """kl_coef > 0 loads the starting policy as a frozen reference: the first update (policy == reference)
+    measures KL 0, later ones a positive KL, and a resumed run keeps the ORIGINAL reference (its first
+    update already measures the drift of the earlier epochs instead of restarting from 0)."""
+    from dataclasses import replace
+
+    torch.set_num_threads(1)
+    s = harness.settings(2)
+    s = replace(s, update=replace(s.update, kl_coef=0.5, mini_batch_size=64))  # one on-policy step/iter
+    seen = []
+
+    def run(epochs):
+        train(
+            policy_dir,
+            harness.TASKS,
+            tmp_path,
+            replace(s, epochs=epochs),
+            harness.FakePool(),
+            generator_factory=harness.RandomReplies,
+            on_iteration=lambda e, i, m: seen.append(m),
+        )
+
+    run(1)
+    assert len(seen) == 2 and all("loss/ref_kl" in m for m in seen)
+    assert seen[0]["loss/ref_kl"] == pytest.approx(0.0, abs=1e-6)
+    assert seen[1]["loss/ref_kl"] > 1e-6
+    run(2)  # resumes from epoch 1's checkpoint
+    assert len(seen) == 4 and seen[2]["loss/ref_kl"] > 1e-6
+    assert all(m["loss/ref_kl"] == m["loss/ref_kl"] for m in seen)  # finite, never NaN
+
+
+def test_no_reference_forward_without_kl(policy_dir, tmp_path):
+    torch.set_num_threads(1)
+    seen = []
+    train(
+        policy_dir,
+        harness.TASKS,
+        tmp_path,
+        harness.settings(1),
+        harness.FakePool(),
+        generator_factory=harness.RandomReplies,
+        on_iteration=lambda e, i, m: seen.append(m),
+    )
+    assert seen and not any("loss/ref_kl" in m for m in seen)
+
+
 def _buffer_signature(ckpt: Path):
     buf = ReplayBuffer.load(ckpt / "replay")
     return {
