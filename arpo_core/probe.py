@@ -33,6 +33,12 @@ Decisions:
    episodes it is biased upwards (with 10 instances a point can be fitted to most of them). Beside
    it, `cv_hit_rate` is two-fold cross-validated: the point fitted on half of the instances, scored
    on the other half. The in-sample value is the conservative bar for "above the blind ceiling".
+8. Two evaluations of the same instances are compared PAIRED (`paired_difference`): episode by episode
+   on (task_id, sample_idx) - the same env seed by decision 3 - with the utterance checked. The interval
+   of the difference is the normal one on the per-episode differences (each in [-1, 1]), and the exact
+   two-sided sign test (McNemar) on the discordant episodes gives the p-value. Pairing removes the
+   instance-difficulty variance that two independent intervals carry, so a 5-point change on 300
+   episodes can be told from noise when the two evaluations disagree on few instances.
 """
 
 from __future__ import annotations
@@ -45,7 +51,7 @@ from typing import Any
 
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.miniwob import SCREEN_SIZE, DomElement
-from arpo_core.evaluate import click_spread, first_click
+from arpo_core.evaluate import click_spread, episode_score, first_click
 from arpo_core.grounding import best_constant_click, pearson
 from arpo_core.trajectory import Trajectory
 
@@ -55,6 +61,7 @@ __all__ = [
     "click_alignment",
     "cv_ceiling",
     "first_step_targets",
+    "paired_difference",
     "target_element",
     "within_corr",
 ]
@@ -316,3 +323,66 @@ def click_alignment(
         "spread_px": sum(spreads) / len(spreads) if spreads else None,
     }
     return {"tasks": tasks, "pooled": pooled}
+
+
+def _sign_test_p(wins: int, losses: int) -> float:
+    """Exact two-sided binomial (p = 1/2) p-value of `wins` vs `losses` discordant pairs."""
+    n = wins + losses
+    if n == 0:
+        return 1.0
+    k = min(wins, losses)
+    tail = sum(math.comb(n, i) for i in range(k + 1)) / 2**n
+    return min(1.0, 2 * tail)
+
+
+def paired_difference(before: Sequence[Trajectory], after: Sequence[Trajectory]) -> dict[str, Any]:
+    """`after` minus `before` on the episodes both evaluated (decision 8).
+
+    Returns n (paired episodes), unpaired (episodes in only one, or whose utterances differ), before,
+    after, delta (mean per-episode difference of scores clipped to [0, 1]), ci95 of delta, wins (after
+    succeeded where before failed, scores >= 0.5 vs < 0.5), losses, and sign_test_p.
+    """
+
+    def index(trajs: Sequence[Trajectory]) -> dict[tuple[str, str, int], Trajectory]:
+        out: dict[tuple[str, str, int], Trajectory] = {}
+        for t in trajs:
+            key = (t.task_domain, t.task_id, t.sample_idx)
+            if key in out:
+                raise ValueError(f"two evaluation episodes share {key}: not one evaluation's trajectories")
+            out[key] = t
+        return out
+
+    a, b = index(before), index(after)
+    score = episode_score
+    pairs = [(a[k], b[k]) for k in sorted(a.keys() & b.keys()) if a[k].instruction == b[k].instruction]
+    unpaired = len(a.keys() | b.keys()) - len(pairs)
+    n = len(pairs)
+    if n == 0:
+        return {
+            "n": 0,
+            "unpaired": unpaired,
+            "before": None,
+            "after": None,
+            "delta": None,
+            "ci95": None,
+            "wins": 0,
+            "losses": 0,
+            "sign_test_p": 1.0,
+        }
+    d = [score(y) - score(x) for x, y in pairs]
+    mean = sum(d) / n
+    sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1)) if n > 1 else 0.0
+    half = 1.96 * sd / math.sqrt(n)
+    wins = sum(score(x) < 0.5 <= score(y) for x, y in pairs)
+    losses = sum(score(y) < 0.5 <= score(x) for x, y in pairs)
+    return {
+        "n": n,
+        "unpaired": unpaired,
+        "before": sum(score(x) for x, _ in pairs) / n,
+        "after": sum(score(y) for _, y in pairs) / n,
+        "delta": mean,
+        "ci95": [mean - half, mean + half],
+        "wins": wins,
+        "losses": losses,
+        "sign_test_p": _sign_test_p(wins, losses),
+    }

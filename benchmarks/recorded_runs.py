@@ -53,7 +53,13 @@ from arpo_core import stages  # noqa: E402
 from arpo_core.config import Params, load_params  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
 from arpo_core.fileio import atomic_write_json, atomic_write_text  # noqa: E402
-from arpo_core.probe import TargetRecord, blind_ceiling, click_alignment, first_step_targets  # noqa: E402
+from arpo_core.probe import (  # noqa: E402
+    TargetRecord,
+    blind_ceiling,
+    click_alignment,
+    first_step_targets,
+    paired_difference,
+)
 from arpo_core.trajectory import Trajectory, read_trajectories, write_trajectories  # noqa: E402
 
 RESULTS = ROOT / "benchmarks" / "results"
@@ -282,6 +288,45 @@ def epochs_from_history(history: Sequence[dict[str, Any]]) -> list[dict[str, Any
     return out
 
 
+def _paired_brief(d: dict[str, Any]) -> dict[str, Any]:
+    keep = ("n", "delta", "ci95", "wins", "losses", "sign_test_p")
+    return {k: d[k] for k in keep}
+
+
+def add_paired(run: Run, doc: dict[str, Any], methods: Sequence[str]) -> None:
+    """Paired comparisons of the evaluations on disk (probe decision 8): every evaluated epoch of every
+    method against the base (`vs_base` in its epoch entry), and ARPO against GRPO at the epochs both
+    evaluated (`arpo_vs_grpo`: ARPO minus GRPO)."""
+    ev = run.work / "eval"
+    base_path = ev / "base-in_domain.parquet"
+    if not base_path.exists():
+        return
+    base = read_trajectories(base_path)
+    cache: dict[tuple[str, int], list[Trajectory]] = {}
+
+    def load(method: str, epoch: int) -> list[Trajectory] | None:
+        path = ev / f"{method}-epoch-{epoch:04d}.parquet"
+        if (method, epoch) not in cache and path.exists():
+            cache[method, epoch] = read_trajectories(path)
+        return cache.get((method, epoch))
+
+    for method in methods:
+        for entry in doc[method]["epochs"]:
+            trajs = load(method, entry["epoch"]) if entry["epoch"] > 0 else None
+            if trajs is not None:
+                entry["vs_base"] = _paired_brief(paired_difference(base, trajs))
+    if {"arpo", "grpo"} <= set(methods):
+        common = sorted(
+            {e["epoch"] for e in doc["arpo"]["epochs"]} & {e["epoch"] for e in doc["grpo"]["epochs"]} - {0}
+        )
+        rows = []
+        for epoch in common:
+            a, g = load("arpo", epoch), load("grpo", epoch)
+            if a is not None and g is not None:
+                rows.append({"epoch": epoch, **_paired_brief(paired_difference(g, a))})
+        doc["arpo_vs_grpo"] = rows
+
+
 def train_method(
     run: Run,
     method: str,
@@ -431,6 +476,7 @@ def cmd_learning(args: argparse.Namespace) -> Path:
                 run, method, base, sel, pool=pool, tasks=tasks, recs=recs, eval_every=args.eval_every
             )
             doc[method] = {"epochs": [epoch0, *epochs_from_history(history)], "train_history": history}
+    add_paired(run, doc, args.methods)
     out = Path(args.out or RESULTS / "learning.json")
     run.write(out, doc)
     return out
@@ -492,6 +538,20 @@ def cmd_comparison(args: argparse.Namespace) -> Path:
             "tasks": {**ind["tasks"], **oo["tasks"]},
         }
         doc["methods"][m] = str(policies[m])
+    base_trajs = read_trajectories(run.work / "eval_cmp" / "base.parquet")
+    for m in policies:
+        if m == "base":
+            continue
+        trajs = read_trajectories(run.work / "eval_cmp" / f"{m}.parquet")
+        doc[m]["vs_base"] = {  # paired on the same instances (probe decision 8)
+            split: _paired_brief(
+                paired_difference(
+                    [t for t in base_trajs if (t.task_id in ids) == inside],
+                    [t for t in trajs if (t.task_id in ids) == inside],
+                )
+            )
+            for split, inside in (("in_domain", True), ("out_of_domain", False))
+        }
 
     ood_all = len(ood_measurable) == len(ood)
     doc["image_blind"] = {

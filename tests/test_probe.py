@@ -15,6 +15,7 @@ from arpo_core.probe import (
     blind_ceiling,
     click_alignment,
     cv_ceiling,
+    paired_difference,
     target_element,
     within_corr,
 )
@@ -34,6 +35,38 @@ def traj(task: str, k: int, click: tuple[float, float] | None, utt: str = "u") -
     actions = [] if click is None else [{"kind": "click", "point": list(click)}]
     step = Step(0, b"", 160, 210, actions_json=json.dumps(actions), parse_ok=click is not None)
     return Trajectory("r", "evaluate", 0, "miniwob", task, utt, [step], sample_idx=k)
+
+
+def scored(task: str, k: int, success: float, utt: str = "u") -> Trajectory:
+    t = traj(task, k, (1.0, 1.0), utt)
+    t.success = success
+    return t
+
+
+def test_paired_difference_hand_computed():
+    before = [scored("a", k, s) for k, s in enumerate([1, 0, 0, 0, 1])] + [scored("b", 0, 0.0)]
+    after = [scored("a", k, s) for k, s in enumerate([1, 1, 1, 0, 0])] + [scored("b", 0, 1.0, utt="other")]
+    after.append(scored("c", 0, 1.0))  # only in `after`
+    d = paired_difference(before, after)
+    # paired: a/0..4 (b/0's utterance differs, c/0 unmatched); differences [0, 1, 1, 0, -1]
+    assert d["n"] == 5 and d["unpaired"] == 2
+    assert d["before"] == pytest.approx(0.4) and d["after"] == pytest.approx(0.6)
+    assert d["delta"] == pytest.approx(0.2) and (d["wins"], d["losses"]) == (2, 1)
+    sd = math.sqrt(sum((v - 0.2) ** 2 for v in [0, 1, 1, 0, -1]) / 4)
+    assert d["ci95"] == pytest.approx([0.2 - 1.96 * sd / math.sqrt(5), 0.2 + 1.96 * sd / math.sqrt(5)])
+    assert d["sign_test_p"] == pytest.approx(1.0)  # 2 vs 1 of 3: 2 * P(X <= 1) = 2 * 4/8 -> 1
+    # 12 wins, 0 losses: 2 / 2**12
+    many = paired_difference(
+        [scored("a", k, 0.0) for k in range(12)], [scored("a", k, 1.0) for k in range(12)]
+    )
+    assert many["sign_test_p"] == pytest.approx(2 / 4096) and many["delta"] == 1.0
+
+
+def test_paired_difference_rejects_duplicate_episodes_and_handles_no_pairs():
+    with pytest.raises(ValueError, match="share"):
+        paired_difference([scored("a", 0, 1.0), scored("a", 0, 0.0)], [])
+    d = paired_difference([scored("a", 0, 1.0)], [scored("b", 0, 1.0)])
+    assert d["n"] == 0 and d["delta"] is None and d["unpaired"] == 2
 
 
 def test_target_element_prefers_the_largest_centred_then_the_smallest_containing():

@@ -104,7 +104,14 @@ def test_learning_then_comparison_end_to_end_tiny(tmp_path, monkeypatch):
         for e in epochs:
             assert set(e) >= {"epoch", "in_domain", "episodes", "click_target_corr"}
             assert e["episodes"] == 4 and 0.0 <= e["in_domain"] <= 1.0
+        # the evaluated epoch is paired with the base on the same 4 instances
+        vs = epochs[1]["vs_base"]
+        assert vs["n"] == 4 and vs["delta"] == pytest.approx(
+            epochs[1]["in_domain"] - doc["base"]["in_domain"]
+        )
+        assert "vs_base" not in epochs[0]
         assert (tmp_path / "work" / method / "policy" / "config.json").exists()
+    assert [r["epoch"] for r in doc["arpo_vs_grpo"]] == [1] and doc["arpo_vs_grpo"][0]["n"] == 4
     assert {"targets_in_domain", "evaluate_base", "baseline", "select", "train_arpo", "train_grpo"} <= set(
         doc["wall_s"]
     )
@@ -114,6 +121,9 @@ def test_learning_then_comparison_end_to_end_tiny(tmp_path, monkeypatch):
     for method in ("base", "kto", "grpo", "arpo"):
         assert set(cmp[method]) >= {"in_domain", "out_of_domain", "episodes"}
         assert cmp[method]["episodes"] == 2 * 2 + 1 * 2  # 2 in-domain tasks + 1 out-of-domain, 2 each
+        if method != "base":
+            assert cmp[method]["vs_base"]["in_domain"]["n"] == 4
+            assert cmp[method]["vs_base"]["out_of_domain"]["n"] == 2
     assert {"train_grpo", "train_arpo"}.isdisjoint(cmp["wall_s"])  # reused from the learning run
     md = cmp_path.with_suffix(".md").read_text()
     assert "| arpo |" in md and "image-blind ceiling" in md and "rft: not trained" in md
