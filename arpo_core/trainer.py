@@ -135,8 +135,9 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
 
 
 def _load_reference(policy_dir: str | os.PathLike, policy: Policy) -> Policy:
-    """Decision 8: the frozen starting policy, on the trained policy's device."""
-    ref = load_policy(policy_dir, device=str(policy.device))
+    """Decision 8: the frozen starting policy, on the trained policy's device and in its dtype."""
+    dtype = next(policy.model.parameters()).dtype
+    ref = load_policy(policy_dir, dtype=dtype, device=str(policy.device))
     ref.model.eval()
     ref.model.requires_grad_(False)
     return ref

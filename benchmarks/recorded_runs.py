@@ -28,6 +28,11 @@ Decisions:
    episodes after every epoch would cost more than training, hence `--eval-every` (the last epoch is
    always evaluated). Epoch 0 is the base evaluation.
 5. Every JSON records wall seconds per stage (`wall_s`), the command, the machine and the date.
+6. Changes are judged PAIRED on those shared instances (`probe.paired_difference`): each evaluated
+   epoch against the base (`vs_base`: delta, its 95% interval, wins/losses, exact sign-test p), ARPO
+   against GRPO at the epochs both evaluated (`arpo_vs_grpo`), and in `comparison` every method
+   against the base per split. Two independent 300-episode intervals are +-5 points wide; the paired
+   interval removes the instance-difficulty variance the two share.
 """
 
 from __future__ import annotations
