@@ -298,15 +298,28 @@ def _paired_brief(d: dict[str, Any]) -> dict[str, Any]:
     return {k: d[k] for k in keep}
 
 
-def add_paired(run: Run, doc: dict[str, Any], methods: Sequence[str]) -> None:
-    """Paired comparisons of the evaluations on disk (probe decision 8): every evaluated epoch of every
-    method against the base (`vs_base` in its epoch entry), and ARPO against GRPO at the epochs both
-    evaluated (`arpo_vs_grpo`: ARPO minus GRPO)."""
+def _task_alignment(trajs: Sequence[Trajectory], recs: Sequence[TargetRecord], seed: int) -> dict[str, Any]:
+    """Per-task hit rate, click/target correlations and click spread of one evaluation."""
+    tasks = click_alignment(trajs, list(recs), seed)["tasks"]
+    return {t: {k: v for k, v in a.items() if k != "episodes"} for t, a in tasks.items()}
+
+
+def add_paired(
+    run: Run, doc: dict[str, Any], methods: Sequence[str], recs: Sequence[TargetRecord] = ()
+) -> None:
+    """Analyses of the evaluations on disk (decision 6): every evaluated epoch of every method paired
+    with the base (`vs_base` in its epoch entry), ARPO paired with GRPO at the epochs both evaluated
+    (`arpo_vs_grpo`: ARPO minus GRPO), and, given the DOM target records, per-task click alignment of
+    the base and of every evaluated epoch (`task_click_alignment`: does a task's gain follow the
+    target or move a constant click?)."""
     ev = run.work / "eval"
     base_path = ev / "base-in_domain.parquet"
     if not base_path.exists():
         return
     base = read_trajectories(base_path)
+    seed = run.p.evaluate.seed
+    if recs:
+        doc["base"]["task_click_alignment"] = _task_alignment(base, recs, seed)
     cache: dict[tuple[str, int], list[Trajectory]] = {}
 
     def load(method: str, epoch: int) -> list[Trajectory] | None:
@@ -320,6 +333,8 @@ def add_paired(run: Run, doc: dict[str, Any], methods: Sequence[str]) -> None:
             trajs = load(method, entry["epoch"]) if entry["epoch"] > 0 else None
             if trajs is not None:
                 entry["vs_base"] = _paired_brief(paired_difference(base, trajs))
+                if recs:
+                    entry["task_click_alignment"] = _task_alignment(trajs, recs, seed)
     if {"arpo", "grpo"} <= set(methods):
         common = sorted(
             {e["epoch"] for e in doc["arpo"]["epochs"]} & {e["epoch"] for e in doc["grpo"]["epochs"]} - {0}
@@ -481,7 +496,7 @@ def cmd_learning(args: argparse.Namespace) -> Path:
                 run, method, base, sel, pool=pool, tasks=tasks, recs=recs, eval_every=args.eval_every
             )
             doc[method] = {"epochs": [epoch0, *epochs_from_history(history)], "train_history": history}
-    add_paired(run, doc, args.methods)
+    add_paired(run, doc, args.methods, recs)
     out = Path(args.out or RESULTS / "learning.json")
     run.write(out, doc)
     return out

@@ -110,6 +110,7 @@ def test_learning_then_comparison_end_to_end_tiny(tmp_path, monkeypatch):
             epochs[1]["in_domain"] - doc["base"]["in_domain"]
         )
         assert "vs_base" not in epochs[0]
+        assert set(epochs[1]["task_click_alignment"]) == set(doc["base"]["task_click_alignment"])
         assert (tmp_path / "work" / method / "policy" / "config.json").exists()
     assert [r["epoch"] for r in doc["arpo_vs_grpo"]] == [1] and doc["arpo_vs_grpo"][0]["n"] == 4
     assert {"targets_in_domain", "evaluate_base", "baseline", "select", "train_arpo", "train_grpo"} <= set(
