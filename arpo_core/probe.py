@@ -353,7 +353,6 @@ def paired_difference(before: Sequence[Trajectory], after: Sequence[Trajectory])
         return out
 
     a, b = index(before), index(after)
-    score = episode_score
     pairs = [(a[k], b[k]) for k in sorted(a.keys() & b.keys()) if a[k].instruction == b[k].instruction]
     unpaired = len(a.keys() | b.keys()) - len(pairs)
     n = len(pairs)
@@ -369,17 +368,17 @@ def paired_difference(before: Sequence[Trajectory], after: Sequence[Trajectory])
             "losses": 0,
             "sign_test_p": 1.0,
         }
-    d = [score(y) - score(x) for x, y in pairs]
+    d = [episode_score(y) - episode_score(x) for x, y in pairs]
     mean = sum(d) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1)) if n > 1 else 0.0
     half = 1.96 * sd / math.sqrt(n)
-    wins = sum(score(x) < 0.5 <= score(y) for x, y in pairs)
-    losses = sum(score(y) < 0.5 <= score(x) for x, y in pairs)
+    wins = sum(episode_score(x) < 0.5 <= episode_score(y) for x, y in pairs)
+    losses = sum(episode_score(y) < 0.5 <= episode_score(x) for x, y in pairs)
     return {
         "n": n,
         "unpaired": unpaired,
-        "before": sum(score(x) for x, _ in pairs) / n,
-        "after": sum(score(y) for _, y in pairs) / n,
+        "before": sum(episode_score(x) for x, _ in pairs) / n,
+        "after": sum(episode_score(y) for _, y in pairs) / n,
         "delta": mean,
         "ci95": [mean - half, mean + half],
         "wins": wins,

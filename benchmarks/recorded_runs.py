@@ -538,11 +538,12 @@ def cmd_comparison(args: argparse.Namespace) -> Path:
     ceiling, ood_ceiling = blind_ceiling(recs), blind_ceiling(ood_recs)
     doc: dict[str, Any] = {"issue": 8, "policy": str(base), "methods": {}, "skipped": skipped}
     ids = {x.task_id for x in tasks}
+    base_trajs = read_trajectories(run.work / "eval_cmp" / "base.parquet")
     for m in policies:
         pre = f"eval/{m}/greedy"
         ind = split_summary(metrics, pre, "in_domain", tasks)
         oo = split_summary(metrics, pre, "out_of_domain", ood)
-        trajs = read_trajectories(run.work / "eval_cmp" / f"{m}.parquet")
+        trajs = base_trajs if m == "base" else read_trajectories(run.work / "eval_cmp" / f"{m}.parquet")
         align = click_alignment([t for t in trajs if t.task_id in ids], recs, run.p.evaluate.seed)
         ood_align = click_alignment([t for t in trajs if t.task_id not in ids], ood_recs, run.p.evaluate.seed)
         doc[m] = {
@@ -558,20 +559,16 @@ def cmd_comparison(args: argparse.Namespace) -> Path:
             "tasks": {**ind["tasks"], **oo["tasks"]},
         }
         doc["methods"][m] = str(policies[m])
-    base_trajs = read_trajectories(run.work / "eval_cmp" / "base.parquet")
-    for m in policies:
-        if m == "base":
-            continue
-        trajs = read_trajectories(run.work / "eval_cmp" / f"{m}.parquet")
-        doc[m]["vs_base"] = {  # paired on the same instances (probe decision 8)
-            split: _paired_brief(
-                paired_difference(
-                    [t for t in base_trajs if (t.task_id in ids) == inside],
-                    [t for t in trajs if (t.task_id in ids) == inside],
+        if m != "base":
+            doc[m]["vs_base"] = {  # paired on the same instances (probe decision 8)
+                split: _paired_brief(
+                    paired_difference(
+                        [t for t in base_trajs if (t.task_id in ids) == inside],
+                        [t for t in trajs if (t.task_id in ids) == inside],
+                    )
                 )
-            )
-            for split, inside in (("in_domain", True), ("out_of_domain", False))
-        }
+                for split, inside in (("in_domain", True), ("out_of_domain", False))
+            }
 
     ood_all = len(ood_measurable) == len(ood)
     doc["image_blind"] = {

@@ -6,7 +6,7 @@ pipeline run in the project directory, e.g.
 
     make run && .venv/bin/python benchmarks/stage_times.py --label "make run (defaults)"
     .venv/bin/arpo stage demos --preset recorded ... && .venv/bin/python benchmarks/stage_times.py \
-        --label "recorded preset" --preset recorded --out benchmarks/results/stage_times.json
+        --label "recorded preset" --preset recorded --out benchmarks/results/stage_times_recorded.json
 
 Stages without a metrics file are listed under `missing` (not run in that directory). `--extra FILE`
 merges the `wall_s` section of recorded_runs.py results (its steps call the same stage functions).
