@@ -1,6 +1,6 @@
 """UI-TARS reply grammar -> Thought + Actions; coordinates; pyautogui rendering.
 
-A policy reply looks like ``Thought: <plan>\\nAction: click(start_box='(235,512)')`` (REFERENCE.md §3).
+A policy reply looks like ``Thought: <plan>\\nAction: click(start_box='(235,512)')`` (docs/method.md §3).
 This module turns such text into typed `Action`s, writes the canonical text back (for oracles and the
 prompt), maps coordinates between the image the model saw and the screen, and renders pyautogui code.
 
@@ -10,7 +10,7 @@ Decisions:
    compiles or imports anything derived from model text. All regexes are compiled at import time.
 2. Strict by default, with a short, documented list of tolerances. A reply that is not accepted raises
    `ActionParseError` whose message says what is wrong and where; the rollout turns it into the format
-   penalty (REFERENCE.md §1). Accepted beyond the canonical form:
+   penalty (docs/method.md §1). Accepted beyond the canonical form:
    a. leading/trailing whitespace, CRLF line ends, spaces around ``(``, ``=``, ``,`` and ``)``, and one
       trailing comma in the argument list;
    b. a missing thought (the reply starts with ``Action:``) -> thought ``""``; ``Action:`` on the same

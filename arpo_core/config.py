@@ -3,7 +3,7 @@
 Decisions:
 1. `params.yaml` is the single source of truth (DVC reads the same file). Each top-level section parses
    into one frozen dataclass named after it (`train:` -> `TrainConfig`), following the 1:1:1 rule of
-   DESIGN.md: a DVC stage = a Prefect flow = an MLflow run = a params section.
+   docs/design.md: a DVC stage = a Prefect flow = an MLflow run = a params section.
 2. Unknown keys are errors, never ignored: a typo such as `train.replay.enabeld` would otherwise silently
    run the default. The message names the key, the section path and the file.
 3. Values are type-checked against the annotations (bool is not accepted for int, an int is accepted
@@ -181,7 +181,7 @@ class BaselineConfig:
 @dataclass(frozen=True)
 class EvaluateConfig:
     episodes_per_task: int = 50
-    """Episodes per task and split (>= 50 to see a 10-point change, REFERENCE.md §7)."""
+    """Episodes per task and split (>= 50 to see a 10-point change, docs/method.md §7)."""
     temperature: float = 0.0
     """0: greedy. The paper evaluates with 0.5-0.6; `sampled_temperature` adds that mode."""
     sampled_temperature: float | None = None

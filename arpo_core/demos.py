@@ -1,5 +1,5 @@
 """Scripted demonstrations: the DOM oracles play seeded episodes through the env pool, and their
-UI-TARS replies become trajectories for behaviour cloning (DESIGN.md stage `demos`).
+UI-TARS replies become trajectories for behaviour cloning (docs/design.md stage `demos`).
 
 Decisions:
 1. The oracle runs inside the env worker (`oracle_reply` reads the DOM there) and writes its reply in

@@ -28,7 +28,7 @@ Decisions:
    seed range disjoint from training's. Greedy = temperature 0.
 6. Jobs hit by env faults come back in `failed` and never count as policy failures; their number is
    reported as `{prefix}/all/failed_jobs`.
-7. A success rate alone does not show whether the policy looks at the screen (REFERENCE.md §7: a
+7. A success rate alone does not show whether the policy looks at the screen (docs/method.md §7: a
    constant click per task reached the image-blind ceiling). `click_spread_px` is an image-dependence
    measure: per task, the RMS distance (screen pixels) of the first step's first click from its mean
    over that task's episodes (needs >= 2 episodes with a click); pooled over tasks by the mean. Greedy

@@ -3,7 +3,7 @@
 Decisions:
 1. Write to a unique temp file in the target's directory (same filesystem, so the rename is atomic),
    flush and fsync, then `os.replace`: a reader sees the old file or the new one, never half of one, and
-   a process killed mid-write leaves the previous file intact (DESIGN.md; the brief: "loses no data").
+   a process killed mid-write leaves the previous file intact (docs/design.md; the brief: "loses no data").
 2. On any error the temp file is removed and the error propagates.
 3. `atomic_path` hands a writer (pyarrow, matplotlib, csv) an open binary file; the text/JSON helpers
    are thin wrappers over it.

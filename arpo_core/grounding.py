@@ -1,14 +1,14 @@
 """Grounding pretraining: teach the policy to click where the instruction's target is on the screen.
 
 Behaviour cloning a randomly initialised tiny model learns the reply format but not to look at the
-screen (REFERENCE.md §7): its clicks are image-blind. This module supplies the stage that comes before
-BC (DESIGN.md stage `ground`): unlimited cheap "where is X" examples, a training loop, and the measures
+screen (docs/method.md §7): its clicks are image-blind. This module supplies the stage that comes before
+BC (docs/design.md stage `ground`): unlimited cheap "where is X" examples, a training loop, and the measures
 that say whether clicks follow the image.
 
 Decisions:
 1. An example is one screenshot, an instruction naming one target, and the UI-TARS reply
    `Thought: ...\\nAction: click(start_box='(x,y)')` with (x, y) the target's centre in model-image
-   pixels (the smart_resized frame the policy sees, REFERENCE.md §3). It is trained with exactly the
+   pixels (the smart_resized frame the policy sees, docs/method.md §3). It is trained with exactly the
    sequence layout, prompt and loss of BC and RL (`policy/sequences.py`), so the grounding transfers to
    the task replies unchanged: no special tokens, no extra heads, no change to what the model sees.
 2. Two sources: synthetic screens drawn with PIL in MiniWoB's style (160x210, the yellow instruction
@@ -20,7 +20,7 @@ Decisions:
    text widgets -> mixtures. The level of each drawn example comes from `GroundConfig.mix`.
 4. Image dependence is measured on held-out screens with greedy decoding: mean pixel error, hit rate
    (click inside the target box), Pearson correlation of predicted vs target x and y, the spread of the
-   clicks, and the image-blind ceiling (the best constant click for the same screens). REFERENCE.md §7:
+   clicks, and the image-blind ceiling (the best constant click for the same screens). docs/method.md §7:
    a success rate alone proves nothing here.
 5. Library code: the training loop returns its history (loss per step, evaluations) and logs nothing.
 6. What makes looking learnable (benchmarks/results/grounding.md): the LM's rotary frequencies. Qwen2.5-VL
@@ -684,5 +684,5 @@ def coordinate_nll(
 def image_dependence(
     policy: Policy, examples: Sequence[GroundExample], system: str = "compact"
 ) -> dict[str, float]:
-    """The image-dependence summary reported beside success rates (REFERENCE.md §7)."""
+    """The image-dependence summary reported beside success rates (docs/method.md §7)."""
     return evaluate_grounding(policy, examples, system).as_dict()

@@ -7,7 +7,7 @@ Design decisions:
        pg1 = -A * ratio;  pg2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)
        clipped = max(pg1, pg2)
        per_token = min(clipped, -A * clip_dual) where A < 0 else clipped        (dual clip)
-   ARPO: clip_low 0.2, clip_high 0.3 (asymmetric, "clip-higher"), clip_dual 3.0 (REFERENCE.md §2).
+   ARPO: clip_low 0.2, clip_high 0.3 (asymmetric, "clip-higher"), clip_dual 3.0 (docs/method.md §2).
    The [-20, 20] clamp of the log-ratio is verl's guard against exp overflow; it only bites where the
    token is clipped anyway. `clip_dual=None` switches the dual clip off; otherwise it must be > 1.
 2. Clip fractions are over masked tokens of the whole batch, each a disjoint event where the gradient
@@ -197,7 +197,7 @@ def policy_loss(
     Args:
         logps: (B, T) log-probs of the sampled tokens under the policy being trained (with grad).
         old_logps: (B, T) the same under the policy that is being improved on (recomputed before the
-            update, REFERENCE.md §1); detached here.
+            update, docs/method.md §1); detached here.
         advantages: (B,) one advantage per trajectory, broadcast over its tokens, or (B, T).
         mask: (B, T) 1 on assistant tokens (thought + action + end-of-turn), 0 elsewhere.
         clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high].

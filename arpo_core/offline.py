@@ -7,7 +7,7 @@ Decisions:
    scores, M-RoPE positions included.
 2. Batches are drawn by shuffling the trajectories every epoch with a seeded `random.Random`; an optimizer
    step takes `batch_size * grad_accum` trajectories in `grad_accum` micro-batches.
-3. bf16 autocast on CPU is optional (about 2x faster on this machine kind, REFERENCE.md §6); weights and
+3. bf16 autocast on CPU is optional (about 2x faster on this machine kind, docs/method.md §6); weights and
    optimizer state stay fp32.
 4. Every `checkpoint_every` optimizer steps (and at the end, when a checkpoint dir is given) the policy is
    written with `save_pretrained` beside `optimizer.pt` and `sft_state.json` (step, loss history), so a

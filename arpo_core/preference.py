@@ -1,7 +1,7 @@
 """Offline baselines from stored rollouts: rejection-sampling fine-tuning (RFT), DPO and KTO.
 
 The ARPO paper compares online RL with these offline methods trained on the base policy's rollouts
-(REFERENCE.md §4: rejection sampling 21.8, DPO 22.4, KTO 24.6, GRPO 26.0, ARPO 27.3 on OSWorld).
+(docs/method.md §4: rejection sampling 21.8, DPO 22.4, KTO 24.6, GRPO 26.0, ARPO 27.3 on OSWorld).
 
 Decisions:
 1. Same sequences as RL: one multi-turn trajectory = one token sequence with its screenshots, and a

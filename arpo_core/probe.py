@@ -1,8 +1,8 @@
 """Probes of what a policy's clicks follow: DOM targets of seeded MiniWoB episodes, the image-blind
-ceiling, and how evaluation clicks line up with the targets (REFERENCE.md §7, issues #4 and #5).
+ceiling, and how evaluation clicks line up with the targets (docs/method.md §7, issues #4 and #5).
 
 A success rate alone does not show perception: on the single-step click tasks a constant click per
-task reaches 29% (REFERENCE.md §7). These measures put a number beside every success rate.
+task reaches 29% (docs/method.md §7). These measures put a number beside every success rate.
 
 Decisions:
 1. Targets come from the DOM oracles (`envs.oracles.oracle_step`), not from a second copy of their
@@ -188,7 +188,7 @@ def cv_ceiling(boxes: Sequence[Box]) -> float | None:
 
 def blind_ceiling(records: Sequence[TargetRecord]) -> dict[str, dict[str, Any]]:
     """Per task: the best constant click and its hit rate over the task's records (the image-blind
-    ceiling of REFERENCE.md §7) -> {task_id: {"point": [x, y], "hit_rate": r, "cv_hit_rate": r2,
+    ceiling of docs/method.md §7) -> {task_id: {"point": [x, y], "hit_rate": r, "cv_hit_rate": r2,
     "n": n}}, plus "_mean" (the means of the per-task rates, how `evaluate.pooled_rate` pools
     success). `hit_rate` is in-sample, `cv_hit_rate` two-fold cross-validated (decision 7)."""
     by_task: dict[str, list[Box]] = defaultdict(list)

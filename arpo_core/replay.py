@@ -1,7 +1,7 @@
 """ARPO experience replay: per-task successful trajectories that rescue all-failed GRPO groups.
 
 A GRPO group whose rollouts all failed has zero reward variance, hence zero advantages and no gradient
-(REFERENCE.md §1, §7: 35% of groups in the prototype). ARPO keeps, per task, the most recent successful
+(docs/method.md §1, §7: 35% of groups in the prototype). ARPO keeps, per task, the most recent successful
 trajectories and swaps one of them into such a group so the group has a success to learn from.
 
 Reference implementation read for this module (ARPO's EasyR1/verl fork, as stored in ARPO-derived
@@ -14,7 +14,7 @@ mean < 0.2`, puts the drawn item FIRST and drops the group's first fresh rollout
 
 Decisions:
 1. Keyed by `Trajectory.key` = (task_domain, task_id): OSWorld ids repeat across domains, and the
-   reference keys by id alone (a known defect, REFERENCE.md §1).
+   reference keys by id alone (a known defect, docs/method.md §1).
 2. Stored: trajectories whose signal > `success_threshold` (strictly; exactly 0.1 is not stored), at most
    `capacity_per_task` per key, oldest evicted first (the reference's append + pop(0)).
 3. Signal: the reference triggers and stores on the environment checker's score (`eval_results`), not
@@ -179,7 +179,7 @@ def _rng_state_from_json(data: list) -> tuple:
 class ReplayBuffer:
     """Per-task FIFO store of successful trajectories and the ARPO group filling rule.
 
-    Typical use per iteration (REFERENCE.md §1: the buffer is updated after replay is applied):
+    Typical use per iteration (docs/method.md §1: the buffer is updated after replay is applied):
 
         results = buffer.apply(groups)          # groups: list of G-trajectory lists, one task each
         train_groups = [r.group for r in results]

@@ -6,7 +6,7 @@ Decisions:
    `replay/groups_filled`), so a report can be rebuilt from `metrics/*.json` alone.
 2. The comparison table puts every method on one row with each split's success rate, its 95%
    interval and its episode count: a rate without its n and interval is how small-sample noise gets
-   reported as a result (REFERENCE.md §7: 20 episodes give +-0.10 per cell). Markdown for humans, CSV
+   reported as a result (docs/method.md §7: 20 episodes give +-0.10 per cell). Markdown for humans, CSV
    for tools; `comparison_json` gives the compact `{method: {"in_domain": x, "out_of_domain": y,
    "episodes": n}}` form of `benchmarks/results/comparison.json`.
 3. Plots use matplotlib's Agg backend (no display; selected per figure, not with the global

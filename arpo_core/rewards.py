@@ -1,7 +1,7 @@
 """Trajectory rewards: task success plus a format penalty, safe checkers, OSWorld scoring rules.
 
 Design decisions:
-1. A trajectory has one scalar reward, given to every assistant token of it (REFERENCE.md §1):
+1. A trajectory has one scalar reward, given to every assistant token of it (docs/method.md §1):
    `reward = success + (format_penalty if a reply could not be parsed else 0)`.
 2. The format penalty is a parameter because paper and code disagree: the paper's penalty is -1; the
    reference code computes `success + 0.5 * format_reward` with `format_reward = -1`, i.e. -0.5. The
@@ -73,7 +73,7 @@ def score_or_error(checker: Callable[[], float]) -> tuple[float, str | None]:
     try:
         raw = checker()
         value = float(raw)
-    except Exception as exc:  # any checker failure scores 0 (REFERENCE.md §1)
+    except Exception as exc:  # any checker failure scores 0 (docs/method.md §1)
         return 0.0, f"{type(exc).__name__}: {exc}"
     return _sanitise(value), None
 

@@ -1,4 +1,4 @@
-"""Groups of episodes over an env pool with batched inference (REFERENCE.md §1, "Rollout system").
+"""Groups of episodes over an env pool with batched inference (docs/method.md §1, "Rollout system").
 
 Decisions:
 1. Step-synchronous: every live episode's prompt goes to the generator as ONE batch, the parsed actions
@@ -7,7 +7,7 @@ Decisions:
    keep stepping, and its env immediately takes the next queued job (the per-env executor runs the
    reset after the evaluation), so with more jobs than envs no env idles until the queue is empty.
 2. A reply that does not parse is a format error: the step is recorded (parse_ok False), the episode
-   ends without touching the env, success is 0 and the reward gets the format penalty (REFERENCE.md §1).
+   ends without touching the env, success is 0 and the reward gets the format penalty (docs/method.md §1).
    Model text is never executed: it goes through `parse_response` only.
 3. Env faults (timeout, crashed browser, failed reset) are not policy failures: the episode is re-run
    from the start on a (restarted) env up to `env_retries` times; a job that still fails is reported in

@@ -1,4 +1,4 @@
-"""Valuable task selection: keep the tasks the base agent can sometimes solve (REFERENCE.md §1).
+"""Valuable task selection: keep the tasks the base agent can sometimes solve (docs/method.md §1).
 
 ARPO runs the base agent N = 16 times per task before training and trains only on tasks with at least
 one success, infeasible tasks excluded (128 of OSWorld's 369); single-node runs used a 32-task subset.

@@ -1,7 +1,7 @@
 """The pipeline stages as plain functions: params + input paths -> output paths + a metrics dict.
 
 Decisions:
-1. One function per DVC stage / Prefect flow / MLflow run, with the same name (DESIGN.md's 1:1:1
+1. One function per DVC stage / Prefect flow / MLflow run, with the same name (docs/design.md's 1:1:1
    rule): `init_policy, ground, demos, sft, baseline, select, train, evaluate`. The orchestration layers (tasks/, flows/) only wrap these; they add retries, tracking and
    artifacts, never logic, so `arpo stage NAME`, `dvc repro` and a Prefect deployment run the same code.
 2. Inputs and outputs are paths (Parquet trajectories, checkpoint directories, JSON), never tensors.
@@ -17,7 +17,7 @@ Decisions:
    model: with no phases the pointer is passed on unmeasured (a 7B model's greedy clicks on hundreds of
    screens are hours of CPU, and UI-TARS is grounded by its own pretraining); with phases it is trained
    and saved like any other start.
-6. `ground` always measures image dependence of its output on held-out screens (REFERENCE.md §7):
+6. `ground` always measures image dependence of its output on held-out screens (docs/method.md §7):
    synthetic levels drawn with seed 10000 + the level's index in `grounding.LEVELS` (fixed per level,
    other streams than training's, which seeds each phase with its own small `seed`) and real MiniWoB
    screens of the in-domain tasks with env seeds 1000.. (training uses 0..N-1). One browser reads every

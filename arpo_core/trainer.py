@@ -1,7 +1,7 @@
 """The ARPO/GRPO epoch loop: rollout groups -> replay fill -> advantages -> update -> buffer -> checkpoint.
 
 Decisions:
-1. One iteration = `tasks_per_iteration` tasks x `group_size` rollouts (REFERENCE.md §1-2). Tasks are
+1. One iteration = `tasks_per_iteration` tasks x `group_size` rollouts (docs/method.md §1-2). Tasks are
    visited in a seeded order per epoch; an epoch is one pass over the task set.
 2. ARPO order of operations as the reference: fresh groups are filled from the buffer (all-failed group
    + stored success -> one slot replaced), advantages are computed on the filled groups, the update runs,
@@ -19,7 +19,7 @@ Decisions:
 6. `policy_version` counts optimizer updates (iterations); stored on each trajectory so replay
    staleness can be measured.
 7. Evaluation and metric logging are callbacks (`on_iteration`, `on_epoch`): the library does not know
-   MLflow (DESIGN.md), and the per-epoch evaluation's results go into the checkpointed history.
+   MLflow (docs/design.md), and the per-epoch evaluation's results go into the checkpointed history.
 8. `train.loss.kl_coef > 0` keeps a frozen reference policy: the run's starting policy (`policy_dir`,
    also on resume - the reference never moves), loaded once, in eval mode, without gradients. Its
    per-token log-probs of every update batch enter the loss as the KL penalty (losses.py decision 3).

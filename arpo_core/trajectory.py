@@ -1,10 +1,10 @@
-"""Step and Trajectory, and their Parquet form: the project's one data contract (DESIGN.md).
+"""Step and Trajectory, and their Parquet form: the project's one data contract (docs/design.md).
 
 Decisions:
 1. One Parquet row per step; the trajectory's fields are repeated on each of its rows. A file is
    self-describing and can be filtered with any Parquet tool (e.g. `success == true and epoch == 3`).
 2. Screenshots are stored as PNG bytes, never as pixel tensors: a 160x210 MiniWoB frame is a few KB,
-   and the reference code's fp32 processor tensors cost ~0.75 GB per 1080p trajectory (REFERENCE.md §1).
+   and the reference code's fp32 processor tensors cost ~0.75 GB per 1080p trajectory (docs/method.md §1).
    A trajectory is re-tokenised from these rows whenever it is trained on or replayed.
 3. Generated token ids are kept per step (optional) so a replayed or re-trained reply is scored on the
    exact tokens that were sampled, not on a re-tokenisation of its text.
@@ -81,7 +81,7 @@ class Step:
 
 @dataclass
 class Trajectory:
-    """One episode of one task. `reward` is the trained reward (success + format term, REFERENCE.md §1)."""
+    """One episode of one task. `reward` is the trained reward (success + format term, docs/method.md §1)."""
 
     run_id: str
     stage: str

@@ -1,11 +1,11 @@
 """The GRPO/ARPO policy update: trajectories + advantages -> clipped policy-gradient optimizer steps.
 
 Decisions:
-1. One trajectory = one sequence (REFERENCE.md §1); its advantage is given to every assistant token.
+1. One trajectory = one sequence (docs/method.md §1); its advantage is given to every assistant token.
    Sequences are encoded once per update (images processed once) and reused for the old-log-prob pass
    and every PPO epoch.
 2. Old log-probs are recomputed by the trainer under the current weights before the update, in eval
-   mode and without grad, not taken from the inference engine (REFERENCE.md §1). For a replayed
+   mode and without grad, not taken from the inference engine (docs/method.md §1). For a replayed
    trajectory this is the current policy too: ARPO applies no staleness correction. When the update is
    one optimizer step on fresh weights (ppo_epochs 1 and one mini-batch holding every sequence), that
    recomputation equals the training forward's own log-probs, so those are used (detached) and the

@@ -1,6 +1,6 @@
 """A self-contained HTML trajectory viewer: what the agent saw, thought and did, step by step.
 
-Users' recurring question on GUI-agent RL is "what did the agent actually do?" (REFERENCE.md §5); the
+Users' recurring question on GUI-agent RL is "what did the agent actually do?" (docs/method.md §5); the
 maintainers' answer is "save and visualise your rollouts". This module is that visualisation.
 
 Decisions:

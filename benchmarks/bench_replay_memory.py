@@ -1,5 +1,5 @@
 """Replay-buffer memory per stored trajectory: PNG bytes + token ids (this project) vs the processor's
-fp32 pixel tensors that the reference code keeps (REFERENCE.md §1), for MiniWoB and 1920x1080 screens.
+fp32 pixel tensors that the reference code keeps (docs/method.md §1), for MiniWoB and 1920x1080 screens.
 
     .venv/bin/python benchmarks/bench_replay_memory.py        # writes benchmarks/results/replay_memory.json
 

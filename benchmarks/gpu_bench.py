@@ -58,7 +58,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 GIB = 2**30
 MIN_PIXELS = 3136
-"""ARPO reference pixel budget (REFERENCE.md §2)."""
+"""ARPO reference pixel budget (docs/method.md §2)."""
 MAX_PIXELS = 2_116_800
 SIZES = {"miniwob": (160, 210), "1080p": (1920, 1080)}
 """Screenshot sizes (width, height) of the generation benchmark."""

@@ -18,7 +18,7 @@ Decisions:
 4. Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`, dotfiles
    and temp names are skipped so that running Python does not make code look changed (the same
    patterns are in .dvcignore for DVC's own hashes).
-5. `ground` (grounding pretraining, DESIGN.md) sits between `init_policy` and `sft`, which trains from
+5. `ground` (grounding pretraining, docs/design.md) sits between `init_policy` and `sft`, which trains from
    its output `models/grounded`. Its start may be `ground.checkpoint`, a directory named by a param;
    DVC cannot make a dep depend on a param, so the whole `assets/checkpoints` directory is a dep (a
    changed versioned checkpoint re-runs `ground`; a checkpoint outside it is not hashed). It reads the in-domain suite for its real MiniWoB

@@ -2,7 +2,7 @@
 # Installs everything the project needs on a fresh Debian machine of this kind, idempotently:
 #   1. Debian packages (Chromium + driver for MiniWoB, Xvfb desktop tools for OSWorld-protocol tasks),
 #      only when one is missing (apt-get update first);
-#   2. a virtual environment at .venv with torch's CPU build installed first (REFERENCE.md §6: a plain
+#   2. a virtual environment at .venv with torch's CPU build installed first (docs/method.md §6: a plain
 #      `torch` requirement would pull a multi-GB CUDA build), then the project in editable mode.
 # A stamp file keyed on pyproject.toml + requirements.lock makes the second run take about a second.
 set -euo pipefail

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# A separate virtual environment for GPU machines with vLLM (REFERENCE.md §6: vLLM pins its own CUDA
+# A separate virtual environment for GPU machines with vLLM (docs/method.md §6: vLLM pins its own CUDA
 # torch and transformers < 5.21, so it can never share the CPU environment in .venv).
 #
 #   bash scripts/setup_gpu.sh            # creates .venv-gpu

@@ -504,7 +504,7 @@ def test_round_trip(thought: str, actions: list[Action], box_style: str) -> None
 
 
 def test_smart_resize_reference_facts() -> None:
-    # REFERENCE.md §2: a 1920x1080 screenshot is seen as 1932x1092 with max_pixels 2,116,800.
+    # docs/method.md §2: a 1920x1080 screenshot is seen as 1932x1092 with max_pixels 2,116,800.
     assert smart_resize(1080, 1920, min_pixels=256, max_pixels=2_116_800) == (1092, 1932)
     # MiniWoB's 160x210 (w x h) frame with the embedded defaults: round(7.5) = 8 -> 224, round(5.71) = 6 -> 168.
     assert smart_resize(210, 160, min_pixels=3136) == (224, 168)

@@ -119,7 +119,7 @@ def test_group_stats() -> None:
     torch.testing.assert_close(mean, torch.tensor([0.25, 0.0, 0.05]))
     # group 3: deviations +-0.05 -> unbiased var 4 * 0.0025 / 3
     torch.testing.assert_close(std, torch.tensor([0.5, 0.0, math.sqrt(0.01 / 3)]))
-    # the replay rule "failed = std < 0.05 and mean < 0.2" (REFERENCE.md §1)
+    # the replay rule "failed = std < 0.05 and mean < 0.2" (docs/method.md §1)
     failed = (std < 0.05) & (mean < 0.2)
     assert failed.tolist() == [False, True, False]  # std of group 3 is 0.0577
 

@@ -1,4 +1,4 @@
-"""arpo_core is a library: it never imports prefect, mlflow or dvc (DESIGN.md, STYLE.md)."""
+"""arpo_core is a library: it never imports prefect, mlflow or dvc (docs/design.md, STYLE.md)."""
 
 from __future__ import annotations
 
@@ -27,7 +27,7 @@ def test_arpo_core_does_not_import_orchestration(path):
 
 
 def test_arpo_core_never_evals(tmp_path):
-    """Model text is untrusted: no eval/exec anywhere in the library (REFERENCE.md §3)."""
+    """Model text is untrusted: no eval/exec anywhere in the library (docs/method.md §3)."""
     for path in FILES:
         tree = ast.parse(path.read_text())
         for node in ast.walk(tree):

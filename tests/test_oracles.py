@@ -26,7 +26,7 @@ def box(index, bbox, tag="button", text="", id="", value=None, focused=False):
 def test_model_size_of_miniwob_screen():
     # 160x210: round to multiples of 28 -> 168x224 (= 37,632 px, within [3136, 1,003,520])
     assert model_size() == (168, 224)
-    assert model_size((1920, 1080), max_pixels=2_116_800) == (1932, 1092)  # REFERENCE.md §2
+    assert model_size((1920, 1080), max_pixels=2_116_800) == (1932, 1092)  # docs/method.md §2
 
 
 def test_quoted():

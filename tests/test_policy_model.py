@@ -128,7 +128,7 @@ def test_loads_stock_uitars_layout(built, tmp_path):
     assert (loaded.min_pixels, loaded.max_pixels) == (3136, 2116800)
     big = Image.new("RGB", (1920, 1080), "gray")
     grid = loaded.image_processor(images=[big], return_tensors="pt")["image_grid_thw"]
-    assert grid.tolist() == [[1, 1092 // 14, 1932 // 14]]  # REFERENCE.md §2: 1932x1092, 2,691 tokens
+    assert grid.tolist() == [[1, 1092 // 14, 1932 // 14]]  # docs/method.md §2: 1932x1092, 2,691 tokens
     assert int(grid.prod()) // 4 == 2691
     assert torch.equal(loaded.model.lm_head.weight, policy.model.lm_head.weight)
     smaller = load_policy(stock, max_pixels=28 * 28 * 100)  # override wins over the stored max_pixels

@@ -88,5 +88,5 @@ def test_bad_arguments():
     [(160, 210, (168, 224)), (1920, 1080, (1932, 1092)), (28, 28, (56, 56))],
 )
 def test_model_image_size(w, h, expected):
-    # 1920x1080 under UI-TARS's max_pixels (REFERENCE.md §2); 28x28 is lifted to min_pixels 56*56.
+    # 1920x1080 under UI-TARS's max_pixels (docs/method.md §2); 28x28 is lifted to min_pixels 56*56.
     assert model_image_size(w, h, min_pixels=56 * 56, max_pixels=2116800) == expected

@@ -140,7 +140,7 @@ def test_padded_batch_equals_single_rows(policy):
 
 
 def test_mm_token_type_ids_pitfall(policy):
-    """REFERENCE.md §7: dropping mm_token_type_ids silently changes the positions (and the logits)."""
+    """docs/method.md §7: dropping mm_token_type_ids silently changes the positions (and the logits)."""
     seq = encode_trajectory(policy, trajectory(["Thought: a.\nAction: wait()"]), system="compact")
     batch = collate([seq], policy.pad_id, policy.image_token_id)
     assert int(batch.mm_token_type_ids.sum()) == 48

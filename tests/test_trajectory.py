@@ -145,7 +145,7 @@ def test_missing_file_error(tmp_path):
 
 
 def test_png_not_pixels(tmp_path):
-    """Screenshots are compressed PNG bytes, not raw pixel arrays (REFERENCE.md §1 replay memory)."""
+    """Screenshots are compressed PNG bytes, not raw pixel arrays (docs/method.md §1 replay memory)."""
     t = make_traj(1)
     data = t.steps[0].screenshot_png
     assert data[:8] == b"\x89PNG\r\n\x1a\n"

@@ -9,7 +9,7 @@ Design decisions:
 3. Env faults are data, not exceptions: `StepResult.info["error"]` carries the message and the pool
    reports the episode as an env error (not a policy failure).
 4. A task is identified by `(domain, task_id)` (`TaskSpec.key`): OSWorld ids repeat across domains
-   (REFERENCE.md §1), so the id alone is not a key.
+   (docs/method.md §1), so the id alone is not a key.
 5. Suites are YAML files under `data/suites/` (in git): a header with defaults and the list of tasks;
    `load_suite` rejects unknown keys, naming the key and the file.
 """

@@ -1,6 +1,6 @@
 """The official OSWorld `desktop-env` package behind a loopback HTTP server, and a `GuiEnv` that uses it.
 
-`desktop-env` pins torch~=2.5, transformers~=4.35, numpy<2 (REFERENCE.md §5): it cannot be imported by the
+`desktop-env` pins torch~=2.5, transformers~=4.35, numpy<2 (docs/method.md §5): it cannot be imported by the
 training environment. `scripts/setup_desktop_env.sh` puts it into its own virtual environment, and this
 file runs there as a script (`serve`, standard library + desktop_env only) exposing `DesktopEnv` reset /
 step / evaluate over HTTP on 127.0.0.1 with a per-session token. The training side (`DesktopEnvBridgeEnv`,

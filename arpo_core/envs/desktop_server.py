@@ -8,7 +8,7 @@ no access control beyond being local. `sudo` inside the desktop is a shim withou
 
 Design decisions:
 1. Written from scratch with the standard library (`http.server`), speaking the OSWorld VM server's HTTP
-   protocol (REFERENCE.md §5): GET /screenshot (PNG, with a drawn cursor like OSWorld's), POST /execute
+   protocol (docs/method.md §5): GET /screenshot (PNG, with a drawn cursor like OSWorld's), POST /execute
    and /setup/execute (`{"command": [...] | "...", "shell": bool}` -> `{status, output, error,
    returncode}`), /setup/launch, /setup/open_file, /setup/activate_window, /setup/close_window,
    /setup/upload (multipart `file_path` + `file_data`), POST /file (form `file_path` -> raw bytes),

@@ -5,7 +5,7 @@ Design decisions:
    its hard-coded flags and driver lookup do not work with Debian's packages. We start the real binary
    `/usr/lib/chromium/chromium` (`/usr/bin/chromium` is a shell wrapper) through an explicit
    `Service('/usr/bin/chromedriver')` (otherwise Selenium tries to download a driver, and there is no
-   internet), with the flags of REFERENCE.md §6 and a fresh `--user-data-dir` per browser.
+   internet), with the flags of docs/method.md §6 and a fresh `--user-data-dir` per browser.
    `--window-size=500,400`: a smaller window crops the 160x210 task area.
 2. One browser serves any number of tasks: `reset` loads the task page only when the task changes
    (a page load ~100 ms vs a browser start ~1 s); episodes of the same task reuse the page

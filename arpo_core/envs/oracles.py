@@ -1,6 +1,6 @@
 """Scripted MiniWoB++ oracles: read the DOM, answer like UI-TARS (Thought + Action) in model-image pixels.
 
-They produce the demonstrations that bootstrap the embedded base policy (DESIGN.md stage `demos`) and
+They produce the demonstrations that bootstrap the embedded base policy (docs/design.md stage `demos`) and
 the grounding targets; they are never part of what the policy sees.
 
 Design decisions:

@@ -1,7 +1,7 @@
 """OSWorld desktops behind `GuiEnv`: the OSWorld HTTP protocol, task JSON loading, setup and evaluation.
 
 Design decisions:
-1. The env speaks OSWorld's VM server protocol over HTTP (REFERENCE.md §5) and nothing else, so one class
+1. The env speaks OSWorld's VM server protocol over HTTP (docs/method.md §5) and nothing else, so one class
    drives the official Ubuntu VM (docker image, cloud VMs) and the project's own local Xvfb desktop
    (`desktop_server`). Actions arrive as screen-pixel `Action`s, are rendered by `actions.to_pyautogui`
    and sent as `python -c` through POST /execute, exactly as OSWorld's PythonController does (prefix
@@ -20,7 +20,7 @@ Design decisions:
    UI-TARS replies in 0-1000 relative screen coordinates, one per step, so one script holds at any screen
    size. OSWorld ignores the key; `oracle_actions` serves them in screen pixels and `oracle_reply` in the
    model-image frame (what `arpo_core.demos` and the rollout code parse and map back).
-4. Scoring follows OSWorld's `DesktopEnv.evaluate`, then REFERENCE.md §1: postconfig steps run first;
+4. Scoring follows OSWorld's `DesktopEnv.evaluate`, then docs/method.md §1: postconfig steps run first;
    an `infeasible` task scores 1 iff the agent's last action is FAIL (`rewards.infeasible_score`); a
    feasible task whose last action is FAIL scores 0; otherwise the evaluator decides
    (`osworld_evaluators.evaluate_task`). Any exception scores 0 (`rewards.score_or_error`; the text is

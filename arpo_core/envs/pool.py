@@ -3,7 +3,7 @@
 Design decisions:
 1. One env = one worker process started with `start_new_session=True`, so the worker, its chromedriver
    and every Chromium process share one process group that `os.killpg` removes in one call (killing
-   only the Python process leaves the browser running, REFERENCE.md §6). Workers are plain
+   only the Python process leaves the browser running, docs/method.md §6). Workers are plain
    `python -c` worker subprocesses (entry `worker_main`) speaking pickled messages over a socketpair, not
    multiprocessing children: no fork of a parent holding torch threads, no `__main__` re-import, and
    the same code runs unchanged inside a Ray actor.
@@ -24,7 +24,7 @@ Design decisions:
    then it reports the error and the rollout loop marks that env done.
 5. Each env has a one-thread executor: calls to one env run in order, calls to different envs run in
    parallel, and the `submit_*` methods return futures so the rollout loop can evaluate a finished env
-   while the others keep stepping (REFERENCE.md §1).
+   while the others keep stepping (docs/method.md §1).
 6. The Ray backend keeps the same class: each env's worker process is owned by a small Ray actor
    (`resources={"env_node": 0.01}`-style custom resources place actors on env machines, as the
    reference does with 128 OSWorld VMs); a hung actor is `ray.kill`ed and the orphaned worker kills

@@ -7,11 +7,11 @@ Decisions:
    call with seed `seed + b` gives; (b) the log-prob of every sampled token is taken from the same raw
    logits the trainer recomputes.
 2. Behaviour log-probs are log_softmax of the RAW logits (temperature 1, no top-p truncation) at the
-   sampled token: GRPO's old_logps are recomputed by the trainer at temperature 1 (REFERENCE.md §1), so
+   sampled token: GRPO's old_logps are recomputed by the trainer at temperature 1 (docs/method.md §1), so
    these are directly comparable with `sequences.sequence_logprobs` (tests hold them within 1e-4 in fp32).
    Temperature and top-p only shape which token is drawn. temperature == 0 means greedy (argmax).
 3. Left padding with an attention mask; prompt positions are Qwen2.5-VL's 3-D M-RoPE positions from
-   `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given, REFERENCE.md §7); each new
+   `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given, docs/method.md §7); each new
    token continues at (last position + 1) in all three axes, which is what the full forward assigns to
    text after the last image.
 4. A row stops at `<|im_end|>` or `<|endoftext|>` (kept as the last token id and log-prob; finish_reason
@@ -193,7 +193,7 @@ class HFGenerator:
 
 class VLLMGenerator:
     """The same interface on vLLM, for GPU machines. UNTESTED in this project's CI (no GPU, and vLLM has
-    no CPU wheel: REFERENCE.md §6).
+    no CPU wheel: docs/method.md §6).
 
     Install: vLLM pins its own CUDA torch and transformers, so it lives in a separate GPU environment
     (`scripts/setup_gpu.sh`, the `gpu` extra of pyproject.toml), never in the CPU training venv. The

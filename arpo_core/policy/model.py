@@ -4,7 +4,7 @@ directory (UI-TARS-1.5-7B's layout) or built offline as a tiny model of the same
 Decisions:
 1. One loader for every checkpoint. `load_policy` never goes through `AutoProcessor`: without torchvision
    the stock `Qwen2_5_VLProcessor` cannot be built (its video processor needs torchvision) and
-   `AutoProcessor` silently returns the bare tokenizer (REFERENCE.md §6). Instead it assembles
+   `AutoProcessor` silently returns the bare tokenizer (docs/method.md §6). Instead it assembles
    `PolicyProcessor` (a `Qwen2_5_VLProcessor` without a video processor) from `AutoTokenizer` and
    `Qwen2VLImageProcessorPil`, which read `tokenizer.json` and `preprocessor_config.json` of any
    Qwen2.5-VL checkpoint, stock or tiny.
@@ -13,7 +13,7 @@ Decisions:
    with Qwen's pre-tokeniser, so digits are single tokens and a coordinate is a digit sequence exactly
    as in Qwen/UI-TARS. Qwen's special tokens are appended after the BPE vocabulary, so the chat markup
    (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`, `<|image_pad|>`, ...) is identical to UI-TARS's.
-3. Sizes trade CPU time for capacity (REFERENCE.md §6: the vocabulary dominates the cost, so it stays
+3. Sizes trade CPU time for capacity (docs/method.md §6: the vocabulary dominates the cost, so it stays
    <= 8k). Parameter counts with the default corpus (whose BPE stops at 1,014 merges + 14 specials =
    1,028 tokens) and tied embeddings: `xs` 741,632 (text h128 x 2 layers, vision h64 x 1),
    `s` 5,074,816 (h256 x 4, vision h128 x 2), `m` 36,508,928 (h512 x 8, vision h256 x 4);
@@ -93,7 +93,7 @@ TINY_MAX_PIXELS = 448 * 448
 
 
 class PolicyProcessor(Qwen2_5_VLProcessor):
-    """`Qwen2_5_VLProcessor` without a video processor (which needs torchvision; REFERENCE.md §6).
+    """`Qwen2_5_VLProcessor` without a video processor (which needs torchvision; docs/method.md §6).
 
     Behaves like the stock processor for images and text and saves/loads with `save_pretrained` /
     `from_pretrained`.
@@ -176,7 +176,7 @@ def load_policy(
     """Load any Qwen2.5-VL checkpoint directory (UI-TARS-1.5-7B or one written by `build_tiny_policy`).
 
     `min_pixels` / `max_pixels` override the checkpoint's pixel budget (the ARPO reference runs
-    UI-TARS-1.5 with max_pixels 2,116,800, below its stock 12,845,056; REFERENCE.md §2). The model is put
+    UI-TARS-1.5 with max_pixels 2,116,800, below its stock 12,845,056; docs/method.md §2). The model is put
     in eval mode; callers that train switch it to train mode themselves.
     """
     path = Path(path)

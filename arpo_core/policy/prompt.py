@@ -9,16 +9,16 @@ Decisions:
 2. Layout (Qwen chat markup): optional system turn, one user turn holding the task prompt with the
    instruction, then per step a user turn with the screenshot and an assistant turn with the reply;
    the current step ends with `<|im_start|>assistant\\n`. This is how UI-TARS-1.5's computer-use agent
-   feeds its history (REFERENCE.md §1).
+   feeds its history (docs/method.md §1).
 3. History window: only the last `history_images` screenshots (K) are shown as images; older steps keep
    their reply text only (their user turn is dropped). K = None keeps every screenshot, which the ARPO
-   reference does (all up to 15, REFERENCE.md §2) and which makes one training sequence reproduce every
+   reference does (all up to 15, docs/method.md §2) and which makes one training sequence reproduce every
    step's context exactly (see sequences.py).
 4. Two system prompts, selected by name: "uitars" (the full computer-use prompt, in our own words, with
    the complete action space of arpo_core/actions.py and the `Thought:`/`Action:` format) and "compact"
    (a few lines: a long prompt costs the tiny CPU model most of its sequence length).
 5. Coordinates in replies are absolute pixels of the model image, i.e. the screenshot after
-   `smart_resize(h, w, factor=28, min_pixels, max_pixels)` (REFERENCE.md §3); `model_image_size` gives
+   `smart_resize(h, w, factor=28, min_pixels, max_pixels)` (docs/method.md §3); `model_image_size` gives
    that size so that env code can map clicks back to the screen.
 """
 

@@ -1,7 +1,7 @@
 """Prompts and trajectories -> token sequences with image inputs; per-token log-probs in one padded forward.
 
 Decisions:
-1. One multi-turn trajectory is ONE sequence (REFERENCE.md §1): system + instruction, then screenshot,
+1. One multi-turn trajectory is ONE sequence (docs/method.md §1): system + instruction, then screenshot,
    reply, screenshot, reply... The assistant mask covers each reply's tokens and its `<|im_end|>`, nothing
    else (not the chat markup, not the images).
 2. Generation prompts and training sequences are encoded by the same function from the same segments
@@ -18,11 +18,11 @@ Decisions:
    sequences would cost one forward per step.
 4. `mm_token_type_ids = (input_ids == image_token_id)` goes into every hand-built forward: transformers
    5.x builds Qwen2.5-VL's 3-D (t, h, w) M-RoPE positions only when it is given; without it training
-   silently uses 1-D positions while generation uses 3-D ones (REFERENCE.md §7).
+   silently uses 1-D positions while generation uses 3-D ones (docs/method.md §7).
 5. Training batches are right-padded, generation batches left-padded; both carry an attention mask and
    the positions are computed per row over its unpadded tokens, so padding changes nothing.
 6. Log-probs are of the raw logits at temperature 1 unless a temperature is given: that is what GRPO's
-   old/new log-probs use (the trainer recomputes old_logps, REFERENCE.md §1), and what `generate.py`
+   old/new log-probs use (the trainer recomputes old_logps, docs/method.md §1), and what `generate.py`
    reports as the behaviour log-probs.
 """
 
@@ -79,7 +79,7 @@ class SequenceBatch:
     image_grid_thw: torch.Tensor | None
     """(N, 3)."""
     mm_token_type_ids: torch.Tensor
-    """(B, T) int: 1 at image placeholder tokens, 0 elsewhere (REFERENCE.md §7)."""
+    """(B, T) int: 1 at image placeholder tokens, 0 elsewhere (docs/method.md §7)."""
 
     def to(self, device: torch.device | str) -> SequenceBatch:
         def mv(t):
