@@ -42,6 +42,9 @@ Design decisions:
    detached scalar tensor for metrics. No `.item()`, no logging: the caller decides what to sync.
    `approx_kl` is cleanrl's k3 estimate of KL(old || new) from the sampled tokens,
    mean((ratio - 1) - log ratio); verl logs the k1 form mean(old - new) as `ppo_kl`.
+7. The loss settings (clips, KL, aggregation) are required keyword arguments without defaults:
+   `LossSection` (params `train.loss`) holds the only defaults, so no caller can run a clip range other
+   than the one params name by forgetting an argument.
 """
 
 from __future__ import annotations
@@ -113,7 +116,7 @@ def _kl_k3(logps: Tensor, ref_logps: Tensor) -> Tensor:
 KL_ESTIMATORS: dict[str, Callable[[Tensor, Tensor], Tensor]] = {"k1": _kl_k1, "k2": _kl_k2, "k3": _kl_k3}
 
 
-def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str = "k3") -> Tensor:
+def kl_estimate(logps: Tensor, ref_logps: Tensor, estimator: str) -> Tensor:
     """Per-token estimate of KL(policy || reference) from sampled tokens' log-probs. (B, T) -> (B, T)."""
     if estimator not in KL_ESTIMATORS:
         raise ValueError(f"unknown kl_estimator {estimator!r}; valid: {sorted(KL_ESTIMATORS)}")
@@ -149,10 +152,10 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None], Tensor]] = {
 }
 
 
-def aggregate(loss: Tensor, mask: Tensor, agg: str = "token-mean", sum_norm: float | None = None) -> Tensor:
+def aggregate(loss: Tensor, mask: Tensor, agg: str, sum_norm: float | None) -> Tensor:
     """Reduce a per-token loss (B, T) to a scalar over masked tokens with a mode from `AGGREGATIONS`.
 
-    `sum_norm` is the divisor of "seq-mean-token-sum-norm" (default T = mask.shape[-1], as verl).
+    `sum_norm` is the divisor of "seq-mean-token-sum-norm" (None: T = mask.shape[-1], as verl).
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown agg {agg!r}; valid: {sorted(AGGREGATIONS)}")
@@ -182,15 +185,16 @@ def policy_loss(
     old_logps: Tensor,
     advantages: Tensor,
     mask: Tensor,
-    clip_low: float = 0.2,
-    clip_high: float = 0.3,
-    clip_dual: float | None = 3.0,
+    *,
+    clip_low: float,
+    clip_high: float,
+    clip_dual: float | None,
+    kl_coef: float,
+    kl_estimator: str,
+    agg: str,
+    sum_norm: float | None,
     ref_logps: Tensor | None = None,
-    kl_coef: float = 0.0,
-    kl_estimator: str = "k3",
-    agg: str = "token-mean",
     entropy: Tensor | None = None,
-    sum_norm: float | None = None,
 ) -> LossOutput:
     """Clipped (asymmetric + dual-clip) surrogate loss over assistant tokens, plus optional KL to ref.
 
@@ -202,12 +206,12 @@ def policy_loss(
         mask: (B, T) 1 on assistant tokens (thought + action + end-of-turn), 0 elsewhere.
         clip_low, clip_high: ratio clip range [1 - clip_low, 1 + clip_high].
         clip_dual: dual-clip constant c > 1 bounding the loss of A < 0 tokens at -A * c; None = off.
-        ref_logps: (B, T) reference-policy log-probs; required when kl_coef != 0.
         kl_coef: weight of the per-token KL estimate added to the loss (ARPO: 0).
         kl_estimator: "k1", "k2" or "k3" (see module docstring).
         agg: aggregation mode, a key of `AGGREGATIONS`.
+        sum_norm: divisor of "seq-mean-token-sum-norm" (None: T).
+        ref_logps: (B, T) reference-policy log-probs; required when kl_coef != 0.
         entropy: (B, T) optional per-token entropy, reported as a masked token-mean.
-        sum_norm: divisor of "seq-mean-token-sum-norm" (default T).
 
     Returns:
         LossOutput; `loss` is a 0-dim float32 tensor with grad, the rest detached.

@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from arpo_core.config import LossSection
 from arpo_core.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
@@ -17,7 +18,27 @@ from arpo_core.losses import (
     policy_loss,
 )
 
-# One token per clip case; old_logps = 0, so ratio = exp(logps) = r. Defaults: clip 0.2 / 0.3 / dual 3.
+
+def arpo(**overrides) -> dict:
+    """The loss settings of params' `train.loss` (LossSection holds the only defaults), with overrides."""
+    s = LossSection()
+    names = ("clip_low", "clip_high", "clip_dual", "kl_coef", "kl_estimator", "agg", "sum_norm")
+    return {n: getattr(s, n) for n in names} | overrides
+
+
+def test_arpo_settings_are_the_papers() -> None:
+    assert arpo() == {
+        "clip_low": 0.2,
+        "clip_high": 0.3,
+        "clip_dual": 3.0,
+        "kl_coef": 0.0,
+        "kl_estimator": "k3",
+        "agg": "token-mean",
+        "sum_norm": None,
+    }
+
+
+# One token per clip case; old_logps = 0, so ratio = exp(logps) = r. ARPO's clip 0.2 / 0.3 / dual 3.
 #            adv    r    per-token loss (hand-computed)                 which clip
 CASES = [
     (+1.0, 1.1, -1.1),  # unclipped: -A r
@@ -42,7 +63,7 @@ def _case_batch(garbage: float = 0.0) -> tuple[torch.Tensor, torch.Tensor, torch
 
 def test_each_clip_hand_computed() -> None:
     logps, old, adv, mask = _case_batch()
-    out = policy_loss(logps, old, adv, mask)
+    out = policy_loss(logps, old, adv, mask, **arpo())
     expected = sum(x for _, _, x in CASES) / 7  # 4.2 / 7
     assert expected == pytest.approx(0.6)
     torch.testing.assert_close(out.loss, torch.tensor(0.6))
@@ -54,7 +75,7 @@ def test_each_clip_hand_computed() -> None:
 
 def test_gradient_zero_on_clipped_tokens_and_padding() -> None:
     logps, old, adv, mask = _case_batch()
-    policy_loss(logps, old, adv, mask).loss.backward()
+    policy_loss(logps, old, adv, mask, **arpo()).loss.backward()
     # d(-A r)/d logp = -A r on unclipped tokens, / 7 for the token mean; clipped and padded: exactly 0.
     expected = [0.0 if c else -a * r / 7 for (a, r, _), c in zip(CASES, CLIPPED, strict=True)] + [0.0]
     torch.testing.assert_close(logps.grad, torch.tensor([expected]))
@@ -63,14 +84,14 @@ def test_gradient_zero_on_clipped_tokens_and_padding() -> None:
 
 def test_dual_clip_off() -> None:
     logps, old, adv, mask = _case_batch()
-    out = policy_loss(logps, old, adv, mask, clip_dual=None)
+    out = policy_loss(logps, old, adv, mask, **arpo(clip_dual=None))
     torch.testing.assert_close(out.loss, torch.tensor((4.2 - 3.0 + 4.0) / 7))  # token 4 pays 4, not 3
     assert out.clip_dual_frac == 0
 
 
 def test_symmetric_clip_changes_high_case() -> None:
     logps, old, adv, mask = _case_batch()
-    out = policy_loss(logps, old, adv, mask, clip_low=0.2, clip_high=0.2)
+    out = policy_loss(logps, old, adv, mask, **arpo(clip_high=0.2))
     # token 1: -1.2 instead of -1.3; token 3 (A<0, r 1.5): max(1.5, 1.2) = 1.5 unchanged
     torch.testing.assert_close(out.loss, torch.tensor((4.2 + 0.1) / 7))
 
@@ -81,8 +102,8 @@ def test_sequence_advantages_broadcast_like_token_advantages() -> None:
     old = torch.randn(3, 5, generator=g) * 0.3
     adv = torch.tensor([1.0, -0.5, 2.0])
     mask = torch.ones(3, 5)
-    a = policy_loss(logps, old, adv, mask)
-    b = policy_loss(logps, old, adv[:, None].expand(3, 5), mask)
+    a = policy_loss(logps, old, adv, mask, **arpo())
+    b = policy_loss(logps, old, adv[:, None].expand(3, 5), mask, **arpo())
     for x, y in zip(a, b, strict=True):
         if x is not None:
             torch.testing.assert_close(x, y)
@@ -122,7 +143,7 @@ def test_policy_loss_aggregation_modes(agg: str, expected: float) -> None:
     # ratio 1 everywhere, so the per-token loss is -A: the AGG_LOSS table above.
     adv = -AGG_LOSS
     logps = torch.full((2, 4), -0.7)
-    out = policy_loss(logps, logps.clone(), adv, AGG_MASK, agg=agg)
+    out = policy_loss(logps, logps.clone(), adv, AGG_MASK, **arpo(agg=agg))
     torch.testing.assert_close(out.loss, torch.tensor(expected))
     torch.testing.assert_close(out.pg_loss, torch.tensor(expected))
 
@@ -130,7 +151,7 @@ def test_policy_loss_aggregation_modes(agg: str, expected: float) -> None:
 def test_empty_mask_gives_zero_not_nan() -> None:
     logps = torch.zeros(2, 3, requires_grad=True)
     for agg in AGGREGATIONS:
-        out = policy_loss(logps, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), agg=agg)
+        out = policy_loss(logps, torch.zeros(2, 3), torch.ones(2), torch.zeros(2, 3), **arpo(agg=agg))
         assert out.loss == 0 and out.clip_high_frac == 0 and out.approx_kl == 0
         out.loss.backward()
         assert torch.equal(logps.grad, torch.zeros(2, 3))
@@ -140,7 +161,7 @@ def test_seq_mean_token_mean_with_an_empty_row() -> None:
     # An empty row contributes 0 and still counts in the mean over B (TRL's clamp(min=1)).
     loss = torch.tensor([[2.0, 4.0], [7.0, 7.0]])
     mask = torch.tensor([[1, 1], [0, 0]])
-    torch.testing.assert_close(aggregate(loss, mask, "seq-mean-token-mean"), torch.tensor(1.5))
+    torch.testing.assert_close(aggregate(loss, mask, "seq-mean-token-mean", None), torch.tensor(1.5))
 
 
 # ---- KL ----------------------------------------------------------------------------------------------
@@ -180,9 +201,7 @@ def test_kl_added_before_aggregation() -> None:
         torch.zeros(2),
         mask,
         ref_logps=ref,
-        kl_coef=0.1,
-        kl_estimator="k2",
-        agg="seq-mean-token-mean",
+        **arpo(kl_coef=0.1, kl_estimator="k2", agg="seq-mean-token-mean"),
     )
     expected = 0.1 * ((0.125 + 0.5) / 2 + 2.0) / 2
     torch.testing.assert_close(out.loss, torch.tensor(expected))
@@ -196,7 +215,7 @@ def test_kl_added_before_aggregation() -> None:
 def test_kl_metric_reported_with_zero_coef() -> None:
     logps = torch.tensor([[0.0, 0.0]])
     ref = torch.tensor([[-1.0, 1.0]])
-    out = policy_loss(logps, logps, torch.ones(1), torch.ones(1, 2), ref_logps=ref, kl_estimator="k1")
+    out = policy_loss(logps, logps, torch.ones(1), torch.ones(1, 2), ref_logps=ref, **arpo(kl_estimator="k1"))
     torch.testing.assert_close(out.kl, torch.tensor(0.0))  # k1: (1 + -1) / 2
     torch.testing.assert_close(out.loss, torch.tensor(-1.0))  # KL does not enter with coef 0
 
@@ -205,7 +224,7 @@ def test_approx_kl_and_entropy() -> None:
     lr = torch.tensor([[0.1, -0.2, 5.0]])  # last one masked
     mask = torch.tensor([[1, 1, 0]])
     ent = torch.tensor([[1.0, 3.0, float("nan")]])
-    out = policy_loss(lr, torch.zeros(1, 3), torch.ones(1), mask, entropy=ent)
+    out = policy_loss(lr, torch.zeros(1, 3), torch.ones(1), mask, entropy=ent, **arpo())
     k3 = [(math.exp(x) - 1) - x for x in (0.1, -0.2)]
     torch.testing.assert_close(out.approx_kl, torch.tensor(sum(k3) / 2))
     torch.testing.assert_close(out.entropy, torch.tensor(2.0))
@@ -237,10 +256,8 @@ def test_masked_tokens_never_affect_loss_or_grad(estimator: str, agg: str, garba
             f(adv),
             mask,
             ref_logps=f(ref),
-            kl_coef=0.05,
-            kl_estimator=estimator,
-            agg=agg,
             entropy=f(ent),
+            **arpo(kl_coef=0.05, kl_estimator=estimator, agg=agg),
         )
         out.loss.backward()
         return out, logps.grad
@@ -256,8 +273,8 @@ def test_masked_tokens_never_affect_loss_or_grad(estimator: str, agg: str, garba
 
 def test_bool_and_float_masks_agree() -> None:
     logps, old, adv, mask = _case_batch()
-    a = policy_loss(logps, old, adv, mask.bool())
-    b = policy_loss(logps, old, adv, mask.float())
+    a = policy_loss(logps, old, adv, mask.bool(), **arpo())
+    b = policy_loss(logps, old, adv, mask.float(), **arpo())
     torch.testing.assert_close(a.loss, b.loss)
 
 
@@ -315,7 +332,9 @@ def test_matches_loop_reference_on_random_inputs(agg: str, estimator: str, seed:
     lengths = [7, 3, 5, 1]
     mask = torch.tensor([[1] * k + [0] * (T - k) for k in lengths])
 
-    out = policy_loss(logps, old, adv, mask, ref_logps=ref, kl_coef=0.1, kl_estimator=estimator, agg=agg)
+    out = policy_loss(
+        logps, old, adv, mask, ref_logps=ref, **arpo(kl_coef=0.1, kl_estimator=estimator, agg=agg)
+    )
     out.loss.backward()
     grad = logps.grad.clone()
 
@@ -338,7 +357,7 @@ def test_matches_loop_reference_on_random_inputs(agg: str, estimator: str, seed:
 
 def test_output_fields_detached_except_loss() -> None:
     logps, old, adv, mask = _case_batch()
-    out = policy_loss(logps, old, adv, mask, ref_logps=old, kl_coef=0.1, entropy=torch.ones(1, 8))
+    out = policy_loss(logps, old, adv, mask, ref_logps=old, entropy=torch.ones(1, 8), **arpo(kl_coef=0.1))
     assert out.loss.requires_grad and out.loss.dim() == 0
     for name in (
         "pg_loss",
@@ -355,7 +374,7 @@ def test_output_fields_detached_except_loss() -> None:
 
 def test_bf16_inputs_compute_in_float32() -> None:
     logps = torch.tensor([[-1.0, -2.0]], dtype=torch.bfloat16, requires_grad=True)
-    out = policy_loss(logps, logps.detach() - 0.1, torch.ones(1), torch.ones(1, 2))
+    out = policy_loss(logps, logps.detach() - 0.1, torch.ones(1), torch.ones(1, 2), **arpo())
     assert out.loss.dtype == torch.float32
     out.loss.backward()
     assert logps.grad is not None and logps.grad.dtype == torch.bfloat16 and (logps.grad != 0).all()
@@ -365,7 +384,7 @@ def test_old_logps_and_advantages_get_no_gradient() -> None:
     logps = torch.zeros(1, 2, requires_grad=True)
     old = torch.full((1, 2), -0.1, requires_grad=True)
     adv = torch.ones(1, requires_grad=True)
-    policy_loss(logps, old, adv, torch.ones(1, 2)).loss.backward()
+    policy_loss(logps, old, adv, torch.ones(1, 2), **arpo()).loss.backward()
     assert old.grad is None and adv.grad is None and logps.grad is not None
 
 
@@ -399,14 +418,25 @@ def test_errors(kwargs: dict, match: str) -> None:
         "old_logps": torch.zeros(2, 4),
         "advantages": torch.ones(2),
         "mask": torch.ones(2, 4),
+        **arpo(),
     }
     args.update(kwargs)
     with pytest.raises(ValueError, match=match):
         policy_loss(**args)
 
 
+def test_loss_settings_have_no_defaults() -> None:
+    """LossSection is the one place with defaults: leaving a setting out is an error, not ARPO's value."""
+    logps, old, adv, mask = _case_batch()
+    for name in arpo():
+        kw = arpo()
+        del kw[name]
+        with pytest.raises(TypeError, match=name):
+            policy_loss(logps, old, adv, mask, **kw)
+
+
 def test_aggregate_and_kl_estimate_unknown_names() -> None:
     with pytest.raises(ValueError, match="token-mean"):
-        aggregate(AGG_LOSS, AGG_MASK, "mean")
+        aggregate(AGG_LOSS, AGG_MASK, "mean", None)
     with pytest.raises(ValueError, match="k3"):
         kl_estimate(torch.zeros(1, 1), torch.zeros(1, 1), "kl")
