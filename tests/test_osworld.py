@@ -5,6 +5,7 @@ import functools
 import json
 import os
 import signal
+import subprocess
 from collections import Counter
 from pathlib import Path
 
@@ -37,9 +38,40 @@ FAST = dict(screen_size=SCREEN, settle_s=0.3, setup_settle_s=0.3, wait_s=0.1)
 
 # ------------------------------------------------------------------ the 369 OSWorld task files
 def test_osworld_task_folder_is_present():
-    # The real task definitions are project data (../shared/osworld or ARPO_OSWORLD_ROOT); without them the
-    # loading tests below would prove nothing, so their absence is a failure, not a skip.
+    # The real task definitions ship with the repository (data/osworld, or ARPO_OSWORLD_ROOT); without
+    # them the loading tests below would prove nothing, so their absence is a failure, not a skip.
     assert (osworld_root() / "evaluation_examples" / "test_all.json").is_file(), osworld_root()
+
+
+def test_default_task_folder_is_the_shipped_copy_with_its_licence(monkeypatch):
+    monkeypatch.delenv("ARPO_OSWORLD_ROOT", raising=False)
+    assert osworld_root() == REPO / "data" / "osworld"
+    shipped = REPO / "data" / "osworld"
+    assert "Apache License" in (shipped / "LICENSE").read_text()  # Apache-2.0 requires it beside the files
+    notice = (shipped / "NOTICE.md").read_text()
+    assert "xlang-ai/OSWorld" in notice and "unmodified" in notice
+    assert len(load_osworld_index(shipped)) == 369
+    monkeypatch.setenv("ARPO_OSWORLD_ROOT", "/elsewhere/osworld")  # the override still wins
+    assert osworld_root() == Path("/elsewhere/osworld")
+
+
+def test_no_tracked_file_refers_outside_the_repository():
+    # The repository stands alone (docs/design.md): no path into a sibling folder, no citation of documents
+    # that only existed beside the checkout. The needles are built from parts so this file does not match.
+    needles = [".." + "/" + "shared", "REFERENCE" + ".md", "DESIGN" + ".md"]
+    if not (REPO / ".git").exists():
+        pytest.skip("not a git checkout")
+    listed = subprocess.run(
+        ["git", "ls-files", "-z"], cwd=REPO, capture_output=True, check=True
+    ).stdout.decode()
+    hits = []
+    for rel in filter(None, listed.split("\0")):
+        path = REPO / rel
+        if rel.startswith("benchmarks/results/") or not path.is_file():
+            continue  # recorded results are data written by past runs, left as they were
+        text = path.read_bytes().decode("utf-8", errors="ignore")
+        hits += [f"{rel}: {n}" for n in needles if n in text]
+    assert not hits, hits
 
 
 def test_all_369_tasks_load_or_are_reported_by_name():

@@ -32,8 +32,9 @@ Design decisions:
    goes to `info["action_errors"]`, the episode continues.
 6. Suites: `load_osworld_suite` reads a suite YAML (`base.load_suite` format, backend "osworld") whose
    tasks name their JSON in `config.path`, relative to the repository root, or `osworld:<relpath>`
-   relative to the OSWorld task folder (default `../shared/osworld` next to the repository,
-   `ARPO_OSWORLD_ROOT` overrides).
+   relative to the OSWorld task folder: by default `data/osworld` inside the repository, which ships
+   OSWorld's task files unmodified with their Apache-2.0 LICENSE (`data/osworld/NOTICE.md`);
+   `ARPO_OSWORLD_ROOT` overrides it.
 """
 
 from __future__ import annotations
@@ -77,13 +78,15 @@ from arpo_core.envs.osworld_evaluators import (
 from arpo_core.rewards import FAIL_ACTIONS, infeasible_score, osworld_hard, score_or_error
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
+OSWORLD_DEFAULT_ROOT = REPO_ROOT / "data" / "osworld"  # shipped unmodified, Apache-2.0 (its NOTICE.md)
 PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 PROVIDERS = ("local", "remote")
 
 
 def osworld_root() -> Path:
-    """Folder of the OSWorld task definitions (`ARPO_OSWORLD_ROOT`, default ../shared/osworld)."""
-    return Path(os.environ.get("ARPO_OSWORLD_ROOT", REPO_ROOT.parent / "shared" / "osworld"))
+    """Folder of the OSWorld task definitions: `ARPO_OSWORLD_ROOT` if set, else `data/osworld` in the
+    repository (decision 6)."""
+    return Path(os.environ.get("ARPO_OSWORLD_ROOT") or OSWORLD_DEFAULT_ROOT)
 
 
 def resolve_task_path(path: str) -> Path:
