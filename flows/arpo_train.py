@@ -21,32 +21,11 @@ from pathlib import Path
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from arpo_core.config import load_params
-from flows.baseline import baseline
-from flows.demos import demos
-from flows.evaluate import evaluate
-from flows.ground import ground
-from flows.init_policy import init_policy
-from flows.runner import variant_name
-from flows.select import select
-from flows.sft import sft
-from flows.spec import SPECS, STAGE_NAMES, is_up_to_date
-from flows.train import train
+from flows.runner import load_params_once, variant_name
+from flows.spec import SPECS, is_up_to_date
+from flows.stages import FLOWS
 
 __all__ = ["FLOWS", "arpo_train", "headline"]
-
-# In pipeline order (flows/spec.py).
-FLOWS = {
-    "init_policy": init_policy,
-    "ground": ground,
-    "demos": demos,
-    "sft": sft,
-    "baseline": baseline,
-    "select": select,
-    "train": train,
-    "evaluate": evaluate,
-}
-assert tuple(FLOWS) == STAGE_NAMES
 
 HEADLINE_KEYS = (
     "init_policy/parameters",
@@ -62,6 +41,10 @@ HEADLINE_KEYS = (
     "eval/base/greedy/in_domain/success_rate",
     "eval/arpo/greedy/in_domain/success_rate",
     "eval/arpo/greedy/out_of_domain/success_rate",
+    "eval/grpo/greedy/in_domain/success_rate",
+    "compare/arpo/in_domain/delta_vs_base",
+    "compare/grpo/in_domain/delta_vs_base",
+    "compare/image_blind/in_domain",
 )
 
 
@@ -77,9 +60,10 @@ def arpo_train(
     overrides: list[str] | None = None,
     force: bool = False,
 ) -> dict[str, dict[str, float]]:
-    """init_policy -> ground -> demos -> sft -> baseline -> select -> train -> evaluate, skipping up-to-date stages.
-    Returns each executed stage's metrics."""
-    p = load_params(params, list(overrides or ()), preset=preset)  # fail before any stage on a bad key
+    """Every stage of the stage table in order (init_policy -> ground -> demos -> sft -> baseline -> select
+    -> train -> rft, dpo, kto -> evaluate -> compare), skipping up-to-date stages. Returns each executed
+    stage's metrics."""
+    p = load_params_once(params, list(overrides or ()), preset=preset)  # fail before any stage on a bad key
     ctx = FlowRunContext.get()
     pipeline_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
     print(

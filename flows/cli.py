@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib
 import json
 import time
 from pathlib import Path
@@ -11,8 +10,7 @@ import typer
 import yaml
 
 from arpo_core.config import ConfigError, Params, load_params, to_dict
-from flows.runner import PATHS  # noqa: F401  (re-exported: the default output path of each stage)
-from flows.spec import STAGE_NAMES
+from arpo_core.pipeline.table import STAGE_NAMES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="ARPO training pipeline for GUI agents.")
 
@@ -23,6 +21,8 @@ PRESET_OPT = typer.Option(None, "--preset", help="partial params file merged ove
 STAGE_HELP = " | ".join(STAGE_NAMES)
 METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)")
 VIEW_PATHS_ARG = typer.Argument(..., help="trajectory Parquet files or directories of them")
+DVC_OUT_OPT = typer.Option(Path("dvc.yaml"), "--out", "-o", help="file to write")
+DVC_CHECK_OPT = typer.Option(False, "--check", help="only check that the file equals the stage table's")
 VIEW_OUT_OPT = typer.Option(Path("plots/viewer/view.html"), "--out", "-o", help="HTML page to write")
 
 
@@ -53,8 +53,9 @@ def run_stage(
     like the stage's flow: the flow's own function, whose task calls then run as plain functions."""
     if name not in STAGE_NAMES:
         raise typer.BadParameter(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
-    stage_flow = getattr(importlib.import_module(f"flows.{name}"), name)
-    return stage_flow.fn(params=str(params), preset=preset, overrides=list(overrides or ()))
+    from flows.stages import FLOWS
+
+    return FLOWS[name].fn(params=str(params), preset=preset, overrides=list(overrides or ()))
 
 
 @app.command()
@@ -68,6 +69,29 @@ def stage(
     _load(params, set_, preset)  # a bad key exits 2 with the message, before any work
     metrics = run_stage(name, params, set_, preset)
     typer.echo(json.dumps(metrics, indent=1, sort_keys=True))
+
+
+@app.command("dvc-yaml")
+def dvc_yaml(
+    out: Path = DVC_OUT_OPT,
+    check: bool = DVC_CHECK_OPT,
+) -> None:
+    """Write dvc.yaml from the stage table (arpo_core/pipeline/table.py), or check it is current."""
+    from flows.spec import dvc_yaml as render
+
+    text = render()
+    if check:
+        if not out.exists() or out.read_text() != text:
+            typer.secho(
+                f"error: {out} differs from the stage table; run `arpo dvc-yaml`",
+                fg=typer.colors.RED,
+                err=True,
+            )
+            raise typer.Exit(1)
+        typer.echo(f"{out} is current")
+        return
+    out.write_text(text)
+    typer.echo(f"wrote {out} ({len(STAGE_NAMES)} stages)")
 
 
 @app.command()

@@ -2,9 +2,11 @@
 
 Decisions:
 1. One code path for the three front doors. A stage flow (Prefect), `arpo stage NAME` (what each DVC
-   stage's `cmd` runs) and `arpo run` all end in `StageRun`: load params, open the MLflow run named
-   after the stage, call the stage's task, write `metrics/<stage>.json`, log params, metrics and
-   artifacts, write the stage stamp (flows/spec.py), close the run FINISHED or FAILED.
+   stage's `cmd` runs) and `arpo run` all end in `StageRun.execute`: load params, open the MLflow run
+   named after the stage, call the stage's task (tasks/stages.py) with the stage table's arguments, write
+   `metrics/<stage>.json`, log params, metrics and artifacts, write the stage stamp (flows/spec.py),
+   close the run FINISHED or FAILED. Nothing here depends on which stage it is: what differs between
+   stages is in the stage table or in the stage module's optional `epoch_history` / `artifacts`.
 2. `call(task, ...)` runs a Prefect task as a task run inside a flow run, and as its plain function
    (`task.fn`) outside one. DVC stages run outside Prefect: a flow run needs an API server, and a
    temporary one costs 10-20 s per process on this machine (measured), 8x per `dvc repro`. So under
@@ -17,40 +19,35 @@ Decisions:
    as a GRPO run. A marker `.arpo/stamps/<stage>.running` holds the key of the attempt in progress; an
    attempt with the same key (a Prefect retry, or the same run restarted after a kill) keeps the
    outputs and resumes.
-5. Train per-epoch summaries (from the checkpoint's history) go to `plots/train_epochs.csv`: one row
-   per epoch, the columns DVC plots (success rate, replay fills, loss).
+5. A stage module with `epoch_history(outputs...)` (train) has its per-epoch rows logged at
+   step = epoch and written to `plots/<stage>_epochs.csv` (the columns DVC plots); per-iteration
+   metrics go to MLflow under `iter/<key>` through the task's `on_metrics` hook.
+6. Params are parsed once per process for a given (file contents, preset, overrides): the pipeline flow
+   and every stage flow it calls share the same `Params` object (`load_params_once`).
 """
 
 from __future__ import annotations
 
 import csv
-import json
+import hashlib
+import importlib
 import os
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
+from functools import cache
 from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, load_params
 from arpo_core.fileio import atomic_open, atomic_write_json
+from arpo_core.pipeline.table import Stage
 from flows import tracking
 from flows.spec import SPECS, stage_key, stage_params, stamp_path, write_stamp
+from tasks.stages import TASKS
 
-__all__ = ["PATHS", "PLOT_COLUMNS", "StageRun", "call", "variant_name", "write_epoch_plot"]
+__all__ = ["PLOT_COLUMNS", "StageRun", "call", "load_params_once", "variant_name", "write_epoch_plot"]
 
-# Default locations of every stage's outputs (the same paths as dvc.yaml's outs).
-PATHS: dict[str, Path] = {
-    "init_policy": Path("models/init"),
-    "ground": Path("models/grounded"),
-    "demos": Path("data/demos/demos.parquet"),
-    "sft": Path("models/base"),
-    "baseline": Path("data/baseline"),
-    "select": Path("data/selected_tasks.json"),
-    "train": Path("models/arpo"),
-    "evaluate": Path("data/eval"),
-}
-EPOCH_PLOT = Path("plots/train_epochs.csv")
 VIEWER_DIR = Path("plots/viewer")
 """Trajectory viewer pages (issue 8), one per trajectory file of a stage, logged under `viewer/`."""
 VIEWER_MAX_EPISODES = 400
@@ -85,17 +82,26 @@ def variant_name(preset: str | None, overrides: Sequence[str] | None, dvc_exp: s
     return " ".join(parts) or "default"
 
 
-def write_epoch_plot(history: Sequence[dict[str, Any]], path: Path = EPOCH_PLOT) -> None:
+@cache
+def _load(params: str, digest: str, preset: str | None, overrides: tuple[str, ...]) -> Params:
+    return load_params(params, list(overrides), preset=preset)
+
+
+def load_params_once(
+    params: str | os.PathLike = "params.yaml", overrides: Sequence[str] = (), preset: str | None = None
+) -> Params:
+    """Decision 6: `load_params`, parsed once per (file contents, preset, overrides) in a process."""
+    digest = hashlib.sha256(Path(params).read_bytes()).hexdigest() if Path(params).exists() else ""
+    return _load(str(params), digest, preset, tuple(overrides))
+
+
+def write_epoch_plot(history: Sequence[dict[str, Any]], path: Path) -> None:
     """One CSV row per epoch with PLOT_COLUMNS (empty cell where a metric is absent)."""
     with atomic_open(path, "w") as f:
         w = csv.writer(f)
         w.writerow(PLOT_COLUMNS)
         for row in history:
             w.writerow(["" if row.get(c) is None else row[c] for c in PLOT_COLUMNS])
-
-
-def _write_json(path: Path, data: dict[str, Any]) -> None:
-    atomic_write_json(path, data, sort_keys=True)
 
 
 class StageRun:
@@ -111,21 +117,21 @@ class StageRun:
         p: Params | None = None,
     ) -> None:
         self.name = name
-        self.spec = SPECS[name]
+        self.spec: Stage = SPECS[name]
+        self.module = importlib.import_module(f"arpo_core.pipeline.{self.spec.module}")
         self.root = Path(".")
-        self.p = p if p is not None else load_params(params, list(overrides or ()), preset=preset)
+        self.p = p if p is not None else load_params_once(params, list(overrides or ()), preset=preset)
         self.variant = variant_name(preset, overrides, os.environ.get("DVC_EXP_NAME"))
         self.pipeline_id = pipeline_id
         self.client = tracking.client(self.root)
         self.run_id: str | None = None
 
-    def path(self, stage: str) -> Path:
-        """Default output path of `stage` (relative to the project root)."""
-        return self.root / PATHS[stage]
+    def _outputs(self) -> dict[str, Path]:
+        return {k: self.root / v for k, v in self.spec.outputs.items()}
 
-    def execute(self, work: Callable[[StageRun], dict[str, Any]]) -> dict[str, float]:
-        """Run `work(self)` (the stage's task call) inside the stage's MLflow run; returns its metrics
-        plus `time/<stage>_s`."""
+    def execute(self) -> dict[str, float]:
+        """Run the stage's task inside the stage's MLflow run; returns its metrics plus
+        `time/<stage>_s`."""
         key = stage_key(self.p, self.spec, self.root)
         exp = tracking.ensure_experiment(self.client, self.p.project.name, self.root)
         tags = tracking.run_tags(
@@ -139,9 +145,10 @@ class StageRun:
         ok = False
         t0 = time.monotonic()
         try:
-            metrics = {k: float(v) for k, v in work(self).items() if isinstance(v, int | float)}
+            result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration)
+            metrics = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
             metrics[f"time/{self.name}_s"] = time.monotonic() - t0
-            _write_json(self.root / self.spec.metrics, metrics)
+            atomic_write_json(self.root / self.spec.metrics, metrics, sort_keys=True)
             self._log_results(metrics)
             write_stamp(self.root, self.spec, key, {"mlflow_run_id": self.run_id})
             marker.unlink(missing_ok=True)
@@ -150,14 +157,20 @@ class StageRun:
         finally:
             tracking.finish_run(self.client, self.run_id, ok)
 
+    def _log_iteration(self, step: int, metrics: dict[str, float]) -> None:
+        """Decision 5: per-iteration metrics under `iter/<key>`."""
+        assert self.run_id is not None
+        tracking.log_metrics(
+            self.client, self.run_id, {f"iter/{k}": v for k, v in metrics.items()}, step=step
+        )
+
     def _prepare_outputs(self, key: str) -> Path:
         """Remove outputs unless an interrupted attempt with the same key left them (decision 4);
         returns the marker of this attempt."""
         marker = stamp_path(self.root, self.name).with_suffix(".running")
         resumable = marker.exists() and marker.read_text().strip() == key
         if not resumable:
-            for rel in self.spec.outs:
-                out = self.root / rel
+            for out in self._outputs().values():
                 if out.is_dir():
                     shutil.rmtree(out)
                 elif out.exists():
@@ -169,60 +182,51 @@ class StageRun:
     def _log_results(self, metrics: dict[str, float]) -> None:
         c, run_id = self.client, self.run_id
         assert run_id is not None
-        if self.name == "train":
-            last = self._log_train_history()
-            tracking.log_metrics(c, run_id, {"time/train_s": metrics["time/train_s"]}, step=last)
+        history = getattr(self.module, "epoch_history", None)
+        if history is not None:  # decision 5
+            rows = history(**self._outputs())
+            for row in rows:
+                tracking.log_metrics(c, run_id, row, step=int(row.get("epoch", 0)))
+            plot = self.root / "plots" / f"{self.name}_epochs.csv"
+            write_epoch_plot(rows, plot)
+            tracking.log_artifacts(c, run_id, plot, "plots")
+            last = int(rows[-1].get("epoch", 0)) if rows else 0
+            tracking.log_metrics(
+                c, run_id, {f"time/{self.name}_s": metrics[f"time/{self.name}_s"]}, step=last
+            )
         else:
             tracking.log_metrics(c, run_id, metrics)
         tracking.log_artifacts(c, run_id, self.root / self.spec.metrics, "metrics")
-        artifacts = self._artifacts()
-        for rel, artifact_path in artifacts:
-            tracking.log_artifacts(c, run_id, rel, artifact_path)
-        if self.name != "demos":  # oracle demos: nothing of the policy's to look at
-            sources = [path for path, kind in artifacts if kind == "trajectories" and path.exists()]
-            for page in self._write_viewers(sources):
+        for path, artifact_dir in self._artifacts():
+            tracking.log_artifacts(c, run_id, path, artifact_dir)
+        if self.spec.viewer:
+            for page in self._write_viewers():
                 tracking.log_artifacts(c, run_id, page, "viewer")
 
-    def _write_viewers(self, sources: Sequence[Path]) -> list[Path]:
-        """A self-contained HTML viewer per trajectory file under `sources` (episodes step by step)."""
+    def _artifacts(self) -> list[tuple[Path, str]]:
+        """(path, artifact dir): the module's own list, or every output under its table path."""
+        custom = getattr(self.module, "artifacts", None)
+        if custom is not None:
+            return custom(**self._outputs())
+        return [(self.root / rel, self.spec.artifacts.get(rel, rel)) for rel in self.spec.outs]
+
+    def _write_viewers(self) -> list[Path]:
+        """A self-contained HTML viewer per trajectory file among the stage's artifacts (the Parquet
+        files directly inside each artifact path: not the replay buffer inside a checkpoint)."""
         from arpo_core.trajectory import read_trajectories
         from arpo_core.viewer import write_viewer
 
         pages = []
-        for path in sources:
-            files = sorted(path.glob("*.parquet")) if path.is_dir() else [path]
+        for path, _ in self._artifacts():
+            files = (
+                sorted(path.glob("*.parquet"))
+                if path.is_dir()
+                else [path]
+                if path.suffix == ".parquet"
+                else []
+            )
             for f in files:
                 trajs = read_trajectories(f)[:VIEWER_MAX_EPISODES]
-                out = self.root / VIEWER_DIR / self.name / f"{f.stem}.html"
-                pages.append(write_viewer(trajs, out, title=f"{self.name}: {f.stem}"))
+                page = self.root / VIEWER_DIR / self.name / f"{f.stem}.html"
+                pages.append(write_viewer(trajs, page, title=f"{self.name}: {f.stem}"))
         return pages
-
-    def _log_train_history(self) -> int:
-        """Per-epoch summaries at step=epoch under the plain keys (so the run's latest value equals
-        metrics/train.json) and the epoch plot (decision 4)."""
-        from arpo_core.trainer import latest_checkpoint
-
-        ckpt = latest_checkpoint(self.path("train"))
-        history = json.loads((ckpt / "state.json").read_text())["history"] if ckpt else []
-        for row in history:
-            tracking.log_metrics(self.client, self.run_id, row, step=int(row.get("epoch", 0)))
-        write_epoch_plot(history, self.root / EPOCH_PLOT)
-        return int(history[-1].get("epoch", 0)) if history else 0
-
-    def _artifacts(self) -> list[tuple[Path, str]]:
-        """(path, artifact dir) pairs: trajectories, policies and the last checkpoint (issue 6)."""
-        r = self.root
-        if self.name in ("init_policy", "ground", "sft"):
-            return [(self.path(self.name), "policy")]
-        if self.name in ("demos", "baseline", "evaluate"):
-            return [(r / self.spec.outs[0], "trajectories")]
-        if self.name == "select":
-            return [(self.path("select"), "selection")]
-        if self.name == "train":
-            from arpo_core.trainer import latest_checkpoint
-
-            out = self.path("train")
-            ckpt = latest_checkpoint(out)
-            pairs = [(out / "policy", "policy"), (out / "trajectories", "trajectories")]
-            return pairs + ([(ckpt, f"checkpoint/{ckpt.name}")] if ckpt else []) + [(r / EPOCH_PLOT, "plots")]
-        return []

@@ -1,28 +1,19 @@
-"""What each pipeline stage reads and writes, and when its outputs are up to date.
+"""When a stage's outputs are up to date, and the `dvc.yaml` that says the same to DVC.
 
 Decisions:
-1. One table, `STAGES`, declares every stage's code + input deps, the dotted params keys it reads, its
-   outputs and its metrics file, in pipeline order. `dvc.yaml` declares the same things for DVC; a test
-   (tests/test_dvc.py) checks that the two agree key for key, so `dvc repro` and the Prefect pipeline
-   re-run a stage for the same reasons.
-2. Params keys are the ones the stage's code actually reads, including cross-section reads (the demos
-   use `baseline.max_steps`; rollouts use `train.top_p` and `train.loss.format_penalty`). Operational
-   env settings (number of envs, backend, timeouts) are left out: they change speed, not results, so
-   changing them does not re-run anything.
-3. Up to date = a stamp written after the stage succeeded matches now. The stamp stores a key (hash of
+1. The stage table (`arpo_core/pipeline/table.py`) declares every stage's deps (code derived from its
+   imports, data, inputs), params keys, outputs and metrics file. `dvc_yaml()` renders `dvc.yaml` from
+   it (`arpo dvc-yaml` writes the file; tests/test_dvc.py checks the committed file equals it), so
+   `dvc repro` and `arpo run` re-run a stage for the same reasons.
+2. Up to date = a stamp written after the stage succeeded matches now. The stamp stores a key (hash of
    the stage's params values + the content of its deps, code included: that is the code version) and a
    fingerprint of the outputs as written. A changed param, input or code file changes the key; a
    deleted or replaced output (e.g. `dvc checkout` of another experiment) changes the fingerprint.
    Either one re-runs the stage. Stamps live in `.arpo/stamps/<stage>.json` (git- and DVC-ignored) so
    they never alter a DVC-tracked output.
-4. Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`, dotfiles
+3. Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`, dotfiles
    and temp names are skipped so that running Python does not make code look changed (the same
    patterns are in .dvcignore for DVC's own hashes).
-5. `ground` (grounding pretraining, docs/design.md) sits between `init_policy` and `sft`, which trains from
-   its output `models/grounded`. Its start may be `ground.checkpoint`, a directory named by a param;
-   DVC cannot make a dep depend on a param, so the whole `assets/checkpoints` directory is a dep (a
-   changed versioned checkpoint re-runs `ground`; a checkpoint outside it is not hashed). It reads the in-domain suite for its real MiniWoB
-   screens (`env.in_domain_suite`, the suite files, the env code) and the prompt (`policy.system_prompt`).
 """
 
 from __future__ import annotations
@@ -32,17 +23,17 @@ import json
 import os
 import time
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, to_dict
 from arpo_core.fileio import atomic_write_json
+from arpo_core.pipeline.table import STAGE_NAMES, STAGES, Stage
 
 __all__ = [
-    "STAGES",
+    "SPECS",
     "STAGE_NAMES",
-    "StageSpec",
+    "dvc_yaml",
     "fingerprint",
     "is_up_to_date",
     "read_stamp",
@@ -51,113 +42,8 @@ __all__ = [
     "write_stamp",
 ]
 
-ROLLOUT_PARAMS = ("policy", "train.top_p", "train.loss.format_penalty", "project.seed")
-SUITE_PARAMS = ("env.in_domain_suite", "env.out_of_domain_suite", "env.episode_time_limit_s")
-ENV_CODE = ("arpo_core/envs", "arpo_core/rollout.py", "arpo_core/trajectory.py", "arpo_core/actions.py")
-POLICY_CODE = ("arpo_core/policy",)
-
-
-@dataclass(frozen=True)
-class StageSpec:
-    """One pipeline stage: the same name as its DVC stage, Prefect flow, params section and MLflow run."""
-
-    name: str
-    deps: tuple[str, ...]
-    """Code and input paths (files or directories, relative to the project root)."""
-    params: tuple[str, ...]
-    """Dotted params keys it reads (a section name means the whole section)."""
-    outs: tuple[str, ...]
-    """Output paths (DVC-tracked)."""
-
-    @property
-    def metrics(self) -> str:
-        """The stage's metrics file (flat slash-namespaced floats, the same keys as in MLflow)."""
-        return f"metrics/{self.name}.json"
-
-
-STAGES: tuple[StageSpec, ...] = (
-    StageSpec(
-        "init_policy",
-        deps=("arpo_core/stages.py", *POLICY_CODE),
-        params=("init_policy",),
-        outs=("models/init",),
-    ),
-    StageSpec(
-        "ground",
-        deps=(
-            "arpo_core/stages.py",
-            "arpo_core/grounding.py",
-            *POLICY_CODE,
-            "arpo_core/envs",
-            "arpo_core/actions.py",
-            "arpo_core/trajectory.py",
-            "data/suites",
-            "assets/checkpoints",
-            "models/init",
-        ),
-        params=("ground", "policy.system_prompt", "env.in_domain_suite"),
-        outs=("models/grounded",),
-    ),
-    StageSpec(
-        "demos",
-        deps=("arpo_core/stages.py", "arpo_core/demos.py", *ENV_CODE, "data/suites"),
-        params=("demos", "baseline.max_steps", *SUITE_PARAMS),
-        outs=("data/demos",),
-    ),
-    StageSpec(
-        "sft",
-        deps=("arpo_core/stages.py", "arpo_core/offline.py", *POLICY_CODE, "models/grounded", "data/demos"),
-        params=("sft", "policy.system_prompt", "policy.history_images"),
-        outs=("models/base",),
-    ),
-    StageSpec(
-        "baseline",
-        deps=("arpo_core/stages.py", *ENV_CODE, *POLICY_CODE, "data/suites", "models/base"),
-        params=("baseline", *ROLLOUT_PARAMS, *SUITE_PARAMS),
-        outs=("data/baseline",),
-    ),
-    StageSpec(
-        "select",
-        deps=("arpo_core/stages.py", "arpo_core/selection.py", "data/suites", "data/baseline"),
-        params=("select", "env.in_domain_suite"),
-        outs=("data/selected_tasks.json",),
-    ),
-    StageSpec(
-        "train",
-        deps=(
-            "arpo_core/stages.py",
-            "arpo_core/trainer.py",
-            "arpo_core/update.py",
-            "arpo_core/losses.py",
-            "arpo_core/advantages.py",
-            "arpo_core/replay.py",
-            "arpo_core/engines.py",
-            *ENV_CODE,
-            *POLICY_CODE,
-            "data/suites",
-            "models/base",
-            "data/selected_tasks.json",
-        ),
-        params=("train", "policy", "project.seed", *SUITE_PARAMS),
-        outs=("models/arpo",),
-    ),
-    StageSpec(
-        "evaluate",
-        deps=(
-            "arpo_core/stages.py",
-            "arpo_core/evaluate.py",
-            *ENV_CODE,
-            *POLICY_CODE,
-            "data/suites",
-            "models/base",
-            "models/arpo",
-        ),
-        params=("evaluate", *ROLLOUT_PARAMS, *SUITE_PARAMS),
-        outs=("data/eval",),
-    ),
-)
-STAGE_NAMES: tuple[str, ...] = tuple(s.name for s in STAGES)
-SPECS: dict[str, StageSpec] = {s.name: s for s in STAGES}
+SPECS: dict[str, Stage] = {s.name: s for s in STAGES}
+"""The stage table's rows by name (arpo_core/pipeline/table.py)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -173,7 +59,7 @@ def _lookup(tree: Mapping[str, Any], dotted: str) -> Any:
     return node
 
 
-def stage_params(p: Params, spec: StageSpec) -> dict[str, Any]:
+def stage_params(p: Params, spec: Stage) -> dict[str, Any]:
     """{dotted key: value} of the params a stage reads, sections flattened (what MLflow logs and what
     the stage key hashes). `stage_params(p, SPECS['select'])` ->
     `{'select.min_successes': 1, ..., 'env.in_domain_suite': 'data/suites/...'}`."""
@@ -197,7 +83,7 @@ def _flatten(d: Mapping[str, Any], prefix: str) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Hashes and stamps (decisions 3-4)
+# Hashes and stamps (decisions 2-3)
 
 SKIP_DIRS = {"__pycache__"}
 
@@ -230,7 +116,7 @@ def fingerprint(paths: Iterable[str], root: Path) -> str:
     return h.hexdigest()
 
 
-def stage_key(p: Params, spec: StageSpec, root: Path) -> str:
+def stage_key(p: Params, spec: Stage, root: Path) -> str:
     """Hash of what determines a stage's outputs: its params values and the content of its deps."""
     params = json.dumps(stage_params(p, spec), sort_keys=True, default=str)
     return hashlib.sha256(f"{spec.name}\n{params}\n{fingerprint(spec.deps, root)}".encode()).hexdigest()
@@ -245,7 +131,7 @@ def read_stamp(root: Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
-def write_stamp(root: Path, spec: StageSpec, key: str, extra: Mapping[str, Any] | None = None) -> None:
+def write_stamp(root: Path, spec: Stage, key: str, extra: Mapping[str, Any] | None = None) -> None:
     """Record that `spec`'s outputs, as they are now, were produced from `key` (atomic replace)."""
     path = stamp_path(root, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -253,9 +139,58 @@ def write_stamp(root: Path, spec: StageSpec, key: str, extra: Mapping[str, Any] 
     atomic_write_json(path, stamp, indent=1, sort_keys=True)
 
 
-def is_up_to_date(p: Params, spec: StageSpec, root: Path) -> bool:
-    """True when the stage ran with this key and its outputs are unchanged since (decision 3)."""
+def is_up_to_date(p: Params, spec: Stage, root: Path) -> bool:
+    """True when the stage ran with this key and its outputs are unchanged since (decision 2)."""
     stamp = read_stamp(root, spec.name)
     if stamp is None or not all((root / o).exists() for o in spec.outs):
         return False
     return stamp.get("key") == stage_key(p, spec, root) and stamp.get("outs") == fingerprint(spec.outs, root)
+
+
+# ------------------------------------------------------------------------------------------------
+# dvc.yaml (decision 1)
+
+DVC_HEADER = """\
+# GENERATED from the stage table (arpo_core/pipeline/table.py) by `arpo dvc-yaml`; do not edit by hand
+# (tests/test_dvc.py fails when this file and the table differ). Each stage runs `arpo stage NAME`, the
+# stage's Prefect flow body without a Prefect server, tracked in MLflow.
+#   dvc repro                                      # runs what changed; again: nothing to do
+#   dvc exp run -S train.replay.enabled=false      # an ablation (GRPO), compared with `dvc exp show`
+# Stage commands need `arpo` on PATH: `source .venv/bin/activate` first (docs/orchestration.md).
+"""
+EPOCH_PLOT = "plots/train_epochs.csv"
+DVC_PLOTS = [
+    {
+        "success rate per epoch": {
+            "x": "epoch",
+            "y": {EPOCH_PLOT: ["rollout/success_rate", "rollout/format_error_rate"]},
+        }
+    },
+    {
+        "replay fills per epoch": {
+            "x": "epoch",
+            "y": {EPOCH_PLOT: ["replay/groups_filled", "replay/fill_rate"]},
+        }
+    },
+    {"loss per epoch": {"x": "epoch", "y": {EPOCH_PLOT: ["loss/policy"]}}},
+]
+
+
+def dvc_yaml() -> str:
+    """The text of dvc.yaml: one DVC stage per table row, in order, plus the train epoch plots."""
+    import yaml
+
+    stages: dict[str, Any] = {}
+    for s in STAGES:
+        entry: dict[str, Any] = {
+            "cmd": f"arpo stage {s.name}",
+            "deps": list(s.deps),
+            "params": list(s.params),
+            "outs": list(s.outs),
+            "metrics": [s.metrics],
+        }
+        if s.iterations:
+            entry["plots"] = [{EPOCH_PLOT: {"x": "epoch"}}]
+        stages[s.name] = entry
+    body = yaml.safe_dump({"stages": stages, "plots": DVC_PLOTS}, sort_keys=False, width=120)
+    return DVC_HEADER + body

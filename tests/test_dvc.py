@@ -13,9 +13,9 @@ import yaml
 from typer.testing import CliRunner
 
 from arpo_core.config import ConfigError, load_params, parse_params, to_dict
+from arpo_core.pipeline.table import import_closure
 from flows.cli import app
-from flows.runner import PATHS
-from flows.spec import SPECS, STAGE_NAMES
+from flows.spec import SPECS, STAGE_NAMES, dvc_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
@@ -30,24 +30,59 @@ def _lookup(tree, dotted):
     return node
 
 
-def test_dvc_stages_are_the_pipeline_stages_in_order():
+def test_dvc_yaml_is_the_stage_table():
+    """dvc.yaml is generated from the stage table (flows/spec.py decision 1): the committed file must
+    equal the generation, so DVC and `arpo run` re-run a stage for the same reasons."""
+    assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(), "dvc.yaml is stale: run `arpo dvc-yaml`"
     assert tuple(DVC["stages"]) == STAGE_NAMES
+    res = CliRunner().invoke(app, ["dvc-yaml", "--check", "--out", str(ROOT / "dvc.yaml")])
+    assert res.exit_code == 0, res.output
+
+
+def test_dvc_yaml_check_fails_on_a_stale_file(tmp_path):
+    stale = tmp_path / "dvc.yaml"
+    stale.write_text((ROOT / "dvc.yaml").read_text().replace("arpo_core/rewards.py", "arpo_core/nothing.py"))
+    res = CliRunner().invoke(app, ["dvc-yaml", "--check", "--out", str(stale)])
+    assert res.exit_code == 1 and "differs from the stage table" in res.output
 
 
 @pytest.mark.parametrize("name", STAGE_NAMES)
-def test_dvc_stage_matches_flow_spec(name):
-    """deps, params, outs and metrics of each DVC stage are those the Prefect pipeline's up-to-date
-    check uses (flows/spec.py), and its command is `arpo stage NAME`."""
-    stage, spec = DVC["stages"][name], SPECS[name]
-    assert stage["cmd"] == f"arpo stage {name}"
-    assert stage["deps"] == list(spec.deps)
-    assert stage["params"] == list(spec.params)
-    assert stage["outs"] == list(spec.outs)
-    assert stage["metrics"] == [spec.metrics]
+def test_stage_deps_cover_every_project_module_it_imports(name):
+    """table decision 2: every arpo_core file the stage's module reaches through imports (any depth,
+    function-level too) is a dep, itself or through its directory; every dep exists or is an output."""
+    spec = SPECS[name]
+    reached = import_closure(f"arpo_core.pipeline.{spec.module}")
+    for f in reached:
+        assert any(f == d or f.startswith(d + "/") for d in spec.deps), f"{name}: {f} not in deps"
+    outs = {o for s in SPECS.values() for o in s.outs}
     for dep in spec.deps:
-        assert (ROOT / dep).exists() or any(dep == o for s in SPECS.values() for o in s.outs), dep
-    # the CLI's default paths lie inside the stage's outs
-    assert any(str(PATHS[name]).startswith(o) for o in spec.outs)
+        assert (ROOT / dep).exists() or dep in outs, dep
+    assert spec.metrics == f"metrics/{name}.json"
+
+
+def test_rollout_stages_depend_on_the_reward_code():
+    """The issue that motivated derived deps: rewards.py was imported by rollout but in no stage's deps."""
+    for name in ("baseline", "train", "evaluate", "rft", "compare"):
+        assert "arpo_core/rewards.py" in SPECS[name].deps, name
+
+
+def test_import_closure_follows_function_level_imports(tmp_path):
+    pkg = tmp_path / "arpo_core"
+    (pkg / "sub").mkdir(parents=True)
+    (pkg / "__init__.py").write_text("")
+    (pkg / "sub" / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from arpo_core.sub import b\n")
+    (pkg / "sub" / "b.py").write_text("import arpo_core.c\n")
+    (pkg / "c.py").write_text("import os\n")
+    (pkg / "unused.py").write_text("")
+    got = import_closure("arpo_core.a", tmp_path)
+    assert got == (
+        "arpo_core/__init__.py",
+        "arpo_core/a.py",
+        "arpo_core/c.py",
+        "arpo_core/sub/__init__.py",
+        "arpo_core/sub/b.py",
+    )
 
 
 @pytest.mark.parametrize("key", sorted({k for s in DVC["stages"].values() for k in s["params"]}))
@@ -68,6 +103,7 @@ def test_every_stage_reads_its_own_params_section():
 def test_dvc_plots_read_columns_the_train_stage_writes():
     from flows.runner import PLOT_COLUMNS
 
+    assert SPECS["train"].iterations
     for plot in DVC["plots"]:
         ((_, spec),) = plot.items()
         assert spec["x"] in PLOT_COLUMNS
@@ -142,6 +178,8 @@ def test_dvc_repro_quick_then_noop_then_ablation_experiment(tmp_path):
     assert exp.returncode == 0, exp.stdout[-4000:] + exp.stderr[-4000:]
     assert "Running stage 'train'" in exp.stdout and "Running stage 'evaluate'" in exp.stdout
     assert "Running stage 'sft'" not in exp.stdout
+    assert "Running stage 'rft'" not in exp.stdout  # the offline baselines do not read train.*
+    assert "Running stage 'compare'" in exp.stdout
     shown = oh.run(["dvc", "exp", "show", "--json"], project, env, timeout=120)
     assert "train.replay.enabled" in shown.stdout or '"enabled": false' in shown.stdout
 

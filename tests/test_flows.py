@@ -35,7 +35,20 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_stage_order_is_the_design_pipeline():
-    assert STAGE_NAMES == ("init_policy", "ground", "demos", "sft", "baseline", "select", "train", "evaluate")
+    assert STAGE_NAMES == (
+        "init_policy",
+        "ground",
+        "demos",
+        "sft",
+        "baseline",
+        "select",
+        "train",
+        "rft",
+        "dpo",
+        "kto",
+        "evaluate",
+        "compare",
+    )
 
 
 def test_stage_params_flattens_sections_and_keeps_cross_keys():
@@ -144,6 +157,15 @@ def test_arpo_train_flow_is_named_for_the_deployments():
     assert {name: f.name for name, f in FLOWS.items()} == {n: n for n in STAGE_NAMES}
 
 
+def test_env_stages_and_only_those_are_retried():
+    """tasks decision 2: retries exactly where the stage table says a stage runs envs."""
+    from tasks.stages import TASKS
+
+    for s in SPECS.values():
+        assert (TASKS[s.name].retries > 0) == s.envs, s.name
+    assert SPECS["train"].envs and not SPECS["sft"].envs
+
+
 # ------------------------------------------------------------------------------------------------
 # One tracked stage, in process, outside Prefect (what `arpo stage` / DVC do)
 
@@ -154,9 +176,11 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
     stale = tmp_path / "models" / "init" / "stale.bin"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"from another configuration")
-    from flows.init_policy import init_policy
+    from flows.stages import FLOWS
 
-    metrics = init_policy.fn(preset="quick", pipeline_id="pipe-1")  # the flow body, no Prefect server
+    metrics = FLOWS["init_policy"].fn(
+        preset="quick", pipeline_id="pipe-1"
+    )  # the flow body, no Prefect server
     assert metrics["init_policy/parameters"] > 0 and metrics["time/init_policy_s"] > 0
     assert not stale.exists()  # outputs of another configuration are removed first (runner decision 4)
     assert json.loads((tmp_path / "metrics" / "init_policy.json").read_text()) == metrics
@@ -184,11 +208,12 @@ def test_failed_stage_marks_run_failed_and_keeps_marker(tmp_path, monkeypatch):
     monkeypatch.chdir(oh.copy_project(tmp_path))
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
 
-    def boom(_):
+    def boom(*_, **__):
         raise RuntimeError("env died")
 
+    monkeypatch.setattr("arpo_core.pipeline.select.run", boom)
     with pytest.raises(RuntimeError, match="env died"):
-        StageRun("select", preset="quick").execute(boom)
+        StageRun("select", preset="quick").execute()
     (row,) = tracking.run_rows(tracking.client("."), "arpo-embedded", "select")
     assert row["status"] == "FAILED"
     assert read_stamp(Path("."), "select") is None

@@ -12,9 +12,9 @@ import pytest
 import torch
 import yaml
 
-from arpo_core import stages
 from arpo_core.config import ConfigError, GroundPhase, load_params, parse_params, to_dict
 from arpo_core.grounding import GroundConfig
+from arpo_core.pipeline import common, ground, init_policy
 from arpo_core.policy.model import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -47,7 +47,7 @@ def init_dir(tmp_path_factory):
     n = torch.get_num_threads()
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("ground") / "init"
-    stages.init_policy(params(), d)
+    init_policy.run(params(), d)
     yield d
     torch.set_num_threads(n)
 
@@ -109,14 +109,14 @@ def test_ground_config_copies_a_phase():
     phase = GroundPhase(
         steps=7, batch_size=6, lr=0.5, warmup_steps=2, mix={"box4": 2}, seed=3, grow_after=[0]
     )
-    cfg = stages.ground_config(phase, "uitars")
+    cfg = ground.ground_config(phase, "uitars")
     assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.warmup_steps, cfg.seed) == (7, 6, 0.5, 2, 3)
     assert cfg.mix == {"box4": 2.0} and isinstance(cfg.mix["box4"], float)
     assert cfg.system == "uitars" and cfg.eval_every == 0 and cfg.curriculum == ()
 
 
 def test_ground_measure_keys():
-    got = stages.ground_measure_keys("miniwob", {"hit_rate": 0.25, "n": 8})
+    got = ground.ground_measure_keys("miniwob", {"hit_rate": 0.25, "n": 8})
     assert got == {"ground/miniwob/hit_rate": 0.25, "ground/miniwob/n": 8.0}
 
 
@@ -126,7 +126,7 @@ def test_ground_measure_keys():
 
 def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(init_dir, tmp_path):
     p = params("ground.checkpoint=null", TINY_PHASE, *TINY_EVAL)
-    m = stages.ground(p, init_dir, tmp_path / "grounded")
+    m = ground.run(p, init_dir, tmp_path / "grounded")
     trained, init = _state(tmp_path / "grounded"), _state(init_dir)
     assert trained.keys() == init.keys()
     assert any(not torch.equal(trained[k], init[k]) for k in init)  # the phase trained it
@@ -135,7 +135,7 @@ def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(ini
     expected |= {"ground/eval_s", "ground/parameters", "ground/layers", "ground/steps"}
     assert set(m) == expected
     assert m["ground/steps"] == 3.0 and m["ground/layers"] == 2.0 and m["ground/box4/n"] == 3.0
-    report = json.loads((tmp_path / "grounded" / stages.GROUND_REPORT).read_text())
+    report = json.loads((tmp_path / "grounded" / ground.GROUND_REPORT).read_text())
     assert report["start"] == str(init_dir)
     assert report["phases"][0]["steps"] == 3 and len(report["phases"][0]["loss_every_50"]) == 1
     assert report["config"]["phases"][0]["steps"] == 3
@@ -147,17 +147,17 @@ def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, bf16: false},"
         " {steps: 2, batch_size: 2, warmup_steps: 1, bf16: false, grow_after: [0, 1]}]"
     )
-    m = stages.ground(params("ground.checkpoint=null", phases, *TINY_EVAL), init_dir, tmp_path / "g")
+    m = ground.run(params("ground.checkpoint=null", phases, *TINY_EVAL), init_dir, tmp_path / "g")
     policy = load_policy(tmp_path / "g")
     assert policy.model.config.text_config.num_hidden_layers == 4 and m["ground/layers"] == 4.0
-    report = json.loads((tmp_path / "g" / stages.GROUND_REPORT).read_text())
+    report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert [ph["layers"] for ph in report["phases"]] == [2, 4]
     assert m["ground/steps"] == 4.0
 
 
 def test_checkpoint_without_phases_is_copied_bit_for_bit_and_measured(init_dir, tmp_path):
     p = params(f"ground.checkpoint={CHECKPOINT}", "ground.eval_levels=[box1h]", "ground.eval_per_level=16")
-    m = stages.ground(p, init_dir, tmp_path / "g")
+    m = ground.run(p, init_dir, tmp_path / "g")
     want, got = _state(CHECKPOINT), _state(tmp_path / "g")
     assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     assert (tmp_path / "g" / "model.safetensors").read_bytes() == (
@@ -170,7 +170,7 @@ def test_checkpoint_without_phases_is_copied_bit_for_bit_and_measured(init_dir, 
 
 def test_no_checkpoint_no_phases_passes_models_init_on(init_dir, tmp_path):
     p = params("ground.checkpoint=null", "ground.eval_levels=[box1]", "ground.eval_per_level=2")
-    m = stages.ground(p, init_dir, tmp_path / "g")
+    m = ground.run(p, init_dir, tmp_path / "g")
     want, got = _state(init_dir), _state(tmp_path / "g")
     assert all(torch.equal(want[k], got[k]) for k in want)
     assert set(m) >= {"ground/box1/hit_rate", "ground/box1/blind_hit_rate"}
@@ -178,21 +178,21 @@ def test_no_checkpoint_no_phases_passes_models_init_on(init_dir, tmp_path):
 
 def test_a_pretrained_pointer_passes_through_over_the_checkpoint(init_dir, tmp_path):
     p = params(f"init_policy.pretrained={init_dir}")
-    stages.init_policy(p, tmp_path / "init")
-    m = stages.ground(p, tmp_path / "init", tmp_path / "g")
+    init_policy.run(p, tmp_path / "init")
+    m = ground.run(p, tmp_path / "init", tmp_path / "g")
     assert m == {"ground/pretrained": 1.0}
-    assert stages.resolve_policy(tmp_path / "g") == init_dir.resolve()
+    assert common.resolve_policy(tmp_path / "g") == init_dir.resolve()
 
 
 def test_unknown_level_fails_before_any_work(init_dir, tmp_path):
     with pytest.raises(ValueError, match=r"unknown synthetic level\(s\) \['box9'\]"):
-        stages.ground(params("ground.eval_levels=[box9]"), init_dir, tmp_path / "g")
+        ground.run(params("ground.eval_levels=[box9]"), init_dir, tmp_path / "g")
     assert not (tmp_path / "g").exists()
 
 
 def test_missing_checkpoint_is_a_clear_error(init_dir, tmp_path):
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        stages.ground(params(f"ground.checkpoint={tmp_path / 'none'}"), init_dir, tmp_path / "g")
+        ground.run(params(f"ground.checkpoint={tmp_path / 'none'}"), init_dir, tmp_path / "g")
 
 
 def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch):
@@ -205,8 +205,8 @@ def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(MiniWoBEnv, "close", _spy(MiniWoBEnv.close, closed))
     phase = "ground.phases=[{steps: 2, batch_size: 4, warmup_steps: 1, bf16: false, miniwob_seeds: 1}]"
     p = params("ground.checkpoint=null", phase, "ground.eval_levels=[]", "ground.eval_miniwob_seeds=1")
-    m = stages.ground(p, init_dir, tmp_path / "g")
-    report = json.loads((tmp_path / "g" / stages.GROUND_REPORT).read_text())
+    m = ground.run(p, init_dir, tmp_path / "g")
+    report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert report["phases"][0]["real_examples"] >= 2
     assert m["ground/miniwob/n"] >= 2 and "ground/miniwob/hit_rate" in m
     assert len(opened) == 1 and len(closed) == 1

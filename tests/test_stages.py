@@ -4,18 +4,19 @@ the offline baselines, pointer-following for pretrained checkpoints, pixel budge
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 from PIL import Image
 
-from arpo_core import stages
 from arpo_core.config import load_params
+from arpo_core.pipeline import common, init_policy, offline, select
 from arpo_core.policy.model import load_policy
 from arpo_core.selection import read_selection
 from arpo_core.trajectory import Step, Trajectory, png_bytes, write_trajectories
 
-ROOT = stages.Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def params(*overrides):
@@ -46,7 +47,7 @@ def workdir(tmp_path_factory):
     torch.set_num_threads(1)
     d = tmp_path_factory.mktemp("stages")
     p = params()
-    stages.init_policy(p, d / "init")
+    init_policy.run(p, d / "init")
     trajs = [traj("click-test", k, float(k % 2), 20 + 30 * (k % 2)) for k in range(4)]
     trajs += [traj("click-button", k, 0.0, 100) for k in range(4)]
     write_trajectories(d / "baseline" / "in_domain.parquet", trajs)
@@ -54,7 +55,7 @@ def workdir(tmp_path_factory):
 
 
 def test_select_keeps_tasks_with_a_success(workdir):
-    m = stages.select(params("select.min_successes=1"), workdir / "baseline", workdir / "sel.json")
+    m = select.run(params("select.min_successes=1"), workdir / "baseline", workdir / "sel.json")
     assert m == {"select/kept": 1.0, "select/tasks": 2.0}
     assert read_selection(workdir / "sel.json").kept == (("miniwob", "click-test"),)
 
@@ -63,7 +64,7 @@ def test_select_keeps_tasks_with_a_success(workdir):
 def test_offline_baselines_train_and_save_a_loadable_policy(workdir, method):
     p = params("rft.sft.steps=2", "dpo.steps=2", "kto.steps=2", "dpo.batch_size=2", "kto.batch_size=4")
     before = load_policy(workdir / "init").model.state_dict()
-    m = stages.offline_baseline(p, method, workdir / "init", workdir / "baseline", workdir / method)
+    m = offline.train_offline(p, method, workdir / "init", workdir / "baseline", workdir / method)
     after = load_policy(workdir / method).model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(k.startswith(f"{method}/") for k in m)
@@ -72,23 +73,34 @@ def test_offline_baselines_train_and_save_a_loadable_policy(workdir, method):
         assert m["dpo/examples"] == 2.0  # click-test: 2 successes x 2 failures -> max(2, 2) pairs
 
 
+def test_offline_stage_without_usable_data_records_why_and_trains_nothing(workdir, tmp_path):
+    """Offline decision 3: RFT on rollouts without a success writes skipped.json, no policy."""
+    fails = [traj("click-button", k, 0.0, 100) for k in range(3)]
+    write_trajectories(tmp_path / "baseline" / "in_domain.parquet", fails)
+    m = offline.train_offline(params(), "rft", workdir / "init", tmp_path / "baseline", tmp_path / "rft")
+    assert m == {"rft/skipped": 1.0}
+    assert not (tmp_path / "rft" / "config.json").exists()
+    reason = json.loads((tmp_path / "rft" / offline.SKIPPED).read_text())
+    assert reason["method"] == "rft" and "no baseline rollout with success" in reason["reason"]
+
+
 def test_unknown_offline_method(workdir):
     with pytest.raises(ValueError, match="unknown offline method 'ppo'"):
-        stages.offline_baseline(params(), "ppo", workdir / "init", workdir / "baseline", workdir / "x")
+        offline.train_offline(params(), "ppo", workdir / "init", workdir / "baseline", workdir / "x")
 
 
 def test_pretrained_pointer_is_followed(workdir, tmp_path):
     p = params(f"init_policy.pretrained={workdir / 'init'}")
-    m = stages.init_policy(p, tmp_path / "init")
+    m = init_policy.run(p, tmp_path / "init")
     assert m == {"init_policy/pretrained": 1.0}
-    assert stages.resolve_policy(tmp_path / "init") == (workdir / "init").resolve()
+    assert common.resolve_policy(tmp_path / "init") == (workdir / "init").resolve()
     with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        stages.init_policy(params(f"init_policy.pretrained={tmp_path / 'nothing'}"), tmp_path / "x")
+        init_policy.run(params(f"init_policy.pretrained={tmp_path / 'nothing'}"), tmp_path / "x")
 
 
 def test_pixel_budget_reads_both_layouts(workdir, tmp_path):
-    assert stages.pixel_budget(workdir / "init") == (3136, 200704)
+    assert common.pixel_budget(workdir / "init") == (3136, 200704)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 256, "max_pixels": 2116800}))
-    assert stages.pixel_budget(tmp_path) == (256, 2116800)
+    assert common.pixel_budget(tmp_path) == (256, 2116800)
     with pytest.raises(FileNotFoundError, match="no image processor config"):
-        stages.pixel_budget(tmp_path / "missing")
+        common.pixel_budget(tmp_path / "missing")

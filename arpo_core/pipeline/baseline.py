@@ -1,0 +1,41 @@
+"""Stage `baseline`: N sampled rollouts per in-domain task of the base policy (task selection's input,
+and the data of the offline baselines rft / dpo / kto)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from arpo_core.config import Params
+from arpo_core.pipeline.common import progress_bar, resolve_policy, setup_torch, suite_tasks
+from arpo_core.pipeline.rollouts import make_pool, rollout_config
+from arpo_core.rollout import EpisodeJob, run_episodes
+from arpo_core.trajectory import write_trajectories
+
+__all__ = ["run"]
+
+
+def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Rollouts of the base policy to `out_dir/in_domain.parquet`; metrics `baseline/...`."""
+    from arpo_core.policy.generate import HFGenerator
+    from arpo_core.policy.model import load_policy
+
+    setup_torch(p)
+    policy_dir = resolve_policy(policy_dir)
+    b = p.baseline
+    gen = HFGenerator(
+        load_policy(policy_dir), system=p.policy.system_prompt, history_images=p.policy.history_images
+    )
+    jobs = [
+        EpisodeJob(t, seed=b.seed + k, group_id=g, sample_idx=k)
+        for g, t in enumerate(suite_tasks(p, "in_domain"))
+        for k in range(b.episodes_per_task)
+    ]
+    cfg = rollout_config(p, policy_dir, b.temperature, b.max_steps, p.project.seed)
+    with make_pool(p) as pool:
+        bar = progress_bar(len(jobs), "baseline")
+        res = run_episodes(pool, gen, jobs, cfg, run_id="baseline", stage="baseline", progress=bar)
+        bar.close()
+    write_trajectories(Path(out_dir) / "in_domain.parquet", res.trajectories)
+    return {k.replace("rollout/", "baseline/"): v for k, v in res.metrics.items()}

@@ -1,0 +1,81 @@
+"""What several pipeline stages share: the torch setup, the suites, the policy's checkpoint and pixel
+budget, the method label. Env pools and rollout settings are in `rollouts.py` (only env stages import it).
+
+Decisions:
+1. A pretrained checkpoint (e.g. UI-TARS-1.5-7B) is never copied: `init_policy` writes a pointer file
+   (`pretrained.json`) and `resolve_policy` follows it.
+2. The trained policy is named by its method everywhere (`method_name`): `arpo` with experience replay,
+   `grpo` without, so the two arms of an ablation never share a label.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from arpo_core.config import Params
+from arpo_core.envs.base import TaskSpec, load_suite
+
+__all__ = [
+    "POINTER",
+    "method_name",
+    "pixel_budget",
+    "progress_bar",
+    "resolve_policy",
+    "setup_torch",
+    "suite_tasks",
+]
+
+POINTER = "pretrained.json"
+
+
+def setup_torch(p: Params) -> None:
+    """torch intra-op threads (`project.torch_threads`)."""
+    import torch
+
+    torch.set_num_threads(p.project.torch_threads)
+
+
+def resolve_policy(path: str | os.PathLike) -> Path:
+    """A checkpoint directory, following `init_policy`'s pointer file for pretrained models."""
+    path = Path(path)
+    pointer = path / POINTER
+    if pointer.exists():
+        return Path(json.loads(pointer.read_text())["path"])
+    return path
+
+
+def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
+    """Tasks of the 'in_domain' or 'out_of_domain' suite named in params."""
+    path = {"in_domain": p.env.in_domain_suite, "out_of_domain": p.env.out_of_domain_suite}[split]
+    return load_suite(path)
+
+
+def progress_bar(total: int, desc: str) -> Any:
+    """A tqdm bar that redraws at most every 2 s (logs stay short)."""
+    return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=2.0)
+
+
+def pixel_budget(policy_dir: Path) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of a checkpoint's image processor without loading the model: from
+    `processor_config.json` (the tiny layout) or `preprocessor_config.json` (Qwen/UI-TARS layout)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = policy_dir / name
+        if f.exists():
+            proc = json.loads(f.read_text())
+            proc = proc.get("image_processor", proc)
+            size = proc.get("size") or {}
+            lo = size.get("shortest_edge", proc.get("min_pixels"))
+            hi = size.get("longest_edge", proc.get("max_pixels"))
+            if lo is not None and hi is not None:
+                return int(lo), int(hi)
+    raise FileNotFoundError(f"{policy_dir}: no image processor config with min/max pixels")
+
+
+def method_name(p: Params) -> str:
+    """Decision 2: 'arpo' with experience replay, 'grpo' without."""
+    return "arpo" if p.train.replay.enabled else "grpo"

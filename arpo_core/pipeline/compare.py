@@ -1,0 +1,243 @@
+"""Stage `compare`: the paper's comparison table (docs/method.md §4) from the evaluations every policy
+shares - base, the offline baselines (rft, dpo, kto) and the trained policy (arpo or grpo) - with 95%
+intervals, paired differences against the base, the image-blind ceiling and click alignment.
+
+Decisions:
+1. Numbers come from the stored evaluation episodes (greedy), not from other stages' metric files:
+   `evaluate.summarize` per method and split (stratified 95% intervals), `probe.paired_difference`
+   against the base on the same (task, instance) episodes, per split.
+2. The image-blind ceiling (docs/method.md §7): the best constant first click per task, from the DOM
+   targets of exactly the evaluation instances (env seeds `evaluate.seed + k`), in-sample and two-fold
+   cross-validated (`probe.blind_ceiling`). It needs a browser (the targets are read from the DOM after
+   a reset) and a click oracle; tasks whose oracle does not open with a click (typing, keys) have no
+   ceiling and are listed. For a single-click task the first-click ceiling bounds success; for a
+   multi-step task it bounds only the first step.
+3. Click alignment (`probe.click_alignment`): how each method's first clicks follow the targets
+   (within-task correlation), so a gain can be told apart from a better constant click.
+4. A method whose stage recorded no training (offline decision 3) is listed as not trained, with the
+   reason; a method without episodes is left out of the table, never shown as 0.
+5. Outputs: `comparison.md`, `comparison.json` and `comparison.png` in the stage's output directory;
+   the metrics are the headline rates and paired deltas (`compare/<method>/<split>/...`).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from arpo_core.config import Params
+from arpo_core.envs.base import TaskSpec
+from arpo_core.evaluate import split_map, summarize
+from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
+from arpo_core.pipeline.common import suite_tasks
+from arpo_core.pipeline.offline import SKIPPED
+from arpo_core.trajectory import Trajectory, read_trajectories
+
+__all__ = ["ORDER", "collect_evaluations", "run"]
+
+ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo")
+SPLITS = ("in_domain", "out_of_domain")
+
+
+def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, list[Trajectory]]:
+    """{method: greedy episodes} from `<dir>/<method>.parquet` files, in ORDER then by name."""
+    found: dict[str, list[Trajectory]] = {}
+    for d in map(Path, eval_dirs):
+        for f in sorted(d.glob("*.parquet")) if d.is_dir() else []:
+            if f.stem.endswith("-sampled"):  # not the greedy evaluation (evaluate decision 2)
+                continue
+            if f.stem in found:
+                raise ValueError(f"two evaluations of {f.stem!r} (second: {f})")
+            found[f.stem] = read_trajectories(f)
+    rank = {m: i for i, m in enumerate(ORDER)}
+    return dict(sorted(found.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0])))
+
+
+def _targets(p: Params, tasks: Sequence[TaskSpec]) -> tuple[list[Any], dict[str, str]]:
+    """Decision 2: DOM targets of the evaluation instances, and {task: why it has none}."""
+    from arpo_core.envs.miniwob import MiniWoBEnv
+    from arpo_core.envs.oracles import ORACLES
+    from arpo_core.probe import first_step_targets
+
+    e = p.evaluate
+    seeds = range(e.seed, e.seed + e.episodes_per_task)
+    records: list[Any] = []
+    missing: dict[str, str] = {}
+    miniwob = [t for t in tasks if t.backend == "miniwob"]
+    for t in tasks:
+        if t.backend != "miniwob":
+            missing[t.task_id] = f"{t.backend} task: no DOM targets"
+        elif t.task_id not in ORACLES:
+            missing[t.task_id] = "no oracle"
+    todo = [t for t in miniwob if t.task_id in ORACLES]
+    if not todo:
+        return records, missing
+    env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
+    try:
+        for t in todo:
+            try:
+                records += first_step_targets(env, [t], seeds)
+            except ValueError as err:  # the oracle's first action is not a click
+                missing[t.task_id] = str(err)
+    finally:
+        env.close()
+    return records, missing
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _interval(ci: Sequence[float] | None) -> str:
+    return "-" if not ci else f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
+
+
+def _plot(doc: dict[str, Any], path: Path) -> None:
+    """Success per method and split with 95% intervals; the in-domain blind ceiling as a dashed line."""
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    methods = list(doc["methods"])
+    fig = Figure(figsize=(1.4 + 1.1 * len(methods), 3.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    width = 0.38
+    for j, (split, colour) in enumerate(zip(SPLITS, ("#d62728", "#1f77b4"), strict=True)):
+        xs, ys, err = [], [], [[], []]
+        for i, m in enumerate(methods):
+            cell = doc["methods"][m][split]
+            if cell["success"] is None:
+                continue
+            xs.append(i + (j - 0.5) * width)
+            ys.append(100 * cell["success"])
+            err[0].append(100 * (cell["success"] - cell["ci95"][0]))
+            err[1].append(100 * (cell["ci95"][1] - cell["success"]))
+        ax.bar(xs, ys, width, yerr=err, capsize=3, color=colour, label=split.replace("_", "-"))
+    blind = doc["image_blind"]["in_domain"]
+    if blind is not None:
+        ax.axhline(100 * blind, color="#444444", linestyle="--", linewidth=1, label="image-blind (in-domain)")
+    ax.set_xticks(range(len(methods)), methods)
+    ax.set_ylabel("greedy success (%)")
+    ax.set_ylim(0, 100)
+    ax.legend(fontsize=7, loc="upper right")
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+
+
+def _markdown(doc: dict[str, Any], p: Params) -> str:
+    e = p.evaluate
+    lines = [
+        "# Comparison",
+        "",
+        f"Greedy success (%) with 95% intervals; {e.episodes_per_task} episodes per task on env seeds "
+        f"{e.seed}..{e.seed + e.episodes_per_task - 1}, the same instances for every method. "
+        "Paired delta: the method minus the base, episode by episode on the shared instances (95% interval).",
+        "",
+        "| method | in-domain | 95% CI | vs base | out-of-domain | 95% CI | vs base | click/target corr |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for m, row in doc["methods"].items():
+        cells = [m]
+        for split in SPLITS:
+            c = row[split]
+            vs = c.get("vs_base")
+            delta = (
+                "-" if not vs or vs["delta"] is None else f"{100 * vs['delta']:+.1f} {_interval(vs['ci95'])}"
+            )
+            cells += [_pct(c["success"]), _interval(c["ci95"]).replace("+", ""), delta]
+        corr = row["click_alignment"]["pooled"].get("click_target_corr") if row["click_alignment"] else None
+        cells.append("-" if corr is None else f"{corr:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    ib = doc["image_blind"]
+    lines.append(
+        f"| image-blind ceiling | {_pct(ib['in_domain'])} | cv {_pct(ib['in_domain_cv'])} | - | "
+        f"{_pct(ib['out_of_domain'])} | cv {_pct(ib['out_of_domain_cv'])} | - | - |"
+    )
+    lines += ["", "![comparison](comparison.png)", ""]
+    if ib["no_ceiling"]:
+        lines.append(
+            "No image-blind ceiling (mean over the other tasks): " + ", ".join(sorted(ib["no_ceiling"])) + "."
+        )
+    for m, why in doc["not_trained"].items():
+        lines.append(f"- {m}: not trained ({why}).")
+    return "\n".join(lines) + "\n"
+
+
+def run(
+    p: Params,
+    eval_dirs: Sequence[str | os.PathLike],
+    offline_dirs: Sequence[str | os.PathLike],
+    out_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """The comparison report (decision 5) from the evaluation episodes in `eval_dirs`."""
+    from arpo_core.probe import blind_ceiling, click_alignment, paired_difference
+
+    out_dir = Path(out_dir)
+    evals = collect_evaluations(eval_dirs)
+    if "base" not in evals:
+        raise FileNotFoundError(f"compare: no base evaluation (base.parquet) in {list(map(str, eval_dirs))}")
+    tasks = {s: suite_tasks(p, s) for s in SPLITS}
+    splits = split_map(tasks["in_domain"] + tasks["out_of_domain"])
+    records, no_ceiling = _targets(p, tasks["in_domain"] + tasks["out_of_domain"])
+    e = p.evaluate
+    doc: dict[str, Any] = {"episodes_per_task": e.episodes_per_task, "first_seed": e.seed, "methods": {}}
+    metrics: dict[str, float] = {}
+    base = evals["base"]
+    for m, trajs in evals.items():
+        stats = summarize(trajs, splits, max_steps=e.max_steps, prefix="m", per_task=True)
+        row: dict[str, Any] = {}
+        for split in SPLITS:
+            ids = {t.key for t in tasks[split]}
+            mine = [t for t in trajs if t.key in ids]
+            rate = stats.get(f"m/{split}/success_rate")
+            cell: dict[str, Any] = {
+                "success": rate,
+                "ci95": [stats[f"m/{split}/success_ci_low"], stats[f"m/{split}/success_ci_high"]]
+                if mine
+                else None,
+                "episodes": len(mine),
+                "format_error_rate": stats.get(f"m/{split}/format_error_rate"),
+                "tasks": {
+                    t.task_id: stats[f"m/task/{t.domain}/{t.task_id}/success_rate"]
+                    for t in tasks[split]
+                    if f"m/task/{t.domain}/{t.task_id}/success_rate" in stats
+                },
+            }
+            if m != "base" and mine:
+                cell["vs_base"] = paired_difference([t for t in base if t.key in ids], mine)
+                if cell["vs_base"]["delta"] is not None:
+                    metrics[f"compare/{m}/{split}/delta_vs_base"] = cell["vs_base"]["delta"]
+            if rate is not None:
+                metrics[f"compare/{m}/{split}/success_rate"] = rate
+            row[split] = cell
+        row["click_alignment"] = click_alignment(trajs, records, e.seed) if records else None
+        doc["methods"][m] = row
+    ceiling = {
+        s: blind_ceiling([r for r in records if (r.task_domain, r.task_id) in {t.key for t in tasks[s]}])
+        for s in SPLITS
+    }
+    doc["image_blind"] = {
+        "in_domain": ceiling["in_domain"].get("_mean", {}).get("hit_rate"),
+        "in_domain_cv": ceiling["in_domain"].get("_mean", {}).get("cv_hit_rate"),
+        "out_of_domain": ceiling["out_of_domain"].get("_mean", {}).get("hit_rate"),
+        "out_of_domain_cv": ceiling["out_of_domain"].get("_mean", {}).get("cv_hit_rate"),
+        "tasks": {t: v for c in ceiling.values() for t, v in c.items() if not t.startswith("_")},
+        "no_ceiling": no_ceiling,
+    }
+    for s in SPLITS:
+        if doc["image_blind"][s] is not None:
+            metrics[f"compare/image_blind/{s}"] = doc["image_blind"][s]
+    doc["not_trained"] = {}
+    for d in map(Path, offline_dirs):
+        if (d / SKIPPED).exists():
+            info = json.loads((d / SKIPPED).read_text())
+            doc["not_trained"][info["method"]] = info["reason"]
+    atomic_write_json(out_dir / "comparison.json", doc, indent=1, sort_keys=False)
+    atomic_write_text(out_dir / "comparison.md", _markdown(doc, p))
+    _plot(doc, out_dir / "comparison.png")
+    metrics["compare/methods"] = float(len(evals))
+    return metrics

@@ -1,0 +1,49 @@
+"""Stage `demos`: scripted DOM oracles play the in-domain suite; successful episodes to Parquet."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from arpo_core.config import Params
+from arpo_core.demos import play_oracle_episodes
+from arpo_core.pipeline.common import pixel_budget, progress_bar, resolve_policy, suite_tasks
+from arpo_core.pipeline.rollouts import make_pool
+from arpo_core.rollout import EpisodeJob
+from arpo_core.trajectory import write_trajectories
+
+__all__ = ["run"]
+
+
+def run(
+    p: Params, out_path: str | os.PathLike, policy_dir: str | os.PathLike | None = None
+) -> dict[str, Any]:
+    """Oracle demonstrations (successful episodes only), in the model-image frame of the policy at
+    `policy_dir` (its image processor's pixel budget; default: the oracles' own)."""
+    tasks = suite_tasks(p, "in_domain")
+    jobs = [
+        EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)
+        for g, t in enumerate(tasks)
+        for k in range(p.demos.episodes_per_task)
+    ]
+    min_pixels, max_pixels = pixel_budget(resolve_policy(policy_dir)) if policy_dir else (None, None)
+    with make_pool(p) as pool:
+        bar = progress_bar(len(jobs), "demos")
+        res = play_oracle_episodes(
+            pool,
+            jobs,
+            max_steps=p.baseline.max_steps,
+            min_pixels=min_pixels,
+            max_pixels=max_pixels,
+            progress=bar,
+        )
+        bar.close()
+    if not res.trajectories:
+        raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")
+    write_trajectories(out_path, res.trajectories)
+    return {
+        "demos/episodes": float(len(res.trajectories)),
+        "demos/failed": float(res.n_failed),
+        "demos/env_errors": float(len(res.errors)),
+        "demos/steps": float(sum(len(t.steps) for t in res.trajectories)),
+    }

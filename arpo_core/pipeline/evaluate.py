@@ -1,0 +1,88 @@
+"""Stage `evaluate`: the base and the trained policy on the in-domain and out-of-domain suites.
+
+Decisions:
+1. Every policy is evaluated on the same instances: episode k of a task runs env seed
+   `evaluate.seed + k` (evaluate.py decision 5), for every policy of every stage that calls
+   `evaluate_policies` (this one and the offline stages rft / dpo / kto), so the `compare` stage can
+   pair their episodes one by one.
+2. Greedy trajectories go to `<out_dir>/<name>.parquet`, sampled ones (with
+   `evaluate.sampled_temperature`) to `<out_dir>/<name>-sampled.parquet`; metric keys are
+   `eval/<name>/<mode>/...` (evaluate.summarize's keys under that prefix).
+3. The trained policy is named by its method, `arpo` or `grpo` (`common.method_name`).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+from arpo_core.config import Params
+from arpo_core.fileio import atomic_write_json
+from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
+from arpo_core.pipeline.rollouts import make_pool, rollout_config
+from arpo_core.trajectory import write_trajectories
+
+__all__ = ["evaluate_policies", "run", "trajectory_file"]
+
+
+def trajectory_file(out_dir: str | os.PathLike, name: str, mode: str = "greedy") -> Path:
+    """Decision 2: where policy `name`'s evaluation episodes of `mode` are written."""
+    return Path(out_dir) / (f"{name}.parquet" if mode == "greedy" else f"{name}-{mode}.parquet")
+
+
+def evaluate_policies(
+    p: Params, policies: Mapping[str, str | os.PathLike], out_dir: str | os.PathLike
+) -> dict[str, Any]:
+    """Evaluate each named policy on both suites (decisions 1-2); returns the metrics."""
+    from arpo_core.evaluate import evaluate_policy
+    from arpo_core.policy.generate import HFGenerator
+    from arpo_core.policy.model import load_policy
+
+    setup_torch(p)
+    e = p.evaluate
+    tasks = suite_tasks(p, "in_domain") + suite_tasks(p, "out_of_domain")
+    modes = [("greedy", e.temperature)] + (
+        [("sampled", e.sampled_temperature)] if e.sampled_temperature else []
+    )
+    metrics: dict[str, Any] = {}
+    with make_pool(p) as pool:
+        for name, path in policies.items():
+            policy_dir = resolve_policy(path)
+            gen = HFGenerator(
+                load_policy(policy_dir), system=p.policy.system_prompt, history_images=p.policy.history_images
+            )
+            for mode, temperature in modes:
+                bar = progress_bar(len(tasks) * e.episodes_per_task, f"evaluate {name} {mode}")
+                res = evaluate_policy(
+                    pool,
+                    gen,
+                    tasks,
+                    e.episodes_per_task,
+                    temperature,
+                    e.seed,
+                    rollout=rollout_config(p, policy_dir, temperature, e.max_steps, e.seed),
+                    scoring="osworld_hard" if e.osworld_hard else "standard",
+                    prefix=f"eval/{name}/{mode}",
+                    run_id=f"evaluate-{name}",
+                    progress=bar,
+                )
+                bar.close()
+                metrics.update(res.metrics)
+                if res.trajectories:
+                    write_trajectories(trajectory_file(out_dir, name, mode), res.trajectories)
+    return metrics
+
+
+def run(
+    p: Params,
+    base_dir: str | os.PathLike,
+    trained_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """Base (`base_dir`) vs the trained policy (`trained_dir/policy`); episodes to `out_dir`."""
+    policies = {"base": base_dir, method_name(p): Path(trained_dir) / "policy"}
+    metrics = evaluate_policies(p, policies, out_dir)
+    atomic_write_json(Path(out_dir) / "policies.json", {k: str(v) for k, v in policies.items()}, indent=1)
+    return metrics

@@ -1,0 +1,188 @@
+"""Stage `ground`: grounding pretraining ("click the named target" on synthetic and real MiniWoB
+screens), or the project's versioned grounded tiny policy, measured for image dependence.
+
+Decisions:
+1. `ground` turns the start policy into `models/grounded`, the start of `sft`. The start is
+   `ground.checkpoint` (the versioned grounded tiny policy) or, when that is null, `models/init`;
+   `ground.phases` then train it in order (a phase may first grow the LM's depth). With no phases the
+   start is copied file by file, so the output is that checkpoint bit for bit. A pretrained model from
+   `init_policy` (a pointer in `models/init`) wins over `ground.checkpoint`, which is a tiny model: with
+   no phases the pointer is passed on unmeasured (a 7B model's greedy clicks on hundreds of screens are
+   hours of CPU, and UI-TARS is grounded by its own pretraining); with phases it is trained and saved
+   like any other start.
+2. `ground` always measures image dependence of its output on held-out screens (docs/method.md §7):
+   synthetic levels drawn with seed 10000 + the level's index in `grounding.LEVELS` (fixed per level,
+   other streams than training's, which seeds each phase with its own small `seed`) and real MiniWoB
+   screens of the in-domain tasks with env seeds 1000.. (training uses 0..N-1). One browser reads every
+   real screen the stage needs and is closed before training starts. The measures are the stage's
+   metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
+   `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
+   it scores.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, fields
+from pathlib import Path
+from typing import Any
+
+from arpo_core.config import GroundPhase, Params
+from arpo_core.fileio import atomic_write_json
+from arpo_core.offline_config import GroundTrainConfig
+from arpo_core.pipeline.common import POINTER, pixel_budget, resolve_policy, setup_torch, suite_tasks
+from arpo_core.policy.model import load_policy
+
+__all__ = ["GROUND_REPORT", "ground_config", "ground_measure_keys", "run"]
+
+# Held-out seeds of the measures (decision 2).
+GROUND_EVAL_SEED = 10_000
+MINIWOB_HELDOUT_SEED = 1000
+GROUND_REPORT = "ground_report.json"
+
+
+def ground_config(phase: GroundPhase, system: str) -> Any:
+    """The `grounding.GroundConfig` of one params phase: the shared fields copied, the level weights as
+    floats, no evaluation during training (the stage measures once, at the end)."""
+    from arpo_core.grounding import GroundConfig
+
+    shared = {f.name: getattr(phase, f.name) for f in fields(GroundTrainConfig)}
+    shared["mix"] = {level: float(w) for level, w in phase.mix.items()}
+    return GroundConfig(**shared, system=system, eval_every=0)
+
+
+def ground_measure_keys(name: str, measures: dict[str, float]) -> dict[str, float]:
+    """Flat metric keys of one held-out set's measures.
+
+    >>> ground_measure_keys("box4", {"hit_rate": 0.5, "n": 64})
+    {'ground/box4/hit_rate': 0.5, 'ground/box4/n': 64.0}
+    """
+    return {f"ground/{name}/{k}": float(v) for k, v in measures.items()}
+
+
+def _check_levels(levels: Sequence[str]) -> None:
+    from arpo_core.grounding import LEVELS
+
+    unknown = sorted(set(levels) - set(LEVELS))
+    if unknown:
+        raise ValueError(f"ground: unknown synthetic level(s) {unknown}; levels: {', '.join(LEVELS)}")
+
+
+def _miniwob_task_ids(p: Params) -> list[str]:
+    tasks = suite_tasks(p, "in_domain")
+    other = sorted({t.domain for t in tasks} - {"miniwob"})
+    if other:
+        raise ValueError(f"ground: real-screen examples need a MiniWoB in-domain suite, got domains {other}")
+    return [t.task_id for t in tasks]
+
+
+def _loss_summary(losses: Sequence[float], every: int = 50) -> list[float]:
+    return [
+        round(sum(losses[i : i + every]) / len(losses[i : i + every]), 4)
+        for i in range(0, len(losses), every)
+    ]
+
+
+def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], list]:
+    """Real MiniWoB grounding examples of the in-domain tasks, all read by one browser that is closed
+    before training starts: ({N: examples of env seeds 0..N-1} for every phase's `miniwob_seeds`,
+    held-out examples of seeds 1000..1000+eval_miniwob_seeds-1). No browser when neither is asked for."""
+    from arpo_core.grounding import miniwob_examples
+
+    g = p.ground
+    counts = sorted({ph.miniwob_seeds for ph in g.phases if ph.miniwob_seeds})
+    if not counts and not g.eval_miniwob_seeds:
+        return {}, []
+    tasks = _miniwob_task_ids(p)
+    from arpo_core.envs.miniwob import MiniWoBEnv
+
+    env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
+    try:
+        train = {n: miniwob_examples(env, tasks, range(n), size, g.miniwob_per_screen) for n in counts}
+        held = range(MINIWOB_HELDOUT_SEED, MINIWOB_HELDOUT_SEED + g.eval_miniwob_seeds)
+        return train, miniwob_examples(env, tasks, held, size, g.miniwob_per_screen)
+    finally:
+        env.close()
+
+
+def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """Grounding pretraining (decisions 1-2): start policy -> `ground.phases` -> `out_dir` (a loadable
+    checkpoint with `ground_report.json`); returns the held-out image-dependence measures."""
+    from arpo_core.grounding import (
+        LEVELS,
+        SCREEN_H,
+        SCREEN_W,
+        evaluate_grounding,
+        synthetic_examples,
+        train_grounding,
+    )
+    from arpo_core.policy.model import count_parameters, grow_depth
+    from arpo_core.policy.prompt import model_image_size
+
+    setup_torch(p)
+    g = p.ground
+    policy_dir, out_dir = Path(policy_dir), Path(out_dir)
+    _check_levels([lv for ph in g.phases for lv in ph.mix] + list(g.eval_levels))  # before any work
+    pointer = policy_dir / POINTER
+    if pointer.exists() and not g.phases:  # a pretrained model passes through (decision 1)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(pointer, out_dir / POINTER)
+        return {"ground/pretrained": 1.0}
+    start = resolve_policy(policy_dir) if pointer.exists() or g.checkpoint is None else Path(g.checkpoint)
+    if not (start / "config.json").exists():
+        raise FileNotFoundError(f"ground: no checkpoint (config.json) at {start}")
+    size = model_image_size(SCREEN_W, SCREEN_H, *pixel_budget(start))  # growing depth keeps it
+    train_real, held_real = _real_screens(p, size)
+
+    metrics: dict[str, Any] = {}
+    report: dict[str, Any] = {"start": str(start), "config": asdict(g), "phases": []}
+    if g.phases:
+        policy = load_policy(start)
+        for i, phase in enumerate(g.phases):
+            if phase.grow_after:
+                policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
+            fixed = train_real[phase.miniwob_seeds] if phase.miniwob_seeds else None
+            hist = train_grounding(policy, ground_config(phase, p.policy.system_prompt), examples=fixed)
+            losses = hist["loss"]
+            head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
+            metrics[f"ground/phase{i}/loss_first"] = sum(head) / len(head)
+            metrics[f"ground/phase{i}/loss_last"] = sum(tail) / len(tail)
+            metrics[f"ground/phase{i}/seconds"] = hist["seconds"]
+            report["phases"].append(
+                {
+                    "phase": i,
+                    "steps": hist["steps"],
+                    "seconds": round(hist["seconds"], 1),
+                    "real_examples": len(fixed or ()),
+                    "layers": policy.model.config.text_config.num_hidden_layers,
+                    "loss_every_50": _loss_summary(losses),
+                }
+            )
+        policy.save(out_dir)
+    else:  # the start as it is, bit for bit
+        shutil.copytree(start, out_dir, dirs_exist_ok=True)
+        policy = load_policy(out_dir)
+
+    t0 = time.perf_counter()
+    measures: dict[str, dict[str, float]] = {}
+    for level in g.eval_levels:
+        seed = GROUND_EVAL_SEED + list(LEVELS).index(level)
+        exs = synthetic_examples(g.eval_per_level, {level: 1.0}, seed, size)
+        measures[level] = evaluate_grounding(policy, exs, p.policy.system_prompt).as_dict()
+    if g.eval_miniwob_seeds:
+        if len(held_real) >= 2:  # correlations need two points
+            measures["miniwob"] = evaluate_grounding(policy, held_real, p.policy.system_prompt).as_dict()
+        else:
+            measures["miniwob"] = {"n": float(len(held_real))}
+    for name, m in measures.items():
+        metrics.update(ground_measure_keys(name, m))
+    metrics["ground/eval_s"] = time.perf_counter() - t0
+    metrics["ground/parameters"] = float(count_parameters(policy.model))
+    metrics["ground/layers"] = float(policy.model.config.text_config.num_hidden_layers)
+    metrics["ground/steps"] = float(sum(ph["steps"] for ph in report["phases"]))
+    report["measures"] = measures
+    atomic_write_json(out_dir / GROUND_REPORT, report, indent=1, sort_keys=True)
+    return metrics

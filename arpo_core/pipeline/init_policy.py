@@ -1,0 +1,31 @@
+"""Stage `init_policy`: build the tiny Qwen2.5-VL offline, or point at a pretrained checkpoint."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from arpo_core.config import Params
+from arpo_core.pipeline.common import POINTER
+
+__all__ = ["run"]
+
+
+def run(p: Params, out_dir: str | os.PathLike) -> dict[str, Any]:
+    """`init_policy.pretrained` set: a pointer file to it (common decision 2); else the tiny policy."""
+    from arpo_core.policy.model import build_tiny_policy
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    if p.init_policy.pretrained:
+        src = Path(p.init_policy.pretrained)
+        if not (src / "config.json").exists():
+            raise FileNotFoundError(f"init_policy.pretrained: no checkpoint (config.json) at {src}")
+        (out_dir / POINTER).write_text(json.dumps({"path": str(src.resolve())}))
+        return {"init_policy/pretrained": 1.0}
+    ip = p.init_policy
+    policy = build_tiny_policy(out_dir, size=ip.size, seed=ip.seed, rope_theta=ip.rope_theta, mrope=ip.mrope)
+    n = sum(x.numel() for x in policy.model.parameters())
+    return {"init_policy/parameters": float(n), "init_policy/vocab": float(len(policy.tokenizer))}

@@ -1,0 +1,113 @@
+"""Stages `rft`, `dpo`, `kto`: the paper's offline comparisons (docs/method.md §4), each trained from the
+base policy on the base policy's own baseline rollouts (the trajectories task selection sees), then
+evaluated on the evaluation instances every policy shares.
+
+Decisions:
+1. One function for the three methods; the stage table binds `method`. Training is
+   `preference.rft / dpo / kto` with the params section of the same name.
+2. Each stage evaluates its own policy (`evaluate.evaluate_policies`, same instances, same keys
+   `eval/<method>/<mode>/...`): a changed `train` section then re-runs neither these stages nor their
+   evaluations, and `compare` pairs every method's episodes with the base's.
+3. Baseline rollouts may hold no usable data (RFT needs a success, DPO a task with a success and a
+   failure, KTO two trajectories). Then the stage records why in `<out_dir>/skipped.json`, writes no
+   policy and no evaluation, and `compare` lists the method as not trained with that reason, instead of
+   the whole pipeline failing on a tiny or unlucky baseline.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from arpo_core.config import Params
+from arpo_core.fileio import atomic_write_json
+from arpo_core.pipeline.common import resolve_policy, setup_torch
+from arpo_core.pipeline.evaluate import evaluate_policies
+from arpo_core.trajectory import Trajectory, read_trajectories
+
+__all__ = ["METHODS", "SKIPPED", "no_data_reason", "run", "train_offline"]
+
+METHODS = ("rft", "dpo", "kto")
+SKIPPED = "skipped.json"
+
+
+def no_data_reason(p: Params, method: str, trajs: list[Trajectory]) -> str | None:
+    """Decision 3: why `method` cannot train on `trajs`, or None when it can."""
+    from arpo_core.preference import dpo_pairs, rft_select
+
+    if method == "rft":
+        c = p.rft
+        if not rft_select(trajs, c.success_threshold, c.max_per_task, c.seed):
+            return f"no baseline rollout with success > {c.success_threshold} ({len(trajs)} rollouts)"
+    elif method == "dpo":
+        c = p.dpo
+        if not dpo_pairs(trajs, c.success_threshold, c.max_pairs_per_task, c.seed)[0]:
+            return f"no task with both a success and a failure among {len(trajs)} baseline rollouts"
+    elif len(trajs) < 2:
+        return f"KTO needs at least 2 baseline rollouts, got {len(trajs)}"
+    return None
+
+
+def _train(p: Params, method: str, policy: Any, trajs: list[Trajectory]) -> dict[str, float]:
+    from arpo_core.engines import TorchEngine
+    from arpo_core.preference import dpo, kto, rft
+
+    kw = {"progress": True, "system": p.policy.system_prompt, "history_images": p.policy.history_images}
+    if method == "rft":
+        losses = rft(policy, trajs, p.rft, **kw)
+        return {"rft/loss_first": losses[0], "rft/loss_last": losses[-1], "rft/steps": float(len(losses))}
+    cfg = getattr(p, method)
+    engine = TorchEngine(
+        policy.model, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm
+    )
+    res = (dpo if method == "dpo" else kto)(policy, trajs, cfg, engine=engine, **kw)
+    metrics = {k if k.startswith(f"{method}/") else f"{method}/{k}": float(v) for k, v in res.info.items()}
+    metrics[f"{method}/examples"] = float(res.n_examples)
+    if res.history:
+        metrics.update({f"{method}/first/{k}": v for k, v in res.history[0].items()})
+        metrics.update({f"{method}/last/{k}": v for k, v in res.history[-1].items()})
+    return metrics
+
+
+def train_offline(
+    p: Params,
+    method: str,
+    policy_dir: str | os.PathLike,
+    baseline_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """Train `method` from the base on the baseline rollouts; the policy to `out_dir`, or `skipped.json`
+    there when the rollouts hold no usable data (decision 3)."""
+    from arpo_core.policy.model import load_policy
+
+    if method not in METHODS:
+        raise ValueError(f"unknown offline method {method!r}; choose one of {', '.join(METHODS)}")
+    setup_torch(p)
+    out_dir = Path(out_dir)
+    trajs = read_trajectories(baseline_dir)
+    reason = no_data_reason(p, method, trajs)
+    if reason is not None:
+        print(f"[{method}] not trained: {reason}", flush=True)
+        atomic_write_json(out_dir / SKIPPED, {"method": method, "reason": reason}, indent=1)
+        return {f"{method}/skipped": 1.0}
+    policy = load_policy(resolve_policy(policy_dir))
+    metrics = _train(p, method, policy, trajs)
+    policy.save(out_dir)
+    return metrics
+
+
+def run(
+    p: Params,
+    method: str,
+    policy_dir: str | os.PathLike,
+    baseline_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    eval_dir: str | os.PathLike,
+) -> dict[str, Any]:
+    """`train_offline`, then the policy's evaluation to `eval_dir` (decision 2; none when skipped)."""
+    metrics = train_offline(p, method, policy_dir, baseline_dir, out_dir)
+    Path(eval_dir).mkdir(parents=True, exist_ok=True)
+    if f"{method}/skipped" not in metrics:
+        metrics.update(evaluate_policies(p, {method: out_dir}, eval_dir))
+    return metrics

@@ -1,0 +1,105 @@
+"""Stage `train`: ARPO epochs (GRPO with `train.replay.enabled=false`) from the base policy on the
+selected tasks; resumes from its last epoch checkpoint.
+
+Decisions:
+1. The params sections reach the trainer as they are (`train`, `policy`); only the rollout settings are
+   assembled here (common decision 3), because they combine sections with the checkpoint's pixel budget.
+2. Per-iteration metrics go to an optional `on_metrics(step, metrics)` hook with a global iteration
+   step (epoch-1) * iterations_per_epoch + iteration + 1, computed from the same task list the trainer
+   iterates, so a resumed run continues the series where it stopped.
+3. `epoch_history` and `artifacts` tell the orchestration layer what to log without it knowing the
+   checkpoint layout: one row per completed epoch (from the last checkpoint), and the final policy, the
+   trajectories and the last checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from arpo_core.config import Params
+from arpo_core.envs.base import TaskSpec
+from arpo_core.pipeline.common import progress_bar, resolve_policy, setup_torch, suite_tasks
+from arpo_core.pipeline.rollouts import make_pool, rollout_config
+from arpo_core.selection import read_selection
+
+__all__ = ["artifacts", "epoch_history", "run", "training_tasks"]
+
+
+def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[TaskSpec]:
+    """The in-domain tasks, restricted to the selected ones when `train.use_selection`."""
+    tasks = suite_tasks(p, "in_domain")
+    if p.train.use_selection and selected_path is not None:
+        keep = {tuple(k) for k in read_selection(selected_path).kept}
+        tasks = [t for t in tasks if t.key in keep]
+        if not tasks:
+            raise RuntimeError(f"task selection {selected_path} kept no task: nothing to train on")
+    return tasks
+
+
+def run(
+    p: Params,
+    policy_dir: str | os.PathLike,
+    selected_path: str | os.PathLike | None,
+    out_dir: str | os.PathLike,
+    *,
+    on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+    on_epoch: Callable[[int, Any], dict[str, Any] | None] | None = None,
+    resume: bool = True,
+) -> dict[str, Any]:
+    """Train; the final policy to `out_dir/policy`, checkpoints to `out_dir/checkpoints`."""
+    from arpo_core.policy.model import load_policy
+    from arpo_core.trainer import train
+
+    setup_torch(p)
+    policy_dir = resolve_policy(policy_dir)
+    tasks = training_tasks(p, selected_path)
+    t = p.train
+    per_epoch = max(1, math.ceil(len(tasks) / t.tasks_per_iteration))
+    on_iteration = None
+    if on_metrics is not None:
+
+        def on_iteration(epoch: int, it: int, metrics: dict[str, float]) -> None:
+            on_metrics((epoch - 1) * per_epoch + it + 1, metrics)
+
+    with make_pool(p, n=min(p.env.n_envs, t.tasks_per_iteration * t.group_size)) as pool:
+        state = train(
+            policy_dir,
+            tasks,
+            out_dir,
+            t,
+            p.policy,
+            pool,
+            seed=p.project.seed,
+            rollout=rollout_config(p, policy_dir, t.temperature, t.max_steps, p.project.seed),
+            resume=resume,
+            on_iteration=on_iteration,
+            on_epoch=on_epoch,
+            progress_factory=progress_bar,
+        )
+    final = Path(out_dir) / "policy"
+    load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)
+    last = state.history[-1] if state.history else {}
+    return {"train/epochs": float(state.epoch), **{k: v for k, v in last.items() if isinstance(v, float)}}
+
+
+def epoch_history(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
+    """Decision 3: one metrics row per completed epoch, from the last checkpoint."""
+    from arpo_core.trainer import latest_checkpoint
+
+    ckpt = latest_checkpoint(out_dir)
+    return json.loads((ckpt / "state.json").read_text())["history"] if ckpt else []
+
+
+def artifacts(out_dir: str | os.PathLike) -> list[tuple[Path, str]]:
+    """Decision 3: (path, artifact dir) pairs of the run."""
+    from arpo_core.trainer import latest_checkpoint
+
+    out = Path(out_dir)
+    ckpt = latest_checkpoint(out)
+    pairs = [(out / "policy", "policy"), (out / "trajectories", "trajectories")]
+    return pairs + ([(ckpt, f"checkpoint/{ckpt.name}")] if ckpt else [])
