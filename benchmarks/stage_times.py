@@ -5,11 +5,10 @@ them, in pipeline order, into one results file with the params that sized the ru
 pipeline run in the project directory, e.g.
 
     make run && .venv/bin/python benchmarks/stage_times.py --label "make run (defaults)"
-    .venv/bin/arpo stage demos --preset recorded ... && .venv/bin/python benchmarks/stage_times.py \
+    .venv/bin/arpo run --preset recorded && .venv/bin/python benchmarks/stage_times.py \
         --label "recorded preset" --preset recorded --out benchmarks/results/stage_times_recorded.json
 
-Stages without a metrics file are listed under `missing` (not run in that directory). `--extra FILE`
-merges the `wall_s` section of recorded_runs.py results (its steps call the same stage functions).
+Stages without a metrics file are listed under `missing` (not run in that directory).
 """
 
 from __future__ import annotations
@@ -51,7 +50,6 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--preset", default=None)
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[])
     ap.add_argument("--label", default="")
-    ap.add_argument("--extra", type=Path, action="append", default=[], help="recorded_runs.py JSON")
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "stage_times.json")
     args = ap.parse_args(argv)
 
@@ -69,8 +67,21 @@ def main(argv: list[str] | None = None) -> int:
         "stage_s": times,
         "total_s": round(sum(times.values()), 1),
         "missing": missing,
-        "sizing": {k: p[k] for k in ("env", "init_policy", "demos", "sft", "baseline", "train", "evaluate")},
-        "recorded_runs": {str(f): json.loads(f.read_text()).get("wall_s", {}) for f in args.extra},
+        "sizing": {
+            k: p[k]
+            for k in (
+                "env",
+                "init_policy",
+                "demos",
+                "sft",
+                "baseline",
+                "train",
+                "rft",
+                "dpo",
+                "kto",
+                "evaluate",
+            )
+        },
     }
     atomic_write_json(args.out, doc)
     print(json.dumps({"stage_s": times, "missing": missing}, indent=1))

@@ -21,6 +21,7 @@ PRESET_OPT = typer.Option(None, "--preset", help="partial params file merged ove
 STAGE_HELP = " | ".join(STAGE_NAMES)
 METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)")
 VIEW_PATHS_ARG = typer.Argument(..., help="trajectory Parquet files or directories of them")
+PARAMS_OUT_OPT = typer.Option(None, "--out", "-o", help="write the merged params to this file")
 DVC_OUT_OPT = typer.Option(Path("dvc.yaml"), "--out", "-o", help="file to write")
 DVC_CHECK_OPT = typer.Option(False, "--check", help="only check that the file equals the stage table's")
 VIEW_OUT_OPT = typer.Option(Path("plots/viewer/view.html"), "--out", "-o", help="HTML page to write")
@@ -36,11 +37,23 @@ def _load(params: Path, overrides: list[str], preset: str | None = None) -> Para
 
 @app.command()
 def params(
-    params: Path = PARAMS_OPT, set_: list[str] = SET_OPT, preset: str = PRESET_OPT, as_json: bool = False
+    params: Path = PARAMS_OPT,
+    set_: list[str] = SET_OPT,
+    preset: str = PRESET_OPT,
+    as_json: bool = False,
+    out: Path = PARAMS_OUT_OPT,
 ) -> None:
-    """Validate the params file (with preset and overrides) and print the effective configuration."""
+    """Validate the params file (with preset and overrides) and print the effective configuration, or
+    write it to --out (read first, then written atomically: `--out params.yaml` is safe)."""
     cfg = to_dict(_load(params, set_, preset))
-    typer.echo(json.dumps(cfg, indent=2) if as_json else yaml.safe_dump(cfg, sort_keys=False).rstrip())
+    text = json.dumps(cfg, indent=2) if as_json else yaml.safe_dump(cfg, sort_keys=False).rstrip()
+    if out is None:
+        typer.echo(text)
+        return
+    from arpo_core.fileio import atomic_write_text
+
+    atomic_write_text(out, text + "\n")
+    typer.echo(f"wrote {out}")
 
 
 def run_stage(

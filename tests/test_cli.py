@@ -59,3 +59,18 @@ def test_help_lists_orchestration_commands():
     for cmd in ("params", "stage", "run", "runs"):
         assert cmd in res.output
     assert "--force" in runner.invoke(app, ["run", "--help"]).output
+
+
+def test_params_out_writes_the_merged_file_over_its_own_input(tmp_path):
+    """`arpo params --preset quick --out params.yaml` reads params.yaml before replacing it (a shell
+    redirect would empty it first)."""
+    root = Path(__file__).resolve().parents[1]
+    target = tmp_path / "params.yaml"
+    target.write_text((root / "params.yaml").read_text())
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "quick.yaml").write_text((root / "presets" / "quick.yaml").read_text())
+    res = runner.invoke(app, ["params", "-p", str(target), "--preset", "quick", "--out", str(target)])
+    assert res.exit_code == 0, res.output
+    written = yaml.safe_load(target.read_text())
+    assert written["train"]["epochs"] == 1 and written["env"]["n_envs"] == 2  # the quick preset's values
+    assert written["train"]["loss"]["clip_high"] == 0.3  # and params.yaml's

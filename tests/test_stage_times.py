@@ -26,12 +26,9 @@ def test_collect_orders_stages_and_names_missing(tmp_path):
 def test_main_writes_results_with_sizing(tmp_path):
     (tmp_path / "m").mkdir()
     (tmp_path / "m" / "train.json").write_text(json.dumps({"time/train_s": 165.0}))
-    extra = tmp_path / "learning.json"
-    extra.write_text(json.dumps({"wall_s": {"train_arpo": 660.8}}))
     out = tmp_path / "st.json"
-    assert stage_times.main(["--metrics", str(tmp_path / "m"), "--preset", "quick", "--extra", str(extra),
+    assert stage_times.main(["--metrics", str(tmp_path / "m"), "--preset", "quick",
                              "--out", str(out), "--params", str(ROOT / "params.yaml")]) == 0  # fmt: skip
     doc = json.loads(out.read_text())
     assert doc["stage_s"] == {"train": 165.0} and doc["total_s"] == 165.0
     assert doc["sizing"]["train"]["epochs"] == 1  # the quick preset's
-    assert doc["recorded_runs"] == {str(extra): {"train_arpo": 660.8}}
