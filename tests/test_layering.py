@@ -33,3 +33,83 @@ def test_arpo_core_never_evals(tmp_path):
         for node in ast.walk(tree):
             if isinstance(node, ast.Call) and isinstance(node.func, ast.Name):
                 assert node.func.id not in {"eval", "exec"}, f"{path.name}:{node.lineno} calls {node.func.id}"
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+MODULES = {_module_name(p): p for p in FILES}
+
+
+def _imports(name: str, path: Path) -> set[str]:
+    """arpo_core modules that `name` imports anywhere in its file: at module level, inside functions,
+    under TYPE_CHECKING. `from pkg import sub` counts as importing the submodule when one exists."""
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - (node.level - 1)]
+                base = ".".join([*anchor, *([base] if base else [])])
+            for a in node.names:
+                out.add(f"{base}.{a.name}" if f"{base}.{a.name}" in MODULES else base)
+    return {m for m in out if m in MODULES and m != name}
+
+
+def _cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Every strongly connected component with more than one module (Tarjan), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_cycle_finder_sees_a_function_level_cycle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}
+    assert _cycles(graph) == [["a", "b", "c"]]
+    assert _cycles({"a": {"b"}, "b": set()}) == []
+
+
+def test_imports_are_read_inside_functions_too():
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    assert "arpo_core.envs.oracles" in graph["arpo_core.envs.miniwob"]  # module level
+    assert "arpo_core.actions" in graph["arpo_core.policy.prompt"]  # inside model_image_size
+
+
+def test_no_import_cycle_among_arpo_core_modules():
+    """A module may import another only if that one does not (transitively) import it back, at module
+    level or inside a function: a cycle makes import order matter and hides a missing layer."""
+    graph = {name: _imports(name, path) for name, path in MODULES.items()}
+    assert _cycles(graph) == []

@@ -10,6 +10,7 @@ from proctools import alive, pids_naming
 
 from arpo_core.actions import Action
 from arpo_core.envs.base import TaskSpec
+from arpo_core.envs.dom import SCREEN_SIZE
 from arpo_core.envs.miniwob import MiniWoBEnv, clamp_point, episode_limit_ms, webdriver_key
 
 
@@ -39,6 +40,24 @@ def env():
     e = MiniWoBEnv(episode_time_limit_s=60)
     yield e
     e.close()
+
+
+def test_screen_size_is_miniwobs_task_area():
+    from miniwob.constants import TASK_HEIGHT, TASK_WIDTH
+
+    assert SCREEN_SIZE == (TASK_WIDTH, TASK_HEIGHT)
+
+
+def test_an_episode_does_not_see_the_one_before(env):
+    """Decision 8: a hover left by the previous episode (click-tab's tabs change colour under the
+    pointer) and a fresh page load leave no trace in the next episode's first screenshot."""
+    tab = task("click-tab")
+    first = np.asarray(env.reset(tab, seed=0).screenshot)  # the first episode after a page load
+    target = [e for e in env.dom_elements() if e.visible and e.topmost and e.tag == "a"][-1]
+    hovered = env.step([Action("hover", point=target.center)]).observation.screenshot
+    assert (np.asarray(hovered) != first).any()  # the hover is visible while it lasts
+    again = np.asarray(env.reset(tab, seed=0).screenshot)
+    assert np.array_equal(again, first)
 
 
 def test_episode_limit_ms():

@@ -6,7 +6,8 @@ import pytest
 
 from arpo_core.actions import parse_response, to_screen
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.miniwob import DomElement, MiniWoBEnv
+from arpo_core.envs.dom import DomElement
+from arpo_core.envs.miniwob import MiniWoBEnv
 from arpo_core.envs.oracles import (
     ORACLES,
     fill_fields,

@@ -9,7 +9,7 @@ import math
 import pytest
 
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.miniwob import DomElement
+from arpo_core.envs.dom import DomElement
 from arpo_core.probe import (
     TargetRecord,
     blind_ceiling,

@@ -30,6 +30,13 @@ Design decisions:
    each env worker in its own group and kills the group). `close()` quits the driver and then kills
    whatever is left of the driver's process tree. Chromium's crashpad handlers leave the group
    (they re-parent to init) but exit on their own once Chromium is gone.
+8. An episode does not see its predecessor: every reset parks the pointer outside the task area
+   (`PARK_POINT`) before the episode starts. The browser keeps the pointer where the last episode
+   left it, and a hover there (click-tab's tabs) changed ~1000 pixels of the next episode's first
+   screenshot, so which episode had run before on the same env (timing, with several envs) changed
+   what the policy saw (rollout.py decision 5 needs episodes independent of that). Likewise the first
+   episode after a page load differed from later ones (2 pixels of click-tab), so a page load is
+   followed by one throw-away episode.
 """
 
 from __future__ import annotations
@@ -41,11 +48,9 @@ import signal
 import tempfile
 import time
 import urllib.parse
-from dataclasses import dataclass
 from typing import Any
 
 import urllib3.exceptions
-from miniwob.constants import TASK_HEIGHT, TASK_WIDTH
 from miniwob.fields import get_field_extractor
 from miniwob.screenshot import get_screenshot
 from miniwob.selenium_instance import DEFAULT_BASE_URL, SeleniumInstance
@@ -61,6 +66,8 @@ from selenium.webdriver.support.wait import WebDriverWait
 
 from arpo_core.actions import Action
 from arpo_core.envs.base import TERMINAL_KINDS, Observation, StepResult, TaskSpec
+from arpo_core.envs.dom import SCREEN_SIZE, DomElement
+from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, oracle_reply
 
 CHROMIUM_BINARY = "/usr/lib/chromium/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -76,7 +83,8 @@ CHROMIUM_FLAGS = (
     "--disable-dev-shm-usage",
     "--window-size=500,400",
 )
-SCREEN_SIZE = (TASK_WIDTH, TASK_HEIGHT)
+PARK_POINT = (SCREEN_SIZE[0] + 100, 10)
+"""Where each reset leaves the pointer (decision 8): inside the 500x400 window, outside the task area."""
 # What a dead browser raises: Selenium errors, or urllib3's when chromedriver itself is gone.
 BROWSER_ERRORS = (WebDriverException, urllib3.exceptions.HTTPError, ConnectionError)
 _MAX_TIMEOUT_MS = 2**31 - 1
@@ -191,41 +199,6 @@ return out;
 _BUSY_JS = "return !!(window.jQuery && jQuery.timers && jQuery.timers.length);"
 
 
-@dataclass(frozen=True)
-class DomElement:
-    """One DOM element of the task area, in screen pixels (oracles and grounding data only)."""
-
-    index: int
-    """Position in document order (0 = <body>; jQuery UI menus and dialogs hang below it, not #wrap)."""
-    tag: str
-    """Lower-case tag; inputs carry their type, e.g. 'input_text', 'input_checkbox'."""
-    text: str
-    """The element's own text nodes, whitespace-collapsed."""
-    full_text: str
-    """textContent of the element and its descendants."""
-    id: str
-    classes: str
-    bbox: tuple[float, float, float, float]
-    """(left, top, width, height) in screen pixels."""
-    visible: bool
-    """Non-empty box overlapping the task area and not hidden by CSS."""
-    topmost: bool
-    """The element (or a descendant) is what a click at its centre would hit."""
-    value: str | None
-    """Inputs: value, or 'true'/'false' for checkboxes and radios."""
-    focused: bool
-    bg: str
-    """Computed background colour, e.g. 'rgb(255, 0, 0)'."""
-    fg: str
-    parent: int
-    """Index of the parent element (-1 for the root)."""
-
-    @property
-    def center(self) -> tuple[float, float]:
-        left, top, w, h = self.bbox
-        return left + w / 2, top + h / 2
-
-
 class ChromiumInstance(SeleniumInstance):
     """miniwob's SeleniumInstance on Debian Chromium (see design decision 1), any task per browser."""
 
@@ -282,6 +255,10 @@ class ChromiumInstance(SeleniumInstance):
         self.inner_width, self.inner_height = self.driver.execute_script(
             "return [window.innerWidth, window.innerHeight];"
         )
+        # Decision 8: the first episode after a page load rendered differently from later ones (2 edge
+        # pixels of click-tab); one throw-away episode makes every real episode a later one.
+        self.begin_task(seed=0)
+        self.force_stop()
 
     def driver_pid(self) -> int | None:
         """Pid of chromedriver (Chromium runs below it), or None before the driver starts."""
@@ -417,6 +394,9 @@ class MiniWoBEnv:
         inst.mode = str(task.config.get("data_mode", "train"))
         inst.force_stop()
         ActionChains(inst.driver).reset_actions()  # release keys/buttons a keydown left pressed
+        park = self._chain()
+        park.w3c_actions.pointer_action.move_to_location(*PARK_POINT)  # decision 8: no hover left over
+        park.w3c_actions.perform()
         # Set every episode (a page load resets it), so changing the attribute takes effect at once.
         inst.driver.execute_script(f"core.EPISODE_MAX_TIME = {episode_limit_ms(self.episode_time_limit_s)};")
         inst.begin_task(seed=seed)
@@ -488,8 +468,6 @@ class MiniWoBEnv:
     def oracle_reply(self, min_pixels: int | None = None, max_pixels: int | None = None) -> str | None:
         """The scripted oracle's UI-TARS reply for the current state (None: no oracle for the task), in
         the model-image frame of a policy with this pixel budget (default: the oracles' own)."""
-        from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, oracle_reply
-
         assert self.task is not None
         return oracle_reply(
             self.task.task_id,

@@ -28,7 +28,7 @@ import re
 from collections.abc import Callable
 
 from arpo_core.actions import Action, format_response, smart_resize, to_model
-from arpo_core.envs.miniwob import SCREEN_SIZE, DomElement
+from arpo_core.envs.dom import SCREEN_SIZE, DomElement
 
 MODEL_MIN_PIXELS = 56 * 56
 MODEL_MAX_PIXELS = 28 * 28 * 1280
