@@ -5,37 +5,81 @@ Decisions:
    into one frozen dataclass named after it (`train:` -> `TrainConfig`), following the 1:1:1 rule of
    docs/design.md: a DVC stage = a Prefect flow = an MLflow run = a params section.
 2. Unknown keys are errors, never ignored: a typo such as `train.replay.enabeld` would otherwise silently
-   run the default. The message names the key, the section path and the file.
+   run the default. The message names the key, the section path and where the key was written.
 3. Values are type-checked against the annotations (bool is not accepted for int, an int is accepted
-   for float); nested sections are nested dataclasses (`train.replay`).
+   for float, floats must be finite); nested sections are nested dataclasses (`train.replay`).
 4. Overrides use DVC's dotted syntax (`train.replay.enabled=false`, values parsed as YAML) so that
    `dvc exp run -S`, the CLI and Prefect deployment parameters mean the same thing.
-5. Every field has a default equal to the embedded default pipeline, so a partial params file is valid;
-   `params.yaml` in the repo lists every key anyway, for discoverability.
+5. Every field has exactly one default, its dataclass default, equal to the embedded default pipeline, so
+   a partial params file is valid; `params.yaml` in the repo lists every key anyway, for
+   discoverability (its values win where they differ). An empty params file is an error, not the
+   defaults: it is more likely a truncated file than a wish.
+6. Ranges are declared on the field they constrain, as annotated_types metadata
+   (`lr: Annotated[float, Gt(0)]`, `clip_dual: Annotated[float, Gt(1)] | None`), and checked when params
+   load, after type coercion (config_check.py), so a bad value fails at once, not hours later in a stage.
+   Path fields that must exist carry `ExistingPath`: `load_params` checks them (relative paths from the
+   working directory, where the stages open them); `parse_params` alone does not touch the filesystem.
+   Rules across fields are a section's `cross_checks()` method, run by the loader.
+7. Construction in code is not range-checked (callers such as tests build configs freely), except the
+   sections that always validated themselves (`ReplayConfig`, `SelectConfig`, `GroundPhase`,
+   `GroundSectionConfig`), whose `__post_init__` calls `check_fields`: the same declared rules.
+8. Provenance: `load_params` records, for every key, which source last set it (params file < preset <
+   override, with the line in the file), and every error names it:
+   `train.loss.clip_low = 1.5 is out of range: must be < 1 (set by command-line override -S
+   train.loss.clip_low=1.5)`. A YAML syntax error names file:line:column; a key written twice in one
+   mapping is an error (YAML would keep the last silently); an unknown preset lists the presets.
 """
 
 from __future__ import annotations
 
+import copy
 import dataclasses
-import types
-import typing
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import Annotated, Any, Literal
 
 import yaml
+from annotated_types import Ge, Gt, Interval, Le, Len, MinLen
 
+from arpo_core.config_check import (
+    ConfigError,
+    Context,
+    CrossChecks,
+    ExistingPath,
+    KeyPath,
+    Provenance,
+    Source,
+    build,
+    check_fields,
+    dotted,
+)
 from arpo_core.offline_config import DPOConfig, GroundTrainConfig, KTOConfig, RFTConfig, SFTConfig
 from arpo_core.replay import ReplayConfig
 from arpo_core.selection import SelectConfig
 
-T = TypeVar("T")
-
-
-class ConfigError(ValueError):
-    """A params file that does not match the config dataclasses; the message names key and file."""
-
+__all__ = [
+    "BaselineConfig",
+    "ConfigError",
+    "DemosConfig",
+    "EnvConfig",
+    "EvaluateConfig",
+    "ExistingPath",
+    "GroundPhase",
+    "GroundSectionConfig",
+    "InitPolicyConfig",
+    "LossSection",
+    "Params",
+    "PolicyConfig",
+    "ProjectConfig",
+    "TrainConfig",
+    "apply_overrides",
+    "flatten",
+    "load_params",
+    "merge",
+    "parse_params",
+    "to_dict",
+]
 
 # --------------------------------------------------------------------------------------------------
 # Sections
@@ -43,11 +87,11 @@ class ConfigError(ValueError):
 
 @dataclass(frozen=True)
 class ProjectConfig:
-    name: str = "arpo-embedded"
+    name: Annotated[str, MinLen(1)] = "arpo-embedded"
     """MLflow experiment name and prefix of run names."""
-    seed: int = 0
+    seed: Annotated[int, Ge(0)] = 0
     """Global seed: env episodes, sampling, replay draws and selection are derived from it."""
-    torch_threads: int = 1
+    torch_threads: Annotated[int, Ge(1)] = 1
     """torch intra-op threads per process. On 2 cores shared with browsers, more threads spin and made
     CPU training ~10x slower (measured); raise it on machines with cores to spare."""
 
@@ -56,34 +100,34 @@ class ProjectConfig:
 class EnvConfig:
     backend: Literal["process", "ray"] = "process"
     """Env workers as local processes, or owned by Ray actors (placeable across machines)."""
-    n_envs: int = 8
+    n_envs: Annotated[int, Ge(1)] = 8
     """Parallel envs (reference: tasks per iteration x group size = 128)."""
-    in_domain_suite: str = "data/suites/miniwob_in_domain.yaml"
+    in_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_in_domain.yaml"
     """Tasks trained on (and their demos)."""
-    out_of_domain_suite: str = "data/suites/miniwob_out_of_domain.yaml"
+    out_of_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_out_of_domain.yaml"
     """Held-out tasks for generalisation."""
-    episode_time_limit_s: float | None = 60.0
+    episode_time_limit_s: Annotated[float, Gt(0)] | None = 60.0
     """MiniWoB episode clock (its own default of 10 s fails slow CPU policies); null: no limit."""
-    reset_timeout_s: float = 120.0
+    reset_timeout_s: Annotated[float, Gt(0)] = 120.0
     """Limit for one reset (browser start included)."""
-    step_timeout_s: float = 60.0
+    step_timeout_s: Annotated[float, Gt(0)] = 60.0
     """Limit for one step."""
-    eval_timeout_s: float = 60.0
+    eval_timeout_s: Annotated[float, Gt(0)] = 60.0
     """Limit for one evaluation."""
-    reset_retries: int = 8
+    reset_retries: Annotated[int, Ge(1)] = 8
     """Reset attempts before an env is reported failed (reference: 8)."""
-    ray_resources: dict[str, float] = field(default_factory=dict)
-    """Custom Ray resources per env actor, e.g. {env_node: 0.01} (backend ray)."""
+    ray_resources: dict[str, Annotated[float, Ge(0)]] = field(default_factory=dict)
+    """Custom Ray resources per env actor, e.g. {env_node: 0.01} (backend ray); amounts >= 0."""
 
 
 @dataclass(frozen=True)
 class PolicyConfig:
     system_prompt: Literal["uitars", "compact"] = "compact"
     """Prompt template: the full UI-TARS computer-use prompt, or a short one for tiny CPU models."""
-    history_images: int | None = None
-    """Screenshots shown as images (older turns keep their text); null: all, which keeps the
-    trainer's recomputed log-probs exactly equal to the generator's."""
-    max_new_tokens: int = 64
+    history_images: Annotated[int, Ge(1)] | None = None
+    """Screenshots shown as images, >= 1: the current one at least (older turns keep their text); null:
+    all, which keeps the trainer's recomputed log-probs exactly equal to the generator's."""
+    max_new_tokens: Annotated[int, Ge(1)] = 64
     """Reply length limit in tokens."""
     coord_mode: Literal["absolute", "relative1000"] = "absolute"
     """Model coordinates: pixels of the smart_resized image (UI-TARS-1.5) or 0-1000 (UI-TARS-1.0)."""
@@ -93,17 +137,18 @@ class PolicyConfig:
 class InitPolicyConfig:
     size: Literal["xs", "s", "m"] = "xs"
     """Tiny architecture built offline (xs 0.7M, s 5.1M, m 36.5M parameters)."""
-    seed: int = 0
+    seed: Annotated[int, Ge(0)] = 0
     """Tokenizer corpus and weight initialisation."""
-    pretrained: str | None = None
+    pretrained: Annotated[str, ExistingPath(checkpoint=True)] | None = None
     """Path of an existing Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B): used instead of building one."""
-    rope_theta: float = 5.0
+    rope_theta: Annotated[float, Gt(0)] = 5.0
     """Base of the tiny LM's rotary positions. At Qwen's 1e6 a tiny head's M-RoPE h/w bands barely turn
     across the visual tokens and clicks stay image-blind; 5 made them follow the target
     (benchmarks/results/grounding.md)."""
-    mrope: list[int] | None = field(default_factory=lambda: [2, 7, 7])
+    mrope: Annotated[list[Annotated[int, Ge(0)]], Len(3, 3)] | None = field(default_factory=lambda: [2, 7, 7])
     """(t, h, w) split of head_dim/2 rotary frequencies; null: Qwen's proportions (xs [4,6,6], s [8,12,12]).
-    [2,7,7] (xs) is the architecture of the grounding recipe and of `ground.checkpoint`."""
+    [2,7,7] (xs) is the architecture of the grounding recipe and of `ground.checkpoint`. (That the three
+    sum to head_dim/2 of `size` is checked when the model is built: the sizes live with the torch code.)"""
 
 
 @dataclass(frozen=True)
@@ -112,22 +157,15 @@ class GroundPhase(GroundTrainConfig):
     `GroundTrainConfig` (shared with `arpo_core.grounding.GroundConfig`), plus `miniwob_seeds` and
     `grow_after`, which the stage applies around the training loop."""
 
-    miniwob_seeds: int = 0
+    miniwob_seeds: Annotated[int, Ge(0)] = 0
     """Real MiniWoB screens of the in-domain suite's tasks with env seeds 0..N-1 as a fixed example
     list (half of every batch); 0 = synthetic screens only."""
-    grow_after: list[int] | None = None
+    grow_after: list[Annotated[int, Ge(0)]] | None = None
     """Before this phase, insert a zero-output decoder layer after each listed layer index
     (`policy.model.grow_depth`); null = keep the depth."""
 
     def __post_init__(self) -> None:
-        if self.steps < 1 or self.batch_size < 1:
-            raise ValueError(
-                f"ground phase steps and batch_size must be >= 1, got {self.steps}, {self.batch_size}"
-            )
-        if self.miniwob_seeds < 0:
-            raise ValueError(f"ground phase miniwob_seeds must be >= 0, got {self.miniwob_seeds}")
-        if not self.mix or any(not w > 0 for w in self.mix.values()):
-            raise ValueError(f"ground phase mix needs at least one level, weights > 0, got {self.mix}")
+        check_fields(self)
 
 
 @dataclass(frozen=True)
@@ -135,7 +173,7 @@ class GroundSectionConfig:
     """Grounding pretraining (stage `ground`): where the grounded policy comes from and how it is measured.
     (Not named `GroundConfig`: that is `arpo_core.grounding`'s training-loop config, one per phase.)"""
 
-    checkpoint: str | None = "assets/checkpoints/grounded-xs"
+    checkpoint: Annotated[str, ExistingPath(checkpoint=True)] | None = "assets/checkpoints/grounded-xs"
     """Start from this checkpoint directory (the project's versioned grounded tiny policy) instead of
     `models/init`; null = start from `models/init` and train with `phases`. A pretrained model named by
     `init_policy.pretrained` wins over it (this is a tiny model)."""
@@ -143,52 +181,55 @@ class GroundSectionConfig:
     """Training phases run in order on the starting policy; empty = use the start as it is."""
     eval_levels: list[str] = field(default_factory=lambda: ["box1h", "box4", "widget1", "widget4"])
     """Held-out synthetic levels measured after training (one measure set per level)."""
-    eval_per_level: int = 64
-    """Held-out synthetic screens per level (>= 2: correlations need two points)."""
-    eval_miniwob_seeds: int = 3
+    eval_per_level: Annotated[int, Ge(1)] = 64
+    """Held-out synthetic screens per level (>= 2 when `eval_levels` is not empty: correlations need two
+    points)."""
+    eval_miniwob_seeds: Annotated[int, Ge(0)] = 3
     """Held-out real MiniWoB screens: the in-domain suite's tasks with env seeds 1000..1000+N-1;
     0 = none (no browser)."""
-    miniwob_per_screen: int = 4
+    miniwob_per_screen: Annotated[int, Ge(1)] = 4
     """At most this many targets per real MiniWoB screen (training and held-out)."""
 
     def __post_init__(self) -> None:
+        check_fields(self)
+
+    def cross_checks(self) -> CrossChecks:
+        """Rules across fields, checked by the loader: (field, rule, other fields involved)."""
         if self.eval_levels and self.eval_per_level < 2:
-            raise ValueError(f"ground eval_per_level must be >= 2, got {self.eval_per_level}")
-        if self.eval_miniwob_seeds < 0 or self.miniwob_per_screen < 1:
-            raise ValueError("ground eval_miniwob_seeds must be >= 0 and miniwob_per_screen >= 1")
+            yield "eval_per_level", "must be >= 2 when eval_levels is not empty", ("eval_levels",)
 
 
 @dataclass(frozen=True)
 class DemosConfig:
-    episodes_per_task: int = 60
+    episodes_per_task: Annotated[int, Ge(1)] = 60
     """Oracle episodes per in-domain task (seeded, distinct instances)."""
-    seed: int = 100000
+    seed: Annotated[int, Ge(0)] = 100000
     """First env seed of the demos (kept apart from evaluation seeds)."""
 
 
 @dataclass(frozen=True)
 class BaselineConfig:
-    episodes_per_task: int = 16
+    episodes_per_task: Annotated[int, Ge(1)] = 16
     """Base-policy rollouts per task for task selection (paper: 16)."""
-    temperature: float = 1.0
-    """Sampling temperature of those rollouts."""
-    max_steps: int = 15
+    temperature: Annotated[float, Ge(0)] = 1.0
+    """Sampling temperature of those rollouts (0: greedy)."""
+    max_steps: Annotated[int, Ge(1)] = 15
     """Episode step limit."""
-    seed: int = 200000
+    seed: Annotated[int, Ge(0)] = 200000
     """First env seed."""
 
 
 @dataclass(frozen=True)
 class EvaluateConfig:
-    episodes_per_task: int = 50
+    episodes_per_task: Annotated[int, Ge(1)] = 50
     """Episodes per task and split (>= 50 to see a 10-point change, docs/method.md §7)."""
-    temperature: float = 0.0
+    temperature: Annotated[float, Ge(0)] = 0.0
     """0: greedy. The paper evaluates with 0.5-0.6; `sampled_temperature` adds that mode."""
-    sampled_temperature: float | None = None
-    """Also evaluate sampled at this temperature (null: greedy only)."""
-    max_steps: int = 15
+    sampled_temperature: Annotated[float, Gt(0)] | None = None
+    """Also evaluate sampled at this temperature, > 0 (null: greedy only)."""
+    max_steps: Annotated[int, Ge(1)] = 15
     """Episode step limit."""
-    seed: int = 900000
+    seed: Annotated[int, Ge(0)] = 900000
     """First env seed (disjoint from demos, baseline and training seeds)."""
     osworld_hard: bool = False
     """Score with the OSWorld-Hard rule (step limit + FAIL scores 0)."""
@@ -196,13 +237,13 @@ class EvaluateConfig:
 
 @dataclass(frozen=True)
 class LossSection:
-    clip_low: float = 0.2
-    """PPO clip below: ratio >= 1 - clip_low."""
-    clip_high: float = 0.3
+    clip_low: Annotated[float, Interval(gt=0, lt=1)] = 0.2
+    """PPO clip below: ratio >= 1 - clip_low (in (0, 1): the bound stays a positive ratio)."""
+    clip_high: Annotated[float, Gt(0)] = 0.3
     """PPO clip above (asymmetric, 'clip-higher'): ratio <= 1 + clip_high."""
-    clip_dual: float | None = 3.0
+    clip_dual: Annotated[float, Gt(1)] | None = 3.0
     """Dual-clip constant c (> 1) for negative advantages; null switches the dual clip off."""
-    kl_coef: float = 0.0
+    kl_coef: Annotated[float, Ge(0)] = 0.0
     """KL penalty to the reference policy; ARPO uses 0 (no reference model is kept)."""
     kl_estimator: Literal["k1", "k2", "k3"] = "k3"
     """KL estimator when kl_coef > 0."""
@@ -210,48 +251,49 @@ class LossSection:
         "token-mean"
     )
     """How per-token losses are reduced (verl's agg_loss modes)."""
-    sum_norm: float | None = None
+    sum_norm: Annotated[float, Gt(0)] | None = None
     """Fixed divisor for seq-mean-token-sum-norm (null: the padded length, as verl)."""
     advantage_scale: Literal["group", "batch", "none"] = "group"
     """Std used to normalise group-relative advantages: per group, whole batch, or none (Dr. GRPO)."""
-    advantage_eps: float = 1e-6
+    advantage_eps: Annotated[float, Gt(0)] = 1e-6
     """Added to the std before dividing (verl 1e-6; TRL 1e-4)."""
-    format_penalty: float = -1.0
-    """Reward of an unparseable reply (paper -1; reference code -0.5)."""
+    format_penalty: Annotated[float, Le(0)] = -1.0
+    """Reward of an unparseable reply, <= 0 (paper -1; reference code -0.5)."""
 
 
 @dataclass(frozen=True)
 class TrainConfig:
-    epochs: int = 3
+    epochs: Annotated[int, Ge(1)] = 3
     """Passes over the selected task set."""
-    tasks_per_iteration: int = 4
+    tasks_per_iteration: Annotated[int, Ge(1)] = 4
     """Tasks per rollout batch (reference: 16)."""
-    group_size: int = 8
-    """Rollouts per task, G (reference: 8)."""
-    lr: float = 1e-5
+    group_size: Annotated[int, Ge(2)] = 8
+    """Rollouts per task, G (reference: 8); >= 2, a group-relative advantage needs two."""
+    lr: Annotated[float, Gt(0)] = 1e-5
     """AdamW learning rate (reference 1e-6 for a 7B model; the tiny policy needs more)."""
-    weight_decay: float = 1e-2
+    weight_decay: Annotated[float, Ge(0)] = 1e-2
     """AdamW weight decay."""
-    max_grad_norm: float = 1.0
+    max_grad_norm: Annotated[float, Gt(0)] = 1.0
     """Gradient norm clip."""
-    micro_batch_size: int = 4
-    """Trajectories per forward/backward."""
-    mini_batch_size: int = 32
+    micro_batch_size: Annotated[int, Ge(1)] = 4
+    """Trajectories per forward/backward; <= mini_batch_size."""
+    mini_batch_size: Annotated[int, Ge(1)] = 32
     """Trajectories per optimizer step (reference: 64, i.e. 2 steps per 128-trajectory iteration)."""
-    ppo_epochs: int = 1
+    ppo_epochs: Annotated[int, Ge(1)] = 1
     """Optimisation passes over each rollout batch."""
-    temperature: float = 1.0
+    temperature: Annotated[float, Ge(0)] = 1.0
     """Sampling temperature during training rollouts."""
-    top_p: float = 1.0
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """Nucleus sampling during training rollouts."""
-    max_steps: int = 15
+    max_steps: Annotated[int, Ge(1)] = 15
     """Episode step limit."""
     use_selection: bool = True
     """Train on the selected tasks (true) or on the whole in-domain suite (false)."""
     engine: Literal["torch", "deepspeed"] = "torch"
     """Training engine."""
-    zero_stage: int = 2
-    """DeepSpeed ZeRO stage (engine deepspeed)."""
+    zero_stage: Annotated[int, Interval(ge=0, le=3)] = 2
+    """DeepSpeed ZeRO stage (engine deepspeed). ZeRO-3 cannot accumulate gradients over micro-batches
+    (engines.py): it needs micro_batch_size >= the mini-batch."""
     skip_zero_advantage: bool = False
     """Leave sequences with advantage exactly 0 out of the update (compute saving; the reference keeps
     them, which also dilutes the token-mean)."""
@@ -259,6 +301,23 @@ class TrainConfig:
     """bf16 autocast (CPU or GPU)."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     loss: LossSection = field(default_factory=LossSection)
+
+    def cross_checks(self) -> CrossChecks:
+        """Rules across fields, checked by the loader: (field, rule, other fields involved)."""
+        if self.micro_batch_size > self.mini_batch_size:
+            yield "micro_batch_size", "must be <= mini_batch_size", ("mini_batch_size",)
+        batch = self.tasks_per_iteration * self.group_size
+        if (
+            self.engine == "deepspeed"
+            and self.zero_stage == 3
+            and self.micro_batch_size < min(self.mini_batch_size, batch)
+        ):
+            yield (
+                "micro_batch_size",
+                "must be >= min(mini_batch_size, tasks_per_iteration * group_size) with DeepSpeed ZeRO-3, "
+                "which cannot accumulate gradients over micro-batches (engines.py)",
+                ("mini_batch_size", "tasks_per_iteration", "group_size", "engine", "zero_stage"),
+            )
 
 
 @dataclass(frozen=True)
@@ -283,151 +342,197 @@ class Params:
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
 
+    def cross_checks(self) -> CrossChecks:
+        """Rules across sections, checked by the loader: (key, rule, other keys involved)."""
+        if self.train.use_selection and self.select.min_successes > self.baseline.episodes_per_task:
+            yield (
+                "select.min_successes",
+                "must be <= baseline.episodes_per_task when train.use_selection is true: no task could be "
+                "kept",
+                ("baseline.episodes_per_task", "train.use_selection"),
+            )
+
 
 # --------------------------------------------------------------------------------------------------
 # Loading
 
 
-def _type_name(tp: Any) -> str:
-    return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
+def _file_sources(kind: str, file: Path | str, lines: Mapping[KeyPath, int]) -> Callable[[KeyPath], Source]:
+    def at(path: KeyPath) -> Source:
+        line = lines.get(path)
+        return Source(kind, f"{file}:{line}" if line else str(file))
+
+    return at
 
 
-def _coerce(value: Any, tp: Any, where: str, file: str) -> Any:
-    """Check `value` against annotation `tp`, converting nested mappings into dataclasses."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{file}: '{where}' must be a mapping (section), got {value!r}")
-        return _build(tp, value, where, file)
-    if origin in (typing.Union, types.UnionType):
-        args = typing.get_args(tp)
-        if value is None and type(None) in args:
-            return None
-        errors = []
-        for arg in args:
-            if arg is type(None):
-                continue
-            try:
-                return _coerce(value, arg, where, file)
-            except ConfigError as e:
-                errors.append(str(e))
-        raise ConfigError(f"{file}: '{where}' = {value!r} is not a {_type_name(tp)}")
-    if origin is Literal:
-        allowed = typing.get_args(tp)
-        if value not in allowed:
-            raise ConfigError(f"{file}: '{where}' = {value!r} is not one of {list(allowed)}")
-        return value
-    if origin in (list, tuple, Sequence):
-        if not isinstance(value, list | tuple):
-            raise ConfigError(f"{file}: '{where}' must be a list, got {value!r}")
-        (item_tp, *_) = typing.get_args(tp) or (Any,)
-        items = [_coerce(v, item_tp, f"{where}[{i}]", file) for i, v in enumerate(value)]
-        return tuple(items) if origin is tuple else items
-    if origin is dict:
-        if not isinstance(value, Mapping):
-            raise ConfigError(f"{file}: '{where}' must be a mapping, got {value!r}")
-        return dict(value)
-    if tp is Any:
-        return value
-    if tp is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{file}: '{where}' must be true or false, got {value!r}")
-        return value
-    if tp is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{file}: '{where}' must be an integer, got {value!r}")
-        return value
-    if tp is float:
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ConfigError(f"{file}: '{where}' must be a number, got {value!r}")
-        return float(value)
-    if tp is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{file}: '{where}' must be a string, got {value!r}")
-        return value
-    raise ConfigError(f"{file}: '{where}': unsupported annotation {tp!r}")
-
-
-def _build(cls: type[T], raw: Mapping[str, Any], where: str, file: str) -> T:
-    hints = typing.get_type_hints(cls)
-    known = {f.name for f in dataclasses.fields(cls)}
-    for key in raw:
-        if key not in known:
-            section = f"section '{where}'" if where else "the top level"
-            raise ConfigError(
-                f"{file}: unknown key '{key}' in {section} (known keys: {', '.join(sorted(known))})"
-            )
-    kwargs = {k: _coerce(v, hints[k], f"{where}.{k}" if where else k, file) for k, v in raw.items()}
-    try:
-        return cls(**kwargs)
-    except (ValueError, TypeError) as e:  # a section's own __post_init__ checks (ranges, combinations)
-        raise ConfigError(f"{file}: section '{where or '<top>'}': {e}") from e
-
-
-def parse_params(raw: Mapping[str, Any] | None, file: str = "<params>") -> Params:
-    """Validate a parsed params mapping into `Params`."""
-    return _build(Params, raw or {}, "", file)
+def parse_params(
+    raw: Mapping[str, Any] | None, file: str = "<params>", *, check_paths: bool = False
+) -> Params:
+    """Validate a parsed params mapping into `Params`; errors name `file` as the source of every key.
+    Paths are only checked against the filesystem with `check_paths` (`load_params` does)."""
+    provenance = Provenance()
+    raw = raw or {}
+    source_at = _file_sources("params file", file, {})
+    for k, v in raw.items():
+        provenance.replace((k,), v, source_at)
+    return build(Params, raw, (), Context(provenance, check_paths))
 
 
 def apply_overrides(raw: Mapping[str, Any] | None, overrides: Sequence[str]) -> dict[str, Any]:
     """Apply DVC-style `a.b.c=value` overrides (values parsed as YAML) to a raw params mapping."""
-    out: dict[str, Any] = _deepcopy(raw or {})
+    out = _deepcopy(raw or {})
     for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} must look like section.key=value")
-        dotted, text = item.split("=", 1)
-        keys = dotted.strip().split(".")
-        node = out
-        for k in keys[:-1]:
-            child = node.setdefault(k, {})
-            if not isinstance(child, dict):
-                raise ConfigError(f"override {item!r}: '{k}' is not a section")
-            node = child
-        node[keys[-1]] = yaml.safe_load(text)
+        _apply_override(out, item, None)
     return out
 
 
+def _apply_override(out: dict[str, Any], item: str, provenance: Provenance | None) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override {item!r} must look like section.key=value")
+    dotted_key, text = item.split("=", 1)
+    keys = tuple(dotted_key.strip().split("."))
+    source = Source("command-line override", f"-S {item}")
+    try:
+        value = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{source}: the value is not valid YAML: {_yaml_problem(e)}") from None
+    node = out
+    for i, k in enumerate(keys[:-1]):
+        if k not in node:
+            node[k] = {}
+            if provenance is not None:
+                provenance.replace(keys[: i + 1], {}, lambda _: source)
+        if not isinstance(node[k], dict):
+            raise ConfigError(f"override {item!r}: '{k}' is not a section")
+        node = node[k]
+    node[keys[-1]] = value
+    if provenance is not None:
+        provenance.replace(keys, value, lambda _: source)
+
+
 def _deepcopy(m: Mapping[str, Any]) -> dict[str, Any]:
-    return {k: _deepcopy(v) if isinstance(v, Mapping) else v for k, v in m.items()}
+    return {k: _deepcopy(v) if isinstance(v, Mapping) else copy.deepcopy(v) for k, v in m.items()}
 
 
-def _read_yaml(path: Path) -> dict[str, Any]:
-    if not path.exists():
-        raise ConfigError(f"params file not found: {path}")
-    raw = yaml.safe_load(path.read_text()) or {}
+def _yaml_problem(e: yaml.YAMLError) -> str:
+    """A YAML error's problem and context in one line."""
+    if not isinstance(e, yaml.MarkedYAMLError):
+        return " ".join(str(e).split())
+    text = e.problem or e.context or "syntax error"
+    if e.problem and e.context:
+        mark = e.context_mark
+        text += f" ({e.context}" + (f" at line {mark.line + 1}, column {mark.column + 1})" if mark else ")")
+    return " ".join(str(text).split())
+
+
+def _read_yaml(path: Path, kind: str) -> tuple[dict[str, Any], dict[KeyPath, int]]:
+    """A params or preset file as a mapping, and the line of every key in it."""
+    if not path.is_file():
+        raise ConfigError(f"{kind} not found: {path}")
+    loader = yaml.SafeLoader(path.read_text())
+    try:
+        node = loader.get_single_node()
+        raw = loader.construct_document(node) if node is not None else None
+    except yaml.MarkedYAMLError as e:
+        mark = e.problem_mark or e.context_mark
+        where = f"{path}:{mark.line + 1}:{mark.column + 1}" if mark else str(path)
+        raise ConfigError(f"{where}: YAML syntax error: {_yaml_problem(e)}") from None
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: YAML error: {_yaml_problem(e)}") from None
+    finally:
+        loader.dispose()
+    if raw is None or raw == {}:
+        raise ConfigError(
+            f"{path}: the {kind} is empty (nothing but comments or whitespace); it must set sections"
+        )
     if not isinstance(raw, Mapping):
         raise ConfigError(f"{path}: the top level must be a mapping of sections")
-    return dict(raw)
+    lines: dict[KeyPath, int] = {}
+    _key_lines(node, (), lines, path)
+    return dict(raw), lines
+
+
+def _key_lines(node: yaml.Node, path: KeyPath, lines: dict[KeyPath, int], file: Path) -> None:
+    """The line of every key (and list item) below `node`; a key written twice in one mapping is an
+    error (YAML would keep the last one silently)."""
+    if isinstance(node, yaml.MappingNode):
+        seen: set[str] = set()
+        for key_node, value_node in node.value:
+            if not isinstance(key_node, yaml.ScalarNode) or key_node.value == "<<":  # merge keys: no lines
+                continue
+            key = (*path, key_node.value)
+            line = key_node.start_mark.line + 1
+            if key_node.value in seen:
+                raise ConfigError(f"{file}:{line}: duplicate key {dotted(key)} (first at line {lines[key]})")
+            seen.add(key_node.value)
+            lines[key] = line
+            _key_lines(value_node, key, lines, file)
+    elif isinstance(node, yaml.SequenceNode):
+        for i, item in enumerate(node.value):
+            lines[(*path, i)] = item.start_mark.line + 1
+            _key_lines(item, (*path, i), lines, file)
 
 
 def merge(base: Mapping[str, Any], over: Mapping[str, Any]) -> dict[str, Any]:
     """Deep merge: sections merge key by key, leaves of `over` win."""
     out = _deepcopy(base)
-    for k, v in over.items():
-        if isinstance(v, Mapping) and isinstance(out.get(k), Mapping):
-            out[k] = merge(out[k], v)
-        else:
-            out[k] = _deepcopy(v) if isinstance(v, Mapping) else v
+    _overlay(out, over, (), None, None)
     return out
+
+
+def _overlay(
+    dst: dict[str, Any],
+    over: Mapping[str, Any],
+    path: KeyPath,
+    provenance: Provenance | None,
+    source_at: Callable[[KeyPath], Source] | None,
+) -> None:
+    """Merge `over` into `dst` in place (mappings key by key, anything else replaced), recording sources."""
+    for k, v in over.items():
+        key = (*path, k)
+        if isinstance(v, Mapping) and isinstance(dst.get(k), Mapping):
+            if provenance is not None and source_at is not None:
+                provenance.touch(key, source_at(key))
+            _overlay(dst[k], v, key, provenance, source_at)
+        else:
+            dst[k] = _deepcopy(v) if isinstance(v, Mapping) else copy.deepcopy(v)
+            if provenance is not None and source_at is not None:
+                provenance.replace(key, v, source_at)
+
+
+def _preset_path(params_path: Path, preset: str | Path) -> Path:
+    """A preset given as a file, or as a name: presets/NAME.yaml beside the params file."""
+    given = Path(preset)
+    if given.exists() or given.suffix:
+        return given
+    named = params_path.parent / "presets" / f"{preset}.yaml"
+    if named.is_file():
+        return named
+    available = sorted(p.stem for p in named.parent.glob("*.yaml"))
+    raise ConfigError(
+        f"unknown preset {str(preset)!r}; available presets ({named.parent / '*.yaml'}): "
+        f"{', '.join(available) if available else 'none'}"
+    )
 
 
 def load_params(
     path: str | Path = "params.yaml", overrides: Sequence[str] = (), preset: str | Path | None = None
 ) -> Params:
-    """Read a params file, merge a preset file over it (a partial params file, e.g. presets/quick.yaml),
-    apply dotted overrides, validate. Unknown keys raise ConfigError naming the file they came from."""
+    """Read a params file, merge a preset file over it (a partial params file, e.g. presets/quick.yaml, or
+    its name, e.g. quick), apply dotted overrides, validate types, ranges, paths and cross-field rules.
+    Every error names the key, the value and its source (file:line, preset:line or the override)."""
     path = Path(path)
-    raw = _read_yaml(path)
-    where = str(path)
+    provenance = Provenance()
+    raw, lines = _read_yaml(path, "params file")
+    data: dict[str, Any] = {}
+    _overlay(data, raw, (), provenance, _file_sources("params file", path, lines))
     if preset is not None:
-        preset_path = Path(preset)
-        if not preset_path.exists() and not preset_path.suffix:
-            preset_path = path.parent / "presets" / f"{preset}.yaml"
-        over = _read_yaml(preset_path)
-        parse_params(merge({}, over), file=str(preset_path))  # a typo in the preset names the preset
-        raw = merge(raw, over)
-        where = f"{path} + {preset_path}"
-    return parse_params(apply_overrides(raw, overrides), file=where)
+        preset_path = _preset_path(path, preset)
+        over, preset_lines = _read_yaml(preset_path, "preset")
+        _overlay(data, over, (), provenance, _file_sources("preset", preset_path, preset_lines))
+    for item in overrides:
+        _apply_override(data, item, provenance)
+    return build(Params, data, (), Context(provenance, check_paths=True))
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -54,8 +54,11 @@ from collections import deque
 from collections.abc import Iterable, Sequence
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
-from typing import Literal, NamedTuple
+from typing import Annotated, Literal, NamedTuple
 
+from annotated_types import Ge, Gt, Interval
+
+from arpo_core.config_check import check_fields
 from arpo_core.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory, read_trajectories, write_trajectories
 
@@ -85,27 +88,22 @@ class ReplayConfig:
 
     enabled: bool = True
     """Fill all-failed groups from the buffer. False = plain GRPO (the buffer still records successes)."""
-    capacity_per_task: int = 8
+    capacity_per_task: Annotated[int, Ge(1)] = 8
     """Successful trajectories kept per (domain, task id); the oldest is evicted first (paper: 8)."""
-    success_threshold: float = 0.1
-    """A trajectory is stored when its signal is strictly greater than this (reference: > 0.1)."""
-    trigger_std: float = 0.05
+    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
+    """A trajectory is stored when its signal is strictly greater than this (reference: > 0.1); in [0, 1):
+    a success is a checker score in [0, 1]."""
+    trigger_std: Annotated[float, Gt(0)] = 0.05
     """A group counts as failed when the population std of its signals is below this ..."""
-    trigger_mean: float = 0.2
+    trigger_mean: Annotated[float, Interval(gt=0, le=1)] = 0.2
     """... and their mean is below this (reference: std < 0.05 and mean < 0.2)."""
-    seed: int = 0
+    seed: Annotated[int, Ge(0)] = 0
     """Seed of the buffer's own RNG (which stored success is drawn); saved and restored with the buffer."""
     signal: Literal["success", "reward"] = "success"
     """Value compared with the thresholds: the checker score (reference code) or the trained reward."""
 
     def __post_init__(self) -> None:
-        if self.capacity_per_task < 1:
-            raise ValueError(f"replay capacity_per_task must be >= 1, got {self.capacity_per_task}")
-        if self.signal not in ("success", "reward"):
-            raise ValueError(f"replay signal must be 'success' or 'reward', got {self.signal!r}")
-        for name in ("success_threshold", "trigger_std", "trigger_mean"):
-            if not math.isfinite(getattr(self, name)):
-                raise ValueError(f"replay {name} must be finite, got {getattr(self, name)}")
+        check_fields(self)  # the ranges declared above, also for a config built in code
 
 
 class FillResult(NamedTuple):

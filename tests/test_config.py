@@ -1,20 +1,72 @@
-"""params.yaml <-> config dataclasses: strict parsing, overrides, and the repo's params file."""
+"""params.yaml <-> config dataclasses: strict parsing, declared ranges, cross-field rules, provenance of every
+error (params file / preset / override), overrides, and the repo's params file and presets."""
 
 from __future__ import annotations
 
 import ast
 import dataclasses
 import inspect
+import re
 import textwrap
 import typing
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Annotated, Any
 
+import annotated_types as at
 import pytest
 import yaml
 
-from arpo_core.config import ConfigError, Params, apply_overrides, flatten, load_params, parse_params, to_dict
+from arpo_core.config import (
+    ConfigError,
+    GroundPhase,
+    Params,
+    TrainConfig,
+    apply_overrides,
+    flatten,
+    load_params,
+    merge,
+    parse_params,
+    to_dict,
+)
+from arpo_core.config_check import Provenance, Source, check_fields
+from arpo_core.replay import ReplayConfig
+from arpo_core.selection import SelectConfig
 
 ROOT = Path(__file__).resolve().parents[1]
+PRESETS = sorted((ROOT / "presets").glob("*.yaml"))
+
+
+@pytest.fixture(autouse=True)
+def _in_repo_root(monkeypatch):
+    """Path fields are checked relative to the working directory, where the stages open them."""
+    monkeypatch.chdir(ROOT)
+
+
+def _raw(key: str, value: Any) -> dict[str, Any]:
+    """'train.loss.clip_low', 1.5 -> {'train': {'loss': {'clip_low': 1.5}}}; 'ground.phases[0].steps'
+    puts the key into the first (only) item of the list."""
+    head, _, rest = key.partition(".")
+    if head.endswith("[0]"):
+        return {head[:-3]: [_raw(rest, value)]}
+    return {head: _raw(rest, value) if rest else value}
+
+
+def _raws(*pairs: tuple[str, Any]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        out = merge(out, _raw(key, value))
+    return out
+
+
+def _get(p: Any, key: str) -> Any:
+    for part in re.findall(r"[^.\[\]]+|\[\d+\]", key):
+        p = p[int(part[1:-1])] if part.startswith("[") else getattr(p, part)
+    return p
+
+
+# --------------------------------------------------------------------------------------------------
+# The repo's params file and presets
 
 
 def test_repo_params_file_parses_and_lists_every_key():
@@ -24,36 +76,550 @@ def test_repo_params_file_parses_and_lists_every_key():
     assert set(flatten(raw)) == set(flatten(to_dict(params)))
 
 
-def test_defaults_equal_empty_file():
+@pytest.mark.parametrize("preset", PRESETS, ids=lambda p: p.stem)
+def test_every_preset_loads_by_path_and_by_name(preset):
+    by_path = load_params(ROOT / "params.yaml", preset=preset)
+    assert load_params(ROOT / "params.yaml", preset=preset.stem) == by_path
+    raw = merge(yaml.safe_load((ROOT / "params.yaml").read_text()), yaml.safe_load(preset.read_text()))
+    assert by_path == parse_params(raw)
+
+
+def test_presets_mean_what_they_say():
+    assert load_params(ROOT / "params.yaml", preset="grpo").train.replay.enabled is False
+    assert load_params(ROOT / "params.yaml", preset="no-selection").train.use_selection is False
+    recipe = load_params(ROOT / "params.yaml", preset="ground-recipe").ground
+    assert recipe.checkpoint is None and len(recipe.phases) == 4 and recipe.phases[3].miniwob_seeds == 120
+
+
+def test_defaults_equal_empty_mapping_and_pass_every_rule():
     assert parse_params({}) == Params()
+    assert parse_params(to_dict(Params()), check_paths=True) == Params()  # defaults obey their own ranges
+
+
+# --------------------------------------------------------------------------------------------------
+# Types and unknown keys
 
 
 @pytest.mark.parametrize(
     ("raw", "needle"),
     [
-        ({"trian": {}}, "unknown key 'trian' in the top level"),
-        ({"train": {"epochz": 2}}, "unknown key 'epochz' in section 'train'"),
+        ({"trian": {}}, "unknown key 'trian' in the top level (set by params file my/params.yaml)"),
+        ({"train": {"epochz": 2}}, "unknown key 'epochz' in section 'train' (set by params file"),
         ({"train": {"replay": {"enabeld": False}}}, "unknown key 'enabeld' in section 'train.replay'"),
-        ({"train": {"epochs": "3"}}, "'train.epochs' must be an integer"),
-        ({"train": {"epochs": True}}, "'train.epochs' must be an integer"),
-        ({"train": {"replay": {"enabled": "no"}}}, "'train.replay.enabled' must be true or false"),
-        ({"train": {"loss": {"agg": "mean"}}}, "'train.loss.agg' = 'mean' is not one of"),
-        ({"train": {"replay": 3}}, "'train.replay' must be a mapping"),
-        ({"select": {"max_tasks": 2.5}}, "'select.max_tasks' = 2.5 is not a"),
+        ({"train": {"epochs": "3"}}, "train.epochs = '3' is not an integer"),
+        ({"train": {"epochs": True}}, "train.epochs = True is not an integer"),
+        ({"train": {"lr": float("nan")}}, "train.lr = nan is not a finite number"),
+        ({"train": {"lr": float("inf")}}, "train.lr = inf is not a finite number"),
+        ({"train": {"replay": {"enabled": "no"}}}, "train.replay.enabled = 'no' is not true or false"),
+        ({"train": {"loss": {"agg": "mean"}}}, "train.loss.agg = 'mean' is not one of"),
+        ({"train": {"replay": 3}}, "train.replay = 3 is not a section"),
+        ({"select": {"max_tasks": 2.5}}, "select.max_tasks = 2.5 is not an integer or null"),
+        ({"env": {"ray_resources": {"gpu": "x"}}}, "env.ray_resources.gpu = 'x' is not a number"),
     ],
 )
-def test_bad_values_name_key_and_file(raw, needle):
+def test_bad_values_name_key_value_and_file(raw, needle):
     with pytest.raises(ConfigError) as err:
         parse_params(raw, file="my/params.yaml")
     assert needle in str(err.value)
-    assert str(err.value).startswith("my/params.yaml:")
+    assert "my/params.yaml" in str(err.value)
 
 
 def test_int_accepted_for_float_and_null_for_optional():
-    p = parse_params({"train": {"lr": 1, "loss": {"clip_low": 0}}, "select": {"max_tasks": None}})
+    p = parse_params({"train": {"lr": 1, "loss": {"clip_dual": None}}, "select": {"max_tasks": None}})
     assert p.train.lr == 1.0 and isinstance(p.train.lr, float)
-    assert p.train.loss.clip_low == 0.0
+    assert p.train.loss.clip_dual is None
     assert p.select.max_tasks is None
+
+
+def test_configs_are_frozen():
+    p = Params()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        p.train.epochs = 9  # type: ignore[misc]
+
+
+# --------------------------------------------------------------------------------------------------
+# Declared ranges: every field with a range, one rejected value and the accepted boundary
+
+TINY = 1e-9
+# (dotted key, rejected value, accepted value at or next to the boundary, other keys the accepted value needs)
+RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
+    ("project.name", "", "x", ()),
+    ("project.seed", -1, 0, ()),
+    ("project.torch_threads", 0, 1, ()),
+    ("env.n_envs", 0, 1, ()),
+    ("env.episode_time_limit_s", 0, TINY, ()),
+    ("env.reset_timeout_s", 0, TINY, ()),
+    ("env.step_timeout_s", 0, TINY, ()),
+    ("env.eval_timeout_s", 0, TINY, ()),
+    ("env.reset_retries", 0, 1, ()),
+    ("env.ray_resources", {"node": -0.01}, {"node": 0}, ()),
+    ("policy.history_images", 0, 1, ()),
+    ("policy.max_new_tokens", 0, 1, ()),
+    ("init_policy.seed", -1, 0, ()),
+    ("init_policy.rope_theta", 0, TINY, ()),
+    ("init_policy.mrope", [2, 7], [2, 7, 7], ()),
+    ("init_policy.mrope", [-1, 9, 8], [0, 8, 8], ()),
+    ("ground.eval_per_level", 0, 1, (("ground.eval_levels", []),)),
+    ("ground.eval_miniwob_seeds", -1, 0, ()),
+    ("ground.miniwob_per_screen", 0, 1, ()),
+    ("ground.phases[0].steps", 0, 1, ()),
+    ("ground.phases[0].batch_size", 0, 1, ()),
+    ("ground.phases[0].lr", 0, TINY, ()),
+    ("ground.phases[0].warmup_steps", -1, 0, ()),
+    ("ground.phases[0].min_lr_frac", -0.1, 0, ()),
+    ("ground.phases[0].min_lr_frac", 1.1, 1, ()),
+    ("ground.phases[0].weight_decay", -0.1, 0, ()),
+    ("ground.phases[0].max_grad_norm", 0, TINY, ()),
+    ("ground.phases[0].mix", {}, {"box1": 1}, ()),
+    ("ground.phases[0].mix", {"box1": 0}, {"box1": TINY}, ()),
+    ("ground.phases[0].seed", -1, 0, ()),
+    ("ground.phases[0].miniwob_seeds", -1, 0, ()),
+    ("ground.phases[0].grow_after", [0, -1], [0], ()),
+    ("demos.episodes_per_task", 0, 1, ()),
+    ("demos.seed", -1, 0, ()),
+    ("sft.steps", 0, 1, ()),
+    ("sft.batch_size", 0, 1, ()),
+    ("sft.grad_accum", 0, 1, ()),
+    ("sft.lr", 0, TINY, ()),
+    ("sft.warmup_steps", -1, 0, ()),
+    ("sft.weight_decay", -0.1, 0, ()),
+    ("sft.max_grad_norm", 0, TINY, ()),
+    ("sft.checkpoint_every", -1, 0, ()),
+    ("sft.seed", -1, 0, ()),
+    ("baseline.episodes_per_task", 0, 1, ()),
+    ("baseline.temperature", -0.1, 0, ()),
+    ("baseline.max_steps", 0, 1, ()),
+    ("baseline.seed", -1, 0, ()),
+    ("select.success_threshold", -0.1, 0, ()),
+    ("select.success_threshold", 1, 0.99, ()),
+    ("select.min_successes", -1, 0, ()),
+    ("select.max_success_rate", -0.1, 0, ()),
+    ("select.max_success_rate", 1.1, 1, ()),
+    ("select.max_tasks", 0, 1, ()),
+    ("select.seed", -1, 0, ()),
+    ("train.epochs", 0, 1, ()),
+    ("train.tasks_per_iteration", 0, 1, ()),
+    ("train.group_size", 1, 2, ()),
+    ("train.lr", 0, TINY, ()),
+    ("train.weight_decay", -0.01, 0, ()),
+    ("train.max_grad_norm", 0, TINY, ()),
+    ("train.micro_batch_size", 0, 1, ()),
+    ("train.mini_batch_size", 0, 1, (("train.micro_batch_size", 1),)),
+    ("train.ppo_epochs", 0, 1, ()),
+    ("train.temperature", -0.1, 0, ()),
+    ("train.top_p", 0, TINY, ()),
+    ("train.top_p", 1.01, 1, ()),
+    ("train.max_steps", 0, 1, ()),
+    ("train.zero_stage", -1, 0, ()),
+    ("train.zero_stage", 4, 3, ()),
+    ("train.replay.capacity_per_task", 0, 1, ()),
+    ("train.replay.success_threshold", -0.1, 0, ()),
+    ("train.replay.success_threshold", 1, 0.99, ()),
+    ("train.replay.trigger_std", 0, TINY, ()),
+    ("train.replay.trigger_mean", 0, TINY, ()),
+    ("train.replay.trigger_mean", 1.1, 1, ()),
+    ("train.replay.seed", -1, 0, ()),
+    ("train.loss.clip_low", 0, TINY, ()),
+    ("train.loss.clip_low", 1, 0.999, ()),
+    ("train.loss.clip_high", 0, TINY, ()),
+    ("train.loss.clip_dual", 1, 1.001, ()),
+    ("train.loss.kl_coef", -0.1, 0, ()),
+    ("train.loss.sum_norm", 0, TINY, ()),
+    ("train.loss.advantage_eps", 0, TINY, ()),
+    ("train.loss.format_penalty", 0.1, 0, ()),
+    ("evaluate.episodes_per_task", 0, 1, ()),
+    ("evaluate.temperature", -0.1, 0, ()),
+    ("evaluate.sampled_temperature", 0, TINY, ()),
+    ("evaluate.max_steps", 0, 1, ()),
+    ("evaluate.seed", -1, 0, ()),
+    ("rft.success_threshold", -0.1, 0, ()),
+    ("rft.success_threshold", 1, 0.99, ()),
+    ("rft.max_per_task", 0, 1, ()),
+    ("rft.seed", -1, 0, ()),
+    ("rft.sft.steps", 0, 1, ()),
+    ("rft.sft.lr", 0, TINY, ()),
+    ("dpo.beta", 0, TINY, ()),
+    ("dpo.label_smoothing", -0.1, 0, ()),
+    ("dpo.label_smoothing", 0.5, 0.49, ()),
+    ("dpo.success_threshold", -0.1, 0, ()),
+    ("dpo.success_threshold", 1, 0.99, ()),
+    ("dpo.max_pairs_per_task", 0, 1, ()),
+    ("dpo.steps", 0, 1, ()),
+    ("dpo.batch_size", 0, 1, (("dpo.micro_batch_size", 1),)),
+    ("dpo.micro_batch_size", 0, 1, ()),
+    ("dpo.lr", 0, TINY, ()),
+    ("dpo.weight_decay", -0.1, 0, ()),
+    ("dpo.max_grad_norm", 0, TINY, ()),
+    ("dpo.seed", -1, 0, ()),
+    ("kto.beta", 0, TINY, ()),
+    ("kto.desirable_weight", 0, TINY, ()),
+    ("kto.undesirable_weight", 0, TINY, ()),
+    ("kto.success_threshold", -0.1, 0, ()),
+    ("kto.success_threshold", 1, 0.99, ()),
+    ("kto.steps", 0, 1, ()),
+    ("kto.batch_size", 1, 2, (("kto.micro_batch_size", 1),)),
+    ("kto.micro_batch_size", 0, 1, ()),
+    ("kto.lr", 0, TINY, ()),
+    ("kto.weight_decay", -0.1, 0, ()),
+    ("kto.max_grad_norm", 0, TINY, ()),
+    ("kto.seed", -1, 0, ()),
+]
+
+
+@pytest.mark.parametrize(("key", "bad", "ok", "extra"), RANGES, ids=[f"{r[0]}={r[1]!r}" for r in RANGES])
+def test_range_rejects_outside_and_accepts_the_boundary(key, bad, ok, extra):
+    with pytest.raises(ConfigError) as err:
+        parse_params(_raws((key, bad), *extra), file="my.yaml")
+    msg = str(err.value)
+    # the offending key (the mapping's entry for per-value rules), its value as written, the rule, the source
+    assert re.search(rf"^{re.escape(key)}(\.\w+|\[\d\])? = .+ (is out of range|is too short): must ", msg), (
+        msg
+    )
+    assert msg.endswith("(set by params file my.yaml)"), msg
+    assert _get(parse_params(_raws((key, ok), *extra)), key) == ok
+
+
+def _sections(cls: type, prefix: str = "") -> list[tuple[str, type]]:
+    """(dotted prefix, section class) for Params and every section below it (a list item as [0])."""
+    out = [(prefix, cls)]
+    for f in dataclasses.fields(cls):
+        tp = typing.get_type_hints(cls)[f.name]
+        (item,) = typing.get_args(tp) if typing.get_origin(tp) is list else (None,)
+        for sub, suffix in ((tp, ""), (item, "[0]")):
+            if dataclasses.is_dataclass(sub):
+                out += _sections(sub, f"{prefix}{f.name}{suffix}.")
+    return out
+
+
+def _has_rules(tp: Any) -> bool:
+    if typing.get_origin(tp) is typing.Annotated:
+        return True
+    return any(_has_rules(a) for a in typing.get_args(tp))
+
+
+def _is_numeric(tp: Any) -> bool:
+    return tp in (int, float) or any(_is_numeric(a) for a in typing.get_args(tp))
+
+
+NUMERIC_FIELDS = [
+    f"{prefix}{f.name}"
+    for prefix, cls in _sections(Params)
+    for f in dataclasses.fields(cls)
+    if _is_numeric(typing.get_type_hints(cls)[f.name])
+]
+
+
+def test_every_numeric_field_declares_a_range_and_is_tested():
+    ranged = {
+        f"{prefix}{name}"
+        for prefix, cls in _sections(Params)
+        for name, tp in typing.get_type_hints(cls, include_extras=True).items()
+        if _has_rules(tp)
+    }
+    assert len(NUMERIC_FIELDS) > 90
+    assert set(NUMERIC_FIELDS) <= ranged, set(NUMERIC_FIELDS) - ranged
+    tested = {r[0] for r in RANGES}
+    shared = {k.replace("rft.sft.", "sft.") for k in ranged}  # rft.sft is an SFTConfig, tested as sft.*
+    paths = {"env.in_domain_suite", "env.out_of_domain_suite", "ground.checkpoint", "init_policy.pretrained"}
+    assert shared <= tested | paths, shared - tested  # paths: test_paths_must_exist_when_params_load
+
+
+def test_the_issue_example_message():
+    with pytest.raises(ConfigError) as err:
+        load_params(ROOT / "params.yaml", ["train.loss.clip_low=1.5"])
+    assert str(err.value) == (
+        "train.loss.clip_low = 1.5 is out of range: must be < 1 "
+        "(set by command-line override -S train.loss.clip_low=1.5)"
+    )
+
+
+def test_optional_ranges_say_null_is_allowed():
+    with pytest.raises(
+        ConfigError, match=r"train\.loss\.clip_dual = 0\.5 is out of range: must be > 1 \(or null\)"
+    ):
+        parse_params({"train": {"loss": {"clip_dual": 0.5}}})
+
+
+# --------------------------------------------------------------------------------------------------
+# Rules across fields
+
+
+@pytest.mark.parametrize(
+    ("bad", "ok", "needle"),
+    [
+        (
+            (("train.micro_batch_size", 8), ("train.mini_batch_size", 4)),
+            (("train.micro_batch_size", 4), ("train.mini_batch_size", 4)),
+            r"train\.micro_batch_size = 8 is out of range: must be <= mini_batch_size \(set by params file "
+            r"my\.yaml; train\.mini_batch_size = 4 set by params file my\.yaml\)",
+        ),
+        (
+            (("train.engine", "deepspeed"), ("train.zero_stage", 3), ("train.micro_batch_size", 4)),
+            (("train.engine", "deepspeed"), ("train.zero_stage", 3), ("train.micro_batch_size", 32)),
+            r"train\.micro_batch_size = 4 is out of range: must be >= min\(mini_batch_size, "
+            r"tasks_per_iteration \* group_size\) with DeepSpeed ZeRO-3",
+        ),
+        (
+            (("dpo.micro_batch_size", 9),),
+            (("dpo.micro_batch_size", 8),),
+            r"dpo\.micro_batch_size = 9 is out of range: must be <= batch_size",
+        ),
+        (
+            (("kto.micro_batch_size", 9),),
+            (("kto.micro_batch_size", 8),),
+            r"kto\.micro_batch_size = 9 is out of range: must be <= batch_size",
+        ),
+        (
+            (("ground.eval_per_level", 1),),
+            (("ground.eval_per_level", 1), ("ground.eval_levels", [])),
+            r"ground\.eval_per_level = 1 is out of range: must be >= 2 when eval_levels is not empty",
+        ),
+        (
+            (("select.min_successes", 17),),
+            (("select.min_successes", 17), ("train.use_selection", False)),
+            r"select\.min_successes = 17 is out of range: must be <= baseline\.episodes_per_task when "
+            r"train\.use_selection is true.*baseline\.episodes_per_task = 16 default value",
+        ),
+    ],
+)
+def test_cross_field_rules(bad, ok, needle):
+    with pytest.raises(ConfigError, match=needle):
+        parse_params(_raws(*bad), file="my.yaml")
+    parse_params(_raws(*ok))
+
+
+# --------------------------------------------------------------------------------------------------
+# Provenance: the message names where the value came from
+
+
+@pytest.fixture
+def project(tmp_path):
+    """A params file (line numbers below matter), a presets folder beside it, suite files for the paths."""
+    (tmp_path / "params.yaml").write_text(
+        "# comment\n"
+        "train:\n"
+        "  lr: 1.0e-05\n"  # line 3
+        "  epochs: 2\n"  # line 4
+        "  loss:\n"
+        "    clip_low: 0.2\n"  # line 6
+        "ground:\n"
+        "  phases:\n"  # line 8
+        "    - {steps: 5}\n"  # line 9
+    )
+    (tmp_path / "presets").mkdir()
+    (tmp_path / "presets" / "bad-lr.yaml").write_text("# a bad preset\ntrain:\n  lr: -1\n")
+    (tmp_path / "presets" / "typo.yaml").write_text("train:\n  loss:\n    clip_lwo: 0.1\n")
+    (tmp_path / "presets" / "phase.yaml").write_text(
+        "ground:\n  phases:\n    - {steps: 3}\n    - {steps: 0}\n"
+    )
+    return tmp_path
+
+
+def test_value_from_params_file_names_file_and_line(project):
+    (project / "params.yaml").write_text((project / "params.yaml").read_text().replace("0.2", "1.5"))
+    with pytest.raises(ConfigError) as err:
+        load_params(project / "params.yaml")
+    assert str(err.value) == (
+        f"train.loss.clip_low = 1.5 is out of range: must be < 1 (set by params file {project / 'params.yaml'}:6)"
+    )
+
+
+def test_value_from_preset_names_preset_and_line(project):
+    preset = re.escape(str(project / "presets" / "bad-lr.yaml"))
+    with pytest.raises(
+        ConfigError, match=rf"train\.lr = -1 is out of range: must be > 0 \(set by preset {preset}:3\)$"
+    ):
+        load_params(project / "params.yaml", preset="bad-lr")
+
+
+def test_override_wins_and_is_named(project):
+    p = load_params(project / "params.yaml", ["train.lr=0.5"], preset="bad-lr")  # override over preset
+    assert p.train.lr == 0.5
+    with pytest.raises(ConfigError) as err:
+        load_params(project / "params.yaml", ["train.lr=-2"])
+    assert str(err.value).endswith("(set by command-line override -S train.lr=-2)")
+
+
+def test_type_error_from_an_override_names_the_override_not_the_file(project):
+    with pytest.raises(ConfigError) as err:
+        load_params(project / "params.yaml", ["train.lr=abc"])
+    assert str(err.value) == "train.lr = 'abc' is not a number (set by command-line override -S train.lr=abc)"
+
+
+def test_unknown_keys_name_their_source(project):
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'clip_lwo' in section 'train\.loss' \(set by preset .*typo\.yaml:3\)"
+    ):
+        load_params(project / "params.yaml", preset="typo")
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'epochz' in section 'train' \(set by command-line override -S train\.epochz=3\)",
+    ):
+        load_params(project / "params.yaml", ["train.epochz=3"])
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'trian' in the top level \(set by command-line override"
+    ):
+        load_params(project / "params.yaml", ["trian.lr=3"])
+    (project / "params.yaml").write_text("train:\n  lr: 0.1\n  epochz: 3\n")
+    with pytest.raises(
+        ConfigError, match=r"unknown key 'epochz' in section 'train' \(set by params file .*params\.yaml:3\)"
+    ):
+        load_params(project / "params.yaml")
+
+
+def test_a_list_replaced_by_a_preset_is_the_presets_down_to_its_items(project):
+    needle = r"ground\.phases\[1\]\.steps = 0 is out of range: must be >= 1 \(set by preset .*phase\.yaml:4\)"
+    with pytest.raises(ConfigError, match=needle):
+        load_params(project / "params.yaml", preset="phase")
+
+
+def test_provenance_of_keys_no_source_wrote():
+    """A list accounts for its items' keys (a phase's omitted key comes with the phase); a section's
+    omitted key is the default's."""
+    prov = Provenance()
+    prov.replace(
+        ("ground",), {"phases": [{"steps": 5}]}, lambda path: Source("params file", f"p.yaml:{len(path)}")
+    )
+    prov.replace(("train",), {"lr": 0.1}, lambda path: Source("preset", "q.yaml"))
+    assert str(prov.source(("ground", "phases", 0, "lr"))) == "params file p.yaml:2"
+    assert str(prov.source(("ground", "phases", 0, "steps"))) == "params file p.yaml:4"
+    assert prov.source(("ground", "eval_levels")) is None
+    assert prov.source(("train", "epochs")) is None
+    prov.replace(
+        ("ground", "phases"), [], lambda path: Source("command-line override", "-S ground.phases=[]")
+    )
+    assert str(prov.source(("ground", "phases", 0, "steps"))) == "command-line override -S ground.phases=[]"
+
+
+def test_cross_field_message_names_both_sources(project):
+    (project / "presets" / "mini.yaml").write_text("train:\n  mini_batch_size: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_params(project / "params.yaml", ["train.micro_batch_size=3"], preset="mini")
+    assert str(err.value) == (
+        "train.micro_batch_size = 3 is out of range: must be <= mini_batch_size (set by command-line "
+        f"override -S train.micro_batch_size=3; train.mini_batch_size = 2 set by preset "
+        f"{project / 'presets' / 'mini.yaml'}:2)"
+    )
+    with pytest.raises(ConfigError, match=r"\(default value; train\.mini_batch_size = 2 set by preset"):
+        load_params(
+            project / "params.yaml", preset="mini"
+        )  # micro_batch_size 4 is nobody's but the default's
+
+
+def test_a_mapping_given_in_an_override_replaces_the_section(project):
+    p = load_params(project / "params.yaml", ["train.loss={clip_low: 0.1}"])
+    assert p.train.loss.clip_low == 0.1 and p.train.loss.clip_high == 0.3  # the others: defaults
+    with pytest.raises(
+        ConfigError,
+        match=r"train\.loss\.clip_high = 0 .*\(set by command-line override -S train\.loss=\{clip_high: 0\}\)",
+    ):
+        load_params(project / "params.yaml", ["train.loss={clip_high: 0}"])
+
+
+# --------------------------------------------------------------------------------------------------
+# Files: empty, YAML errors, duplicate keys, presets, paths
+
+
+@pytest.mark.parametrize("text", ["", "\n\n", "# only a comment\n# and another\n", "{}\n", "---\n"])
+def test_an_empty_params_file_is_an_error_naming_it(tmp_path, text):
+    f = tmp_path / "params.yaml"
+    f.write_text(text)
+    with pytest.raises(ConfigError, match=rf"^{re.escape(str(f))}: the params file is empty"):
+        load_params(f)
+
+
+def test_an_empty_preset_is_an_error_naming_it(project):
+    (project / "presets" / "empty.yaml").write_text("# nothing yet\n")
+    with pytest.raises(ConfigError, match=r"empty\.yaml: the preset is empty"):
+        load_params(project / "params.yaml", preset="empty")
+
+
+def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text("train:\n  lr: 0.1\n   epochs: 2\n")
+    with pytest.raises(ConfigError) as err:
+        load_params(f)
+    msg = str(err.value)
+    assert msg.startswith(f"{f}:3:10: YAML syntax error: mapping values are not allowed here"), msg
+    assert "\n" not in msg
+
+
+def test_a_bad_yaml_override_names_the_override():
+    with pytest.raises(
+        ConfigError, match=r"^command-line override -S train\.lr=\[1: the value is not valid YAML"
+    ):
+        load_params(ROOT / "params.yaml", ["train.lr=[1"])
+
+
+def test_a_key_written_twice_is_an_error(tmp_path):
+    f = tmp_path / "params.yaml"
+    f.write_text("train:\n  lr: 0.1\ntrain:\n  epochs: 2\n")
+    with pytest.raises(
+        ConfigError, match=rf"^{re.escape(str(f))}:3: duplicate key train \(first at line 1\)"
+    ):
+        load_params(f)
+
+
+def test_unknown_preset_lists_the_available_ones(project):
+    with pytest.raises(ConfigError) as err:
+        load_params(project / "params.yaml", preset="quik")
+    assert str(err.value) == (
+        f"unknown preset 'quik'; available presets ({project / 'presets' / '*.yaml'}): bad-lr, phase, typo"
+    )
+    with pytest.raises(ConfigError, match=r"unknown preset 'quik'; available presets .*: .*grpo.*quick"):
+        load_params(ROOT / "params.yaml", preset="quik")
+    with pytest.raises(ConfigError, match=r"preset not found: .*nope\.yaml"):
+        load_params(ROOT / "params.yaml", preset=ROOT / "presets" / "nope.yaml")
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ConfigError, match="params file not found"):
+        load_params(tmp_path / "nope.yaml")
+
+
+@pytest.mark.parametrize(
+    ("override", "needle"),
+    [
+        (
+            "env.in_domain_suite=data/suites/nope.yaml",
+            r"env\.in_domain_suite = 'data/suites/nope\.yaml' does not exist",
+        ),
+        ("env.out_of_domain_suite=data/suites", r"env\.out_of_domain_suite = 'data/suites' does not exist"),
+        (
+            "ground.checkpoint=assets",
+            r"ground\.checkpoint = 'assets' is not a checkpoint: must be a directory holding config\.json",
+        ),
+        ("init_policy.pretrained=/nowhere", r"init_policy\.pretrained = '/nowhere' is not a checkpoint"),
+    ],
+)
+def test_paths_must_exist_when_params_load(override, needle):
+    with pytest.raises(ConfigError, match=needle) as err:
+        load_params(ROOT / "params.yaml", [override])
+    assert str(err.value).endswith(f"(set by command-line override -S {override})")
+    key, value = override.split("=")
+    assert _get(parse_params(_raw(key, value)), key) == value  # parse_params alone does not look at files
+
+
+def test_existing_paths_and_null_checkpoints_load(tmp_path, monkeypatch):
+    p = load_params(
+        ROOT / "params.yaml",
+        ["init_policy.pretrained=assets/checkpoints/grounded-xs", "ground.checkpoint=null"],
+    )
+    assert p.init_policy.pretrained == "assets/checkpoints/grounded-xs" and p.ground.checkpoint is None
+    monkeypatch.chdir(tmp_path)  # relative paths are read from the working directory
+    with pytest.raises(ConfigError, match=r"relative paths are read from the working directory"):
+        load_params(ROOT / "params.yaml")
+    suite, checkpoint = ROOT / "data/suites/miniwob_quick.yaml", ROOT / "assets/checkpoints/grounded-xs"
+    absolute = [
+        f"env.in_domain_suite={suite}",
+        f"env.out_of_domain_suite={suite}",
+        f"ground.checkpoint={checkpoint}",
+    ]
+    assert load_params(ROOT / "params.yaml", absolute).env.in_domain_suite == str(suite)
+
+
+# --------------------------------------------------------------------------------------------------
+# Overrides
 
 
 def test_overrides_are_dotted_yaml_values(tmp_path):
@@ -67,23 +633,54 @@ def test_overrides_are_dotted_yaml_values(tmp_path):
         load_params(f, ["train.replay.enabeld=false"])
     with pytest.raises(ConfigError, match="must look like"):
         apply_overrides({}, ["train.replay.enabled"])
+    with pytest.raises(ConfigError, match="'checkpoint' is not a section"):
+        load_params(f, ["ground.checkpoint=null", "ground.checkpoint.x=1"])
 
 
-def test_overrides_do_not_mutate_input():
-    raw = {"train": {"epochs": 1}}
-    apply_overrides(raw, ["train.epochs=5"])
-    assert raw == {"train": {"epochs": 1}}
+def test_overrides_and_merge_do_not_mutate_input():
+    raw = {"train": {"epochs": 1, "loss": {"clip_low": 0.1}}, "ground": {"phases": [{"steps": 1}]}}
+    apply_overrides(raw, ["train.epochs=5", "train.loss.clip_low=0.3"])
+    merged = merge(raw, {"train": {"loss": {"clip_high": 0.5}}})
+    merged["ground"]["phases"][0]["steps"] = 9
+    assert raw == {"train": {"epochs": 1, "loss": {"clip_low": 0.1}}, "ground": {"phases": [{"steps": 1}]}}
+    assert merged["train"] == {"epochs": 1, "loss": {"clip_low": 0.1, "clip_high": 0.5}}
 
 
-def test_configs_are_frozen():
-    p = Params()
-    with pytest.raises(dataclasses.FrozenInstanceError):
-        p.train.epochs = 9  # type: ignore[misc]
+# --------------------------------------------------------------------------------------------------
+# Construction in code
 
 
-def test_missing_file_is_a_clear_error(tmp_path):
-    with pytest.raises(ConfigError, match="params file not found"):
-        load_params(tmp_path / "nope.yaml")
+def test_sections_that_validate_on_construction_use_the_declared_rules():
+    with pytest.raises(
+        ConfigError, match=r"ReplayConfig\.capacity_per_task = 0 is out of range: must be >= 1$"
+    ):
+        ReplayConfig(capacity_per_task=0)
+    with pytest.raises(
+        ValueError, match=r"SelectConfig\.max_success_rate = 1\.5 is out of range: must be <= 1"
+    ):
+        SelectConfig(max_success_rate=1.5)
+    with pytest.raises(ValueError, match=r"GroundPhase\.mix = \{\} is too short: must have at least 1 item$"):
+        GroundPhase(mix={})
+    assert SelectConfig(max_tasks=3).max_tasks == 3
+
+
+def test_other_sections_are_built_freely_in_code():
+    """Cross-field rules and the other sections' ranges are the loader's: code (tests) builds partial
+    configs, e.g. a micro-batch larger than a tiny test's mini-batch."""
+    assert TrainConfig(micro_batch_size=8, mini_batch_size=2).micro_batch_size == 8
+
+
+def test_an_unsupported_rule_is_a_programming_error():
+    @dataclass(frozen=True)
+    class Odd:
+        n: Annotated[int, at.MultipleOf(2)] = 2
+
+    with pytest.raises(TypeError, match="unsupported range rule MultipleOf"):
+        check_fields(Odd())
+
+
+# --------------------------------------------------------------------------------------------------
+# Documentation
 
 
 def _section_classes(cls, seen=None):
@@ -111,12 +708,3 @@ def test_every_field_is_documented(cls):
         nxt = body[i + 1] if i + 1 < len(body) else None
         documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
         assert documented, f"{cls.__name__}.{node.target.id} has no docstring line"
-
-
-def test_section_checks_become_config_errors():
-    with pytest.raises(
-        ConfigError, match=r"my.yaml: section 'select': .*cap_mode|my.yaml: 'select.cap_mode'"
-    ):
-        parse_params({"select": {"cap_mode": "best"}}, file="my.yaml")
-    with pytest.raises(ConfigError, match=r"my\.yaml: section 'select': select min_successes must be >= 0"):
-        parse_params({"select": {"min_successes": -1}}, file="my.yaml")
