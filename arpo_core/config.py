@@ -236,6 +236,17 @@ class EvaluateConfig:
 
 
 @dataclass(frozen=True)
+class CompareConfig:
+    """The comparison table (stage `compare`)."""
+
+    reference: str = "base"
+    """The policy every other one is paired against, episode by episode on the shared instances."""
+    image_blind: bool = True
+    """Read the DOM targets of the evaluation instances (one browser, click-oracle tasks) for the
+    image-blind ceiling and click alignment; false: no browser, no ceiling."""
+
+
+@dataclass(frozen=True)
 class LossSection:
     clip_low: Annotated[float, Interval(gt=0, lt=1)] = 0.2
     """PPO clip below: ratio >= 1 - clip_low (in (0, 1): the bound stays a positive ratio)."""
@@ -341,6 +352,7 @@ class Params:
     rft: RFTConfig = field(default_factory=RFTConfig)
     dpo: DPOConfig = field(default_factory=DPOConfig)
     kto: KTOConfig = field(default_factory=KTOConfig)
+    compare: CompareConfig = field(default_factory=CompareConfig)
 
     def cross_checks(self) -> CrossChecks:
         """Rules across sections, checked by the loader: (key, rule, other keys involved)."""

@@ -66,15 +66,21 @@ def test_ground_section_parses_phases_and_names_unknown_keys():
     ).ground
     assert g.checkpoint is None
     assert g.phases == [GroundPhase(steps=5, mix={"box4": 2}, grow_after=[0, 1])]
-    with pytest.raises(ConfigError, match=r"my\.yaml: unknown key 'stepz' in section 'ground\.phases\[0\]'"):
+    with pytest.raises(
+        ConfigError,
+        match=r"unknown key 'stepz' in section 'ground\.phases\[0\]' \(set by params file my\.yaml\)",
+    ):
         parse_params({"ground": {"phases": [{"stepz": 5}]}}, file="my.yaml")
     with pytest.raises(ConfigError, match=r"unknown key 'eval_level' in section 'ground'"):
         parse_params({"ground": {"eval_level": ["box4"]}})
-    with pytest.raises(ConfigError, match=r"'ground\.phases\[0\]\.grow_after' = 'x' is not a"):
+    with pytest.raises(ConfigError, match=r"ground\.phases\[0\]\.grow_after = 'x' is not a list or null"):
         parse_params({"ground": {"phases": [{"grow_after": "x"}]}})
-    with pytest.raises(ConfigError, match="weights > 0"):
+    with pytest.raises(ConfigError, match=r"ground\.phases\[0\]\.mix\.box1 = 0 is out of range: must be > 0"):
         parse_params({"ground": {"phases": [{"mix": {"box1": 0}}]}})
-    with pytest.raises(ConfigError, match="eval_per_level must be >= 2"):
+    with pytest.raises(
+        ConfigError,
+        match=r"ground\.eval_per_level = 1 is out of range: must be >= 2 when eval_levels is not empty",
+    ):
         parse_params({"ground": {"eval_per_level": 1}})
 
 
@@ -190,9 +196,12 @@ def test_unknown_level_fails_before_any_work(init_dir, tmp_path):
     assert not (tmp_path / "g").exists()
 
 
-def test_missing_checkpoint_is_a_clear_error(init_dir, tmp_path):
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        ground.run(params(f"ground.checkpoint={tmp_path / 'none'}"), init_dir, tmp_path / "g")
+def test_missing_checkpoint_is_a_clear_error_when_params_load(tmp_path):
+    with pytest.raises(
+        ConfigError,
+        match=r"ground\.checkpoint = .* is not a checkpoint: must be a directory holding config\.json",
+    ):
+        params(f"ground.checkpoint={tmp_path / 'none'}")
 
 
 def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch):

@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image
 
-from arpo_core.config import load_params
+from arpo_core.config import ConfigError, load_params
 from arpo_core.pipeline import common, init_policy, offline, select
 from arpo_core.policy.model import load_policy
 from arpo_core.selection import read_selection
@@ -94,8 +94,8 @@ def test_pretrained_pointer_is_followed(workdir, tmp_path):
     m = init_policy.run(p, tmp_path / "init")
     assert m == {"init_policy/pretrained": 1.0}
     assert common.resolve_policy(tmp_path / "init") == (workdir / "init").resolve()
-    with pytest.raises(FileNotFoundError, match="no checkpoint"):
-        init_policy.run(params(f"init_policy.pretrained={tmp_path / 'nothing'}"), tmp_path / "x")
+    with pytest.raises(ConfigError, match=r"init_policy\.pretrained = .* is not a checkpoint"):
+        params(f"init_policy.pretrained={tmp_path / 'nothing'}")
 
 
 def test_pixel_budget_reads_both_layouts(workdir, tmp_path):

@@ -5,10 +5,11 @@ intervals, paired differences against the base, the image-blind ceiling and clic
 Decisions:
 1. Numbers come from the stored evaluation episodes (greedy), not from other stages' metric files:
    `evaluate.summarize` per method and split (stratified 95% intervals), `probe.paired_difference`
-   against the base on the same (task, instance) episodes, per split.
+   against the reference policy (`compare.reference`, default the base) on the same (task, instance)
+   episodes, per split.
 2. The image-blind ceiling (docs/method.md §7): the best constant first click per task, from the DOM
    targets of exactly the evaluation instances (env seeds `evaluate.seed + k`), in-sample and two-fold
-   cross-validated (`probe.blind_ceiling`). It needs a browser (the targets are read from the DOM after
+   cross-validated (`probe.blind_ceiling`), unless `compare.image_blind` is false. It needs a browser (the targets are read from the DOM after
    a reset) and a click oracle; tasks whose oracle does not open with a click (typing, keys) have no
    ceiling and are listed. For a single-click task the first-click ceiling bounds success; for a
    multi-step task it bounds only the first step.
@@ -135,16 +136,18 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
         "",
         f"Greedy success (%) with 95% intervals; {e.episodes_per_task} episodes per task on env seeds "
         f"{e.seed}..{e.seed + e.episodes_per_task - 1}, the same instances for every method. "
-        "Paired delta: the method minus the base, episode by episode on the shared instances (95% interval).",
+        f"Paired delta: the method minus {doc['reference']}, episode by episode on the shared instances "
+        "(95% interval).",
         "",
-        "| method | in-domain | 95% CI | vs base | out-of-domain | 95% CI | vs base | click/target corr |",
+        f"| method | in-domain | 95% CI | vs {doc['reference']} | out-of-domain | 95% CI | vs {doc['reference']} "
+        "| click/target corr |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for m, row in doc["methods"].items():
         cells = [m]
         for split in SPLITS:
             c = row[split]
-            vs = c.get("vs_base")
+            vs = c.get("vs_reference")
             delta = (
                 "-" if not vs or vs["delta"] is None else f"{100 * vs['delta']:+.1f} {_interval(vs['ci95'])}"
             )
@@ -178,15 +181,25 @@ def run(
 
     out_dir = Path(out_dir)
     evals = collect_evaluations(eval_dirs)
-    if "base" not in evals:
-        raise FileNotFoundError(f"compare: no base evaluation (base.parquet) in {list(map(str, eval_dirs))}")
+    ref = p.compare.reference
+    if ref not in evals:
+        raise FileNotFoundError(
+            f"compare: no evaluation of compare.reference={ref!r} ({ref}.parquet) in {list(map(str, eval_dirs))}; "
+            f"evaluated: {', '.join(evals) or 'none'}"
+        )
     tasks = {s: suite_tasks(p, s) for s in SPLITS}
     splits = split_map(tasks["in_domain"] + tasks["out_of_domain"])
-    records, no_ceiling = _targets(p, tasks["in_domain"] + tasks["out_of_domain"])
+    every = tasks["in_domain"] + tasks["out_of_domain"]
+    records, no_ceiling = _targets(p, every) if p.compare.image_blind else ([], {})
     e = p.evaluate
-    doc: dict[str, Any] = {"episodes_per_task": e.episodes_per_task, "first_seed": e.seed, "methods": {}}
+    doc: dict[str, Any] = {
+        "episodes_per_task": e.episodes_per_task,
+        "first_seed": e.seed,
+        "reference": ref,
+        "methods": {},
+    }
     metrics: dict[str, float] = {}
-    base = evals["base"]
+    base = evals[ref]
     for m, trajs in evals.items():
         stats = summarize(trajs, splits, max_steps=e.max_steps, prefix="m", per_task=True)
         row: dict[str, Any] = {}
@@ -207,10 +220,10 @@ def run(
                     if f"m/task/{t.domain}/{t.task_id}/success_rate" in stats
                 },
             }
-            if m != "base" and mine:
-                cell["vs_base"] = paired_difference([t for t in base if t.key in ids], mine)
-                if cell["vs_base"]["delta"] is not None:
-                    metrics[f"compare/{m}/{split}/delta_vs_base"] = cell["vs_base"]["delta"]
+            if m != ref and mine:
+                cell["vs_reference"] = paired_difference([t for t in base if t.key in ids], mine)
+                if cell["vs_reference"]["delta"] is not None:
+                    metrics[f"compare/{m}/{split}/delta_vs_{ref}"] = cell["vs_reference"]["delta"]
             if rate is not None:
                 metrics[f"compare/{m}/{split}/success_rate"] = rate
             row[split] = cell

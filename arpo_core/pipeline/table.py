@@ -197,7 +197,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "compare",
         module="compare",
-        params=("evaluate", *SUITES),
+        params=("compare", "evaluate", *SUITES),
         inputs={
             "eval_dirs": ("data/eval", *(f"data/eval_{m}" for m in OFFLINE)),
             "offline_dirs": tuple(f"models/{m}" for m in OFFLINE),

@@ -1,0 +1,81 @@
+"""The compare stage on fabricated evaluation episodes (no browser: compare.image_blind=false); the
+image-blind ceiling from real DOM targets runs in the pipeline tests (quick preset)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+from PIL import Image
+
+from arpo_core.config import load_params
+from arpo_core.fileio import atomic_write_json
+from arpo_core.pipeline import compare
+from arpo_core.pipeline.offline import SKIPPED
+from arpo_core.trajectory import Step, Trajectory, png_bytes, write_trajectories
+
+ROOT = Path(__file__).resolve().parents[1]
+IN, OUT = "click-test", "click-test-transfer"  # the quick suites' tasks (in-domain, out-of-domain)
+
+
+def params(*overrides):
+    return load_params(ROOT / "params.yaml", ["compare.image_blind=false", *overrides], preset="quick")
+
+
+def episodes(method: str, wins: dict[str, list[int]]) -> list[Trajectory]:
+    """One episode per (task, k); success where k is listed in wins[task]."""
+    img = png_bytes(Image.new("RGB", (160, 210)))
+    out = []
+    for task, ks in wins.items():
+        for k in range(4):
+            step = Step(0, img, 160, 210, "Thought: x\nAction: click(start_box='(5,5)')", done=True)
+            s = float(k in ks)
+            out.append(Trajectory(f"evaluate-{method}", "evaluate", 0, "miniwob", task, f"Click {k}.", [step],
+                                  group_id=0, sample_idx=k, success=s, reward=s))  # fmt: skip
+    return out
+
+
+@pytest.fixture
+def evals(tmp_path):
+    d = tmp_path / "data"
+    write_trajectories(d / "eval" / "base.parquet", episodes("base", {IN: [0], OUT: []}))
+    write_trajectories(d / "eval" / "arpo.parquet", episodes("arpo", {IN: [0, 1, 2], OUT: [3]}))
+    write_trajectories(d / "eval" / "arpo-sampled.parquet", episodes("arpo", {IN: [], OUT: []}))
+    write_trajectories(d / "eval_kto" / "kto.parquet", episodes("kto", {IN: [1], OUT: []}))
+    (d / "eval_rft").mkdir()
+    atomic_write_json(tmp_path / "models" / "rft" / SKIPPED, {"method": "rft", "reason": "no success"})
+    return tmp_path
+
+
+def test_collect_orders_methods_and_ignores_sampled(evals):
+    got = compare.collect_evaluations(
+        [evals / "data" / "eval", evals / "data" / "eval_kto", evals / "nothing"]
+    )
+    assert list(got) == ["base", "kto", "arpo"]
+    assert len(got["arpo"]) == 8
+
+
+def test_compare_writes_table_json_plot_with_paired_deltas(evals):
+    dirs = [evals / "data" / n for n in ("eval", "eval_rft", "eval_kto")]
+    m = compare.run(params(), dirs, [evals / "models" / "rft"], evals / "report")
+    doc = json.loads((evals / "report" / "comparison.json").read_text())
+    assert list(doc["methods"]) == ["base", "kto", "arpo"]
+    arpo = doc["methods"]["arpo"]
+    assert arpo["in_domain"]["success"] == pytest.approx(0.75) and arpo["in_domain"]["episodes"] == 4
+    vs = arpo["in_domain"]["vs_reference"]
+    assert vs["n"] == 4 and vs["delta"] == pytest.approx(0.5) and vs["wins"] == 2 and vs["losses"] == 0
+    assert arpo["out_of_domain"]["vs_reference"]["delta"] == pytest.approx(0.25)
+    assert "vs_reference" not in doc["methods"]["base"]["in_domain"]
+    assert doc["not_trained"] == {"rft": "no success"}
+    assert doc["image_blind"]["in_domain"] is None  # switched off: no browser
+    assert m["compare/arpo/in_domain/delta_vs_base"] == pytest.approx(0.5)
+    assert m["compare/kto/in_domain/success_rate"] == pytest.approx(0.25) and m["compare/methods"] == 3.0
+    md = (evals / "report" / "comparison.md").read_text()
+    assert "| arpo | 75.0 |" in md and "+50.0" in md and "rft: not trained (no success)" in md
+    assert (evals / "report" / "comparison.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_compare_names_a_missing_reference(evals):
+    with pytest.raises(FileNotFoundError, match=r"compare\.reference='dpo'.*evaluated: base, arpo"):
+        compare.run(params("compare.reference=dpo"), [evals / "data" / "eval"], [], evals / "report")
