@@ -140,7 +140,7 @@ class ReplayStats(NamedTuple):
     """Trajectories dropped by FIFO eviction."""
 
     def as_metrics(self) -> dict[str, float]:
-        """The stats under the project's `replay/` metric namespace (STYLE.md)."""
+        """The stats under the project's `replay/` metric namespace (docs/design.md, the 1:1:1 rule)."""
         return {f"replay/{k}": float(v) for k, v in self._asdict().items()}
 
 
