@@ -77,21 +77,25 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     with tempfile.TemporaryDirectory() as d:
         policy = build_tiny_policy(Path(d) / "p", size=args.size)
-    gen = NoStop(policy, system="compact")
+    gen = NoStop(policy, system="compact", history_images=None)
     prompts = [PromptInput(f"Click button {i}", (screen(i),)) for i in range(16)]
-    gen.generate(prompts[:2], temperature=1.0, max_new_tokens=4, seed=0)  # warm-up
+    sampled = {"temperature": 1.0, "top_p": 1.0}
+    gen.generate(prompts[:2], max_new_tokens=4, seeds=[0, 1], **sampled)  # warm-up
 
     rows = []
     for bs in (1, 2, 4, 8, 16):
         batched, single = [], []
         for r in range(args.repeats):
             t0 = time.perf_counter()
-            out = gen.generate(prompts[:bs], temperature=1.0, max_new_tokens=args.tokens, seed=r)
+            seeds = [1000 * r + i for i in range(bs)]
+            out = gen.generate(prompts[:bs], max_new_tokens=args.tokens, seeds=seeds, **sampled)
             batched.append(time.perf_counter() - t0)
             assert all(len(g.token_ids) == args.tokens for g in out)
             t0 = time.perf_counter()
             for i in range(bs):
-                gen.generate(prompts[i : i + 1], temperature=1.0, max_new_tokens=args.tokens, seed=r + i)
+                gen.generate(
+                    prompts[i : i + 1], max_new_tokens=args.tokens, seeds=seeds[i : i + 1], **sampled
+                )
             single.append(time.perf_counter() - t0)
         tb, ts = statistics.median(batched), statistics.median(single)
         n = bs * args.tokens

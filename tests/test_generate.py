@@ -57,30 +57,58 @@ def test_sample_next_greedy_and_top_p_tiny():
 
 @pytest.mark.parametrize("system", ["compact", "uitars"])
 def test_batched_equals_one_at_a_time_greedy(policy, system):
-    gen = HFGenerator(policy, system=system)
-    batched = gen.generate(prompts(), temperature=0.0, max_new_tokens=12, seed=0)
+    gen = HFGenerator(policy, system=system, history_images=None)
+    batched = gen.generate(prompts(), temperature=0.0, top_p=1.0, max_new_tokens=12)
     for b, p in enumerate(prompts()):
-        single = gen.generate([p], temperature=0.0, max_new_tokens=12, seed=0)[0]
+        single = gen.generate([p], temperature=0.0, top_p=1.0, max_new_tokens=12)[0]
         assert single.token_ids == batched[b].token_ids
         assert single.logprobs == pytest.approx(batched[b].logprobs, abs=1e-4)
 
 
+SAMPLED = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 12}
+
+
 def test_batched_equals_one_at_a_time_sampled(policy):
-    """Row b of a batch uses the generator seeded seed + b (generate.py decision 1)."""
-    gen = HFGenerator(policy, system="compact")
-    batched = gen.generate(prompts(), temperature=1.0, top_p=0.9, max_new_tokens=12, seed=7)
+    """Prompt b is sampled with its own seed `seeds[b]` (generate.py decision 1), whatever its row."""
+    gen = HFGenerator(policy, system="compact", history_images=None)
+    seeds = [7, 1234567890123, 7]  # equal seeds for different prompts are fine: each has its own generator
+    batched = gen.generate(prompts(), seeds=seeds, **SAMPLED)
     for b, p in enumerate(prompts()):
-        single = gen.generate([p], temperature=1.0, top_p=0.9, max_new_tokens=12, seed=7 + b)[0]
+        single = gen.generate([p], seeds=[seeds[b]], **SAMPLED)[0]
         assert single.token_ids == batched[b].token_ids
-    again = gen.generate(prompts(), temperature=1.0, top_p=0.9, max_new_tokens=12, seed=7)
+    again = gen.generate(prompts(), seeds=seeds, **SAMPLED)
     assert [g.token_ids for g in again] == [g.token_ids for g in batched]
-    other = gen.generate(prompts(), temperature=1.0, top_p=0.9, max_new_tokens=12, seed=8)
+    other = gen.generate(prompts(), seeds=[8, 9, 10], **SAMPLED)
     assert [g.token_ids for g in other] != [g.token_ids for g in batched]
 
 
+def test_reply_follows_its_seed_not_its_row(policy):
+    """Reordering the batch (and its seeds) reorders the replies and changes nothing else: what a rollout
+    needs so that which env an episode runs on, and with whom it shares a batch, does not matter."""
+    gen = HFGenerator(policy, system="compact", history_images=None)
+    seeds = [11, 22, 33]
+    forward = gen.generate(prompts(), seeds=seeds, **SAMPLED)
+    backward = gen.generate(prompts()[::-1], seeds=seeds[::-1], **SAMPLED)
+    assert [g.token_ids for g in backward[::-1]] == [g.token_ids for g in forward]
+    pair = gen.generate(prompts()[1:], seeds=seeds[1:], **SAMPLED)
+    assert [g.token_ids for g in pair] == [g.token_ids for g in forward[1:]]
+
+
+def test_seeds_are_checked(policy):
+    gen = HFGenerator(policy, system="compact", history_images=None)
+    with pytest.raises(ValueError, match="one seed per prompt"):
+        gen.generate(prompts(), **SAMPLED)  # sampling needs seeds
+    with pytest.raises(ValueError, match="3 prompts need 3 seeds, got 2"):
+        gen.generate(prompts(), seeds=[1, 2], **SAMPLED)
+    with pytest.raises(TypeError, match="max_new_tokens"):
+        gen.generate(prompts(), temperature=0.0, top_p=1.0)  # no default: params own it
+    with pytest.raises(TypeError, match="history_images"):
+        HFGenerator(policy, system="compact")
+
+
 def test_generation_fields(policy):
-    g = HFGenerator(policy, system="compact").generate(
-        prompts()[:1], temperature=1.0, max_new_tokens=5, seed=0
+    g = HFGenerator(policy, system="compact", history_images=None).generate(
+        prompts()[:1], temperature=1.0, top_p=1.0, max_new_tokens=5, seeds=[0]
     )[0]
     assert isinstance(g, Generation)
     assert len(g.token_ids) == len(g.logprobs) <= 5
@@ -97,7 +125,8 @@ def _rollout(gen: HFGenerator, instructions: list[str], n_steps: list[int], temp
     for step in range(max(n_steps)):
         live = [e for e in range(len(instructions)) if step < n_steps[e]]
         batch = [PromptInput(instructions[e], tuple(shots[e]), tuple(replies[e])) for e in live]
-        outs = gen.generate(batch, temperature=temperature, top_p=top_p, max_new_tokens=16, seed=100 * step)
+        seeds = [100 * step + e for e in live]
+        outs = gen.generate(batch, temperature=temperature, top_p=top_p, max_new_tokens=16, seeds=seeds)
         for e, out in zip(live, outs, strict=True):
             replies[e].append(Reply(out.text, out.token_ids))
             logps[e].extend(out.logprobs)
@@ -125,11 +154,11 @@ def _rollout(gen: HFGenerator, instructions: list[str], n_steps: list[int], temp
 def test_generation_logprobs_match_recomputed(policy, system, temperature, top_p):
     """Multi-turn episodes of 2-3 screenshots: the behaviour log-probs returned by generation equal the
     log-probs recomputed in one right-padded training forward (fp32), token for token."""
-    gen = HFGenerator(policy, system=system)
+    gen = HFGenerator(policy, system=system, history_images=None)
     trajs, gen_logps = _rollout(
         gen, ["Click the red box.", "Enter the text.", "Select alpha."], [2, 3, 3], temperature, top_p
     )
-    seqs = [encode_trajectory(policy, t, system=system) for t in trajs]
+    seqs = [encode_trajectory(policy, t, system=system, history_images=None) for t in trajs]
     with torch.no_grad():
         logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
     max_diff = 0.0
@@ -144,7 +173,7 @@ def test_generation_logprobs_match_recomputed(policy, system, temperature, top_p
 def test_vllm_backend_import_guard(policy, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as on this CPU machine: vLLM is not installed
     with pytest.raises(ImportError, match="separate GPU environment"):
-        VLLMGenerator(policy, "/nonexistent")
+        VLLMGenerator(policy, "/nonexistent", system="compact", history_images=None)
 
 
 def test_vllm_backend_prompt_tokens(policy):
@@ -154,7 +183,7 @@ def test_vllm_backend_prompt_tokens(policy):
     sampled = (Reply("Thought: a.\nAction: wait()", (17, 18, policy.im_end_id)),)
     p = PromptInput("Type hello.", (screen(1), screen(2)), sampled)
     vllm_prompt = gen._prompt(p)
-    hf = encode_prompt(policy, p, system="compact")
+    hf = encode_prompt(policy, p, system="compact", history_images=None)
     collapsed = [
         t for i, t in enumerate(hf.input_ids) if t != policy.image_token_id or hf.input_ids[i - 1] != t
     ]
@@ -183,12 +212,12 @@ def test_vision_tokens_never_generated_and_logps_stay_raw(tmp_path):
         biased.bias.zero_()
         biased.bias[pol.image_token_id] = 50.0
     pol.model.lm_head = biased
-    gen = HFGenerator(pol, system="compact")
+    gen = HFGenerator(pol, system="compact", history_images=None)
     for temperature in (0.0, 1.0):
-        outs = gen.generate(prompts(), temperature=temperature, max_new_tokens=6, seed=3)
+        outs = gen.generate(prompts(), temperature=temperature, top_p=1.0, max_new_tokens=6, seeds=[3, 4, 5])
         for o in outs:
             assert not set(o.token_ids) & set(pol.vision_token_ids)
             assert all(lp < -40 for lp in o.logprobs)  # the raw distribution puts ~all mass on image_pad
     # and the reply can go back into a prompt as history without breaking the next step
     nxt = PromptInput("Click.", (screen(0), screen(1)), (Reply(outs[0].text, outs[0].token_ids),))
-    assert len(gen.generate([nxt], temperature=0.0, max_new_tokens=3)) == 1
+    assert len(gen.generate([nxt], temperature=0.0, top_p=1.0, max_new_tokens=3)) == 1

@@ -76,8 +76,8 @@ def test_round_trip_build_save_load(built):
     assert isinstance(loaded.processor, PolicyProcessor)
     assert (loaded.min_pixels, loaded.max_pixels) == (policy.min_pixels, policy.max_pixels)
     prompt = PromptInput("Click OK.", (_screen(),))
-    a = encode_prompt(policy, prompt)
-    b = encode_prompt(loaded, prompt)
+    a = encode_prompt(policy, prompt, system="uitars", history_images=None)
+    b = encode_prompt(loaded, prompt, system="uitars", history_images=None)
     assert a.input_ids == b.input_ids
     assert torch.equal(a.pixel_values, b.pixel_values) and torch.equal(a.image_grid_thw, b.image_grid_thw)
     assert a.image_grid_thw.tolist() == [[1, 16, 12]]  # 160x210 -> 168x224 -> 48 visual tokens
@@ -161,7 +161,9 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
         assert not new[i].self_attn.o_proj.weight.any() and not new[i].mlp.down_proj.weight.any()
         assert new[i].self_attn.q_proj.weight.any()  # freshly initialised, not zero
     batch = collate(
-        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)))], policy.pad_id, policy.image_token_id
+        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), system="uitars", history_images=None)],
+        policy.pad_id,
+        policy.image_token_id,
     )
     with torch.no_grad():
         assert torch.equal(forward_logits(policy.model, batch), forward_logits(grown.model, batch))

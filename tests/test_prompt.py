@@ -57,8 +57,8 @@ def test_window_drops_images_but_keeps_reply_text():
 
 def test_generation_prompt_is_prefix_of_trajectory():
     """Decision 1: the step-2 prompt is a prefix of the 2-step trajectory's segments."""
-    prompt = build_segments("Do it.", 2, REPLIES[:1], system="uitars")
-    traj = build_segments("Do it.", 2, REPLIES, system="uitars")
+    prompt = build_segments("Do it.", 2, REPLIES[:1], system="uitars", history_images=None)
+    traj = build_segments("Do it.", 2, REPLIES, system="uitars", history_images=None)
     assert traj[: len(prompt)] == prompt
     assert [s.kind for s in traj[len(prompt) :]] == ["reply", "text"]
     assert render_text(traj).endswith(REPLIES[1] + "<|im_end|>\n")
@@ -74,9 +74,9 @@ def test_uitars_prompt_lists_every_action_kind_and_format():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown system prompt"):
-        build_segments("x", 1, [], system="nope")
+        build_segments("x", 1, [], system="nope", history_images=None)
     with pytest.raises(ValueError, match="replies"):
-        build_segments("x", 3, ["a"])
+        build_segments("x", 3, ["a"], system="compact", history_images=None)
     im = Image.new("RGB", (10, 10))
     with pytest.raises(ValueError, match="one reply per earlier screenshot"):
         PromptInput("x", (im, im), ())

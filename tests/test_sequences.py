@@ -78,7 +78,7 @@ def test_trajectory_sequence_mask_covers_replies_and_im_end(policy):
         "Thought: box.\nAction: click(start_box='(21,43)')",
         "Thought: done.\nAction: finished(content='ok')",
     ]
-    seq = encode_trajectory(policy, trajectory(replies), system="compact")
+    seq = encode_trajectory(policy, trajectory(replies), system="compact", history_images=None)
     ids = torch.tensor(seq.input_ids)
     mask = torch.tensor(seq.assistant_mask)
     assert policy.tokenizer.decode(ids[mask]) == "".join(r + "<|im_end|>" for r in replies)
@@ -95,7 +95,9 @@ def test_token_ids_used_verbatim_and_truncated_reply_closed_unmasked(policy):
     # Sampled ids win over re-tokenising the text ("Th" as the two tokens T, h).
     odd = [tok.convert_tokens_to_ids("T"), tok.convert_tokens_to_ids("h")]
     stopped = [*odd, policy.im_end_id]
-    seq = encode_trajectory(policy, trajectory(["Th", "Th"], [stopped, odd]), system="compact")
+    seq = encode_trajectory(
+        policy, trajectory(["Th", "Th"], [stopped, odd]), system="compact", history_images=None
+    )
     ids = torch.tensor(seq.input_ids)
     mask = torch.tensor(seq.assistant_mask)
     assert ids[mask].tolist() == stopped + odd  # the cut reply's appended im_end is not trained
@@ -106,7 +108,7 @@ def test_token_ids_used_verbatim_and_truncated_reply_closed_unmasked(policy):
 
 def test_history_window_in_training_sequence(policy):
     replies = ["a", "b", "c"]
-    full = encode_trajectory(policy, trajectory(replies), system="compact")
+    full = encode_trajectory(policy, trajectory(replies), system="compact", history_images=None)
     last1 = encode_trajectory(policy, trajectory(replies), system="compact", history_images=1)
     assert full.input_ids.count(policy.image_token_id) == 3 * 48
     assert last1.input_ids.count(policy.image_token_id) == 48
@@ -116,9 +118,14 @@ def test_history_window_in_training_sequence(policy):
 def test_prompt_is_prefix_of_trajectory_tokens(policy):
     replies = ["Thought: x.\nAction: click(start_box='(1,2)')", "Thought: y.\nAction: wait()"]
     traj = trajectory(replies)
-    full = encode_trajectory(policy, traj)
+    full = encode_trajectory(policy, traj, system="uitars", history_images=None)
     shots = tuple(s.image() for s in traj.steps)
-    prompt = encode_prompt(policy, PromptInput(traj.instruction, shots, (Reply(replies[0]),)))
+    prompt = encode_prompt(
+        policy,
+        PromptInput(traj.instruction, shots, (Reply(replies[0]),)),
+        system="uitars",
+        history_images=None,
+    )
     assert full.input_ids[: len(prompt.input_ids)] == prompt.input_ids
     assert full.assistant_mask[: len(prompt.input_ids)] == prompt.assistant_mask  # earlier reply masked
 
@@ -129,7 +136,7 @@ def test_padded_batch_equals_single_rows(policy):
     t2 = trajectory(
         ["Thought: longer reply here.\nAction: type(content='hello')", "Thought: b.\nAction: wait()"]
     )
-    seqs = [encode_trajectory(policy, t, system="compact") for t in (t1, t2)]
+    seqs = [encode_trajectory(policy, t, system="compact", history_images=None) for t in (t1, t2)]
     with torch.no_grad():
         lp, m = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
         for b, s in enumerate(seqs):
@@ -141,7 +148,9 @@ def test_padded_batch_equals_single_rows(policy):
 
 def test_mm_token_type_ids_pitfall(policy):
     """docs/method.md §7: dropping mm_token_type_ids silently changes the positions (and the logits)."""
-    seq = encode_trajectory(policy, trajectory(["Thought: a.\nAction: wait()"]), system="compact")
+    seq = encode_trajectory(
+        policy, trajectory(["Thought: a.\nAction: wait()"]), system="compact", history_images=None
+    )
     batch = collate([seq], policy.pad_id, policy.image_token_id)
     assert int(batch.mm_token_type_ids.sum()) == 48
     with torch.no_grad():
@@ -160,7 +169,11 @@ def test_mm_token_type_ids_pitfall(policy):
 def test_sequence_logprobs_equal_naive_full_log_softmax(policy):
     """The masked-position projection gives the same numbers as log_softmax over the full logits."""
     t = trajectory(["Thought: a.\nAction: click(start_box='(5,6)')", "Thought: b.\nAction: wait()"])
-    batch = collate([encode_trajectory(policy, t, system="compact")], policy.pad_id, policy.image_token_id)
+    batch = collate(
+        [encode_trajectory(policy, t, system="compact", history_images=None)],
+        policy.pad_id,
+        policy.image_token_id,
+    )
     with torch.no_grad():
         logps, mask = sequence_logprobs(policy.model, batch)
         full = torch.log_softmax(forward_logits(policy.model, batch)[0, :-1].float(), -1)  # (T-1, V)

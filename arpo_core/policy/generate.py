@@ -2,10 +2,12 @@
 
 Decisions:
 1. The HF backend runs its own decode loop over `Qwen2_5_VLForConditionalGeneration` with a KV cache
-   instead of `model.generate`, so that (a) sampling uses one private `torch.Generator` per batch row,
-   seeded `seed + row`, and never touches the global RNG: row b of a batch gives exactly what a one-prompt
-   call with seed `seed + b` gives; (b) the log-prob of every sampled token is taken from the same raw
-   logits the trainer recomputes.
+   instead of `model.generate`, so that (a) sampling uses one private `torch.Generator` per prompt,
+   seeded with that prompt's own seed (`seeds[b]`), and never touches the global RNG: a prompt gives the
+   same reply whatever batch it shares and whatever row it sits in (a one-prompt call with the same
+   seed gives the same reply), so the caller decides reproducibility by choosing the seeds (the rollout
+   derives them from the episode's job and step, rollout.py decision 5); (b) the log-prob of every
+   sampled token is taken from the same raw logits the trainer recomputes.
 2. Behaviour log-probs are log_softmax of the RAW logits (temperature 1, no top-p truncation) at the
    sampled token: GRPO's old_logps are recomputed by the trainer at temperature 1 (docs/method.md §1), so
    these are directly comparable with `sequences.sequence_logprobs` (tests hold them within 1e-4 in fp32).
@@ -23,6 +25,8 @@ Decisions:
    samples them readily; a trained one gives them ~0 probability.
 5. Prompts are encoded by sequences.encode_prompt, the function the trainer uses, so a step's prompt is a
    token-exact prefix of the trajectory's training sequence.
+7. Sampling settings (temperature, top_p, max_new_tokens) and the prompt settings (system prompt,
+   history window) are required keyword arguments: params.yaml is their one source.
 """
 
 from __future__ import annotations
@@ -59,11 +63,26 @@ class Generator(Protocol):
     def generate(
         self,
         batch: list[PromptInput],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 256,
-        seed: int = 0,
-    ) -> list[Generation]: ...
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """One reply per prompt; prompt b is sampled with `seeds[b]` (decision 1). `seeds` may be None
+        only for greedy decoding (temperature 0)."""
+        ...
+
+
+def _check_seeds(batch: Sequence[PromptInput], temperature: float, seeds: Sequence[int] | None) -> list[int]:
+    """The per-prompt seeds of a call: one per prompt; None is accepted for greedy decoding only."""
+    if seeds is None:
+        if temperature != 0.0:
+            raise ValueError("sampling (temperature > 0) needs one seed per prompt (seeds=...)")
+        return [0] * len(batch)
+    if len(seeds) != len(batch):
+        raise ValueError(f"{len(batch)} prompts need {len(batch)} seeds, got {len(seeds)}")
+    return [int(s) for s in seeds]
 
 
 def top_p_filter(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -102,7 +121,7 @@ def sample_next(
 class HFGenerator:
     """Batched generation with the transformers model (decision 1)."""
 
-    def __init__(self, policy: Policy, system: str = "uitars", history_images: int | None = None):
+    def __init__(self, policy: Policy, *, system: str, history_images: int | None):
         self.policy = policy
         self.system = system
         self.history_images = history_images
@@ -111,19 +130,23 @@ class HFGenerator:
     def generate(
         self,
         batch: list[PromptInput],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 256,
-        seed: int = 0,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
+        seeds = _check_seeds(batch, temperature, seeds)
         if not batch:
             return []
         policy, model = self.policy, self.policy.model
         device = policy.device
-        seqs = [encode_prompt(policy, p, self.system, self.history_images) for p in batch]
+        seqs = [
+            encode_prompt(policy, p, system=self.system, history_images=self.history_images) for p in batch
+        ]
         enc = collate(seqs, policy.pad_id, policy.image_token_id, padding_side="left").to(device)
         B = enc.input_ids.shape[0]
-        gens = [torch.Generator(device=device).manual_seed(seed + b) for b in range(B)]
+        gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]  # decision 1
         stop_ids = torch.tensor([policy.im_end_id, policy.pad_id], device=device)
         banned = torch.tensor(policy.vision_token_ids, dtype=torch.long, device=device)
 
@@ -210,8 +233,9 @@ class VLLMGenerator:
         self,
         policy: Policy,
         model_path: str,
-        system: str = "uitars",
-        history_images: int | None = None,
+        *,
+        system: str,
+        history_images: int | None,
         **llm_kwargs,
     ):
         try:
@@ -228,7 +252,13 @@ class VLLMGenerator:
         self.llm = LLM(model=model_path, limit_mm_per_prompt=limit, **llm_kwargs)
 
     def _prompt(self, p: PromptInput) -> dict:
-        segs = build_segments(p.instruction, len(p.screenshots), p.replies, self.history_images, self.system)
+        segs = build_segments(
+            p.instruction,
+            len(p.screenshots),
+            p.replies,
+            system=self.system,
+            history_images=self.history_images,
+        )
         tok, ids, images = self.policy.tokenizer, [], []
         for s in segs:
             if s.kind == "text":
@@ -245,26 +275,28 @@ class VLLMGenerator:
     def generate(
         self,
         batch: list[PromptInput],
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        max_new_tokens: int = 256,
-        seed: int = 0,
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seeds: Sequence[int] | None = None,
     ) -> list[Generation]:  # pragma: no cover - GPU only
         from vllm import SamplingParams
 
+        seeds = _check_seeds(batch, temperature, seeds)
         stops = [self.policy.im_end_id, self.policy.pad_id]
         params = [
             SamplingParams(
                 temperature=temperature,
                 top_p=top_p,
                 max_tokens=max_new_tokens,
-                seed=seed + b,
+                seed=seed,
                 logprobs=0,
                 stop_token_ids=stops,
                 skip_special_tokens=True,
                 logit_bias={i: -100.0 for i in self.policy.vision_token_ids},  # decision 6
             )
-            for b in range(len(batch))
+            for seed in seeds
         ]
         outs = self.llm.generate([self._prompt(p) for p in batch], params)
         result = []

@@ -16,7 +16,9 @@ Decisions:
    step's context exactly (see sequences.py).
 4. Two system prompts, selected by name: "uitars" (the full computer-use prompt, in our own words, with
    the complete action space of arpo_core/actions.py and the `Thought:`/`Action:` format) and "compact"
-   (a few lines: a long prompt costs the tiny CPU model most of its sequence length).
+   (a few lines: a long prompt costs the tiny CPU model most of its sequence length). The name and K are
+   required arguments of every function that builds a prompt: params' `policy` section is their one
+   source (a default here once silently gave the trainer one prompt and the generator another).
 5. Coordinates in replies are absolute pixels of the model image, i.e. the screenshot after
    `smart_resize(h, w, factor=28, min_pixels, max_pixels)` (docs/method.md §3); `model_image_size` gives
    that size so that env code can map clicks back to the screen.
@@ -139,10 +141,12 @@ def build_segments(
     instruction: str,
     n_screens: int,
     replies: Sequence[Reply | str],
-    history_images: int | None = None,
-    system: str = "uitars",
+    *,
+    system: str,
+    history_images: int | None,
 ) -> list[Segment]:
-    """Chat layout for `n_screens` screenshots and their replies.
+    """Chat layout for `n_screens` screenshots and their replies, with system prompt `system` (a key of
+    `SYSTEM_PROMPTS`) and the last `history_images` screenshots as images (decision 3).
 
     With `len(replies) == n_screens - 1` the result is a generation prompt ending in
     `<|im_start|>assistant\\n`; with `len(replies) == n_screens` it is a whole trajectory (for training)

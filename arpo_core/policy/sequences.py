@@ -138,19 +138,27 @@ def encode_segments(
 
 
 def encode_prompt(
-    policy: Policy, prompt: PromptInput, system: str = "uitars", history_images: int | None = None
+    policy: Policy, prompt: PromptInput, *, system: str, history_images: int | None
 ) -> EncodedSequence:
     """The generation prompt of one step (ends with `<|im_start|>assistant\\n`; earlier replies masked)."""
-    segs = build_segments(prompt.instruction, len(prompt.screenshots), prompt.replies, history_images, system)
+    segs = build_segments(
+        prompt.instruction,
+        len(prompt.screenshots),
+        prompt.replies,
+        system=system,
+        history_images=history_images,
+    )
     return encode_segments(policy, segs, prompt.screenshots)
 
 
 def encode_trajectory(
-    policy: Policy, traj: Trajectory, system: str = "uitars", history_images: int | None = None
+    policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
 ) -> EncodedSequence:
     """A whole trajectory as one training sequence (decision 1; K as in decision 3)."""
     replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
-    segs = build_segments(traj.instruction, len(traj.steps), replies, history_images, system)
+    segs = build_segments(
+        traj.instruction, len(traj.steps), replies, system=system, history_images=history_images
+    )
     return encode_segments(policy, segs, [s.image() for s in traj.steps])
 
 
