@@ -4,8 +4,9 @@ Design decisions:
 1. Rewards come group-contiguous: `rewards[g * G:(g + 1) * G]` are the G rollouts of group g (one
    task). This is how rollout lays out a batch and how replay fills a group; a batch whose length is
    not a multiple of G is an error, never silently regrouped.
-2. The default is the reference code's (verl's `compute_grpo_outcome_advantage`):
-   `A_i = (r_i - mean(group)) / (std(group) + eps)`, eps = 1e-6, UNBIASED std (`torch.std`).
+2. The reference code's rule (verl's `compute_grpo_outcome_advantage`) is scale "group" with eps 1e-6:
+   `A_i = (r_i - mean(group)) / (std(group) + eps)`, UNBIASED std (`torch.std`). Scale and eps have no
+   defaults here: params' `train.loss` (LossSection) holds them.
 3. The scale is chosen from a small registry, with TRL's names (`GRPOConfig.scale_rewards`):
    - "group": divide by the group's std (GRPO; verl `norm_adv_by_std_in_grpo=True`).
    - "batch": mean still per group, divide by the unbiased std of the WHOLE batch of rewards (TRL's
@@ -77,7 +78,7 @@ ADVANTAGE_SCALES: dict[str, Callable[[Tensor, float], Tensor]] = {
 }
 
 
-def group_advantages(rewards: Tensor, group_size: int, scale: str = "group", eps: float = 1e-6) -> Tensor:
+def group_advantages(rewards: Tensor, group_size: int, *, scale: str, eps: float) -> Tensor:
     """GRPO advantages: reward minus its group's mean, divided by a scale from `ADVANTAGE_SCALES`.
 
     Args:

@@ -4,8 +4,8 @@ Design decisions:
 1. A trajectory has one scalar reward, given to every assistant token of it (docs/method.md §1):
    `reward = success + (format_penalty if a reply could not be parsed else 0)`.
 2. The format penalty is a parameter because paper and code disagree: the paper's penalty is -1; the
-   reference code computes `success + 0.5 * format_reward` with `format_reward = -1`, i.e. -0.5. The
-   default here is the paper's -1.0; pass -0.5 to reproduce the reference code.
+   reference code computes `success + 0.5 * format_reward` with `format_reward = -1`, i.e. -0.5.
+   params' `train.loss.format_penalty` holds the value (default the paper's -1.0), so no default here.
 3. A checker (the environment's success test) is untrusted code that reads files, windows and pages
    of a desktop that may have crashed: any exception scores 0, as in the reference code. Its result is
    also sanitised: NaN and +-inf score 0 (a broken checker must not award success), finite values are
@@ -39,13 +39,13 @@ FAIL_ACTIONS: frozenset[str] = frozenset({"call_user", "FAIL"})
 OSWorld's `FAIL`)."""
 
 
-def trajectory_reward(success: float, format_error: bool, format_penalty: float = -1.0) -> float:
+def trajectory_reward(success: float, format_error: bool, format_penalty: float) -> float:
     """Reward of one trajectory: checker success plus the format penalty if a reply failed to parse.
 
     Args:
         success: checker score in [0, 1] (use `safe_score` to get one).
         format_error: True when some reply could not be parsed (which also ended the episode).
-        format_penalty: added on a format error. Paper: -1.0 (default); reference code: -0.5
+        format_penalty: added on a format error. Paper: -1.0; reference code: -0.5
             (`success + 0.5 * format_reward`, format_reward = -1).
 
     Returns:

@@ -18,22 +18,25 @@ Decisions:
    (sequences in the micro-batch) / (sequences in the mini-batch). A plain average of per-micro-batch
    token-means would silently turn token-mean into seq-mean-token-mean at micro-batch 1.
 4. A mini-batch (`mini_batch_size` trajectories) is one optimizer step; the reference takes 2 optimizer
-   steps of 64 trajectories per 128-trajectory iteration. Mini-batches are drawn in a seeded order.
+   steps of 64 trajectories per 128-trajectory iteration. Mini-batches are drawn in a seeded order (the
+   caller's `seed`, the "minibatch" stream of seeds.py).
 5. The optimizer and gradient clipping live behind a small `Engine` interface so the same loop drives
    the plain torch engine here and DeepSpeed on GPUs (engines.py).
 6. No logging inside: the function returns `UpdateStats` (means over micro-batches weighted like the
    loss) and the caller logs them.
+7. The settings are read from params' `train` section as it is (`TrainConfig`: micro/mini batch sizes,
+   ppo_epochs, bf16, and `train.loss` for the clips, KL and aggregation); no copy of its fields here.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass
 from typing import NamedTuple, Protocol
 
 import torch
 
+from arpo_core.config import TrainConfig
 from arpo_core.losses import policy_loss
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import EncodedSequence, collate, encode_trajectory, sequence_logprobs
@@ -41,7 +44,6 @@ from arpo_core.trajectory import Trajectory
 
 __all__ = [
     "Engine",
-    "UpdateConfig",
     "UpdateStats",
     "compute_logps",
     "encode_trajectories",
@@ -65,34 +67,6 @@ class Engine(Protocol):
     def step(self) -> float:
         """Clip gradients, take one optimizer step, zero the gradients; return the pre-clip grad norm."""
         ...
-
-
-@dataclass(frozen=True)
-class UpdateConfig:
-    micro_batch_size: int = 4
-    """Sequences per forward/backward."""
-    mini_batch_size: int = 64
-    """Sequences per optimizer step."""
-    ppo_epochs: int = 1
-    """Passes over the batch."""
-    clip_low: float = 0.2
-    """PPO clip below."""
-    clip_high: float = 0.3
-    """PPO clip above."""
-    clip_dual: float | None = 3.0
-    """Dual clip constant (None: off)."""
-    kl_coef: float = 0.0
-    """KL-to-reference coefficient (needs ref_logps)."""
-    kl_estimator: str = "k3"
-    """k1, k2 or k3."""
-    agg: str = "token-mean"
-    """Loss aggregation mode."""
-    sum_norm: float | None = None
-    """Divisor for seq-mean-token-sum-norm."""
-    bf16: bool = False
-    """bf16 autocast for the forward passes."""
-    seed: int = 0
-    """Seed of the mini-batch order."""
 
 
 class UpdateStats(NamedTuple):
@@ -127,10 +101,10 @@ class UpdateStats(NamedTuple):
 
 
 def encode_trajectories(
-    policy: Policy, trajs: Sequence[Trajectory], system: str = "uitars", history_images: int | None = None
+    policy: Policy, trajs: Sequence[Trajectory], *, system: str, history_images: int | None
 ) -> list[EncodedSequence]:
     """Each trajectory as one training sequence (decision 1)."""
-    return [encode_trajectory(policy, t, system, history_images) for t in trajs]
+    return [encode_trajectory(policy, t, system=system, history_images=history_images) for t in trajs]
 
 
 def _autocast(enabled: bool, device: torch.device):
@@ -150,8 +124,9 @@ def _forward(
 def compute_logps(
     policy: Policy,
     seqs: Sequence[EncodedSequence],
-    micro_batch_size: int = 4,
-    bf16: bool = False,
+    *,
+    micro_batch_size: int,
+    bf16: bool,
     module: torch.nn.Module | None = None,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of each sequence (unpadded, (L_i,) float32, 0 at position 0), in eval mode."""
@@ -180,11 +155,14 @@ def ppo_update(
     engine: Engine,
     seqs: Sequence[EncodedSequence],
     advantages: torch.Tensor,
-    cfg: UpdateConfig,
+    cfg: TrainConfig,
+    *,
+    seed: int,
     old_logps: Sequence[torch.Tensor] | None = None,
     ref_logps: Sequence[torch.Tensor] | None = None,
 ) -> UpdateStats:
-    """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,).
+    """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,), with params' `train`
+    settings `cfg` (decision 7); `seed` orders the mini-batches (decision 4).
 
     Sequences whose advantage is exactly 0 still count in the token-mean denominator (as in verl: they
     dilute the batch) but contribute no gradient; callers that want to skip them filter first.
@@ -196,19 +174,22 @@ def ppo_update(
         return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
     on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= n  # decision 2
     if old_logps is None and not on_policy:
-        old_logps = compute_logps(policy, seqs, cfg.micro_batch_size, cfg.bf16, engine.module)
+        old_logps = compute_logps(
+            policy, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, module=engine.module
+        )
     if not getattr(engine, "accumulates", True) and cfg.micro_batch_size < min(cfg.mini_batch_size, n):
         raise ValueError(
             "this engine cannot accumulate gradients over several backward calls (DeepSpeed ZeRO-3, see "
             "engines.py): set micro_batch_size >= mini_batch_size"
         )
-    if cfg.kl_coef > 0 and ref_logps is None:
+    loss_cfg = cfg.loss
+    if loss_cfg.kl_coef > 0 and ref_logps is None:
         raise ValueError("kl_coef > 0 needs ref_logps (log-probs of a reference policy)")
     n_masked = [sum(s.assistant_mask[1:]) for s in seqs]
-    seq_weighted = cfg.agg != "token-mean"
+    seq_weighted = loss_cfg.agg != "token-mean"
 
     policy.model.train()
-    gen = torch.Generator().manual_seed(cfg.seed)
+    gen = torch.Generator().manual_seed(seed)
     sums = dict.fromkeys(("loss", "pg", "low", "high", "dual", "kl", "ref_kl"), 0.0)
     grad_norms: list[float] = []
     for _ in range(cfg.ppo_epochs):
@@ -227,14 +208,14 @@ def ppo_update(
                     old,
                     advantages[micro].to(logps.device),
                     mask,
-                    clip_low=cfg.clip_low,
-                    clip_high=cfg.clip_high,
-                    clip_dual=cfg.clip_dual,
+                    clip_low=loss_cfg.clip_low,
+                    clip_high=loss_cfg.clip_high,
+                    clip_dual=loss_cfg.clip_dual,
+                    kl_coef=loss_cfg.kl_coef,
+                    kl_estimator=loss_cfg.kl_estimator,
+                    agg=loss_cfg.agg,
+                    sum_norm=loss_cfg.sum_norm,
                     ref_logps=ref,
-                    kl_coef=cfg.kl_coef,
-                    kl_estimator=cfg.kl_estimator,
-                    agg=cfg.agg,
-                    sum_norm=cfg.sum_norm,
                 )
                 w = (len(micro) if seq_weighted else sum(n_masked[i] for i in micro)) / denom
                 engine.backward(out.loss * w, boundary=u0 + cfg.micro_batch_size >= len(mini))

@@ -31,11 +31,12 @@ from PIL import Image, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from arpo_core.config import TrainConfig  # noqa: E402
 from arpo_core.engines import TorchEngine  # noqa: E402
 from arpo_core.policy.model import build_tiny_policy  # noqa: E402
 from arpo_core.policy.sequences import collate, sequence_logprobs  # noqa: E402
 from arpo_core.trajectory import Step, Trajectory, png_bytes  # noqa: E402
-from arpo_core.update import UpdateConfig, compute_logps, encode_trajectories, ppo_update  # noqa: E402
+from arpo_core.update import compute_logps, encode_trajectories, ppo_update  # noqa: E402
 
 
 def trajectories(n: int) -> list[Trajectory]:
@@ -75,11 +76,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         policy = build_tiny_policy(Path(d) / "p", size=args.size)
     policy.model.train()
-    seqs = encode_trajectories(policy, trajectories(args.batch), system="compact")
+    seqs = encode_trajectories(policy, trajectories(args.batch), system="compact", history_images=None)
     adv = torch.linspace(-1, 1, args.batch)
     engine = TorchEngine(policy.model, lr=1e-6)
-    cfg = UpdateConfig(micro_batch_size=args.micro, mini_batch_size=args.batch)
-    old = compute_logps(policy, seqs, args.micro)
+    cfg = TrainConfig(micro_batch_size=args.micro, mini_batch_size=args.batch)
+    old = compute_logps(policy, seqs, micro_batch_size=args.micro, bf16=False)
 
     def timed(fn) -> float:
         t0 = time.perf_counter()
@@ -90,8 +91,8 @@ def main() -> None:
     bare, arpo, arpo_no_old = [], [], []
     for _ in range(args.repeats):
         bare.append(timed(lambda: bare_step(policy, engine, seqs, args.micro)))
-        arpo.append(timed(lambda: ppo_update(policy, engine, seqs, adv, cfg)))
-        arpo_no_old.append(timed(lambda: ppo_update(policy, engine, seqs, adv, cfg, old_logps=old)))
+        arpo.append(timed(lambda: ppo_update(policy, engine, seqs, adv, cfg, seed=0)))
+        arpo_no_old.append(timed(lambda: ppo_update(policy, engine, seqs, adv, cfg, seed=0, old_logps=old)))
     b, a, a2 = statistics.median(bare), statistics.median(arpo), statistics.median(arpo_no_old)
     out = {
         "benchmark": "update_overhead",

@@ -32,14 +32,16 @@ def test_trajectory_reward(success: float, format_error: bool, penalty: float, e
     assert trajectory_reward(success, format_error, penalty) == pytest.approx(expected)
 
 
-def test_trajectory_reward_default_penalty_is_papers() -> None:
-    assert trajectory_reward(0.0, True) == -1.0
+def test_params_penalty_is_papers() -> None:
+    from arpo_core.config import LossSection
+
+    assert trajectory_reward(0.0, True, LossSection().format_penalty) == -1.0
 
 
 @pytest.mark.parametrize("bad", [math.nan, math.inf, -math.inf])
 def test_trajectory_reward_rejects_non_finite_success(bad: float) -> None:
     with pytest.raises(ValueError, match="finite"):
-        trajectory_reward(bad, False)
+        trajectory_reward(bad, False, -1.0)
 
 
 def _raise_key_error() -> float:

@@ -7,10 +7,11 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from arpo_core.config import LossSection, TrainConfig
 from arpo_core.engines import TorchEngine
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.trajectory import Step, Trajectory, png_bytes
-from arpo_core.update import UpdateConfig, compute_logps, encode_trajectories, ppo_update
+from arpo_core.update import compute_logps, encode_trajectories, ppo_update
 
 
 def screen(color, box) -> Image.Image:
@@ -33,6 +34,17 @@ def traj(reply: str, color=(200, 0, 0), box=(30, 40, 60, 70), n_steps=1, sample_
     return Trajectory(
         "r", "train", 0, "miniwob", "click-test", "Click the box.", steps, sample_idx=sample_idx
     )
+
+
+def cfg_of(micro: int = 4, mini: int = 32, ppo_epochs: int = 1, **loss) -> TrainConfig:
+    """params' train section with these batch sizes and `train.loss` overrides (the rest: its defaults)."""
+    return TrainConfig(
+        micro_batch_size=micro, mini_batch_size=mini, ppo_epochs=ppo_epochs, loss=LossSection(**loss)
+    )
+
+
+def logps_of(policy, seqs, **kw):
+    return compute_logps(policy, seqs, micro_batch_size=4, bf16=False, **kw)
 
 
 POS = "Thought: The red box.\nAction: click(start_box='(45,58)')"
@@ -71,16 +83,16 @@ def test_micro_batching_is_exact(policy_dir, agg):
     """Gradient with micro-batch 1 == gradient of the whole mini-batch in one forward (decision 3)."""
     policy = load_policy(policy_dir)
     trajs = [traj(POS), traj(NEG, n_steps=2), traj(POS + " ", color=(0, 0, 200)), traj(NEG, n_steps=3)]
-    seqs = encode_trajectories(policy, trajs, system="compact")
+    seqs = encode_trajectories(policy, trajs, system="compact", history_images=None)
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
-    old = compute_logps(policy, seqs)
+    old = logps_of(policy, seqs)
     old = [o - 0.05 for o in old]  # ratios != 1 so clipping paths are exercised
 
     grads = []
     for mb in (4, 1):
         eng = RecordingEngine(policy.model)
-        cfg = UpdateConfig(micro_batch_size=mb, mini_batch_size=4, agg=agg)
-        ppo_update(policy, eng, seqs, adv, cfg, old_logps=old)
+        cfg = cfg_of(micro=mb, mini=4, agg=agg)
+        ppo_update(policy, eng, seqs, adv, cfg, seed=0, old_logps=old)
         grads.append(eng.grads[0])
     assert grads[0].keys() == grads[1].keys()
     for name in grads[0]:
@@ -90,20 +102,20 @@ def test_micro_batching_is_exact(policy_dir, agg):
 def test_updates_train_every_parameter_and_follow_advantage_sign(policy_dir):
     policy = load_policy(policy_dir)
     trajs = [traj(POS, sample_idx=0), traj(NEG, sample_idx=1)]
-    seqs = encode_trajectories(policy, trajs, system="compact")
+    seqs = encode_trajectories(policy, trajs, system="compact", history_images=None)
     adv = torch.tensor([1.0, -1.0])
     before_params = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
 
     def reply_logp():
         masks = [torch.tensor(s.assistant_mask) for s in seqs]
-        return [float(lp[m].sum()) for lp, m in zip(compute_logps(policy, seqs), masks, strict=True)]
+        return [float(lp[m].sum()) for lp, m in zip(logps_of(policy, seqs), masks, strict=True)]
 
     before = reply_logp()
 
     engine = TorchEngine(policy.model, lr=3e-3, weight_decay=0.0, max_grad_norm=1.0)
-    cfg = UpdateConfig(micro_batch_size=2, mini_batch_size=2)
+    cfg = cfg_of(micro=2, mini=2)
     for _ in range(4):
-        stats = ppo_update(policy, engine, seqs, adv, cfg)
+        stats = ppo_update(policy, engine, seqs, adv, cfg, seed=0)
     after = reply_logp()
 
     unchanged = [n for n, p in policy.model.named_parameters() if torch.equal(p.detach(), before_params[n])]
@@ -117,9 +129,9 @@ def test_updates_train_every_parameter_and_follow_advantage_sign(policy_dir):
 def test_first_step_is_on_policy_ratio_one(policy_dir):
     """With old_logps recomputed from the same weights, the first forward has ratio 1: nothing clips."""
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact")
+    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact", history_images=None)
     eng = RecordingEngine(policy.model)
-    stats = ppo_update(policy, eng, seqs, torch.tensor([1.0, -1.0]), UpdateConfig(mini_batch_size=2))
+    stats = ppo_update(policy, eng, seqs, torch.tensor([1.0, -1.0]), cfg_of(mini=2), seed=0)
     assert stats.clip_low_frac == 0 and stats.clip_high_frac == 0 and stats.clip_dual_frac == 0
     assert stats.approx_kl == pytest.approx(0.0, abs=1e-6)
 
@@ -130,50 +142,48 @@ def test_single_on_policy_step_skips_the_old_logp_forward_with_the_same_gradient
     import arpo_core.update as update
 
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS), traj(NEG, n_steps=2), traj(POS + " ")], system="compact")
+    seqs = encode_trajectories(
+        policy, [traj(POS), traj(NEG, n_steps=2), traj(POS + " ")], system="compact", history_images=None
+    )
     adv = torch.tensor([1.0, -1.0, 0.5])
-    cfg = UpdateConfig(micro_batch_size=2, mini_batch_size=3)
+    cfg = cfg_of(micro=2, mini=3)
     ref = RecordingEngine(policy.model)
-    ppo_update(policy, ref, seqs, adv, cfg, old_logps=compute_logps(policy, seqs))
+    ppo_update(policy, ref, seqs, adv, cfg, seed=0, old_logps=logps_of(policy, seqs))
     calls = []
     monkeypatch.setattr(update, "compute_logps", lambda *a, **k: calls.append(1) or compute_logps(*a, **k))
     fast = RecordingEngine(policy.model)
-    stats = ppo_update(policy, fast, seqs, adv, cfg)
+    stats = ppo_update(policy, fast, seqs, adv, cfg, seed=0)
     assert calls == [] and stats.approx_kl == 0.0 and stats.clip_low_frac == 0.0
     for name, g in ref.grads[0].items():
         torch.testing.assert_close(fast.grads[0][name], g, atol=1e-6, rtol=1e-5, msg=name)
     # two mini-batches (the second runs on updated weights in a real engine): old log-probs are recomputed
-    ppo_update(
-        policy, RecordingEngine(policy.model), seqs, adv, UpdateConfig(micro_batch_size=2, mini_batch_size=2)
-    )
+    ppo_update(policy, RecordingEngine(policy.model), seqs, adv, cfg_of(micro=2, mini=2), seed=0)
     assert calls == [1]
 
 
 def test_zero_advantages_give_zero_gradient(policy_dir):
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact")
+    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact", history_images=None)
     eng = RecordingEngine(policy.model)
-    ppo_update(policy, eng, seqs, torch.zeros(2), UpdateConfig(mini_batch_size=2))
+    ppo_update(policy, eng, seqs, torch.zeros(2), cfg_of(mini=2), seed=0)
     assert all(float(g.abs().max()) == 0.0 for g in eng.grads[0].values())
 
 
 def test_mini_batches_make_optimizer_steps(policy_dir):
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS)] * 5, system="compact")
+    seqs = encode_trajectories(policy, [traj(POS)] * 5, system="compact", history_images=None)
     eng = RecordingEngine(policy.model)
-    stats = ppo_update(
-        policy, eng, seqs, torch.ones(5), UpdateConfig(micro_batch_size=2, mini_batch_size=2, ppo_epochs=2)
-    )
+    stats = ppo_update(policy, eng, seqs, torch.ones(5), cfg_of(micro=2, mini=2, ppo_epochs=2), seed=0)
     assert stats.n_optimizer_steps == 6 == len(eng.grads)  # ceil(5/2) = 3 per epoch, 2 epochs
 
 
 def test_bad_advantage_shape_and_missing_ref(policy_dir):
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS)], system="compact")
+    seqs = encode_trajectories(policy, [traj(POS)], system="compact", history_images=None)
     with pytest.raises(ValueError, match=r"advantages must have shape \(1,\)"):
-        ppo_update(policy, RecordingEngine(policy.model), seqs, torch.ones(2), UpdateConfig())
+        ppo_update(policy, RecordingEngine(policy.model), seqs, torch.ones(2), cfg_of(), seed=0)
     with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logps"):
-        ppo_update(policy, RecordingEngine(policy.model), seqs, torch.ones(1), UpdateConfig(kl_coef=0.1))
+        ppo_update(policy, RecordingEngine(policy.model), seqs, torch.ones(1), cfg_of(kl_coef=0.1), seed=0)
 
 
 @pytest.mark.slow
@@ -187,16 +197,17 @@ def test_deepspeed_zero3_update_matches_torch(policy_dir):
         lambda m: DeepSpeedEngine(m, lr=1e-3, weight_decay=0.0, zero_stage=3),
     ):
         policy = load_policy(policy_dir)
-        seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact")
+        seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact", history_images=None)
         engine = make(policy.model)
         stats = ppo_update(
             policy,
             engine,
             seqs,
             torch.tensor([1.0, -1.0]),
-            UpdateConfig(micro_batch_size=2, mini_batch_size=2),
+            cfg_of(micro=2, mini=2),
+            seed=0,
         )
-        logps = compute_logps(policy, seqs, module=engine.module)
+        logps = logps_of(policy, seqs, module=engine.module)
         results.append((stats, logps))
     with pytest.raises(ValueError, match="cannot accumulate gradients"):
         ppo_update(
@@ -204,7 +215,8 @@ def test_deepspeed_zero3_update_matches_torch(policy_dir):
             engine,
             seqs,
             torch.tensor([1.0, -1.0]),
-            UpdateConfig(micro_batch_size=1, mini_batch_size=2),
+            cfg_of(micro=1, mini=2),
+            seed=0,
         )
     (s1, l1), (s2, l2) = results
     assert s1.grad_norm == pytest.approx(s2.grad_norm, rel=1e-3)
