@@ -23,9 +23,10 @@ Decisions:
    It does not cover sampling of new tasks (task-level variance); with T tasks that would be the
    between-task standard deviation / sqrt(T), much wider and not what a same-task comparison needs.
 5. `evaluate_policy` builds its own jobs (not `make_group_jobs`): episode k of every task gets env seed
-   `seed + k`, so N episodes of a task see N different instances, and every method evaluated with the
-   same seed sees the same instances (a paired comparison: less variance between methods). Choose a
-   seed range disjoint from training's. Greedy = temperature 0.
+   `first_seed + k`, so N episodes of a task see N different instances, and every method evaluated with
+   the same first seed sees the same instances (a paired comparison: less variance between methods).
+   Choose a seed range disjoint from training's. How episodes are played (temperature - 0 is greedy -,
+   step limit, sampling seed) is the caller's `RolloutConfig`, built from params like every rollout's.
 6. Jobs hit by env faults come back in `failed` and never count as policy failures; their number is
    reported as `{prefix}/all/failed_jobs`.
 7. A success rate alone does not show whether the policy looks at the screen (docs/method.md §7: a
@@ -37,7 +38,6 @@ Decisions:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from collections import defaultdict
@@ -286,10 +286,9 @@ def evaluate_policy(
     generator: Generator,
     tasks: Sequence[TaskSpec],
     episodes_per_task: int,
-    temperature: float,
-    seed: int,
+    rollout: RolloutConfig,
     *,
-    rollout: RolloutConfig | None = None,
+    first_seed: int,
     scoring: Scoring = "standard",
     prefix: str = "eval",
     run_id: str = "",
@@ -303,19 +302,17 @@ def evaluate_policy(
     Args:
         pool: an `EnvPool` (or anything with its submit_* API).
         generator: the policy's `Generator`.
-        temperature: sampling temperature; 0 = greedy.
-        seed: first env seed (decision 5) and the sampling seed.
-        rollout: a `RolloutConfig` giving max_steps, pixels, coordinate mode, format penalty...;
-            its temperature and seed are replaced by the arguments. Default `RolloutConfig()`.
+        rollout: how episodes are played: temperature (0 = greedy), max_steps, pixels, coordinate
+            mode, format penalty, sampling seed.
+        first_seed: env seed of every task's first episode (decision 5).
         scoring, prefix: see `summarize`.
     """
-    cfg = dataclasses.replace(rollout or RolloutConfig(), temperature=temperature, seed=seed)
-    jobs = eval_jobs(tasks, episodes_per_task, seed)
+    jobs = eval_jobs(tasks, episodes_per_task, first_seed)
     res = run_episodes(
         pool,
         generator,
         jobs,
-        cfg,
+        rollout,
         run_id=run_id,
         stage=stage,
         epoch=epoch,
@@ -323,7 +320,7 @@ def evaluate_policy(
         progress=progress,
     )
     metrics = summarize(
-        res.trajectories, split_map(tasks), scoring=scoring, max_steps=cfg.max_steps, prefix=prefix
+        res.trajectories, split_map(tasks), scoring=scoring, max_steps=rollout.max_steps, prefix=prefix
     )
     metrics[f"{prefix}/all/failed_jobs"] = float(len(res.failed))
     metrics.update({f"{prefix}/{k}": v for k, v in res.metrics.items() if k.startswith("time/")})

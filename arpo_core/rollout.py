@@ -6,6 +6,8 @@ Decisions:
    other otherwise: a finished episode is evaluated at once through the pool's futures while the others
    keep stepping, and its env immediately takes the next queued job (the per-env executor runs the
    reset after the evaluation), so with more jobs than envs no env idles until the queue is empty.
+   The loop is a small state object (`_Rollout`) whose methods are its phases: `start` (an env takes
+   a job), `collect_evals`, `collect_resets`, `generate`, `step`, `fault`, `finish`.
 2. A reply that does not parse is a format error: the step is recorded (parse_ok False), the episode
    ends without touching the env, success is 0 and the reward gets the format penalty (docs/method.md §1).
    Model text is never executed: it goes through `parse_response` only.
@@ -15,9 +17,16 @@ Decisions:
 4. Coordinates: the model answers in model-image pixels (the smart_resized screenshot it saw);
    `to_screen` maps them to the env's screen before stepping, and the stored `actions_json` holds the
    screen coordinates actually sent.
-5. Sampling seeds are derived from (seed, round): reproducible for a fixed job list and pool size.
+5. Reproducible: the reply of step s of job j (its index in the job list) is sampled with the seed
+   `derive_seed("sample", cfg.seed, epoch, iteration, j, s)` (seeds.py), never from its batch row, the
+   round of the loop, its env or the time it ran. Which envs are free when, and so who shares a batch,
+   depends on timing; the replies do not (the generator seeds each prompt on its own, generate.py
+   decision 1), and a re-run after an env fault draws the same seeds as a clean run. The same job list
+   gives the same trajectories with 1 or 8 envs, process or Ray workers.
 6. Time is split into env (waiting on env futures), inference (generation) and the rest, so a
    benchmark can see who waits for whom.
+7. `RolloutConfig` has no defaults for what params own (sampling, step limit, reply length, format
+   penalty, pixel budget, coordinate mode, seed): the caller builds it from params.yaml.
 """
 
 from __future__ import annotations
@@ -38,6 +47,7 @@ from arpo_core.envs.pool import EnvPool, EnvResult
 from arpo_core.policy.generate import Generation, Generator
 from arpo_core.policy.prompt import PromptInput, Reply
 from arpo_core.rewards import trajectory_reward
+from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 __all__ = ["EpisodeJob", "RolloutConfig", "RolloutResult", "make_group_jobs", "run_episodes"]
@@ -45,26 +55,28 @@ __all__ = ["EpisodeJob", "RolloutConfig", "RolloutResult", "make_group_jobs", "r
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    max_steps: int = 15
+    """How episodes are played; built by the caller from params (decision 7)."""
+
+    max_steps: int
     """Episode step limit (reference 15)."""
-    temperature: float = 1.0
+    temperature: float
     """Sampling temperature (0: greedy)."""
-    top_p: float = 1.0
+    top_p: float
     """Nucleus sampling."""
-    max_new_tokens: int = 96
+    max_new_tokens: int
     """Reply length limit in tokens."""
-    format_penalty: float = -1.0
+    format_penalty: float
     """Reward of an episode with an unparseable reply."""
-    min_pixels: int = 3136
+    min_pixels: int
     """smart_resize lower bound of the policy's image processor (model-image coordinates)."""
-    max_pixels: int = 1003520
+    max_pixels: int
     """smart_resize upper bound of the policy's image processor."""
-    coord_mode: str = "absolute"
+    coord_mode: str
     """'absolute' (UI-TARS-1.5 / Qwen2.5-VL pixels) or 'relative1000' (UI-TARS-1.0)."""
+    seed: int
+    """Run seed of sampling; each reply's seed derives from it (decision 5)."""
     env_retries: int = 2
     """Re-runs of an episode hit by an env fault before it is reported failed."""
-    seed: int = 0
-    """Base seed of sampling."""
 
 
 @dataclass(frozen=True)
@@ -93,7 +105,7 @@ class RolloutResult:
     trajectories: list[Trajectory]
     """Finished episodes, in job order (group-contiguous when the jobs were)."""
     failed: list[tuple[EpisodeJob, str]]
-    """Jobs that hit env faults `env_retries + 1` times, with the last error."""
+    """Jobs that hit env faults `env_retries + 1` times, with the last error, in job order."""
     metrics: dict[str, float] = field(default_factory=dict)
 
 
@@ -101,6 +113,7 @@ class RolloutResult:
 class _Episode:
     job: EpisodeJob
     order: int
+    """Index of the job in the job list (decision 5)."""
     env_idx: int = -1
     attempts: int = 0
     obs: Observation | None = None
@@ -117,6 +130,197 @@ def _model_size(screen: tuple[int, int], cfg: RolloutConfig) -> tuple[int, int]:
     return (w, h)
 
 
+class _Rollout:
+    """The state of one `run_episodes` call; each method is one phase of the loop (decision 1)."""
+
+    def __init__(
+        self,
+        pool: EnvPool,
+        generator: Generator,
+        jobs: Sequence[EpisodeJob],
+        cfg: RolloutConfig,
+        epoch: int,
+        iteration: int,
+        progress,
+    ):
+        self.pool, self.generator, self.cfg = pool, generator, cfg
+        self.epoch, self.iteration, self.progress = epoch, iteration, progress
+        self.queue: deque[_Episode] = deque(_Episode(job, i) for i, job in enumerate(jobs))
+        self.resets: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
+        self.evals: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
+        self.live: dict[int, _Episode] = {}
+        self.finished: list[_Episode] = []
+        self.failed: list[tuple[int, EpisodeJob, str]] = []
+        """(job index, job, last error) of jobs given up on, in the order they failed."""
+        self.n_env_faults = 0
+        self.t_env = self.t_inf = 0.0
+
+    def run(self) -> None:
+        for env_idx in range(self.pool.n):
+            self.release(env_idx)
+        while self.resets or self.evals or self.live:
+            self.collect_evals()
+            self.collect_resets()
+            if self.live:
+                self.step(self.generate())
+            elif self.evals:  # nothing to generate for: wait for one evaluation to come back
+                self._wait(lambda: next(iter(self.evals.values()))[1].result())
+
+    def _wait(self, fn):
+        t0 = time.monotonic()
+        try:
+            return fn()
+        finally:
+            self.t_env += time.monotonic() - t0
+
+    # ---- an env takes a job, gives one back
+    def start(self, ep: _Episode, env_idx: int) -> None:
+        """A fresh attempt of `ep` on `env_idx`: everything of an earlier attempt is dropped (decision 3)."""
+        ep.env_idx = env_idx
+        ep.attempts += 1
+        ep.obs, ep.screenshots, ep.replies, ep.steps = None, [], [], []
+        ep.format_error, ep.success = False, 0.0
+        self.resets[env_idx] = (ep, self.pool.submit_reset(env_idx, ep.job.task, ep.job.seed))
+
+    def release(self, env_idx: int) -> None:
+        """`env_idx` is free: it takes the next queued job, if any."""
+        if self.queue:
+            self.start(self.queue.popleft(), env_idx)
+
+    def finish(self, ep: _Episode) -> None:
+        self.finished.append(ep)
+        if self.progress is not None:
+            self.progress.update(1)
+        self.release(ep.env_idx)
+
+    def fault(self, ep: _Episode, error: str) -> None:
+        """Decision 3: re-run first, on the next free env (the pool restarts broken workers), or give up."""
+        self.n_env_faults += 1
+        if ep.attempts > self.cfg.env_retries:
+            self.failed.append((ep.order, ep.job, error))
+            if self.progress is not None:
+                self.progress.update(1)
+        else:
+            self.queue.appendleft(ep)
+        self.release(ep.env_idx)
+
+    # ---- the phases of one round
+    def collect_evals(self) -> None:
+        """Evaluations that are done (they overlap the other envs' steps)."""
+        for env_idx in [i for i, (_, f) in self.evals.items() if f.done()]:
+            ep, fut = self.evals.pop(env_idx)
+            res = fut.result()
+            if res.error:
+                self.fault(ep, f"evaluate: {res.error}")
+            else:
+                ep.success = float(res.score or 0.0)
+                self.finish(ep)
+
+    def collect_resets(self) -> None:
+        """Resets (new episodes) must land before their first generation."""
+        for env_idx in list(self.resets):
+            ep, fut = self.resets.pop(env_idx)
+            res = self._wait(fut.result)
+            if res.error or res.observation is None:
+                self.fault(ep, f"reset: {res.error}")
+            else:
+                ep.obs = res.observation
+                ep.instruction = res.observation.instruction or ep.job.task.instruction
+                self.live[env_idx] = ep
+
+    def generate(self) -> dict[int, Generation]:
+        """One batched generation for every live episode, each reply with its own seed (decision 5)."""
+        order = sorted(self.live)
+        prompts, seeds = [], []
+        for env_idx in order:
+            ep = self.live[env_idx]
+            ep.screenshots.append(ep.obs.screenshot)
+            prompts.append(PromptInput(ep.instruction, tuple(ep.screenshots), tuple(ep.replies)))
+            seeds.append(
+                derive_seed("sample", self.cfg.seed, self.epoch, self.iteration, ep.order, len(ep.steps))
+            )
+        t0 = time.monotonic()
+        gens = self.generator.generate(
+            prompts,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            max_new_tokens=self.cfg.max_new_tokens,
+            seeds=seeds,
+        )
+        self.t_inf += time.monotonic() - t0
+        return dict(zip(order, gens, strict=True))
+
+    def step(self, gens: dict[int, Generation]) -> None:
+        """Record each reply; step the envs whose replies parsed, in parallel; route every episode on."""
+        steps: dict[int, Future[EnvResult]] = {}
+        for env_idx, gen in gens.items():
+            ep = self.live[env_idx]
+            actions = self._record(ep, gen)
+            if actions is not None:
+                steps[env_idx] = self.pool.submit_step(env_idx, actions)
+        for env_idx in gens:
+            ep = self.live.pop(env_idx)
+            if ep.format_error:  # decision 2: no env step, no evaluation
+                self.finish(ep)
+                continue
+            res = self._wait(steps[env_idx].result)
+            if res.error:
+                ep.steps[-1].env_error = res.error
+                self.fault(ep, f"step: {res.error}")
+            elif res.done or len(ep.steps) >= self.cfg.max_steps:
+                ep.obs = res.observation
+                ep.steps[-1].done = res.done
+                self.evals[env_idx] = (ep, self.pool.submit_evaluate(env_idx))
+            else:
+                ep.obs = res.observation
+                self.live[env_idx] = ep
+
+    def _record(self, ep: _Episode, gen: Generation):
+        """Append the step of reply `gen` to `ep`; its actions in screen pixels, or None on a format error."""
+        screen = ep.obs.screen_size
+        step = Step(
+            step_idx=len(ep.steps),
+            screenshot_png=png_bytes(ep.obs.screenshot),
+            screen_w=screen[0],
+            screen_h=screen[1],
+            response_text=gen.text,
+            gen_logprob_sum=float(sum(gen.logprobs)),
+            response_token_ids=list(gen.token_ids),
+        )
+        ep.steps.append(step)
+        ep.replies.append(Reply(gen.text, tuple(gen.token_ids)))
+        try:
+            parsed = parse_response(gen.text)
+        except ActionParseError as e:
+            step.parse_ok, step.done, step.env_error = False, True, ""
+            step.actions_json = json.dumps({"parse_error": str(e)})
+            ep.format_error = True
+            return None
+        actions = to_screen(parsed.actions, _model_size(screen, self.cfg), screen, mode=self.cfg.coord_mode)
+        step.actions_json = json.dumps([dataclasses.asdict(a) for a in actions])
+        return actions
+
+
+def _trajectory(
+    ep: _Episode, cfg: RolloutConfig, run_id: str, stage: str, epoch: int, version: int
+) -> Trajectory:
+    return Trajectory(
+        run_id=run_id,
+        stage=stage,
+        epoch=epoch,
+        task_domain=ep.job.task.domain,
+        task_id=ep.job.task.task_id,
+        instruction=ep.instruction,
+        steps=ep.steps,
+        group_id=ep.job.group_id,
+        sample_idx=ep.job.sample_idx,
+        success=ep.success,
+        reward=trajectory_reward(ep.success, ep.format_error, cfg.format_penalty),
+        replayed=False,
+        policy_version=version,
+    )
+
+
 def run_episodes(
     pool: EnvPool,
     generator: Generator,
@@ -126,170 +330,19 @@ def run_episodes(
     run_id: str = "",
     stage: str = "rollout",
     epoch: int = 0,
+    iteration: int = 0,
     policy_version: int = 0,
     progress=None,
 ) -> RolloutResult:
-    """Run every job to completion over `pool` (decision 1). `progress` (tqdm-like, optional) is
-    advanced by one per finished episode."""
+    """Run every job to completion over `pool` (decision 1). `epoch` and `iteration` name this call in
+    the sampling seeds (decision 5): two calls with the same job list, config, epoch and iteration give
+    the same episodes. `progress` (tqdm-like, optional) is advanced by one per finished episode."""
     t_start = time.monotonic()
-    t_env = t_inf = 0.0
-    queue: deque[_Episode] = deque(_Episode(job, i) for i, job in enumerate(jobs))
-    free = list(range(pool.n))
-    resets: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
-    evals: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
-    live: dict[int, _Episode] = {}
-    finished: list[_Episode] = []
-    failed: list[tuple[EpisodeJob, str]] = []
-    n_env_faults = 0
-    rounds = 0
-
-    def start(ep: _Episode, env_idx: int) -> None:
-        ep.env_idx = env_idx
-        ep.attempts += 1
-        ep.obs, ep.screenshots, ep.replies, ep.steps = None, [], [], []
-        ep.format_error, ep.success = False, 0.0
-        resets[env_idx] = (ep, pool.submit_reset(env_idx, ep.job.task, ep.job.seed))
-
-    def fault(ep: _Episode, error: str) -> None:
-        nonlocal n_env_faults
-        n_env_faults += 1
-        if ep.attempts > cfg.env_retries:
-            failed.append((ep.job, error))
-            if progress is not None:
-                progress.update(1)
-        else:
-            queue.appendleft(ep)  # re-run first, on the next free env (the pool restarts broken workers)
-
-    def release(env_idx: int) -> None:
-        if queue:
-            start(queue.popleft(), env_idx)
-        else:
-            free.append(env_idx)
-
-    while free and queue:
-        start(queue.popleft(), free.pop(0))
-
-    while resets or evals or live:
-        # 1. Collect evaluations that are done (they overlap the other envs' steps).
-        for env_idx in [i for i, (_, f) in evals.items() if f.done()]:
-            ep, fut = evals.pop(env_idx)
-            res = fut.result()
-            if res.error:
-                fault(ep, f"evaluate: {res.error}")
-            else:
-                ep.success = float(res.score or 0.0)
-                finished.append(ep)
-                if progress is not None:
-                    progress.update(1)
-            release(env_idx)
-        # 2. Resets (new episodes) must land before their first generation.
-        t0 = time.monotonic()
-        for env_idx in list(resets):
-            ep, fut = resets.pop(env_idx)
-            res = fut.result()
-            if res.error or res.observation is None:
-                fault(ep, f"reset: {res.error}")
-                release(env_idx)
-            else:
-                ep.obs = res.observation
-                ep.instruction = res.observation.instruction or ep.job.task.instruction
-                live[env_idx] = ep
-        t_env += time.monotonic() - t0
-        if not live:
-            if evals:
-                t0 = time.monotonic()
-                next(iter(evals.values()))[1].result()
-                t_env += time.monotonic() - t0
-            continue
-
-        # 3. One batched generation for every live episode.
-        order = sorted(live)
-        prompts = []
-        for env_idx in order:
-            ep = live[env_idx]
-            ep.screenshots.append(ep.obs.screenshot)
-            prompts.append(PromptInput(ep.instruction, tuple(ep.screenshots), tuple(ep.replies)))
-        t0 = time.monotonic()
-        gens: list[Generation] = generator.generate(
-            prompts,
-            temperature=cfg.temperature,
-            top_p=cfg.top_p,
-            max_new_tokens=cfg.max_new_tokens,
-            seed=cfg.seed * 1_000_003 + epoch * 10_007 + rounds * 101,
-        )
-        t_inf += time.monotonic() - t0
-        rounds += 1
-
-        # 4. Parse; step the envs whose replies parsed, in parallel.
-        steps: dict[int, Future[EnvResult]] = {}
-        for env_idx, gen in zip(order, gens, strict=True):
-            ep = live[env_idx]
-            screen = ep.obs.screen_size
-            step = Step(
-                step_idx=len(ep.steps),
-                screenshot_png=png_bytes(ep.obs.screenshot),
-                screen_w=screen[0],
-                screen_h=screen[1],
-                response_text=gen.text,
-                gen_logprob_sum=float(sum(gen.logprobs)),
-                response_token_ids=list(gen.token_ids),
-            )
-            ep.steps.append(step)
-            ep.replies.append(Reply(gen.text, tuple(gen.token_ids)))
-            try:
-                parsed = parse_response(gen.text)
-            except ActionParseError as e:
-                step.parse_ok, step.done, step.env_error = False, True, ""
-                step.actions_json = json.dumps({"parse_error": str(e)})
-                ep.format_error = True
-                continue
-            actions = to_screen(parsed.actions, _model_size(screen, cfg), screen, mode=cfg.coord_mode)
-            step.actions_json = json.dumps([dataclasses.asdict(a) for a in actions])
-            steps[env_idx] = pool.submit_step(env_idx, actions)
-
-        t0 = time.monotonic()
-        for env_idx in order:
-            ep = live.pop(env_idx)
-            if ep.format_error:  # decision 2: no env step, no evaluation
-                finished.append(ep)
-                if progress is not None:
-                    progress.update(1)
-                release(env_idx)
-                continue
-            res = steps[env_idx].result()
-            if res.error:
-                ep.steps[-1].env_error = res.error
-                fault(ep, f"step: {res.error}")
-                release(env_idx)
-                continue
-            ep.obs = res.observation
-            if res.done or len(ep.steps) >= cfg.max_steps:
-                ep.steps[-1].done = res.done
-                evals[env_idx] = (ep, pool.submit_evaluate(env_idx))
-            else:
-                live[env_idx] = ep
-        t_env += time.monotonic() - t0
-
-    trajs = []
-    for ep in sorted(finished, key=lambda e: e.order):
-        reward = trajectory_reward(ep.success, ep.format_error, cfg.format_penalty)
-        trajs.append(
-            Trajectory(
-                run_id=run_id,
-                stage=stage,
-                epoch=epoch,
-                task_domain=ep.job.task.domain,
-                task_id=ep.job.task.task_id,
-                instruction=ep.instruction,
-                steps=ep.steps,
-                group_id=ep.job.group_id,
-                sample_idx=ep.job.sample_idx,
-                success=ep.success,
-                reward=reward,
-                replayed=False,
-                policy_version=policy_version,
-            )
-        )
+    r = _Rollout(pool, generator, jobs, cfg, epoch, iteration, progress)
+    r.run()
+    done = sorted(r.finished, key=lambda e: e.order)
+    trajs = [_trajectory(ep, cfg, run_id, stage, epoch, policy_version) for ep in done]
+    failed = [(job, error) for _, job, error in sorted(r.failed, key=lambda f: f[0])]  # job order too
     total = time.monotonic() - t_start
     n = max(1, len(trajs))
     metrics = {
@@ -298,11 +351,11 @@ def run_episodes(
         "rollout/format_error_rate": sum(t.format_error for t in trajs) / n,
         "rollout/mean_steps": sum(len(t.steps) for t in trajs) / n,
         "rollout/mean_reward": sum(t.reward for t in trajs) / n,
-        "rollout/env_faults": float(n_env_faults),
-        "rollout/failed_jobs": float(len(failed)),
+        "rollout/env_faults": float(r.n_env_faults),
+        "rollout/failed_jobs": float(len(r.failed)),
         "time/rollout_s": total,
-        "time/env_wait_s": t_env,
-        "time/inference_s": t_inf,
-        "time/other_s": max(0.0, total - t_env - t_inf),
+        "time/env_wait_s": r.t_env,
+        "time/inference_s": r.t_inf,
+        "time/other_s": max(0.0, total - r.t_env - r.t_inf),
     }
     return RolloutResult(trajs, failed, metrics)

@@ -13,8 +13,10 @@ Decisions:
    in a temp dir, or `--policy DIR`) run by `HFGenerator`: inference cost is the real batched
    generation. Its replies are random text, which would end every episode at step 1 as a format error
    (no env step at all), so the generator wrapper keeps the sampled tokens and their cost but replaces
-   the reply TEXT with a seeded random `click(start_box=...)` inside the model image. Episodes therefore
-   run to `--max-steps` or to the task's own end, as a trained policy's would.
+   the reply TEXT with a random `click(start_box=...)` inside the model image, drawn from the reply's
+   own sampling seed (rollout.py decision 5: the same job list gives the same clicks in every mode and
+   pool size). Episodes therefore run to `--max-steps` or to the task's own end, as a trained policy's
+   would.
 2. Every reply has exactly `--reply-tokens` tokens (the stop tokens, and all other special tokens, are
    masked out as in bench_generation.py), so inference cost does not depend on when a random model
    happens to stop.
@@ -79,35 +81,35 @@ class FixedLengthGenerator(NoStop):
 
 
 class ClickingGenerator:
-    """Real generation, reply text replaced by a seeded random click in model-image pixels (decision 1).
+    """Real generation, reply text replaced by a random click in model-image pixels drawn from the
+    prompt's own seed (decision 1).
 
     `one_at_a_time` splits each batch into batch-1 calls (decision 3). `batch_sizes` records the size
     of every batch the rollout loop asked for."""
 
-    def __init__(self, inner, min_pixels: int, max_pixels: int, seed: int = 0, one_at_a_time: bool = False):
+    def __init__(self, inner, min_pixels: int, max_pixels: int, one_at_a_time: bool = False):
         self.inner = inner
         self.min_pixels = min_pixels
         self.max_pixels = max_pixels
-        self.rng = random.Random(seed)
         self.one_at_a_time = one_at_a_time
         self.batch_sizes: list[int] = []
 
-    def click_text(self, prompt: PromptInput) -> str:
+    def click_text(self, prompt: PromptInput, seed: int) -> str:
         w, h = prompt.screenshots[-1].size
         mh, mw = smart_resize(h, w, min_pixels=self.min_pixels, max_pixels=self.max_pixels)
-        x, y = self.rng.randrange(mw), self.rng.randrange(mh)
+        rng = random.Random(seed)
+        x, y = rng.randrange(mw), rng.randrange(mh)
         return f"Thought: try here\nAction: click(start_box='({x},{y})')"
 
-    def generate(self, batch: list[PromptInput], **kw) -> list[Generation]:
+    def generate(self, batch: list[PromptInput], *, seeds, **kw) -> list[Generation]:
         self.batch_sizes.append(len(batch))
         if self.one_at_a_time:
-            seed = kw.pop("seed", 0)
-            gens = [self.inner.generate([p], seed=seed + i, **kw)[0] for i, p in enumerate(batch)]
+            gens = [self.inner.generate([p], seeds=[s], **kw)[0] for p, s in zip(batch, seeds, strict=True)]
         else:
-            gens = self.inner.generate(batch, **kw)
+            gens = self.inner.generate(batch, seeds=seeds, **kw)
         return [
-            Generation(self.click_text(p), g.token_ids, g.logprobs, g.finish_reason)
-            for p, g in zip(batch, gens, strict=True)
+            Generation(self.click_text(p, s), g.token_ids, g.logprobs, g.finish_reason)
+            for p, s, g in zip(batch, seeds, gens, strict=True)
         ]
 
 
@@ -189,10 +191,9 @@ def median_summary(runs: list[dict[str, float]]) -> dict[str, float]:
 
 def bench_config(policy, backend: str, n: int, mode: str, args, cfg: RolloutConfig) -> dict:
     gen = ClickingGenerator(
-        FixedLengthGenerator(policy, system="compact"),
+        FixedLengthGenerator(policy, system="compact", history_images=None),
         cfg.min_pixels,
         cfg.max_pixels,
-        seed=n,
         one_at_a_time=mode == "one_at_a_time",
     )
     kw = {"ray_resources": {"env_node": 0.01}} if backend == "ray" else {}
@@ -283,9 +284,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         ip = policy.processor.image_processor
         cfg = RolloutConfig(
             max_steps=args.max_steps,
+            temperature=1.0,
+            top_p=1.0,
             max_new_tokens=args.reply_tokens,
+            format_penalty=-1.0,
             min_pixels=ip.size["shortest_edge"],
             max_pixels=ip.size["longest_edge"],
+            coord_mode="absolute",
+            seed=0,
         )
         results = []
         for backend in args.backends:

@@ -48,15 +48,19 @@ def main() -> None:
     torch.set_num_threads(1)
 
     policy = load_policy(args.policy_dir)
-    gen = HFGenerator(policy, system="compact")
+    gen = HFGenerator(policy, system="compact", history_images=None)
     tasks = load_osworld_suite(ROOT / args.suite)
     factory = functools.partial(make_osworld_env, provider="local", screen_size=(args.width, args.height))
     cfg = RolloutConfig(
         max_steps=args.max_steps,
         temperature=0.0,
+        top_p=1.0,
         max_new_tokens=args.max_new_tokens,
+        format_penalty=-1.0,
         min_pixels=policy.min_pixels,
         max_pixels=policy.max_pixels,
+        coord_mode="absolute",
+        seed=0,
     )
     t0 = time.monotonic()
     pool = EnvPool(factory, n=args.envs, reset_timeout_s=180)

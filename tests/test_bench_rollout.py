@@ -31,27 +31,28 @@ class Recorder:
     def __init__(self):
         self.calls = []
 
-    def generate(self, batch, **kw):
-        self.calls.append((len(batch), kw.get("seed")))
+    def generate(self, batch, *, seeds, **kw):
+        self.calls.append((len(batch), list(seeds)))
         return [Generation("garbage", (1, 2, 3), (-0.1, -0.2, -0.3), "length") for _ in batch]
 
 
 @pytest.mark.parametrize("one_at_a_time", [False, True])
 def test_clicking_generator_keeps_tokens_and_clicks_inside_the_model_image(one_at_a_time):
     inner = Recorder()
-    gen = br.ClickingGenerator(
-        inner, min_pixels=3136, max_pixels=448 * 448, seed=0, one_at_a_time=one_at_a_time
-    )
+    gen = br.ClickingGenerator(inner, min_pixels=3136, max_pixels=448 * 448, one_at_a_time=one_at_a_time)
     batch = [PromptInput("Click", (Image.new("RGB", (160, 210)),), ()) for _ in range(3)]
-    out = gen.generate(batch, seed=7, max_new_tokens=3)
-    # one batched call, or three batch-1 calls with consecutive seeds
-    assert inner.calls == ([(1, 7), (1, 8), (1, 9)] if one_at_a_time else [(3, 7)])
+    out = gen.generate(batch, seeds=[7, 8, 9], temperature=1.0, top_p=1.0, max_new_tokens=3)
+    # one batched call, or three batch-1 calls, each prompt with its own seed
+    assert inner.calls == ([(1, [7]), (1, [8]), (1, [9])] if one_at_a_time else [(3, [7, 8, 9])])
     assert gen.batch_sizes == [3]
     for g in out:
         assert g.token_ids == (1, 2, 3) and g.logprobs == (-0.1, -0.2, -0.3)
         (a,) = parse_response(g.text).actions
         # 160x210 -> smart_resize 168x224 model image
         assert a.kind == "click" and 0 <= a.point[0] < 168 and 0 <= a.point[1] < 224
+    # the click follows the prompt's seed, not the call order
+    again = gen.generate(batch[:1], seeds=[9], temperature=1.0, top_p=1.0, max_new_tokens=3)
+    assert again[0].text == out[2].text
 
 
 def test_timed_pool_records_latency_by_kind():

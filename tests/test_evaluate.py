@@ -252,7 +252,7 @@ class FakeGenerator:
     def __init__(self):
         self.temperatures: list[float] = []
 
-    def generate(self, batch, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=0):
+    def generate(self, batch, *, temperature, top_p, max_new_tokens, seeds=None):
         self.temperatures.append(temperature)
         out = []
         for p in batch:
@@ -284,9 +284,18 @@ def test_evaluate_policy_with_fake_pool_and_generator():
         TaskSpec("miniwob", "bad", split="out_of_domain"),
     ]
     pool, gen = FakePool(3), FakeGenerator()
-    res = evaluate_policy(
-        pool, gen, tasks, episodes_per_task=4, temperature=0.0, seed=10, rollout=RolloutConfig(max_steps=5)
+    rollout = RolloutConfig(
+        max_steps=5,
+        temperature=0.0,
+        top_p=1.0,
+        max_new_tokens=64,
+        format_penalty=-1.0,
+        min_pixels=3136,
+        max_pixels=1003520,
+        coord_mode="absolute",
+        seed=10,
     )
+    res = evaluate_policy(pool, gen, tasks, 4, rollout, first_seed=10)
     assert sorted(pool.seeds) == sorted([(t, 10 + k) for t in ("good", "bad") for k in range(4)])
     assert set(gen.temperatures) == {0.0}  # greedy
     m = res.metrics

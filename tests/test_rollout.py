@@ -1,10 +1,15 @@
-"""Rollout loop: batching, queueing over few envs, format errors, env-fault retries, metrics; and one
-end-to-end run with the tiny policy on real MiniWoB."""
+"""Rollout loop: batching, queueing over few envs, format errors, env-fault retries, metrics, seeds that
+follow the job and not the env or the timing; and end-to-end runs with the tiny policy on real MiniWoB
+(the same job list gives the same trajectories with 1 or 4 envs, process or Ray workers)."""
 
 from __future__ import annotations
 
+import functools
 import json
+import random
 from concurrent.futures import Future
+from dataclasses import replace
+from pathlib import Path
 
 import pytest
 from PIL import Image
@@ -13,8 +18,27 @@ from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvResult
 from arpo_core.policy.generate import Generation
 from arpo_core.rollout import EpisodeJob, RolloutConfig, make_group_jobs, run_episodes
+from arpo_core.seeds import derive_seed
 
 SCREEN = (160, 210)
+ROOT = Path(__file__).resolve().parents[1]
+GROUNDED = ROOT / "assets" / "checkpoints" / "grounded-xs"
+
+
+def rollout_cfg(**over) -> RolloutConfig:
+    """A RolloutConfig as a stage builds it from params (train section values, the tiny policy's pixels)."""
+    base = RolloutConfig(
+        max_steps=5,
+        temperature=1.0,
+        top_p=1.0,
+        max_new_tokens=64,
+        format_penalty=-1.0,
+        min_pixels=3136,
+        max_pixels=1003520,
+        coord_mode="absolute",
+        seed=0,
+    )
+    return replace(base, **over)
 
 
 def done_future(value) -> Future:
@@ -64,14 +88,16 @@ class FakePool:
 
 
 class ScriptedGenerator:
-    """Reply chosen by the instruction's task id; records batch sizes."""
+    """Reply chosen by the instruction's task id; records batch sizes and seeds."""
 
     def __init__(self, replies):
         self.replies = replies
         self.batches = []
+        self.seeds = []
 
-    def generate(self, batch, temperature=1.0, top_p=1.0, max_new_tokens=256, seed=0):
+    def generate(self, batch, *, temperature, top_p, max_new_tokens, seeds=None):
         self.batches.append(len(batch))
+        self.seeds.append(list(seeds))
         out = []
         for p in batch:
             text = self.replies[p.instruction.split()[-1]]
@@ -104,7 +130,7 @@ def test_more_jobs_than_envs_all_finish_in_job_order_with_batched_generation():
     pool = FakePool(n=3, steps_to_done=2)
     gen = ScriptedGenerator({"a": GOOD, "b": BAD_CLICK})
     jobs = make_group_jobs(tasks("a", "b"), group_size=4, seed=0)
-    res = run_episodes(pool, gen, jobs, RolloutConfig(max_steps=5), run_id="r", stage="train", epoch=2)
+    res = run_episodes(pool, gen, jobs, rollout_cfg(max_steps=5), run_id="r", stage="train", epoch=2)
     assert res.failed == []
     assert [(t.task_id, t.sample_idx) for t in res.trajectories] == [
         (j.task.task_id, j.sample_idx) for j in jobs
@@ -128,7 +154,7 @@ def test_more_jobs_than_envs_all_finish_in_job_order_with_batched_generation():
 def test_format_error_ends_episode_without_env_step_and_gets_penalty():
     pool = FakePool(n=2)
     gen = ScriptedGenerator({"a": GARBAGE})
-    res = run_episodes(pool, gen, make_group_jobs(tasks("a"), 2, 0), RolloutConfig(format_penalty=-0.5))
+    res = run_episodes(pool, gen, make_group_jobs(tasks("a"), 2, 0), rollout_cfg(format_penalty=-0.5))
     assert [t.reward for t in res.trajectories] == [-0.5, -0.5]
     t = res.trajectories[0]
     assert len(t.steps) == 1 and not t.steps[0].parse_ok and t.steps[0].done
@@ -140,7 +166,7 @@ def test_format_error_ends_episode_without_env_step_and_gets_penalty():
 def test_max_steps_stops_and_evaluates():
     pool = FakePool(n=1, steps_to_done=100)
     res = run_episodes(
-        pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 1, 0), RolloutConfig(max_steps=3)
+        pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 1, 0), rollout_cfg(max_steps=3)
     )
     (t,) = res.trajectories
     assert len(t.steps) == 3 and not t.steps[-1].done
@@ -156,7 +182,7 @@ def test_env_faults_are_retried_then_reported_not_scored():
         EpisodeJob(tasks("b")[0], 1, group_id=1),
         EpisodeJob(tasks("c")[0], 2, group_id=2),
     ]
-    res = run_episodes(pool, gen, jobs, RolloutConfig(env_retries=2))
+    res = run_episodes(pool, gen, jobs, rollout_cfg(env_retries=2))
     assert [t.task_id for t in res.trajectories] == ["a", "c"]
     assert all(t.success == 1.0 and t.env_error == "" for t in res.trajectories)
     assert (
@@ -170,20 +196,169 @@ def test_env_faults_are_retried_then_reported_not_scored():
 
 def test_time_split_adds_up():
     pool = FakePool(n=2)
-    res = run_episodes(
-        pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 4, 0), RolloutConfig()
-    )
+    res = run_episodes(pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 4, 0), rollout_cfg())
     m = res.metrics
     assert m["time/env_wait_s"] + m["time/inference_s"] + m["time/other_s"] == pytest.approx(
         m["time/rollout_s"], rel=1e-6
     )
 
 
+class SeededReplies:
+    """A stand-in policy whose reply is drawn from the prompt's seed alone (as HFGenerator's is): a good
+    click, a bad click or garbage; records which seeds it saw for which (instruction, step)."""
+
+    def __init__(self):
+        self.seen = {}
+
+    def generate(self, batch, *, temperature, top_p, max_new_tokens, seeds=None):
+        out = []
+        for p, seed in zip(batch, seeds, strict=True):
+            self.seen.setdefault((p.instruction, len(p.replies)), set()).add(seed)
+            text = random.Random(seed).choice([GOOD, BAD_CLICK, BAD_CLICK, GARBAGE])
+            out.append(Generation(text, (seed % 97,), (-float(seed % 13),), "stop"))
+        return out
+
+
+def signature(res):
+    return [
+        (t.task_id, t.group_id, t.sample_idx, t.reward, [(s.response_text, s.actions_json) for s in t.steps])
+        for t in res.trajectories
+    ]
+
+
+def test_sampling_seed_is_derived_from_job_and_step():
+    """Decision 5: step s of job j is sampled with derive_seed('sample', seed, epoch, iteration, j, s)."""
+    gen = ScriptedGenerator({"a": GOOD, "b": GOOD})
+    jobs = make_group_jobs(tasks("a", "b"), group_size=2, seed=0)
+    run_episodes(FakePool(n=4, steps_to_done=2), gen, jobs, rollout_cfg(seed=5), epoch=3, iteration=1)
+    want = {derive_seed("sample", 5, 3, 1, j, s) for j in range(4) for s in range(2)}
+    assert {x for batch in gen.seeds for x in batch} == want
+
+
+@pytest.mark.parametrize("n_envs", [1, 2, 3, 8])
+def test_trajectories_do_not_depend_on_the_number_of_envs(n_envs):
+    """Who shares a batch, and which env plays which job, changes with the pool size; the episodes do not."""
+    jobs = make_group_jobs(tasks("a", "b", "c"), group_size=3, seed=0)
+    cfg = rollout_cfg(max_steps=3, seed=11)
+    ref = run_episodes(FakePool(n=4, steps_to_done=3), SeededReplies(), jobs, cfg, epoch=1)
+    res = run_episodes(FakePool(n=n_envs, steps_to_done=3), SeededReplies(), jobs, cfg, epoch=1)
+    assert signature(res) == signature(ref)
+    assert [t.steps[0].gen_logprob_sum for t in res.trajectories] == [
+        t.steps[0].gen_logprob_sum for t in ref.trajectories
+    ]
+    other = run_episodes(FakePool(n=n_envs, steps_to_done=3), SeededReplies(), jobs, cfg, epoch=2)
+    assert signature(other) != signature(ref)  # another epoch draws other seeds
+
+
+def test_retried_episode_equals_a_clean_one():
+    """A job re-run after an env fault (decision 3) draws the same seeds: the same episode comes out."""
+    jobs = make_group_jobs(tasks("a", "b"), group_size=2, seed=0)
+    cfg = rollout_cfg(max_steps=3, seed=2)
+    clean = run_episodes(FakePool(n=2, steps_to_done=3), SeededReplies(), jobs, cfg)
+    faulty = FakePool(n=2, steps_to_done=3, faults={("a", 0): 1}, step_faults={("b", 1): 1})
+    res = run_episodes(faulty, SeededReplies(), jobs, cfg)
+    assert res.metrics["rollout/env_faults"] >= 1 and res.failed == []
+    assert signature(res) == signature(clean)
+
+
+def test_rollout_config_has_no_defaults_for_params_values():
+    with pytest.raises(TypeError, match="temperature"):
+        RolloutConfig(max_steps=1)  # params own every value but env_retries
+    assert rollout_cfg().env_retries == 2
+
+
+# ---- real MiniWoB -----------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def grounded():
+    """The project's grounded tiny policy: its replies parse, so episodes click and take several steps."""
+    import torch
+
+    from arpo_core.policy.model import load_policy
+
+    torch.set_num_threads(1)
+    return load_policy(GROUNDED)
+
+
+@pytest.fixture(scope="module")
+def ray_session():
+    import ray
+
+    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    yield ray
+    ray.shutdown()
+
+
+def real_tasks() -> list[TaskSpec]:
+    """The quick suite (click-test, click-button: one click ends them) and click-checkboxes, where a
+    click does not end the episode, so episodes take several steps."""
+    from arpo_core.envs.base import load_suite
+
+    quick = load_suite(ROOT / "data" / "suites" / "miniwob_quick.yaml")
+    return [*quick, replace(quick[0], task_id="click-checkboxes")]
+
+
+def play(policy, backend: str, n_envs: int, jobs, cfg):
+    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.pool import EnvPool
+    from arpo_core.policy.generate import HFGenerator
+
+    gen = HFGenerator(policy, system="compact", history_images=None)
+    with EnvPool(functools.partial(make_miniwob_env), n=n_envs, backend=backend) as pool:
+        return run_episodes(pool, gen, jobs, cfg, stage="train", epoch=1)
+
+
+def real_signature(res):
+    """What must be identical between two runs of the same jobs: texts, actions, rewards."""
+    return [
+        (
+            (t.task_id, t.group_id, t.sample_idx, t.success, t.reward),
+            [(s.response_text, s.actions_json, s.response_token_ids) for s in t.steps],
+        )
+        for t in res.trajectories
+    ]
+
+
+@pytest.fixture(scope="module")
+def one_env_run(grounded):
+    jobs = make_group_jobs(real_tasks(), group_size=2, seed=7)
+    cfg = rollout_cfg(
+        max_steps=3,
+        temperature=1.0,
+        max_new_tokens=48,
+        min_pixels=grounded.min_pixels,
+        max_pixels=grounded.max_pixels,
+        seed=1,
+    )
+    return jobs, cfg, play(grounded, "process", 1, jobs, cfg)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("backend", "n_envs"), [("process", 4), ("ray", 1), ("ray", 4)])
+def test_same_jobs_same_trajectories_with_any_pool(grounded, one_env_run, backend, n_envs, request):
+    """Decision 5 on real MiniWoB and the real sampler: 1 env (every episode alone, in job order) and 4
+    envs (episodes batched together as envs free up), process or Ray workers: the same trajectories."""
+    if backend == "ray":
+        request.getfixturevalue("ray_session")
+    jobs, cfg, ref = one_env_run
+    res = play(grounded, backend, n_envs, jobs, cfg)
+    assert ref.failed == [] and res.failed == []
+    assert len(ref.trajectories) == len(jobs)
+    assert real_signature(res) == real_signature(ref)
+    for a, b in zip(res.trajectories, ref.trajectories, strict=True):
+        # batching changes the float sums in the last bits, never the sampled tokens
+        assert [s.gen_logprob_sum for s in a.steps] == pytest.approx(
+            [s.gen_logprob_sum for s in b.steps], abs=1e-3
+        )
+    # the run exercises what could differ: parsed clicks and episodes of several steps
+    steps = [s for t in ref.trajectories for s in t.steps]
+    assert any(s.parse_ok for s in steps) and any(len(t.steps) > 1 for t in ref.trajectories)
+
+
 @pytest.mark.slow
 def test_tiny_policy_on_real_miniwob(tmp_path):
-    """The whole path: real Chromium envs in worker processes, the tiny policy's batched generation."""
-    import functools
-
+    """The whole path: real Chromium envs in worker processes, an untrained tiny policy's batched generation."""
     import torch
 
     from arpo_core.envs.miniwob import make_miniwob_env
@@ -193,12 +368,12 @@ def test_tiny_policy_on_real_miniwob(tmp_path):
 
     torch.set_num_threads(1)
     policy = build_tiny_policy(tmp_path / "p", size="xs")
-    gen = HFGenerator(policy, system="compact")
+    gen = HFGenerator(policy, system="compact", history_images=None)
     task = TaskSpec(domain="miniwob", task_id="click-test", split="in_domain", backend="miniwob")
     pool = EnvPool(functools.partial(make_miniwob_env), n=2)
     try:
         res = run_episodes(
-            pool, gen, make_group_jobs([task], 3, seed=0), RolloutConfig(max_steps=2, max_new_tokens=24)
+            pool, gen, make_group_jobs([task], 3, seed=0), rollout_cfg(max_steps=2, max_new_tokens=24)
         )
     finally:
         pool.close()
