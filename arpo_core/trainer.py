@@ -2,14 +2,18 @@
 
 Decisions:
 1. One iteration = `tasks_per_iteration` tasks x `group_size` rollouts (docs/method.md §1-2). Tasks are
-   visited in a seeded order per epoch; an epoch is one pass over the task set.
+   visited in a seeded order per epoch; an epoch is one pass over the task set. `train` only composes
+   three phases: `_restore_or_start`, `_run_iteration` (rollout -> `prepare_batch` (replay fill +
+   advantages) -> update -> buffer add -> trajectories written) and `_end_epoch` (summary, `on_epoch`,
+   checkpoint).
 2. ARPO order of operations as the reference: fresh groups are filled from the buffer (all-failed group
    + stored success -> one slot replaced), advantages are computed on the filled groups, the update runs,
    and only then the buffer is updated with the FRESH rollouts (replay.py decision 7).
 3. A group with an env-failed job (rollout.py decision 3) is dropped from the update: GRPO statistics
    need the group's G samples, and an env fault says nothing about the policy.
 4. Every ablation switch of the paper is a parameter (train.replay.enabled, train.use_selection, loss
-   clip/KL/aggregation, format penalty, group size, lr); nothing is hard-wired.
+   clip/KL/aggregation, format penalty, group size, lr); nothing is hard-wired. The params sections
+   arrive as they are (`TrainConfig`, `PolicyConfig`), never copied into a settings class of our own.
 5. Checkpoint at the end of every epoch, atomically: the whole directory is written under a temp name
    and renamed, then the `latest` pointer file is replaced. It holds the policy (save_pretrained), the
    engine/optimizer state, the replay buffer, the RNG states, the epoch counter, the policy version and
@@ -24,6 +28,11 @@ Decisions:
    also on resume - the reference never moves), loaded once, in eval mode, without gradients. Its
    per-token log-probs of every update batch enter the loss as the KL penalty (losses.py decision 3).
    ARPO's default is 0: no reference is loaded and no extra forward runs.
+9. Every random choice derives from the run seed and its place in the run (seeds.py): the epoch's task
+   order from ("task_order", seed, epoch), an iteration's env instances from ("env", seed, epoch, it),
+   its samples from ("sample", seed, epoch, it, job, step) inside the rollout, its mini-batch order from
+   ("minibatch", seed, epoch, it). Nothing depends on the replay buffer or on timing, so ARPO and GRPO
+   (train.replay.enabled true / false) play the same first iteration, episode for episode.
 """
 
 from __future__ import annotations
@@ -34,7 +43,7 @@ import random
 import shutil
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -42,42 +51,23 @@ import numpy as np
 import torch
 
 from arpo_core.advantages import group_advantages
+from arpo_core.config import PolicyConfig, TrainConfig
 from arpo_core.engines import make_engine
 from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_text
-from arpo_core.policy.generate import HFGenerator
+from arpo_core.policy.generate import Generator, HFGenerator
 from arpo_core.policy.model import Policy, load_policy
-from arpo_core.replay import ReplayBuffer, ReplayConfig
+from arpo_core.replay import ReplayBuffer
 from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes
+from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Trajectory, write_trajectories
-from arpo_core.update import UpdateConfig, compute_logps, encode_trajectories, ppo_update
+from arpo_core.update import compute_logps, encode_trajectories, ppo_update
 
-__all__ = ["PreparedBatch", "TrainState", "TrainerSettings", "latest_checkpoint", "prepare_batch", "train"]
+__all__ = ["PreparedBatch", "TrainState", "latest_checkpoint", "prepare_batch", "train"]
 
-
-@dataclass(frozen=True)
-class TrainerSettings:
-    """Everything the loop needs, flattened from params.yaml sections by the caller."""
-
-    epochs: int = 3
-    tasks_per_iteration: int = 4
-    group_size: int = 8
-    lr: float = 1e-5
-    weight_decay: float = 1e-2
-    max_grad_norm: float = 1.0
-    engine: str = "torch"
-    zero_stage: int = 2
-    advantage_scale: str = "group"
-    advantage_eps: float = 1e-6
-    skip_zero_advantage: bool = False
-    """Drop sequences whose advantage is exactly 0 from the update (saves compute; changes token-mean
-    normalisation like DAPO's filter). The reference keeps them (false)."""
-    system: str = "compact"
-    history_images: int | None = None
-    seed: int = 0
-    update: UpdateConfig = field(default_factory=UpdateConfig)
-    rollout: RolloutConfig = field(default_factory=RolloutConfig)
-    replay: ReplayConfig = field(default_factory=ReplayConfig)
+ENV_SEED_BITS = 40
+"""Env instance seeds of training groups stay below 2^40: MiniWoB hands them to JavaScript, whose
+numbers are exact only below 2^53 (seeds.py decision 4), and group g adds g."""
 
 
 @dataclass
@@ -144,8 +134,9 @@ def _load_reference(policy_dir: str | os.PathLike, policy: Policy) -> Policy:
 
 
 def _iteration_chunks(tasks: Sequence[TaskSpec], k: int, seed: int, epoch: int) -> list[list[TaskSpec]]:
+    """The epoch's tasks in a seeded order (decision 9), `k` per iteration."""
     order = list(tasks)
-    random.Random(seed * 7919 + epoch).shuffle(order)
+    random.Random(derive_seed("task_order", seed, epoch)).shuffle(order)
     return [order[i : i + k] for i in range(0, len(order), k)]
 
 
@@ -167,11 +158,7 @@ class PreparedBatch:
 
 
 def prepare_batch(
-    fresh: Sequence[Trajectory],
-    replay: ReplayBuffer,
-    group_size: int,
-    scale: str = "group",
-    eps: float = 1e-6,
+    fresh: Sequence[Trajectory], replay: ReplayBuffer, group_size: int, *, scale: str, eps: float
 ) -> PreparedBatch:
     """Decisions 2-3: complete groups only, replay fill, then group advantages. Does NOT add `fresh` to
     the buffer (the caller does that after the update)."""
@@ -184,13 +171,170 @@ def prepare_batch(
     return PreparedBatch(filled, adv, len(groups), sum(t.replayed for t in filled))
 
 
+@dataclass
+class _Run:
+    """What the phases of `train` share: the fixed inputs and the state that moves."""
+
+    cfg: TrainConfig
+    policy_cfg: PolicyConfig
+    seed: int
+    rollout: RolloutConfig
+    pool: Any
+    out_dir: Path
+    run_id: str
+    policy: Policy
+    engine: Any
+    replay: ReplayBuffer
+    state: TrainState
+    generator: Generator
+    reference: Policy | None
+    """Decision 8: the frozen starting policy when train.loss.kl_coef > 0."""
+
+
+def _restore_or_start(
+    policy_dir: str | os.PathLike, out_dir: Path, cfg: TrainConfig, seed: int, resume: bool
+) -> tuple[Policy, Any, ReplayBuffer, TrainState, Policy | None]:
+    """The last complete epoch's policy, engine, buffer, state and RNG states (decision 5), or a fresh
+    start from `policy_dir` with the global RNGs seeded from the run seed; and the frozen reference
+    policy when train.loss.kl_coef > 0 (decision 8)."""
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        policy = load_policy(ckpt / "policy")
+        meta = json.loads((ckpt / "state.json").read_text())
+        state = TrainState(meta["epoch"], meta["policy_version"], meta["history"])
+        replay = ReplayBuffer.load(ckpt / "replay", config=cfg.replay)
+    else:
+        policy = load_policy(policy_dir)
+        state = TrainState()
+        replay = ReplayBuffer(cfg.replay)
+    reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
+    engine = make_engine(
+        cfg.engine,
+        policy.model,
+        lr=cfg.lr,
+        weight_decay=cfg.weight_decay,
+        max_grad_norm=cfg.max_grad_norm,
+        zero_stage=cfg.zero_stage,
+        bf16=cfg.bf16,
+    )
+    if ckpt is not None:
+        engine.load(ckpt)
+        _set_rng_state(torch.load(ckpt / "rng.pt", weights_only=False))
+    else:
+        random.seed(seed)
+        np.random.seed(seed)
+        torch.manual_seed(seed)
+    return policy, engine, replay, state, reference
+
+
+def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, float]:
+    """The policy update on a prepared batch (decisions 2, 8); returns its metrics."""
+    cfg, pc = run.cfg, run.policy_cfg
+    adv = batch.advantages
+    keep = [i for i in range(len(batch.trajectories)) if not (cfg.skip_zero_advantage and adv[i] == 0)]
+    seqs = encode_trajectories(
+        run.policy,
+        [batch.trajectories[i] for i in keep],
+        system=pc.system_prompt,
+        history_images=pc.history_images,
+    )
+    t0 = time.monotonic()
+    ref_logps = (
+        compute_logps(run.reference, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16)
+        if run.reference is not None
+        else None
+    )
+    stats = ppo_update(
+        run.policy,
+        run.engine,
+        seqs,
+        adv[keep],
+        cfg,
+        seed=derive_seed("minibatch", run.seed, epoch, it),
+        ref_logps=ref_logps,
+    )
+    run.state.policy_version += 1
+    return stats.as_metrics() | {
+        "time/update_s": time.monotonic() - t0,
+        "train/nonzero_adv_frac": float((adv != 0).float().mean()),
+    }
+
+
+def _run_iteration(
+    run: _Run, epoch: int, it: int, chunk: Sequence[TaskSpec], progress_factory: Callable[..., Any] | None
+) -> dict[str, float]:
+    """rollout -> prepare_batch (replay fill + advantages) -> update -> buffer add -> write trajectories."""
+    t0 = time.monotonic()
+    cfg = run.cfg
+    env_seed = derive_seed("env", run.seed, epoch, it, bits=ENV_SEED_BITS)  # decision 9
+    jobs = make_group_jobs(chunk, cfg.group_size, seed=env_seed)
+    bar = (
+        progress_factory(total=len(jobs), desc=f"epoch {epoch} iter {it} rollout")
+        if progress_factory
+        else None
+    )
+    res = run_episodes(
+        run.pool,
+        run.generator,
+        jobs,
+        run.rollout,
+        run_id=run.run_id,
+        stage="train",
+        epoch=epoch,
+        iteration=it,
+        policy_version=run.state.policy_version,
+        progress=bar,
+    )
+    if bar is not None:
+        bar.close()
+    batch = prepare_batch(
+        res.trajectories,
+        run.replay,
+        cfg.group_size,
+        scale=cfg.loss.advantage_scale,
+        eps=cfg.loss.advantage_eps,
+    )
+    metrics = dict(res.metrics)
+    if batch.trajectories:
+        metrics.update(_update(run, batch, epoch, it))
+    run.replay.add(res.trajectories)  # decision 2: after the update, fresh rollouts only
+    metrics.update(run.replay.stats().as_metrics())
+    metrics["train/groups"] = float(batch.n_groups)
+    metrics["train/replayed"] = float(batch.n_replayed)
+    metrics["time/iteration_s"] = time.monotonic() - t0
+    if batch.trajectories:
+        path = run.out_dir / "trajectories" / f"epoch-{epoch:04d}-iter-{it:03d}.parquet"
+        write_trajectories(path, batch.trajectories)
+    return metrics
+
+
+def _end_epoch(
+    run: _Run,
+    epoch: int,
+    rows: Sequence[dict[str, float]],
+    on_epoch: Callable[[int, Policy], dict[str, Any] | None] | None,
+) -> None:
+    """The epoch's mean metrics plus `on_epoch`'s into the history, then the checkpoint (decision 5)."""
+    summary = _mean_metrics(rows)
+    summary["epoch"] = epoch
+    summary["policy_version"] = run.state.policy_version
+    if on_epoch is not None:
+        summary.update(on_epoch(epoch, run.policy) or {})
+    run.state.history.append(summary)
+    run.state.epoch = epoch
+    _save_checkpoint(run.out_dir, run.policy, run.engine, run.replay, run.state)
+
+
 def train(
     policy_dir: str | os.PathLike,
     tasks: Sequence[TaskSpec],
     out_dir: str | os.PathLike,
-    settings: TrainerSettings,
+    cfg: TrainConfig,
+    policy_cfg: PolicyConfig,
     pool,
     *,
+    seed: int,
+    rollout: RolloutConfig,
     resume: bool = True,
     run_id: str = "train",
     on_iteration: Callable[[int, int, dict[str, float]], None] | None = None,
@@ -198,115 +342,48 @@ def train(
     progress_factory: Callable[..., Any] | None = None,
     generator_factory: Callable[[Policy], Any] | None = None,
 ) -> TrainState:
-    """Train from `policy_dir` (or resume from `out_dir`'s last checkpoint) for `settings.epochs` epochs.
+    """Train from `policy_dir` (or resume from `out_dir`'s last checkpoint) for `cfg.epochs` epochs.
+
+    Args:
+        cfg: params' `train` section; policy_cfg: its `policy` section (prompt, history window).
+        pool: an `EnvPool` (or anything with its submit_* API).
+        seed: the run seed (`project.seed`), root of every derived seed (decision 9).
+        rollout: how training episodes are played (sampling, step limit, pixels), built from params.
+        generator_factory: policy -> Generator; default `HFGenerator` with policy_cfg's prompt.
 
     Trajectories go to `out_dir/trajectories/epoch-EEEE-iter-III.parquet` (filled groups, replayed flag
     set), checkpoints to `out_dir/checkpoints/`. Returns the final state (its history has one entry per
     epoch).
     """
     out_dir = Path(out_dir)
-    s = settings
-    ckpt = latest_checkpoint(out_dir) if resume else None
-    if ckpt is not None:
-        policy = load_policy(ckpt / "policy")
-        meta = json.loads((ckpt / "state.json").read_text())
-        state = TrainState(meta["epoch"], meta["policy_version"], meta["history"])
-        replay = ReplayBuffer.load(ckpt / "replay", config=s.replay)
-    else:
-        policy = load_policy(policy_dir)
-        state = TrainState()
-        replay = ReplayBuffer(s.replay)
-    reference = _load_reference(policy_dir, policy) if s.update.kl_coef > 0 else None
-    engine = make_engine(
-        s.engine,
-        policy.model,
-        lr=s.lr,
-        weight_decay=s.weight_decay,
-        max_grad_norm=s.max_grad_norm,
-        zero_stage=s.zero_stage,
-        bf16=s.update.bf16,
-    )
-    if ckpt is not None:
-        engine.load(ckpt)
-        _set_rng_state(torch.load(ckpt / "rng.pt", weights_only=False))
-    else:
-        random.seed(s.seed)
-        np.random.seed(s.seed)
-        torch.manual_seed(s.seed)
+    policy, engine, replay, state, reference = _restore_or_start(policy_dir, out_dir, cfg, seed, resume)
     generator = (
         generator_factory(policy)
         if generator_factory is not None
-        else HFGenerator(policy, system=s.system, history_images=s.history_images)
+        else HFGenerator(policy, system=policy_cfg.system_prompt, history_images=policy_cfg.history_images)
     )
-
-    for epoch in range(state.epoch + 1, s.epochs + 1):
-        chunks = _iteration_chunks(tasks, s.tasks_per_iteration, s.seed, epoch)
-        epoch_metrics: list[dict[str, float]] = []
-        for it, chunk in enumerate(chunks):
-            t0 = time.monotonic()
-            jobs = make_group_jobs(chunk, s.group_size, seed=s.seed * 1_000_003 + epoch * 1009 + it * 37)
-            bar = (
-                progress_factory(total=len(jobs), desc=f"epoch {epoch} iter {it} rollout")
-                if progress_factory
-                else None
-            )
-            res = run_episodes(
-                pool,
-                generator,
-                jobs,
-                replace(s.rollout, seed=s.seed + epoch * 100 + it),
-                run_id=run_id,
-                stage="train",
-                epoch=epoch,
-                policy_version=state.policy_version,
-                progress=bar,
-            )
-            if bar is not None:
-                bar.close()
-            batch = prepare_batch(res.trajectories, replay, s.group_size, s.advantage_scale, s.advantage_eps)
-            filled, adv = batch.trajectories, batch.advantages
-            metrics = dict(res.metrics)
-            if filled:
-                keep = [i for i in range(len(filled)) if not (s.skip_zero_advantage and adv[i] == 0)]
-                seqs = encode_trajectories(policy, [filled[i] for i in keep], s.system, s.history_images)
-                t_up = time.monotonic()
-                ref_logps = (
-                    compute_logps(reference, seqs, s.update.micro_batch_size, s.update.bf16)
-                    if reference is not None
-                    else None
-                )
-                ustats = ppo_update(
-                    policy,
-                    engine,
-                    seqs,
-                    adv[keep],
-                    replace(s.update, seed=s.seed + epoch * 1000 + it),
-                    ref_logps=ref_logps,
-                )
-                metrics.update(ustats.as_metrics())
-                metrics["time/update_s"] = time.monotonic() - t_up
-                metrics["train/nonzero_adv_frac"] = float((adv != 0).float().mean())
-                state.policy_version += 1
-            replay.add(res.trajectories)
-            metrics.update(replay.stats().as_metrics())
-            metrics["train/groups"] = float(batch.n_groups)
-            metrics["train/replayed"] = float(batch.n_replayed)
-            metrics["time/iteration_s"] = time.monotonic() - t0
-            if filled:
-                write_trajectories(
-                    out_dir / "trajectories" / f"epoch-{epoch:04d}-iter-{it:03d}.parquet", filled
-                )
-            epoch_metrics.append(metrics)
+    run = _Run(
+        cfg=cfg,
+        policy_cfg=policy_cfg,
+        seed=seed,
+        rollout=rollout,
+        pool=pool,
+        out_dir=out_dir,
+        run_id=run_id,
+        policy=policy,
+        engine=engine,
+        replay=replay,
+        state=state,
+        generator=generator,
+        reference=reference,
+    )
+    for epoch in range(state.epoch + 1, cfg.epochs + 1):
+        rows = []
+        for it, chunk in enumerate(_iteration_chunks(tasks, cfg.tasks_per_iteration, seed, epoch)):
+            rows.append(_run_iteration(run, epoch, it, chunk, progress_factory))
             if on_iteration is not None:
-                on_iteration(epoch, it, metrics)
-        summary = _mean_metrics(epoch_metrics)
-        summary["epoch"] = epoch
-        summary["policy_version"] = state.policy_version
-        if on_epoch is not None:
-            summary.update(on_epoch(epoch, policy) or {})
-        state.history.append(summary)
-        state.epoch = epoch
-        _save_checkpoint(out_dir, policy, engine, replay, state)
+                on_iteration(epoch, it, rows[-1])
+        _end_epoch(run, epoch, rows, on_epoch)
     return state
 
 

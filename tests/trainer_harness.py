@@ -53,48 +53,87 @@ class FakePool:
 
 
 class RandomReplies:
-    """Samples a click x uniformly from a few values with a seeded RNG (per call seed + row)."""
+    """Samples a click x uniformly from a few values with an RNG seeded by the prompt's own seed."""
 
     XS = (10, 50, 120, 150)
 
     def __init__(self, policy):
         self.policy = policy
 
-    def generate(self, batch, temperature=1.0, top_p=1.0, max_new_tokens=64, seed=0):
+    def generate(self, batch, *, temperature, top_p, max_new_tokens, seeds=None):
         out = []
-        for b, _prompt in enumerate(batch):
-            x = random.Random(seed + b).choice(self.XS)
+        for _prompt, seed in zip(batch, seeds, strict=True):
+            x = random.Random(seed).choice(self.XS)
             text = f"Thought: try {x}.\nAction: click(start_box='({x},100)')"
             ids = (*self.policy.tokenizer.encode(text, add_special_tokens=False), self.policy.im_end_id)
             out.append(Generation(text, ids, tuple(-1.0 for _ in ids), "stop"))
         return out
 
 
-def settings(epochs: int):
-    from arpo_core.replay import ReplayConfig
-    from arpo_core.rollout import RolloutConfig
-    from arpo_core.trainer import TrainerSettings
-    from arpo_core.update import UpdateConfig
+SEED = 3
+"""The run seed (`project.seed`) of the harness runs."""
 
-    return TrainerSettings(
-        epochs=epochs,
-        tasks_per_iteration=2,
-        group_size=4,
-        lr=1e-3,
-        seed=3,
-        update=UpdateConfig(micro_batch_size=4, mini_batch_size=8),
-        rollout=RolloutConfig(max_steps=1),
-        replay=ReplayConfig(capacity_per_task=3),
+
+def rollout_config(cfg, policy_cfg, seed: int = SEED, min_pixels: int = 3136, max_pixels: int = 1003520):
+    """The training RolloutConfig as the train stage builds it from params."""
+    from arpo_core.rollout import RolloutConfig
+
+    return RolloutConfig(
+        max_steps=cfg.max_steps,
+        temperature=cfg.temperature,
+        top_p=cfg.top_p,
+        max_new_tokens=policy_cfg.max_new_tokens,
+        format_penalty=cfg.loss.format_penalty,
+        min_pixels=min_pixels,
+        max_pixels=max_pixels,
+        coord_mode=policy_cfg.coord_mode,
+        seed=seed,
+    )
+
+
+def configs(epochs: int, **train):
+    """(train section, policy section) of the harness runs: 2 tasks per iteration, groups of 4,
+    one-step episodes, a small buffer; `train` overrides train-section fields."""
+    from arpo_core.config import PolicyConfig, TrainConfig
+    from arpo_core.replay import ReplayConfig
+
+    fields = {
+        "epochs": epochs,
+        "tasks_per_iteration": 2,
+        "group_size": 4,
+        "lr": 1e-3,
+        "micro_batch_size": 4,
+        "mini_batch_size": 8,
+        "max_steps": 1,
+        "replay": ReplayConfig(capacity_per_task=3),
+    }
+    return TrainConfig(**(fields | train)), PolicyConfig()
+
+
+def run(policy_dir, out, cfg, policy_cfg, **kw):
+    """`train` on the fake pool with the seeded stand-in policy."""
+    from arpo_core.trainer import train
+
+    kw = {"pool": FakePool(), "generator_factory": RandomReplies} | kw
+    pool = kw.pop("pool")
+    return train(
+        policy_dir,
+        TASKS,
+        Path(out),
+        cfg,
+        policy_cfg,
+        pool,
+        seed=SEED,
+        rollout=rollout_config(cfg, policy_cfg),
+        **kw,
     )
 
 
 def main(policy_dir: str, out: str, epochs: int) -> None:
     import torch
 
-    from arpo_core.trainer import train
-
     torch.set_num_threads(1)
-    train(policy_dir, TASKS, Path(out), settings(epochs), FakePool(), generator_factory=RandomReplies)
+    run(policy_dir, out, *configs(epochs))
 
 
 if __name__ == "__main__":
