@@ -104,12 +104,14 @@ def _play(
 def play_oracle_episodes(
     pool: EnvPool,
     jobs: Sequence[EpisodeJob],
-    max_steps: int = 15,
+    *,
+    max_steps: int,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     progress=None,
 ) -> DemoResult:
-    """Play every job with the oracle; keep the successes (decision 2)."""
+    """Play every job with the oracle, at most `max_steps` steps each (params own the limit); keep the
+    successes (decision 2). `min_pixels`/`max_pixels`: the policy's pixel budget (None: the oracles')."""
     queues: list[list[tuple[int, EpisodeJob]]] = [[] for _ in range(pool.n)]
     for i, job in enumerate(jobs):
         queues[i % pool.n].append((i, job))

@@ -23,6 +23,8 @@ Decisions:
    clicks, and the image-blind ceiling (the best constant click for the same screens). docs/method.md §7:
    a success rate alone proves nothing here.
 5. Library code: the training loop returns its history (loss per step, evaluations) and logs nothing.
+   The prompt (system prompt name) and the greedy reply length of its evaluations are required
+   arguments, not config fields with defaults: params' `policy` section holds them for every stage.
 6. What makes looking learnable (benchmarks/results/grounding.md): the LM's rotary frequencies. Qwen2.5-VL
    splits head_dim / 2 rotary frequencies into contiguous (t, h, w) bands, highest first; at the stock
    theta 1e6 a tiny head's w band turns < 2e-4 rad per image token and the h band < 0.03, so relative
@@ -376,12 +378,10 @@ def to_trajectory(ex: GroundExample, run_id: str = "ground") -> Trajectory:
 @dataclass(frozen=True)
 class GroundConfig(GroundTrainConfig):
     """The training loop's config: the shared fields of `GroundTrainConfig` (a params phase has the same
-    ones) plus a curriculum, the prompt and evaluation settings."""
+    ones) plus a curriculum and evaluation settings. The prompt is not here (decision 5)."""
 
     curriculum: tuple[tuple[int, dict[str, float]], ...] = ()
     """(start step, mix) phases; from each start step on, that mix is used (empty: `mix` throughout)."""
-    system: str = "compact"
-    """System prompt name (prompt.SYSTEM_PROMPTS); the tiny policy uses the compact one."""
     eval_every: int = 100
     """Evaluate on the held-out set every N steps (0: never during training)."""
     pattern: float = 0.0
@@ -426,7 +426,7 @@ def coord_pattern(image: Image.Image, model_size: tuple[int, int], strength: flo
 
 
 def _encode(policy: Policy, ex: GroundExample, system: str, pattern: float = 0.0):
-    segs = build_segments(ex.instruction, 1, [ex.reply], None, system)
+    segs = build_segments(ex.instruction, 1, [ex.reply], system=system, history_images=None)
     img = ex.image
     if pattern > 0:
         img = coord_pattern(img, model_image_size(*img.size, policy.min_pixels, policy.max_pixels), pattern)
@@ -435,13 +435,17 @@ def _encode(policy: Policy, ex: GroundExample, system: str, pattern: float = 0.0
 
 def train_grounding(
     policy: Policy,
-    config: GroundConfig = GroundConfig(),
+    config: GroundConfig,
+    *,
+    system: str,
+    max_new_tokens: int,
     examples: Sequence[GroundExample] | None = None,
     heldout: Sequence[GroundExample] | None = None,
     time_limit_s: float | None = None,
     callback: Callable[[dict], None] | None = None,
 ) -> dict:
-    """Train `policy` in place on grounding replies; returns the history.
+    """Train `policy` in place on grounding replies with system prompt `system`; returns the history.
+    Held-out evaluations decode greedily up to `max_new_tokens` tokens.
 
     Examples come from `examples` (a fixed list, e.g. real MiniWoB screens, cycled in seeded order)
     mixed with fresh synthetic screens: with a fixed list each batch takes half from the list and half
@@ -474,7 +478,7 @@ def train_grounding(
         for _ in range(config.batch_size - n_fixed):
             batch_ex.append(synthetic_example(rng, rng.choices(names, weights)[0], msize))
         batch = collate(
-            [_encode(policy, e, config.system, config.pattern) for e in batch_ex],
+            [_encode(policy, e, system, config.pattern) for e in batch_ex],
             policy.pad_id,
             policy.image_token_id,
         ).to(device)
@@ -491,7 +495,9 @@ def train_grounding(
         last = step == config.steps
         out_of_time = time_limit_s is not None and time.perf_counter() - t0 > time_limit_s
         if heldout and (last or out_of_time or (config.eval_every and step % config.eval_every == 0)):
-            m = evaluate_grounding(policy, heldout, config.system, pattern=config.pattern)
+            m = evaluate_grounding(
+                policy, heldout, system=system, max_new_tokens=max_new_tokens, pattern=config.pattern
+            )
             ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1), **m.as_dict()}
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
             history["evals"].append(ev)
@@ -637,14 +643,16 @@ def first_click(text: str) -> tuple[float, float] | None:
 def evaluate_grounding(
     policy: Policy,
     examples: Sequence[GroundExample],
-    system: str = "compact",
+    *,
+    system: str,
+    max_new_tokens: int,
     batch_size: int = 32,
     pattern: float = 0.0,
 ) -> GroundMetrics:
-    """Greedy replies of `policy` on `examples` -> GroundMetrics."""
+    """Greedy replies (at most `max_new_tokens` tokens) of `policy` on `examples` -> GroundMetrics."""
     from arpo_core.policy.generate import HFGenerator
 
-    gen = HFGenerator(policy, system=system)
+    gen = HFGenerator(policy, system=system, history_images=None)
     size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
     if pattern > 0:
         examples = [replace(e, image=coord_pattern(e.image, size, pattern)) for e in examples]
@@ -652,17 +660,20 @@ def evaluate_grounding(
     for i in range(0, len(examples), batch_size):
         chunk = examples[i : i + batch_size]
         outs = gen.generate(
-            [PromptInput(e.instruction, (e.image,)) for e in chunk], temperature=0.0, max_new_tokens=48
+            [PromptInput(e.instruction, (e.image,)) for e in chunk],
+            temperature=0.0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
         )
         clicks += [first_click(o.text) for o in outs]
-    nll = coordinate_nll(policy, examples, system, batch_size)
+    nll = coordinate_nll(policy, examples, system=system, batch_size=batch_size)
     m = grounding_metrics(clicks, [e.target for e in examples], [e.bbox for e in examples], size)
     return replace(m, coord_nll=nll)
 
 
 @torch.no_grad()
 def coordinate_nll(
-    policy: Policy, examples: Sequence[GroundExample], system: str = "compact", batch_size: int = 32
+    policy: Policy, examples: Sequence[GroundExample], *, system: str, batch_size: int = 32
 ) -> float:
     """Mean over examples of the summed NLL of the digit tokens after `start_box` in the reply
     (teacher-forced, fp32). Images are used as given (apply any pattern before)."""
@@ -682,7 +693,7 @@ def coordinate_nll(
 
 
 def image_dependence(
-    policy: Policy, examples: Sequence[GroundExample], system: str = "compact"
+    policy: Policy, examples: Sequence[GroundExample], *, system: str, max_new_tokens: int
 ) -> dict[str, float]:
     """The image-dependence summary reported beside success rates (docs/method.md §7)."""
-    return evaluate_grounding(policy, examples, system).as_dict()
+    return evaluate_grounding(policy, examples, system=system, max_new_tokens=max_new_tokens).as_dict()

@@ -51,13 +51,15 @@ def _save(policy: Policy, optimizer: torch.optim.Optimizer, out: Path, state: di
 def sft(
     policy: Policy,
     trajectories: Sequence[Trajectory],
-    config: SFTConfig = SFTConfig(),
+    config: SFTConfig,
+    *,
+    system: str,
+    history_images: int | None,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
-    system: str = "uitars",
-    history_images: int | None = None,
 ) -> list[float]:
-    """Behaviour cloning of `policy` (in place) on the replies of `trajectories`.
+    """Behaviour cloning of `policy` (in place) on the replies of `trajectories`, with params' `sft`
+    section `config` and the prompt of params' `policy` section (`system`, `history_images`).
 
     Returns the loss of every optimizer step (mean NLL per assistant token over its accumulated batch).
     Checkpoints go to `checkpoint_dir/step-N/` and `checkpoint_dir/final/`.
@@ -86,7 +88,10 @@ def sft(
                     rng.shuffle(order)
                 idx.append(order.pop())
             # Encoded per batch, not up front: pixel tensors of a few thousand demos would take GBs.
-            seqs = [encode_trajectory(policy, trajectories[i], system, history_images) for i in idx]
+            seqs = [
+                encode_trajectory(policy, trajectories[i], system=system, history_images=history_images)
+                for i in idx
+            ]
             micro.append(collate(seqs, policy.pad_id, policy.image_token_id).to(device))
         n_total = sum(int((b.assistant_mask & b.attention_mask.bool())[:, 1:].sum()) for b in micro)
         optimizer.zero_grad(set_to_none=True)

@@ -334,7 +334,7 @@ def _reference_sums(
 def _encoder(
     policy: Policy, system: str, history_images: int | None
 ) -> Callable[[Trajectory], EncodedSequence]:
-    return lambda t: encode_trajectory(policy, t, system, history_images)
+    return lambda t: encode_trajectory(policy, t, system=system, history_images=history_images)
 
 
 def _batches(n: int, size: int, seed: int) -> Callable[[], list[int]]:
@@ -375,12 +375,13 @@ def _save(policy: Policy, out: Path, state: dict) -> None:
 def dpo(
     policy: Policy,
     trajectories: Sequence[Trajectory],
-    config: DPOConfig = DPOConfig(),
+    config: DPOConfig,
+    *,
+    system: str,
+    history_images: int | None,
     engine: Engine | None = None,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
-    system: str = "uitars",
-    history_images: int | None = None,
 ) -> PreferenceResult:
     """Train `policy` in place with DPO on pairs of `trajectories` (decisions 2-4, 8).
 
@@ -454,12 +455,13 @@ def dpo(
 def kto(
     policy: Policy,
     trajectories: Sequence[Trajectory],
-    config: KTOConfig = KTOConfig(),
+    config: KTOConfig,
+    *,
+    system: str,
+    history_images: int | None,
     engine: Engine | None = None,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
-    system: str = "uitars",
-    history_images: int | None = None,
 ) -> PreferenceResult:
     """Train `policy` in place with KTO on desirable / undesirable `trajectories` (decisions 2, 5-6, 8).
 
@@ -538,11 +540,12 @@ def _chunks(xs: list[int], size: int) -> list[list[int]]:
 def rft(
     policy: Policy,
     trajectories: Sequence[Trajectory],
-    config: RFTConfig = RFTConfig(),
+    config: RFTConfig,
+    *,
+    system: str,
+    history_images: int | None,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
-    system: str = "uitars",
-    history_images: int | None = None,
 ) -> list[float]:
     """Rejection-sampling fine-tuning: `offline.sft` on the successes (decision 7); returns its losses."""
     kept = rft_select(trajectories, config.success_threshold, config.max_per_task, config.seed)

@@ -1,7 +1,8 @@
 """Grounding experiments: build a tiny policy, train it on grounding data, print held-out measures.
 
 One experiment per call; each evaluation is printed as a JSON line and the whole run (config, curve,
-compute) is appended to benchmarks/results/grounding_runs.jsonl.
+compute) is appended to benchmarks/results/grounding_runs.jsonl. The prompt and the greedy reply length
+are params.yaml's `policy` section, as in the pipeline.
 
     .venv/bin/python benchmarks/grounding_lab.py --name base_s --size s --steps 1500 --mix box1h=1
 """
@@ -23,6 +24,15 @@ from arpo_core.grounding import GroundConfig, synthetic_examples, train_groundin
 from arpo_core.policy.model import build_tiny_policy, count_parameters
 
 RESULTS = Path(__file__).parent / "results"
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def prompt_settings() -> dict:
+    """{system, max_new_tokens} of params.yaml's policy section (the one source of both)."""
+    from arpo_core.config import load_params
+
+    policy = load_params(ROOT / "params.yaml").policy
+    return {"system": policy.system_prompt, "max_new_tokens": policy.max_new_tokens}
 
 
 def parse_mix(text: str) -> dict[str, float]:
@@ -124,10 +134,12 @@ def evaluate_checkpoint(path: str, levels: list[str], n: int, miniwob_seeds: int
     from arpo_core.policy.model import load_policy
 
     policy = load_policy(path)
+    prompt = prompt_settings()
     out: dict = {}
     for level in levels:
         t = time.perf_counter()
-        m = evaluate_grounding(policy, synthetic_examples(n, {level: 1.0}, seed=20_000), pattern=pattern)
+        exs = synthetic_examples(n, {level: 1.0}, seed=20_000)
+        m = evaluate_grounding(policy, exs, pattern=pattern, **prompt)
         out[f"synthetic/{level}"] = {**m.as_dict(), "eval_s": round(time.perf_counter() - t, 1)}
         print(level, json.dumps(out[f"synthetic/{level}"]), flush=True)
     if miniwob_seeds:
@@ -140,7 +152,7 @@ def evaluate_checkpoint(path: str, levels: list[str], n: int, miniwob_seeds: int
             gen_s = time.perf_counter() - t
         finally:
             env.close()
-        m = evaluate_grounding(policy, exs, pattern=pattern)
+        m = evaluate_grounding(policy, exs, pattern=pattern, **prompt)
         out["miniwob"] = {**m.as_dict(), "tasks": list(MINIWOB_TASKS), "data_s": round(gen_s, 1)}
         print("miniwob", json.dumps(out["miniwob"]), flush=True)
     return out
@@ -229,9 +241,16 @@ def main(argv: list[str] | None = None) -> int:
     def show(ev: dict) -> None:
         print(json.dumps(ev), flush=True)
 
+    prompt = prompt_settings()
     t0 = time.process_time()
     hist = train_grounding(
-        policy, cfg, examples=train_fixed, heldout=heldout, time_limit_s=args.time_limit, callback=show
+        policy,
+        cfg,
+        examples=train_fixed,
+        heldout=heldout,
+        time_limit_s=args.time_limit,
+        callback=show,
+        **prompt,
     )
     cpu = time.process_time() - t0
     if args.save:
@@ -242,6 +261,7 @@ def main(argv: list[str] | None = None) -> int:
         "size": args.size if not args.init else f"init:{args.init}",
         "params": count_parameters(policy.model),
         "config": {k: v for k, v in asdict(cfg).items()},
+        "prompt": prompt,
         "threads": args.threads,
         "wall_s": round(hist["seconds"], 1),
         "cpu_s": round(cpu, 1),

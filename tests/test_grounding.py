@@ -143,7 +143,7 @@ def test_training_lowers_the_loss_and_reports_measures(tmp_path, one_thread):
     cfg = GroundConfig(
         steps=30, batch_size=8, lr=3e-3, warmup_steps=5, bf16=False, mix={"box1": 1.0}, eval_every=0
     )
-    hist = train_grounding(policy, cfg, heldout=heldout)
+    hist = train_grounding(policy, cfg, system="compact", max_new_tokens=48, heldout=heldout)
     loss = hist["loss"]
     assert len(loss) == 30
     assert sum(loss[-5:]) / 5 < 0.5 * sum(loss[:5]) / 5
@@ -208,7 +208,10 @@ def test_to_trajectory_encodes_like_the_training_loop(tmp_path, one_thread):
     ex = synthetic_example(random.Random(1), "widget4")
     traj = to_trajectory(ex)
     assert traj.task_domain == "synthetic" and traj.task_id == "widget4" and traj.steps[0].done
-    a, b = encode_trajectory(policy, traj, "compact"), _encode(policy, ex, "compact")
+    a, b = (
+        encode_trajectory(policy, traj, system="compact", history_images=None),
+        _encode(policy, ex, "compact"),
+    )
     assert a.input_ids == b.input_ids and a.assistant_mask == b.assistant_mask
     assert torch.equal(a.pixel_values, b.pixel_values)
 

@@ -62,7 +62,7 @@ def test_masked_mean_nll_hand_computed():
 
 
 def _eval_loss(policy, trajs) -> float:
-    seqs = [encode_trajectory(policy, t, system="compact") for t in trajs]
+    seqs = [encode_trajectory(policy, t, system="compact", history_images=None) for t in trajs]
     with torch.no_grad():
         logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
     return float(masked_mean_nll(logps, mask))
@@ -74,7 +74,15 @@ def test_sft_learns_demos_and_reproduces_them_greedily(tmp_path, one_thread):
     trajs = demos()
     before = _eval_loss(policy, trajs)
     cfg = SFTConfig(steps=100, batch_size=4, lr=5e-3, warmup_steps=10, checkpoint_every=50)
-    history = sft(policy, trajs, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False, system="compact")
+    history = sft(
+        policy,
+        trajs,
+        cfg,
+        checkpoint_dir=tmp_path / "ckpt",
+        progress=False,
+        system="compact",
+        history_images=None,
+    )
     after = _eval_loss(policy, trajs)
     print(
         f"sft loss: first {history[0]:.3f} last {history[-1]:.4f}; eval before {before:.3f} after {after:.4f}"
@@ -84,7 +92,7 @@ def test_sft_learns_demos_and_reproduces_them_greedily(tmp_path, one_thread):
     assert sum(history[-10:]) / 10 < 0.1 * sum(history[:10]) / 10
 
     # Greedy replay of every demo step, with the demo's own history, reproduces the demo reply.
-    gen = HFGenerator(policy, system="compact")
+    gen = HFGenerator(policy, system="compact", history_images=None)
     for t in trajs:
         for k, step in enumerate(t.steps):
             prompt = PromptInput(
@@ -92,7 +100,7 @@ def test_sft_learns_demos_and_reproduces_them_greedily(tmp_path, one_thread):
                 tuple(s.image() for s in t.steps[: k + 1]),
                 tuple(Reply(s.response_text) for s in t.steps[:k]),
             )
-            out = gen.generate([prompt], temperature=0.0, max_new_tokens=40)[0]
+            out = gen.generate([prompt], temperature=0.0, top_p=1.0, max_new_tokens=40)[0]
             assert out.text == step.response_text
             assert out.finish_reason == "stop"
 
@@ -112,7 +120,7 @@ def test_sft_bf16_grad_accum_moves_every_parameter(tmp_path, one_thread):
     trajs = demos()
     before = _eval_loss(policy, trajs)
     cfg = SFTConfig(steps=12, batch_size=2, grad_accum=2, lr=3e-3, bf16=True)
-    history = sft(policy, trajs, cfg, progress=False, system="compact")
+    history = sft(policy, trajs, cfg, progress=False, system="compact", history_images=None)
     assert len(history) == 12 and all(h > 0 for h in history)
     assert _eval_loss(policy, trajs) < before
     unchanged = [n for n, p in policy.model.named_parameters() if torch.equal(p, start[n])]
@@ -123,4 +131,4 @@ def test_sft_bf16_grad_accum_moves_every_parameter(tmp_path, one_thread):
 def test_sft_rejects_empty(tmp_path):
     policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
     with pytest.raises(ValueError, match="at least one"):
-        sft(policy, [], SFTConfig(steps=1), progress=False)
+        sft(policy, [], SFTConfig(steps=1), progress=False, system="compact", history_images=None)

@@ -231,10 +231,15 @@ def pref_data() -> list[Trajectory]:
     ]
 
 
+PROMPT = {"system": "compact", "history_images": None}
+"""The prompt of params' policy section, as the offline stages pass it."""
+
+
 def logp_sums(policy, trajs, system="compact"):
     from arpo_core.update import compute_logps, encode_trajectories
 
-    return torch.stack([lp.sum() for lp in compute_logps(policy, encode_trajectories(policy, trajs, system))])
+    seqs = encode_trajectories(policy, trajs, system=system, history_images=None)
+    return torch.stack([lp.sum() for lp in compute_logps(policy, seqs, micro_batch_size=4, bf16=False)])
 
 
 def test_dpo_raises_the_log_ratio_margin(policy_dir, one_thread, tmp_path):
@@ -242,7 +247,7 @@ def test_dpo_raises_the_log_ratio_margin(policy_dir, one_thread, tmp_path):
     data = pref_data()
     before = logp_sums(policy, data)
     cfg = DPOConfig(steps=6, batch_size=3, micro_batch_size=2, lr=2e-3, beta=0.1)
-    res = dpo(policy, data, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False, system="compact")
+    res = dpo(policy, data, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False, **PROMPT)
     after = logp_sums(policy, data)
     ratio = after - before  # log pi / ref per trajectory
     margin = ratio[[0, 2]].mean() - ratio[[1, 3, 4]].mean()
@@ -283,18 +288,18 @@ def test_micro_batching_is_exact(policy_dir, one_thread, method):
                 policy,
                 data,
                 DPOConfig(steps=1, batch_size=3, micro_batch_size=mb),
-                eng,
+                engine=eng,
                 progress=False,
-                system="compact",
+                **PROMPT,
             )
         else:
             kto(
                 policy,
                 data,
                 KTOConfig(steps=1, batch_size=5, micro_batch_size=mb),
-                eng,
+                engine=eng,
                 progress=False,
-                system="compact",
+                **PROMPT,
             )
         grads.append(eng.grads[0])
     assert grads[0].keys() == grads[1].keys() and grads[0]
@@ -307,7 +312,14 @@ def test_engine_without_accumulation_needs_whole_batch_micro_batches(policy_dir)
     eng = RecordingEngine(policy.model)
     eng.accumulates = False
     with pytest.raises(ValueError, match="micro_batch_size >= batch_size"):
-        dpo(policy, pref_data(), DPOConfig(steps=1, batch_size=3, micro_batch_size=1), eng, progress=False)
+        dpo(
+            policy,
+            pref_data(),
+            DPOConfig(steps=1, batch_size=3, micro_batch_size=1),
+            engine=eng,
+            progress=False,
+            **PROMPT,
+        )
 
 
 def test_kto_separates_desirable_from_undesirable(policy_dir, one_thread):
@@ -315,7 +327,7 @@ def test_kto_separates_desirable_from_undesirable(policy_dir, one_thread):
     data = pref_data()
     before = logp_sums(policy, data)
     cfg = KTOConfig(steps=6, batch_size=5, micro_batch_size=5, lr=2e-3, beta=0.1)
-    res = kto(policy, data, cfg, progress=False, system="compact")
+    res = kto(policy, data, cfg, progress=False, **PROMPT)
     ratio = logp_sums(policy, data) - before
     assert ratio[[0, 2]].mean() - ratio[[1, 3, 4]].mean() > 0.5
     assert res.info["kto/desirable"] == 2 and res.info["kto/undesirable"] == 3
@@ -328,7 +340,7 @@ def test_rft_runs_sft_on_successes_only(policy_dir, one_thread):
     policy = load_policy(policy_dir)
     data = pref_data()
     cfg = RFTConfig(sft=SFTConfig(steps=2, batch_size=2))
-    losses = rft(policy, data, cfg, progress=False, system="compact")
+    losses = rft(policy, data, cfg, progress=False, **PROMPT)
     assert len(losses) == 2 and all(math.isfinite(x) for x in losses)
     with pytest.raises(ValueError, match="no trajectory"):
-        rft(policy, [t for t in data if t.success == 0], cfg, progress=False, system="compact")
+        rft(policy, [t for t in data if t.success == 0], cfg, progress=False, **PROMPT)
