@@ -3,7 +3,7 @@
 Decisions:
 1. Pure statistics first (`summarize`), on finished `Trajectory` objects plus a task -> split map, so
    the same numbers come out of a live evaluation, a stored Parquet file or the training rollouts.
-   The output is a flat dict of floats with slash-namespaced keys (STYLE.md), the same in
+   The output is a flat dict of floats with slash-namespaced keys (docs/design.md), the same in
    `metrics/*.json` and MLflow: `{prefix}/{split}/success_rate`, `{prefix}/domain/{domain}/...`,
    `{prefix}/task/{domain}/{task_id}/...` and `{prefix}/all/...`.
 2. A trajectory's score is the checker's success in [0, 1] (OSWorld can give fractions; they count

@@ -115,10 +115,10 @@ def test_ground_config_copies_a_phase():
     phase = GroundPhase(
         steps=7, batch_size=6, lr=0.5, warmup_steps=2, mix={"box4": 2}, seed=3, grow_after=[0]
     )
-    cfg = ground.ground_config(phase, "uitars")
+    cfg = ground.ground_config(phase)
     assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.warmup_steps, cfg.seed) == (7, 6, 0.5, 2, 3)
     assert cfg.mix == {"box4": 2.0} and isinstance(cfg.mix["box4"], float)
-    assert cfg.system == "uitars" and cfg.eval_every == 0 and cfg.curriculum == ()
+    assert cfg.eval_every == 0 and cfg.curriculum == ()
 
 
 def test_ground_measure_keys():

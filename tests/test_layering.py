@@ -1,4 +1,4 @@
-"""arpo_core is a library: it never imports prefect, mlflow or dvc (docs/design.md, STYLE.md)."""
+"""arpo_core is a library: it never imports prefect, mlflow or dvc (docs/design.md, "Layers")."""
 
 from __future__ import annotations
 

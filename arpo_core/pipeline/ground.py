@@ -44,14 +44,14 @@ MINIWOB_HELDOUT_SEED = 1000
 GROUND_REPORT = "ground_report.json"
 
 
-def ground_config(phase: GroundPhase, system: str) -> Any:
+def ground_config(phase: GroundPhase) -> Any:
     """The `grounding.GroundConfig` of one params phase: the shared fields copied, the level weights as
     floats, no evaluation during training (the stage measures once, at the end)."""
     from arpo_core.grounding import GroundConfig
 
     shared = {f.name: getattr(phase, f.name) for f in fields(GroundTrainConfig)}
     shared["mix"] = {level: float(w) for level, w in phase.mix.items()}
-    return GroundConfig(**shared, system=system, eval_every=0)
+    return GroundConfig(**shared, eval_every=0)
 
 
 def ground_measure_keys(name: str, measures: dict[str, float]) -> dict[str, float]:
@@ -124,6 +124,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
 
     setup_torch(p)
     g = p.ground
+    tokens = p.policy.max_new_tokens
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
     _check_levels([lv for ph in g.phases for lv in ph.mix] + list(g.eval_levels))  # before any work
     pointer = policy_dir / POINTER
@@ -145,7 +146,13 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
             if phase.grow_after:
                 policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
             fixed = train_real[phase.miniwob_seeds] if phase.miniwob_seeds else None
-            hist = train_grounding(policy, ground_config(phase, p.policy.system_prompt), examples=fixed)
+            hist = train_grounding(
+                policy,
+                ground_config(phase),
+                system=p.policy.system_prompt,
+                max_new_tokens=tokens,
+                examples=fixed,
+            )
             losses = hist["loss"]
             head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
             metrics[f"ground/phase{i}/loss_first"] = sum(head) / len(head)
@@ -171,10 +178,14 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     for level in g.eval_levels:
         seed = GROUND_EVAL_SEED + list(LEVELS).index(level)
         exs = synthetic_examples(g.eval_per_level, {level: 1.0}, seed, size)
-        measures[level] = evaluate_grounding(policy, exs, p.policy.system_prompt).as_dict()
+        measures[level] = evaluate_grounding(
+            policy, exs, system=p.policy.system_prompt, max_new_tokens=tokens
+        ).as_dict()
     if g.eval_miniwob_seeds:
         if len(held_real) >= 2:  # correlations need two points
-            measures["miniwob"] = evaluate_grounding(policy, held_real, p.policy.system_prompt).as_dict()
+            measures["miniwob"] = evaluate_grounding(
+                policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens
+            ).as_dict()
         else:
             measures["miniwob"] = {"n": float(len(held_real))}
     for name, m in measures.items():
