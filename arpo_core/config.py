@@ -233,6 +233,11 @@ class EvaluateConfig:
     """First env seed (disjoint from demos, baseline and training seeds)."""
     osworld_hard: bool = False
     """Score with the OSWorld-Hard rule (step limit + FAIL scores 0)."""
+    during_training: Annotated[int, Ge(0)] = 0
+    """Also evaluate the policy being trained every N epochs and after the last one (the in-domain
+    suite at `temperature`, env seeds from `seed` as here), into the train history; 0 = off."""
+    during_training_episodes: Annotated[int, Ge(1)] = 50
+    """Episodes per task of those evaluations (their instances are the first ones of this stage's)."""
 
 
 @dataclass(frozen=True)

@@ -232,6 +232,8 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("evaluate.sampled_temperature", 0, TINY, ()),
     ("evaluate.max_steps", 0, 1, ()),
     ("evaluate.seed", -1, 0, ()),
+    ("evaluate.during_training", -1, 0, ()),
+    ("evaluate.during_training_episodes", 0, 1, ()),
     ("rft.success_threshold", -0.1, 0, ()),
     ("rft.success_threshold", 1, 0.99, ()),
     ("rft.max_per_task", 0, 1, ()),

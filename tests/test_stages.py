@@ -104,3 +104,34 @@ def test_pixel_budget_reads_both_layouts(workdir, tmp_path):
     assert common.pixel_budget(tmp_path) == (256, 2116800)
     with pytest.raises(FileNotFoundError, match="no image processor config"):
         common.pixel_budget(tmp_path / "missing")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(600)
+def test_train_stage_evaluates_during_training_on_the_same_instances(workdir, tmp_path):
+    """pipeline/train.py decision 4: every epoch (during_training=1) the policy is evaluated on the
+    evaluate stage's first instances; metrics land in the checkpointed history, episodes on disk."""
+    from arpo_core.pipeline import train
+    from arpo_core.trajectory import read_trajectories
+
+    p = params(
+        "train.epochs=2",
+        "train.use_selection=false",
+        "train.max_steps=1",
+        "evaluate.during_training=1",
+        "evaluate.during_training_episodes=2",
+        "evaluate.max_steps=1",
+    )
+    out = tmp_path / "arpo"
+    m = train.run(p, workdir / "init", None, out)
+    assert m["train/epochs"] == 2.0
+    rows = train.epoch_history(out)
+    assert [r["epoch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert r["eval/in_domain/episodes"] == 4.0  # 2 tasks x 2 episodes
+        assert "eval/task/miniwob/click-test/success_rate" in r
+    first, second = (read_trajectories(out / "eval" / f"epoch-{e:04d}.parquet") for e in (1, 2))
+    assert [(t.task_id, t.sample_idx, t.instruction) for t in first] == [
+        (t.task_id, t.sample_idx, t.instruction) for t in second
+    ]
+    assert "evaluations" in {d for _, d in train.artifacts(out)}

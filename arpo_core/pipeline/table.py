@@ -38,6 +38,15 @@ PACKAGE = "arpo_core"
 ROLLOUT = ("policy", "train.top_p", "train.loss.format_penalty", "project.seed")
 SUITES = ("env.in_domain_suite", "env.out_of_domain_suite", "env.episode_time_limit_s")
 EVALUATION = ("evaluate", *ROLLOUT, *SUITES)
+DURING_TRAINING = (
+    "evaluate.during_training",
+    "evaluate.during_training_episodes",
+    "evaluate.temperature",
+    "evaluate.max_steps",
+    "evaluate.seed",
+)
+"""The evaluate keys the train stage reads for its evaluations during training (not episodes_per_task:
+changing the evaluate stage's size must not re-run training)."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +172,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "train",
         module="train",
-        params=("train", "policy", "project.seed", *SUITES),
+        params=("train", "policy", "project.seed", *SUITES, *DURING_TRAINING),
         inputs={"policy_dir": "models/base", "selected_path": "data/selected_tasks.json"},
         outputs={"out_dir": "models/arpo"},
         data=("data/suites",),

@@ -9,7 +9,14 @@ Decisions:
    iterates, so a resumed run continues the series where it stopped.
 3. `epoch_history` and `artifacts` tell the orchestration layer what to log without it knowing the
    checkpoint layout: one row per completed epoch (from the last checkpoint), and the final policy, the
-   trajectories and the last checkpoint.
+   trajectories, the evaluations during training and the last checkpoint.
+4. Learning curves: with `evaluate.during_training = N > 0` the policy being trained is evaluated every
+   N epochs and after the last one, on the in-domain suite's first `during_training_episodes` evaluation
+   instances per task (env seeds `evaluate.seed + k`, the evaluate stage's instances), at
+   `evaluate.temperature`, on the training env pool between epochs. The metrics (`eval/in_domain/...`,
+   per task `eval/task/...`) go into that epoch's history row, so they are checkpointed, survive a
+   resume and reach MLflow at step = epoch; the episodes go to `out_dir/eval/epoch-NNNN.parquet` for
+   paired comparisons (same instances at every evaluation and in every arm of a study).
 """
 
 from __future__ import annotations
@@ -39,6 +46,61 @@ def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[T
         if not tasks:
             raise RuntimeError(f"task selection {selected_path} kept no task: nothing to train on")
     return tasks
+
+
+def _evaluator(
+    p: Params, pool: Any, policy_dir: Path, out_dir: Path
+) -> Callable[[int, Any], dict[str, Any] | None] | None:
+    """Decision 4: the on_epoch hook that evaluates during training, or None when it is off."""
+    e = p.evaluate
+    if not e.during_training:
+        return None
+    from arpo_core.evaluate import evaluate_policy
+    from arpo_core.policy.generate import HFGenerator
+    from arpo_core.trajectory import write_trajectories
+
+    tasks = suite_tasks(p, "in_domain")
+    cfg = rollout_config(p, policy_dir, e.temperature, e.max_steps, e.seed)
+
+    def on_epoch(epoch: int, policy: Any) -> dict[str, Any] | None:
+        if epoch % e.during_training and epoch != p.train.epochs:
+            return None
+        gen = HFGenerator(policy, system=p.policy.system_prompt, history_images=p.policy.history_images)
+        bar = progress_bar(len(tasks) * e.during_training_episodes, f"epoch {epoch} evaluate")
+        res = evaluate_policy(
+            pool,
+            gen,
+            tasks,
+            e.during_training_episodes,
+            cfg,
+            first_seed=e.seed,
+            scoring="osworld_hard" if e.osworld_hard else "standard",
+            prefix="eval",
+            run_id=f"train-eval-{epoch:04d}",
+            stage="train-eval",
+            epoch=epoch,
+            progress=bar,
+        )
+        bar.close()
+        write_trajectories(out_dir / "eval" / f"epoch-{epoch:04d}.parquet", res.trajectories)
+        return res.metrics
+
+    return on_epoch
+
+
+def _both(
+    first: Callable[[int, Any], dict[str, Any] | None] | None,
+    second: Callable[[int, Any], dict[str, Any] | None] | None,
+) -> Callable[[int, Any], dict[str, Any] | None] | None:
+    """One on_epoch hook calling both (either may be None); their results merged."""
+    hooks = [h for h in (first, second) if h is not None]
+    if len(hooks) < 2:
+        return hooks[0] if hooks else None
+
+    def on_epoch(epoch: int, policy: Any) -> dict[str, Any]:
+        return {k: v for h in hooks for k, v in (h(epoch, policy) or {}).items()}
+
+    return on_epoch
 
 
 def run(
@@ -78,7 +140,7 @@ def run(
             rollout=rollout_config(p, policy_dir, t.temperature, t.max_steps, p.project.seed),
             resume=resume,
             on_iteration=on_iteration,
-            on_epoch=on_epoch,
+            on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir)), on_epoch),
             progress_factory=progress_bar,
         )
     final = Path(out_dir) / "policy"
@@ -102,4 +164,6 @@ def artifacts(out_dir: str | os.PathLike) -> list[tuple[Path, str]]:
     out = Path(out_dir)
     ckpt = latest_checkpoint(out)
     pairs = [(out / "policy", "policy"), (out / "trajectories", "trajectories")]
+    if (out / "eval").exists():
+        pairs.append((out / "eval", "evaluations"))
     return pairs + ([(ckpt, f"checkpoint/{ckpt.name}")] if ckpt else [])
