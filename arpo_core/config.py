@@ -285,6 +285,9 @@ class TrainConfig:
     """Tasks per rollout batch (reference: 16)."""
     group_size: Annotated[int, Ge(2)] = 8
     """Rollouts per task, G (reference: 8); >= 2, a group-relative advantage needs two."""
+    groups_per_task: Annotated[int, Ge(1)] = 1
+    """Groups per task per iteration, each on its own task instance (env seed): small groups keep the
+    rollouts per task of one update (G=4 x 4 groups = 16 rollouts per task, like G=16 x 1)."""
     lr: Annotated[float, Gt(0)] = 1e-5
     """AdamW learning rate (reference 1e-6 for a 7B model; the tiny policy needs more)."""
     weight_decay: Annotated[float, Ge(0)] = 1e-2
@@ -322,17 +325,27 @@ class TrainConfig:
         """Rules across fields, checked by the loader: (field, rule, other fields involved)."""
         if self.micro_batch_size > self.mini_batch_size:
             yield "micro_batch_size", "must be <= mini_batch_size", ("mini_batch_size",)
-        batch = self.tasks_per_iteration * self.group_size
+        batch = self.tasks_per_iteration * self.groups_per_task * self.group_size  # one iteration's rollouts
         if (
             self.engine == "deepspeed"
             and self.zero_stage == 3
             and self.micro_batch_size < min(self.mini_batch_size, batch)
         ):
+            rollouts = "tasks_per_iteration * group_size"
+            if self.groups_per_task > 1:
+                rollouts = "tasks_per_iteration * groups_per_task * group_size"
             yield (
                 "micro_batch_size",
-                "must be >= min(mini_batch_size, tasks_per_iteration * group_size) with DeepSpeed ZeRO-3, "
+                f"must be >= min(mini_batch_size, {rollouts}) with DeepSpeed ZeRO-3, "
                 "which cannot accumulate gradients over micro-batches (engines.py)",
-                ("mini_batch_size", "tasks_per_iteration", "group_size", "engine", "zero_stage"),
+                (
+                    "mini_batch_size",
+                    "tasks_per_iteration",
+                    "groups_per_task",
+                    "group_size",
+                    "engine",
+                    "zero_stage",
+                ),
             )
 
 

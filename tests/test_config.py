@@ -200,6 +200,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("train.epochs", 0, 1, ()),
     ("train.tasks_per_iteration", 0, 1, ()),
     ("train.group_size", 1, 2, ()),
+    ("train.groups_per_task", 0, 1, ()),
     ("train.lr", 0, TINY, ()),
     ("train.weight_decay", -0.01, 0, ()),
     ("train.max_grad_norm", 0, TINY, ()),
@@ -360,6 +361,26 @@ def test_optional_ranges_say_null_is_allowed():
             (("train.engine", "deepspeed"), ("train.zero_stage", 3), ("train.micro_batch_size", 32)),
             r"train\.micro_batch_size = 4 is out of range: must be >= min\(mini_batch_size, "
             r"tasks_per_iteration \* group_size\) with DeepSpeed ZeRO-3",
+        ),
+        (  # groups_per_task multiplies one iteration's rollouts: min(64, 2 * 8 * 4) = 64 > 32
+            (
+                ("train.engine", "deepspeed"),
+                ("train.zero_stage", 3),
+                ("train.mini_batch_size", 64),
+                ("train.micro_batch_size", 32),
+                ("train.tasks_per_iteration", 2),
+                ("train.groups_per_task", 4),
+            ),
+            (
+                ("train.engine", "deepspeed"),
+                ("train.zero_stage", 3),
+                ("train.mini_batch_size", 64),
+                ("train.micro_batch_size", 32),
+                ("train.tasks_per_iteration", 2),
+                ("train.groups_per_task", 2),
+            ),
+            r"train\.micro_batch_size = 32 is out of range: must be >= min\(mini_batch_size, "
+            r"tasks_per_iteration \* groups_per_task \* group_size\) with DeepSpeed ZeRO-3",
         ),
         (
             (("dpo.micro_batch_size", 9),),
