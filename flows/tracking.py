@@ -14,6 +14,10 @@ Decisions:
    (shared by the stage runs of one pipeline run), `arpo.preset` / `arpo.overrides` (the ablation), and
    under DVC `dvc.exp_name` / `dvc.baseline_rev`.
 5. No telemetry: MLflow's usage telemetry is switched off by the environment set in flows/__init__.py.
+6. One store per project, also for queued DVC experiments: `dvc exp run --queue` / `--run-all` run each
+   experiment in a temporary copy of the workspace under `<project>/.dvc/tmp/exps/`, whose own
+   `mlflow.db` would vanish with it. `store_root` maps such a directory back to the project, so every
+   seed and arm of a study lands in the project's MLflow experiment (`arpo runs`, the MLflow UI).
 """
 
 from __future__ import annotations
@@ -45,12 +49,23 @@ MAX_PARAMS = 100
 MAX_PARAM_CHARS = 6000
 
 
+def store_root(root: str | os.PathLike = ".") -> Path:
+    """The project directory whose local store `root` uses: `root` itself, or, inside a DVC
+    experiment's temporary workspace `<project>/.dvc/tmp/exps/...`, that project (decision 6)."""
+    path = Path(root).resolve()
+    parts = path.parts
+    for i in range(len(parts) - 3):
+        if parts[i : i + 4] == (".dvc", "tmp", "exps", parts[i + 3]) and i > 0:
+            return Path(*parts[:i])
+    return path
+
+
 def tracking_uri(root: str | os.PathLike = ".") -> str:
-    """`MLFLOW_TRACKING_URI` if set, else sqlite at `<root>/mlflow.db` (decision 1)."""
+    """`MLFLOW_TRACKING_URI` if set, else sqlite at `<project>/mlflow.db` (decisions 1, 6)."""
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
-    return f"sqlite:///{(Path(root) / 'mlflow.db').resolve()}"
+    return f"sqlite:///{store_root(root) / 'mlflow.db'}"
 
 
 def client(root: str | os.PathLike = ".") -> MlflowClient:
@@ -65,7 +80,7 @@ def ensure_experiment(c: MlflowClient, name: str, root: str | os.PathLike = ".")
         return exp.experiment_id
     location = None
     if not os.environ.get("MLFLOW_TRACKING_URI"):
-        location = (Path(root).resolve() / "mlruns" / name).as_uri()
+        location = (store_root(root) / "mlruns" / name).as_uri()
     return c.create_experiment(name, artifact_location=location)
 
 

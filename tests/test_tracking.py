@@ -190,3 +190,15 @@ def test_mlflow_ui_script_serves_the_runs(store, tmp_path):
     finally:
         oh.stop(proc)
     assert proc.poll() is not None
+
+
+def test_queued_dvc_experiments_use_the_projects_store(tmp_path, monkeypatch):
+    """tracking decision 6: a temporary DVC experiment workspace logs into its project's mlflow.db."""
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    exp = tmp_path / "proj" / ".dvc" / "tmp" / "exps" / "tmpab12cd" / "sub"
+    exp.mkdir(parents=True)
+    assert tracking.store_root(exp.parent) == tmp_path / "proj"
+    assert tracking.store_root(exp) == tmp_path / "proj"
+    assert tracking.tracking_uri(exp.parent) == f"sqlite:///{tmp_path / 'proj' / 'mlflow.db'}"
+    assert tracking.store_root(tmp_path / "proj") == tmp_path / "proj"
+    assert tracking.store_root(tmp_path / "other" / ".dvc") == tmp_path / "other" / ".dvc"
