@@ -1,0 +1,249 @@
+"""Multi-seed, multi-arm learning studies from the pipeline's own evaluations: is ARPO above GRPO?
+
+A study is several runs of the train stage (arms x training seeds, e.g. DVC experiments), each
+evaluating its policy during training on the same instances (`evaluate.during_training`,
+pipeline/train.py decision 4). This module turns their stored evaluation episodes into the numbers a
+learning claim needs; it reads trajectories and returns plain dicts (the CLI gathers the runs from
+MLflow and writes the files).
+
+Decisions:
+1. The hard suite is defined by the data, as the question asks: the in-domain tasks whose SAMPLED base
+   success in the baseline stage's rollouts is at most `hard_max` (default 0.25: all-fail groups, the
+   case replay exists for, are common there); the other trained tasks are controls.
+2. An arm's success on a set of tasks: for each seed, the episode mean over the evaluations of the
+   second half of training (epochs > half the last evaluated epoch) per task, averaged over tasks (every
+   task weighs the same, as `evaluate.pooled_rate`), then the mean over seeds.
+3. ARPO minus GRPO is judged with a two-level bootstrap that includes seed-to-seed variance: each
+   replicate draws the seeds of each arm with replacement AND the evaluation instances (task, episode
+   index; shared by the two arms, so the comparison stays paired), then recomputes both arms' success
+   as in decision 2. The 95% interval is the 2.5-97.5 percentiles. With n seeds per arm the interval
+   cannot be narrower than the seed spread allows - a single seed gives an interval of instances only,
+   and the result says so (`seeds`).
+4. Everything the claim needs is reported beside it: per arm, per task and per seed success; the
+   base's success on the same instances; all-fail groups and replay fills from the training history;
+   and (when targets are given) click alignment, so a gain can be told apart from a better constant click.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from arpo_core.evaluate import episode_score
+from arpo_core.trajectory import Trajectory
+
+__all__ = ["ArmRun", "arm_success", "bootstrap_difference", "hard_split", "replay_effect", "second_half"]
+
+Instance = tuple[str, int]
+"""(task_id, episode index): one evaluation instance (env seed first_seed + index)."""
+
+
+@dataclass
+class ArmRun:
+    """One training run of a study arm."""
+
+    arm: str
+    """e.g. 'arpo_g4', 'grpo_g4', 'grpo_g16'."""
+    seed: int
+    """Its training seed (project.seed)."""
+    evaluations: dict[int, list[Trajectory]]
+    """Epoch -> greedy evaluation episodes of the policy at the end of that epoch."""
+    history: list[dict[str, Any]] = field(default_factory=list)
+    """The train stage's per-epoch metrics rows."""
+
+
+def hard_split(baseline: Sequence[Trajectory], hard_max: float = 0.25) -> tuple[list[str], list[str], dict]:
+    """Decision 1: (hard task ids, control task ids, {task: sampled base success})."""
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for t in baseline:
+        by_task[t.task_id].append(episode_score(t))
+    rates = {task: sum(v) / len(v) for task, v in sorted(by_task.items())}
+    hard = [t for t, r in rates.items() if r <= hard_max]
+    return hard, [t for t in rates if t not in hard], rates
+
+
+def second_half(runs: Sequence[ArmRun]) -> list[int]:
+    """Decision 2: the evaluated epochs after half of the last evaluated one (the last always in)."""
+    epochs = sorted({e for r in runs for e in r.evaluations})
+    if not epochs:
+        return []
+    return [e for e in epochs if e > epochs[-1] / 2]
+
+
+def _outcomes(run: ArmRun, tasks: Sequence[str], epochs: Sequence[int]) -> dict[Instance, float]:
+    """Mean score per instance over the run's evaluations at `epochs`."""
+    acc: dict[Instance, list[float]] = defaultdict(list)
+    wanted = set(tasks)
+    for e in epochs:
+        for t in run.evaluations.get(e, []):
+            if t.task_id in wanted:
+                acc[(t.task_id, t.sample_idx)].append(episode_score(t))
+    return {k: sum(v) / len(v) for k, v in acc.items()}
+
+
+def _task_mean(outcomes: Mapping[Instance, float], instances: Sequence[Instance]) -> float | None:
+    by_task: dict[str, list[float]] = defaultdict(list)
+    for inst in instances:
+        if inst in outcomes:
+            by_task[inst[0]].append(outcomes[inst])
+    if not by_task:
+        return None
+    return sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
+
+
+def arm_success(runs: Sequence[ArmRun], tasks: Sequence[str], epochs: Sequence[int]) -> dict[str, Any]:
+    """Decision 2: {"success": mean over seeds, "seeds": {seed: success}, "tasks": {task: mean over seeds}}."""
+    per_seed: dict[int, float] = {}
+    per_task: dict[str, list[float]] = defaultdict(list)
+    for r in runs:
+        out = _outcomes(r, tasks, epochs)
+        s = _task_mean(out, list(out))
+        if s is None:
+            continue
+        per_seed[r.seed] = s
+        for task in tasks:
+            v = [x for (t, _), x in out.items() if t == task]
+            if v:
+                per_task[task].append(sum(v) / len(v))
+    success = sum(per_seed.values()) / len(per_seed) if per_seed else None
+    return {
+        "success": success,
+        "seeds": per_seed,
+        "n_seeds": len(per_seed),
+        "tasks": {t: sum(v) / len(v) for t, v in per_task.items()},
+    }
+
+
+def bootstrap_difference(
+    a: Sequence[ArmRun],
+    b: Sequence[ArmRun],
+    tasks: Sequence[str],
+    epochs: Sequence[int],
+    reps: int = 2000,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Decision 3: success(a) - success(b) with a 95% interval over seeds and instances."""
+    oa = [_outcomes(r, tasks, epochs) for r in a]
+    ob = [_outcomes(r, tasks, epochs) for r in b]
+    oa, ob = [o for o in oa if o], [o for o in ob if o]
+    if not oa or not ob:
+        return {"mean": None, "ci95": None, "reps": 0}
+    instances = sorted(set().union(*oa, *ob))
+
+    def diff(sa: Sequence[dict], sb: Sequence[dict], inst: Sequence[Instance]) -> float | None:
+        ma = [m for m in (_task_mean(o, inst) for o in sa) if m is not None]
+        mb = [m for m in (_task_mean(o, inst) for o in sb) if m is not None]
+        if not ma or not mb:
+            return None
+        return sum(ma) / len(ma) - sum(mb) / len(mb)
+
+    point = diff(oa, ob, instances)
+    rng = random.Random(seed)
+    draws = []
+    for _ in range(reps):
+        sa = [rng.choice(oa) for _ in oa]
+        sb = [rng.choice(ob) for _ in ob]
+        inst = [rng.choice(instances) for _ in instances]
+        d = diff(sa, sb, inst)
+        if d is not None:
+            draws.append(d)
+    draws.sort()
+    lo, hi = draws[int(0.025 * (len(draws) - 1))], draws[int(0.975 * (len(draws) - 1))]
+    return {"mean": point, "ci95": [lo, hi], "reps": len(draws), "seeds": [len(oa), len(ob)]}
+
+
+def _history_counts(runs: Sequence[ArmRun], tasks: Sequence[str]) -> dict[str, Any]:
+    """All-fail groups and replay fills summed over each run's epochs (per task where logged)."""
+    out: dict[str, Any] = {}
+    for r in runs:
+        total: dict[str, float] = defaultdict(float)
+        for row in r.history:
+            for k, v in row.items():
+                if not isinstance(v, int | float):
+                    continue
+                if k in ("replay/groups_filled", "replay/all_fail_groups", "train/replayed"):
+                    total[k] += float(v)
+                for task in tasks:
+                    for what in ("all_fail_groups", "replay_fills"):
+                        if k.endswith(f"/{task}/{what}") and k.startswith("task/"):
+                            total[f"{task}/{what}"] += float(v)
+        out[str(r.seed)] = dict(total)
+    return out
+
+
+def replay_effect(
+    runs: Sequence[ArmRun],
+    baseline: Sequence[Trajectory],
+    base_eval: Sequence[Trajectory],
+    *,
+    arpo: str = "arpo_g4",
+    grpo: str = "grpo_g4",
+    hard_max: float = 0.25,
+    reps: int = 2000,
+    targets: Sequence[Any] = (),
+    first_seed: int = 0,
+) -> dict[str, Any]:
+    """The study's result document (decisions 1-4)."""
+    hard, control, base_rates = hard_split(baseline, hard_max)
+    epochs = second_half(runs)
+    arms: dict[str, list[ArmRun]] = defaultdict(list)
+    for r in runs:
+        arms[r.arm].append(r)
+    base_run = ArmRun("base", 0, {0: list(base_eval)})
+    doc: dict[str, Any] = {
+        "hard_tasks": hard,
+        "control_tasks": control,
+        "baseline_sampled_success": base_rates,
+        "hard_max": hard_max,
+        "epochs_averaged": epochs,
+        "base": {
+            "hard": arm_success([base_run], hard, [0])["success"],
+            "control": arm_success([base_run], control, [0])["success"],
+            "tasks": arm_success([base_run], hard + control, [0])["tasks"],
+        },
+        "arms": {},
+    }
+    for name, rs in sorted(arms.items()):
+        hard_s, ctrl_s = arm_success(rs, hard, epochs), arm_success(rs, control, epochs)
+        entry = {
+            "hard": hard_s["success"],
+            "control": ctrl_s["success"],
+            "seeds": hard_s["n_seeds"],
+            "per_seed": {"hard": hard_s["seeds"], "control": ctrl_s["seeds"]},
+            "tasks": {**hard_s["tasks"], **ctrl_s["tasks"]},
+            "curve": {
+                str(e): arm_success(rs, hard, [e])["success"]
+                for e in sorted({e for r in rs for e in r.evaluations})
+            },
+            "counts": _history_counts(rs, hard + control),
+        }
+        if targets:
+            from arpo_core.probe import click_alignment
+
+            last = max(epochs) if epochs else None
+            trajs = [t for r in rs for t in r.evaluations.get(last, [])]
+            entry["click_alignment"] = (
+                click_alignment(trajs, targets, first_seed)["pooled"] if trajs else None
+            )
+        doc["arms"][name] = entry
+    for key, name in (("arpo", arpo), ("grpo", grpo)):
+        a = doc["arms"].get(name, {})
+        doc[key] = {
+            "arm": name,
+            "hard": a.get("hard"),
+            "control": a.get("control"),
+            "seeds": a.get("seeds", 0),
+        }
+    doc["arpo_minus_grpo"] = {
+        "hard": bootstrap_difference(arms.get(arpo, []), arms.get(grpo, []), hard, epochs, reps),
+        "control": bootstrap_difference(arms.get(arpo, []), arms.get(grpo, []), control, epochs, reps),
+    }
+    doc["arpo_minus_base"] = {
+        "hard": bootstrap_difference(arms.get(arpo, []), [base_run], hard, [*epochs, 0], reps)
+        if arms.get(arpo)
+        else {"mean": None, "ci95": None, "reps": 0}
+    }
+    return doc

@@ -1,0 +1,85 @@
+"""arpo_core/study.py on hand-built evaluations: the hard split, second-half averaging, per-seed
+success, and a bootstrap interval that widens with seed-to-seed variance."""
+
+from __future__ import annotations
+
+import pytest
+from PIL import Image
+
+from arpo_core.study import ArmRun, arm_success, bootstrap_difference, hard_split, replay_effect, second_half
+from arpo_core.trajectory import Step, Trajectory, png_bytes
+
+IMG = png_bytes(Image.new("RGB", (8, 8)))
+
+
+def ep(task: str, k: int, success: float) -> Trajectory:
+    step = Step(0, IMG, 8, 8, "Thought: x\nAction: click(start_box='(1,1)')", done=True)
+    return Trajectory("r", "train-eval", 0, "miniwob", task, f"do {k}", [step], sample_idx=k, success=success,
+                      reward=success)  # fmt: skip
+
+
+def evals(rates: dict[str, float], n: int = 10) -> list[Trajectory]:
+    """n episodes per task, the first round(rate * n) successful."""
+    return [ep(task, k, float(k < round(r * n))) for task, r in rates.items() for k in range(n)]
+
+
+def test_hard_split_by_sampled_base_success():
+    base = evals({"a": 0.1, "b": 0.25, "c": 0.6}, n=20)
+    hard, control, rates = hard_split(base, 0.25)
+    assert hard == ["a", "b"] and control == ["c"] and rates["c"] == pytest.approx(0.6)
+
+
+def test_second_half_and_arm_success_are_task_and_seed_means():
+    runs = [
+        ArmRun(
+            "arpo_g4",
+            0,
+            {
+                10: evals({"a": 0.0, "b": 0.0}),
+                20: evals({"a": 0.4, "b": 0.2}),
+                40: evals({"a": 0.6, "b": 0.2}),
+            },
+        ),
+        ArmRun("arpo_g4", 1, {20: evals({"a": 0.2, "b": 0.0}), 40: evals({"a": 0.2, "b": 0.0})}),
+    ]
+    assert second_half(runs) == [40]
+    got = arm_success(runs, ["a", "b"], [20, 40])
+    # seed 0: a (0.4+0.6)/2 = 0.5, b 0.2 -> 0.35; seed 1: a 0.2, b 0 -> 0.1
+    assert got["seeds"] == pytest.approx({0: 0.35, 1: 0.1})
+    assert got["success"] == pytest.approx(0.225)
+    assert got["tasks"] == pytest.approx({"a": 0.35, "b": 0.1})
+
+
+def test_bootstrap_interval_includes_seed_variance():
+    same = {"a": 0.5, "b": 0.5}
+    grpo = [ArmRun("grpo_g4", s, {10: evals(same, 20)}) for s in range(3)]
+    steady = [ArmRun("arpo_g4", s, {10: evals({"a": 0.7, "b": 0.7}, 20)}) for s in range(3)]
+    spread = [ArmRun("arpo_g4", s, {10: evals({"a": r, "b": r}, 20)}) for s, r in enumerate((0.4, 0.7, 1.0))]
+    a = bootstrap_difference(steady, grpo, ["a", "b"], [10], reps=400)
+    b = bootstrap_difference(spread, grpo, ["a", "b"], [10], reps=400)
+    assert a["mean"] == pytest.approx(0.2) and b["mean"] == pytest.approx(0.2)
+    assert a["ci95"][0] > 0  # identical seeds: only instance noise
+    assert (b["ci95"][1] - b["ci95"][0]) > (a["ci95"][1] - a["ci95"][0])  # seeds disagree: wider
+    assert a["seeds"] == [3, 3]
+
+
+def test_replay_effect_document_has_the_required_fields():
+    baseline = evals({"a": 0.1, "c": 0.8}, 10)
+    base_eval = evals({"a": 0.1, "c": 0.8}, 10)
+    runs = [
+        ArmRun("arpo_g4", s, {20: evals({"a": 0.5, "c": 0.8})}, [{"replay/groups_filled": 3.0}])
+        for s in range(2)
+    ]
+    runs += [ArmRun("grpo_g4", s, {20: evals({"a": 0.2, "c": 0.8})}) for s in range(2)]
+    doc = replay_effect(runs, baseline, base_eval, reps=200)
+    assert doc["hard_tasks"] == ["a"] and doc["base"]["hard"] == pytest.approx(0.1)
+    assert doc["arpo"] == {
+        "arm": "arpo_g4",
+        "hard": pytest.approx(0.5),
+        "control": pytest.approx(0.8),
+        "seeds": 2,
+    }
+    assert doc["grpo"]["hard"] == pytest.approx(0.2)
+    assert doc["arpo_minus_grpo"]["hard"]["mean"] == pytest.approx(0.3)
+    assert doc["arpo_minus_base"]["hard"]["mean"] == pytest.approx(0.4)
+    assert doc["arms"]["arpo_g4"]["counts"]["0"]["replay/groups_filled"] == 3.0
