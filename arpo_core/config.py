@@ -205,6 +205,11 @@ class DemosConfig:
     """Oracle episodes per in-domain task (seeded, distinct instances)."""
     seed: Annotated[int, Ge(0)] = 100000
     """First env seed of the demos (kept apart from evaluation seeds)."""
+    recovery_rate: Annotated[float, Interval(ge=0, le=1)] = 0.5
+    """Fraction of episodes (a seeded draw per episode) in which the oracle first misses, clicking empty
+    space, then solves the task: recovery demos teach replies after a history (arpo_core/demos.py)."""
+    max_misses: Annotated[int, Ge(1)] = 2
+    """A recovery episode starts with 1..max_misses misses (uniform); the misses are context, not trained."""
 
 
 @dataclass(frozen=True)

@@ -10,22 +10,46 @@ Decisions:
    faults are counted and returned so a broken oracle is visible (the oracles reach 20/20 in tests).
 3. Each env works through its own queue of jobs in a thread; calls to one env are sequential, envs run
    in parallel (the pool's per-env executors).
+4. Recovery demos. The oracles succeed at once, so without them every single-click demo has one reply
+   and behaviour cloning never shows the policy a prompt with history (an earlier screenshot, its own
+   earlier reply, a new screenshot). In MiniWoB a click on empty space does not end the episode, so a
+   policy whose first click missed meets exactly that prompt and, never trained on it, answered with
+   unparseable text (a format error ends the episode with the penalty). With probability
+   `recovery_rate` per episode the oracle therefore first makes 1..`max_misses` (uniform) deliberate
+   misses - its own Thought for the state with the click moved to an empty point of the task area
+   (`oracles.miss_step`, computed here from the env's `dom_elements`) - and then solves the task. All
+   draws (recovery or not, how many misses, where) come from one `random.Random` per episode seeded
+   with `derive_seed("demo_miss", domain, task_id, env_seed)`: the same job gives the same demo with
+   any number of envs, and `recovery_rate = 0` gives exactly the plain demos. Misses come first
+   because that is where the policy's misses come from (a wrong first click, then the same screen);
+   the multi-step tasks already show every later step with its history.
+5. The miss steps are stored with `train_reply = False` (trajectory.py): behaviour cloning conditions
+   the later replies on them but never trains on them (policy/sequences.py masks them out). Cloning
+   the miss itself would teach the policy to click empty space with a confident Thought; what the
+   demo is meant to teach is the reply AFTER a miss. Masking whole replies rather than only their
+   action keeps one rule (a step is a target or it is context) that every consumer of trajectories
+   applies the same way.
+6. A miss is only possible where the env serves a DOM (MiniWoB) and the oracle's next action is a single
+   click onto a page that has empty space; otherwise the episode is played without (further) misses.
+   A miss that ended the episode is reported as an error (it would mean the empty point was not empty).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import random
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from arpo_core.actions import ActionParseError, parse_response, smart_resize, to_screen
-from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS
+from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, miss_step, render_reply
 from arpo_core.envs.pool import EnvPool
 from arpo_core.rollout import EpisodeJob
+from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
-__all__ = ["DemoResult", "play_oracle_episodes"]
+__all__ = ["DemoResult", "miss_rng", "planned_misses", "play_oracle_episodes"]
 
 
 @dataclasses.dataclass
@@ -38,6 +62,41 @@ class DemoResult:
     """Env faults / missing oracles, one line each."""
 
 
+def miss_rng(job: EpisodeJob) -> random.Random:
+    """The episode's own RNG for its misses (decision 4)."""
+    return random.Random(derive_seed("demo_miss", job.task.domain, job.task.task_id, job.seed))
+
+
+def planned_misses(rng: random.Random, recovery_rate: float, max_misses: int) -> int:
+    """How many misses an episode starts with: 0 with probability 1 - recovery_rate, else uniform in
+    1..max_misses (the first draws of the episode's `miss_rng`)."""
+    if recovery_rate <= 0.0:
+        return 0
+    if rng.random() >= recovery_rate:
+        return 0
+    return rng.randint(1, max_misses)
+
+
+def _miss_reply(
+    pool: EnvPool,
+    env_idx: int,
+    job: EpisodeJob,
+    utterance: str,
+    screen_size: tuple[int, int],
+    rng: random.Random,
+    min_pixels: int | None,
+    max_pixels: int | None,
+) -> str | None:
+    """A deliberate miss for the env's current state in model-image pixels, or None (decision 6)."""
+    dom = pool.submit_call(env_idx, "dom_elements").result()
+    if dom.error or not dom.value:
+        return None
+    step = miss_step(job.task.task_id, utterance, dom.value, rng)
+    if step is None:
+        return None
+    return render_reply(step, screen_size, min_pixels or MODEL_MIN_PIXELS, max_pixels or MODEL_MAX_PIXELS)
+
+
 def _play(
     pool: EnvPool,
     env_idx: int,
@@ -45,6 +104,8 @@ def _play(
     max_steps: int,
     min_pixels: int | None,
     max_pixels: int | None,
+    misses: int,
+    rng: random.Random,
 ):
     res = pool.submit_reset(env_idx, job.task, job.seed).result()
     if res.error or res.observation is None:
@@ -53,10 +114,19 @@ def _play(
     instruction = obs.instruction or job.task.instruction
     steps: list[Step] = []
     for k in range(max_steps):
-        reply = pool.submit_call(env_idx, "oracle_reply", min_pixels, max_pixels).result()
-        if reply.error or not reply.value:
-            return None, f"{job.task.task_id} seed {job.seed}: no oracle reply ({reply.error})"
-        text = reply.value
+        text = None
+        if k < misses:  # decision 4: misses first, while the page offers empty space
+            text = _miss_reply(
+                pool, env_idx, job, obs.instruction, obs.screen_size, rng, min_pixels, max_pixels
+            )
+            if text is None:
+                misses = k
+        is_miss = text is not None
+        if text is None:
+            reply = pool.submit_call(env_idx, "oracle_reply", min_pixels, max_pixels).result()
+            if reply.error or not reply.value:
+                return None, f"{job.task.task_id} seed {job.seed}: no oracle reply ({reply.error})"
+            text = reply.value
         try:
             parsed = parse_response(text)
         except ActionParseError as e:
@@ -73,12 +143,15 @@ def _play(
             screen_h=h,
             response_text=text,
             actions_json=json.dumps([dataclasses.asdict(a) for a in actions]),
+            train_reply=not is_miss,
         )
         steps.append(step)
         out = pool.submit_step(env_idx, actions).result()
         if out.error:
             return None, f"{job.task.task_id} seed {job.seed}: step: {out.error}"
         if out.done:
+            if is_miss:
+                return None, f"{job.task.task_id} seed {job.seed}: the miss at step {k} ended the episode"
             step.done = True
             break
         obs = out.observation
@@ -106,12 +179,20 @@ def play_oracle_episodes(
     jobs: Sequence[EpisodeJob],
     *,
     max_steps: int,
+    recovery_rate: float,
+    max_misses: int,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     progress=None,
 ) -> DemoResult:
     """Play every job with the oracle, at most `max_steps` steps each (params own the limit); keep the
-    successes (decision 2). `min_pixels`/`max_pixels`: the policy's pixel budget (None: the oracles')."""
+    successes (decision 2). A share `recovery_rate` of the episodes starts with 1..`max_misses` untrained
+    misses (decisions 4-5; params' `demos` section). `min_pixels`/`max_pixels`: the policy's pixel
+    budget (None: the oracles')."""
+    if not 0.0 <= recovery_rate <= 1.0:
+        raise ValueError(f"recovery_rate must be in [0, 1], got {recovery_rate}")
+    if max_misses < 1:
+        raise ValueError(f"max_misses must be >= 1, got {max_misses}")
     queues: list[list[tuple[int, EpisodeJob]]] = [[] for _ in range(pool.n)]
     for i, job in enumerate(jobs):
         queues[i % pool.n].append((i, job))
@@ -122,7 +203,9 @@ def play_oracle_episodes(
     def work(env_idx: int) -> None:
         nonlocal n_failed
         for i, job in queues[env_idx]:
-            traj, err = _play(pool, env_idx, job, max_steps, min_pixels, max_pixels)
+            rng = miss_rng(job)
+            misses = min(planned_misses(rng, recovery_rate, max_misses), max_steps - 1)
+            traj, err = _play(pool, env_idx, job, max_steps, min_pixels, max_pixels, misses, rng)
             if err:
                 errors.append(err)
             elif traj.success > 0:

@@ -14,6 +14,11 @@ Decisions:
    checkpoint is a normal policy directory loadable by `load_policy`.
 5. The function returns the loss history; it logs nothing (arpo_core is a library). A tqdm bar shows
    progress unless disabled.
+6. What is cloned: every reply of a trajectory is in its one sequence, each conditioned on all earlier
+   screenshots and replies (the same context the policy has at that step of a rollout), and the loss
+   covers the replies of the steps with `train_reply` set. The steps without it are a recovery demo's
+   deliberate misses (arpo_core/demos.py decisions 4-5): context the policy must learn to answer after,
+   never a behaviour to imitate. A trajectory set with no trainable reply at all is an error.
 """
 
 from __future__ import annotations
@@ -58,14 +63,17 @@ def sft(
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """Behaviour cloning of `policy` (in place) on the replies of `trajectories`, with params' `sft`
-    section `config` and the prompt of params' `policy` section (`system`, `history_images`).
+    """Behaviour cloning of `policy` (in place) on the trained replies of `trajectories` (decision 6),
+    with params' `sft` section `config` and the prompt of params' `policy` section (`system`,
+    `history_images`).
 
     Returns the loss of every optimizer step (mean NLL per assistant token over its accumulated batch).
     Checkpoints go to `checkpoint_dir/step-N/` and `checkpoint_dir/final/`.
     """
     if not trajectories:
         raise ValueError("sft needs at least one trajectory")
+    if not any(s.train_reply for t in trajectories for s in t.steps):
+        raise ValueError("sft needs at least one reply to train on (every step has train_reply False)")
     model = policy.model
     device = policy.device
     rng = random.Random(config.seed)

@@ -11,6 +11,10 @@ Decisions:
 4. Writes are atomic: a temp file in the same directory, fsync, then `os.replace`. A reader never sees a
    half-written file, and a run killed mid-write leaves the previous file intact.
 5. Reading checks the schema and names the missing or mistyped column instead of failing later.
+6. Columns added after the first release carry a default (`_ADDED_STEP_COLUMNS`): a file written
+   before a column existed reads with that default, so old Parquet files stay readable; a column that is
+   present must still have the right type. The first such column is `train_reply` (False: the reply is
+   context, never a target, e.g. a demo's deliberate miss, arpo_core/demos.py).
 """
 
 from __future__ import annotations
@@ -71,6 +75,9 @@ class Step:
     """Sum of the behaviour policy's log-probs of the reply tokens (0.0 when not generated, e.g. demos)."""
     response_token_ids: list[int] = field(default_factory=list)
     """Token ids the generator sampled for this reply (empty for demos; then the text is tokenised)."""
+    train_reply: bool = True
+    """False: the reply is context only and is never a training target (its tokens are outside the
+    assistant mask, policy/sequences.py); e.g. a recovery demo's deliberate miss (arpo_core/demos.py)."""
 
     def image(self) -> Image.Image:
         return Image.open(io.BytesIO(self.screenshot_png)).convert("RGB")
@@ -142,7 +149,11 @@ _STEP_FIELDS = [
     ("env_error", pa.string()),
     ("gen_logprob_sum", pa.float64()),
     ("response_token_ids", pa.list_(pa.int32())),
+    ("train_reply", pa.bool_()),
 ]
+_ADDED_STEP_COLUMNS: dict[str, object] = {"train_reply": True}
+"""Step columns newer than the first schema -> the value of rows of files written without them
+(decision 6)."""
 SCHEMA = pa.schema(_TRAJ_FIELDS + _STEP_FIELDS)
 _TRAJ_NAMES = [n for n, _ in _TRAJ_FIELDS]
 _STEP_NAMES = [n for n, _ in _STEP_FIELDS]
@@ -166,6 +177,8 @@ def trajectories_to_table(trajs: Iterable[Trajectory]) -> pa.Table:
 def _check_schema(schema: pa.Schema, where: str) -> None:
     for f in SCHEMA:
         if f.name not in schema.names:
+            if f.name in _ADDED_STEP_COLUMNS:
+                continue
             raise SchemaError(f"{where}: missing column {f.name!r} (expected {f.type})")
         got = schema.field(f.name).type
         if got != f.type:
@@ -175,6 +188,12 @@ def _check_schema(schema: pa.Schema, where: str) -> None:
 def trajectories_from_table(table: pa.Table, where: str = "table") -> list[Trajectory]:
     """Rebuild trajectories from rows; rows of one trajectory must be contiguous (as written)."""
     _check_schema(table.schema, where)
+    for name, default in _ADDED_STEP_COLUMNS.items():  # decision 6: a file older than the column
+        if name not in table.schema.names:
+            table = table.append_column(
+                pa.field(name, SCHEMA.field(name).type),
+                pa.array([default] * table.num_rows, SCHEMA.field(name).type),
+            )
     rows = table.select(SCHEMA.names).to_pylist()
     out: list[Trajectory] = []
     prev_key = None

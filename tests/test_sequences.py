@@ -181,3 +181,32 @@ def test_sequence_logprobs_equal_naive_full_log_softmax(policy):
     assert int(mask.sum()) > 20
     assert torch.allclose(logps[0, 1:][mask[0, 1:]], naive[mask[0, 1:]], atol=1e-5)
     assert torch.all(logps[~mask] == 0)
+
+
+def test_context_replies_stay_in_the_sequence_but_out_of_the_mask(policy):
+    """A step with train_reply False (a recovery demo's miss) is context: its reply tokens are in the
+    sequence, between the screenshots, and the mask covers exactly the other replies."""
+    replies = [
+        "Thought: I click the box.\nAction: click(start_box='(5,200)')",
+        "Thought: I click the box.\nAction: click(start_box='(52,64)')",
+        "Thought: done.\nAction: wait()",
+    ]
+    traj = trajectory(replies)
+    traj.steps[0].train_reply = False
+    seq = encode_trajectory(policy, traj, system="compact", history_images=None)
+    ids = torch.tensor(seq.input_ids)
+    mask = torch.tensor(seq.assistant_mask)
+    assert policy.tokenizer.decode(ids[mask]) == "".join(r + "<|im_end|>" for r in replies[1:])
+    assert replies[0] + "<|im_end|>" in policy.tokenizer.decode(ids[~mask])
+    assert int((ids == policy.image_token_id).sum()) == 3 * 48
+    # the same tokens as with every reply trained; only the mask differs, and only at the first reply
+    all_trained = encode_trajectory(policy, trajectory(replies), system="compact", history_images=None)
+    assert all_trained.input_ids == seq.input_ids
+    n_first = len(policy.tokenizer.encode(replies[0], add_special_tokens=False)) + 1
+    assert sum(all_trained.assistant_mask) - sum(seq.assistant_mask) == n_first
+    # sampled token ids are masked out the same way
+    odd = policy.tokenizer.encode("Th", add_special_tokens=False)
+    traj2 = trajectory(["Th", "Th"], [[*odd, policy.im_end_id], odd])
+    traj2.steps[0].train_reply = False
+    seq2 = encode_trajectory(policy, traj2, system="compact", history_images=None)
+    assert torch.tensor(seq2.input_ids)[torch.tensor(seq2.assistant_mask)].tolist() == odd

@@ -139,6 +139,29 @@ def test_mistyped_column_is_named(tmp_path):
         read_trajectories(bad)
 
 
+def test_train_reply_round_trips_and_old_files_read_as_trained(tmp_path):
+    """Decision 6: `train_reply` is stored per step; a file written before the column existed reads
+    with every reply trained, and a mistyped column is still an error."""
+    t = make_traj(3)
+    t.steps[0].train_reply = False
+    path = write_trajectories(tmp_path / "t.parquet", [t, make_traj(1, sample_idx=1)])
+    back = read_trajectories(path)
+    assert back[0] == t
+    assert [s.train_reply for s in back[0].steps] == [False, True, True]
+    assert pq.read_table(path).column("train_reply").to_pylist() == [False, True, True, True]
+    old = tmp_path / "old.parquet"
+    pq.write_table(pq.read_table(path).drop_columns(["train_reply"]), old)
+    back_old = read_trajectories(old)
+    assert [s.train_reply for tr in back_old for s in tr.steps] == [True] * 4
+    assert [tr.with_(steps=[]) for tr in back_old] == [tr.with_(steps=[]) for tr in back]
+    table = pq.read_table(path)
+    idx = table.schema.get_field_index("train_reply")
+    bad = tmp_path / "bad.parquet"
+    pq.write_table(table.set_column(idx, "train_reply", pa.array([0, 1, 1, 1], pa.int32())), bad)
+    with pytest.raises(SchemaError, match="column 'train_reply' has type int32, expected bool"):
+        read_trajectories(bad)
+
+
 def test_missing_file_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="no trajectory file"):
         read_trajectories(tmp_path / "none.parquet")

@@ -20,10 +20,19 @@ Design decisions:
 5. Click points are the centre of the target's box unless something drawn later overlaps it
    (click-test-2 / click-button-sequence place two buttons at random): then the point of the box
    farthest from the overlapping boxes is used.
+6. Deliberate misses for recovery demonstrations (arpo_core/demos.py): `miss_step` keeps the oracle's
+   Thought for the current state and replaces its click by a click on empty space, so the reply reads
+   like a first attempt whose grounding was off. Empty space (`empty_points`) is a point of the task
+   area below the query bar that lies, with a margin, outside the box of every visible DOM element but
+   the page frame (<body>, #wrap, #area): no handler of an in-domain task listens there, so MiniWoB does
+   not end the episode and the page does not change (tests/test_demos.py plays it on every task). The
+   point is drawn by the caller's seeded RNG among those grid points; when the current step is not a
+   click, or no empty point exists, there is no miss (None).
 """
 
 from __future__ import annotations
 
+import random
 import re
 from collections.abc import Callable
 
@@ -142,6 +151,43 @@ def free_point(target: DomElement, others: list[DomElement], margin: float = 2.0
             x += 1.0
         y += 1.0
     return best
+
+
+FRAME_IDS = frozenset({"wrap", "area"})
+"""Ids of the page frame that contains every task's widgets; with <body> the only boxes a miss may hit."""
+
+
+def empty_points(
+    dom: list[DomElement],
+    screen_size: tuple[int, int] = SCREEN_SIZE,
+    margin: float = 3.0,
+    grid: float = 2.0,
+) -> list[tuple[float, float]]:
+    """Points of the task area that lie on no DOM element (decision 6), on a `grid`-px lattice.
+
+    The task area is the screen below the query bar (#query; the whole screen without one); a point is
+    empty when it is at least `margin` px inside the screen and at least `margin` px away from the box of
+    every visible element except <body>, #wrap and #area (`FRAME_IDS`).
+    """
+    w, h = screen_size
+    query = [e for e in dom if e.id == "query"]
+    top = query[0].bbox[1] + query[0].bbox[3] if query else 0.0
+    boxes = [
+        (left - margin, t - margin, left + bw + margin, t + bh + margin)
+        for left, t, bw, bh in (
+            e.bbox for e in dom if e.visible and e.tag != "body" and e.id not in FRAME_IDS
+        )
+    ]
+    out = []
+    y = top + margin
+    while y <= h - 1 - margin:
+        x = margin
+        while x <= w - 1 - margin:
+            if not any(x0 < x < x1 and y0 < y < y1 for x0, y0, x1, y1 in boxes):
+                out.append((x, y))
+            x += grid
+        y += grid
+    return out
 
 
 def click(point: tuple[float, float]) -> list[Action]:
@@ -415,6 +461,39 @@ def oracle_step(task_id: str, utterance: str, dom: list[DomElement]) -> OracleSt
     return None if fn is None else fn(utterance, dom)
 
 
+def miss_step(task_id: str, utterance: str, dom: list[DomElement], rng: random.Random) -> OracleStep | None:
+    """A deliberate miss (decision 6): the oracle's Thought for this state with its click moved to an
+    empty point drawn by `rng`; None without an oracle, when the oracle's next action is not a single
+    click, or when no empty point exists."""
+    step = oracle_step(task_id, utterance, dom)
+    if step is None:
+        return None
+    thought, actions = step
+    if len(actions) != 1 or actions[0].kind != "click":
+        return None
+    points = empty_points(dom)
+    if not points:
+        return None
+    return thought, click(rng.choice(points))
+
+
+def render_reply(
+    step: OracleStep,
+    screen_size: tuple[int, int] = SCREEN_SIZE,
+    min_pixels: int = MODEL_MIN_PIXELS,
+    max_pixels: int = MODEL_MAX_PIXELS,
+) -> str:
+    """An oracle step (screen pixels) as a UI-TARS reply in model-image pixels (decision 4)."""
+    thought, actions = step
+    size = model_size(screen_size, min_pixels, max_pixels)
+
+    def m(p: tuple[float, float] | None) -> tuple[float, float] | None:
+        return None if p is None else to_model(p, size, screen_size)
+
+    mapped = [Action(a.kind, m(a.point), m(a.end_point), a.key, a.content, a.direction) for a in actions]
+    return format_response(thought, mapped)
+
+
 def oracle_reply(
     task_id: str,
     utterance: str,
@@ -425,13 +504,4 @@ def oracle_reply(
 ) -> str | None:
     """The oracle's UI-TARS reply with coordinates in model-image pixels (decision 4)."""
     step = oracle_step(task_id, utterance, dom)
-    if step is None:
-        return None
-    thought, actions = step
-    size = model_size(screen_size, min_pixels, max_pixels)
-
-    def m(p: tuple[float, float] | None) -> tuple[float, float] | None:
-        return None if p is None else to_model(p, size, screen_size)
-
-    mapped = [Action(a.kind, m(a.point), m(a.end_point), a.key, a.content, a.direction) for a in actions]
-    return format_response(thought, mapped)
+    return None if step is None else render_reply(step, screen_size, min_pixels, max_pixels)

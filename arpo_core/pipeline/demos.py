@@ -1,4 +1,5 @@
-"""Stage `demos`: scripted DOM oracles play the in-domain suite; successful episodes to Parquet."""
+"""Stage `demos`: scripted DOM oracles play the in-domain suite; successful episodes to Parquet. A share
+`demos.recovery_rate` of them starts with untrained misses (arpo_core/demos.py decisions 4-5)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,8 @@ def run(
             pool,
             jobs,
             max_steps=p.baseline.max_steps,
+            recovery_rate=p.demos.recovery_rate,
+            max_misses=p.demos.max_misses,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
             progress=bar,
@@ -41,9 +44,12 @@ def run(
     if not res.trajectories:
         raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")
     write_trajectories(out_path, res.trajectories)
+    misses = [sum(not s.train_reply for s in t.steps) for t in res.trajectories]
     return {
         "demos/episodes": float(len(res.trajectories)),
         "demos/failed": float(res.n_failed),
         "demos/env_errors": float(len(res.errors)),
         "demos/steps": float(sum(len(t.steps) for t in res.trajectories)),
+        "demos/recovery_episodes": float(sum(m > 0 for m in misses)),
+        "demos/miss_steps": float(sum(misses)),
     }

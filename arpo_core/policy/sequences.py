@@ -3,7 +3,10 @@
 Decisions:
 1. One multi-turn trajectory is ONE sequence (docs/method.md §1): system + instruction, then screenshot,
    reply, screenshot, reply... The assistant mask covers each reply's tokens and its `<|im_end|>`, nothing
-   else (not the chat markup, not the images).
+   else (not the chat markup, not the images), and only the replies of steps with `train_reply` set: a
+   step with `train_reply = False` (a recovery demo's deliberate miss, arpo_core/demos.py) stays in the
+   sequence as context - the later replies are conditioned on it - but is never a target, neither for
+   behaviour cloning nor for a policy-gradient loss. Rollout steps always have it set.
 2. Generation prompts and training sequences are encoded by the same function from the same segments
    (prompt.py), so a generated step's prompt is token for token a prefix of the trajectory's sequence.
    A reply with known `response_token_ids` (sampled) is used verbatim; otherwise its text is tokenised
@@ -28,7 +31,7 @@ Decisions:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -102,9 +105,14 @@ def _reply_ids(policy: Policy, reply: Reply) -> tuple[list[int], list[bool]]:
 
 
 def encode_segments(
-    policy: Policy, segments: Sequence[Segment], screenshots: Sequence[Image.Image]
+    policy: Policy,
+    segments: Sequence[Segment],
+    screenshots: Sequence[Image.Image],
+    *,
+    context_replies: Collection[int] = (),
 ) -> EncodedSequence:
-    """Tokenise segments; `screenshots[s.step]` is the image of an image segment.
+    """Tokenise segments; `screenshots[s.step]` is the image of an image segment. The replies of the steps
+    in `context_replies` are tokenised but kept out of the assistant mask (decision 1).
 
     Each image becomes `grid_h * grid_w / merge**2` copies of `<|image_pad|>` (the image processor's
     smart_resize decides the grid).
@@ -132,6 +140,8 @@ def encode_segments(
             img += 1
         else:
             part, part_mask = _reply_ids(policy, s.reply)
+            if s.step in context_replies:
+                part_mask = [False] * len(part)
         ids += part
         mask += part_mask
     return EncodedSequence(ids, mask, pixel_values, grid)
@@ -154,12 +164,14 @@ def encode_prompt(
 def encode_trajectory(
     policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
 ) -> EncodedSequence:
-    """A whole trajectory as one training sequence (decision 1; K as in decision 3)."""
+    """A whole trajectory as one training sequence (decision 1; K as in decision 3): every reply is in
+    it, and the assistant mask covers those of the steps with `train_reply` set."""
     replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
     segs = build_segments(
         traj.instruction, len(traj.steps), replies, system=system, history_images=history_images
     )
-    return encode_segments(policy, segs, [s.image() for s in traj.steps])
+    context = {k for k, s in enumerate(traj.steps) if not s.train_reply}
+    return encode_segments(policy, segs, [s.image() for s in traj.steps], context_replies=context)
 
 
 def collate(

@@ -1,0 +1,193 @@
+"""Oracle demonstrations with recovery: deliberate misses on empty space (hand-built DOMs), the seeded plan,
+and whole demos on real MiniWoB (the miss hits no element, the episode still succeeds, the misses are
+context only, the same jobs give the same demos, recovery_rate 0 gives the plain oracle episodes)."""
+
+from __future__ import annotations
+
+import functools
+import json
+import random
+
+import pytest
+
+from arpo_core.actions import parse_response, to_screen
+from arpo_core.demos import miss_rng, planned_misses, play_oracle_episodes
+from arpo_core.envs.base import TaskSpec
+from arpo_core.envs.dom import DomElement
+from arpo_core.envs.oracles import FRAME_IDS, ORACLES, empty_points, miss_step, model_size
+from arpo_core.rollout import EpisodeJob
+
+MAX_STEPS = 8  # params' baseline.max_steps, the demos' step limit
+
+
+def el(index, bbox, tag="div", id="", text="", value=None, focused=False, visible=True):
+    return DomElement(index, tag, text, text, id, "", bbox, visible, True, value, focused, "", "", 0)
+
+
+FRAME = [
+    el(0, (0.0, 0.0, 500.0, 210.0), tag="body"),
+    el(1, (0.0, 0.0, 160.0, 210.0), id="wrap"),
+    el(2, (0.0, 0.0, 160.0, 50.0), id="query"),
+    el(3, (0.0, 50.0, 160.0, 160.0), id="area"),
+]
+
+
+def inside(point, bbox, margin=0.0):
+    x, y = point
+    left, top, w, h = bbox
+    return left - margin < x < left + w + margin and top - margin < y < top + h + margin
+
+
+def test_empty_points_avoid_every_element_but_the_frame_and_the_query_bar():
+    button = el(4, (10.0, 60.0, 100.0, 100.0), tag="button", id="subbtn")
+    hidden = el(5, (0.0, 170.0, 160.0, 40.0), visible=False)
+    pts = empty_points([*FRAME, button, hidden])
+    assert pts and len(set(pts)) == len(pts)
+    for p in pts:
+        assert not inside(p, button.bbox, margin=3.0)
+        assert p[1] >= 53.0 and 3.0 <= p[0] <= 156.0 and p[1] <= 206.0
+    assert any(p[1] > 170 for p in pts)  # invisible elements do not count
+    # a page whose widgets cover the whole task area has no empty point
+    assert empty_points([*FRAME, el(4, (0.0, 45.0, 160.0, 170.0), id="form")]) == []
+
+
+def test_miss_step_keeps_the_thought_and_clicks_empty_space():
+    dom = [*FRAME, el(4, (7.0, 114.0, 93.0, 93.0), tag="button", id="subbtn", text="Click Me!")]
+    thought, _ = ORACLES["click-test"]("Click the button.", dom)
+    rng = random.Random(3)
+    miss = miss_step("click-test", "Click the button.", dom, rng)
+    assert miss is not None and miss[0] == thought
+    [a] = miss[1]
+    assert a.kind == "click" and a.point in empty_points(dom)
+    assert not any(inside(a.point, e.bbox) for e in dom if e.tag != "body" and e.id not in FRAME_IDS)
+    assert miss_step("click-test", "Click the button.", dom, random.Random(3)) == miss  # seeded
+    # no miss when the oracle's next action is not a click (a focused empty field: type) ...
+    field = el(4, (19.0, 53.0, 128.0, 21.0), tag="input_text", id="tt", value="", focused=True)
+    submit = el(5, (19.0, 93.0, 101.0, 31.0), tag="button", id="subbtn", text="Submit")
+    utt = 'Enter "Ann" into the text field and press Submit.'
+    assert miss_step("enter-text", utt, [*FRAME, field, submit], rng) is None
+    # ... without an oracle, or without empty space
+    assert miss_step("no-such-task", "", dom, rng) is None
+    full = [*FRAME, el(4, (0.0, 45.0, 160.0, 170.0), tag="button", id="subbtn", text="Click Me!")]
+    assert miss_step("click-test", "Click the button.", full, rng) is None
+
+
+def test_miss_plan_is_seeded_per_episode():
+    task = TaskSpec("miniwob", "click-test")
+    jobs = [EpisodeJob(task, seed=100000 + k) for k in range(400)]
+    plans = [planned_misses(miss_rng(j), 0.5, 2) for j in jobs]
+    assert plans == [planned_misses(miss_rng(j), 0.5, 2) for j in jobs]
+    assert set(plans) == {0, 1, 2}
+    assert 0.4 < sum(p > 0 for p in plans) / len(plans) < 0.6
+    assert all(planned_misses(miss_rng(j), 0.0, 2) == 0 for j in jobs)
+    assert all(planned_misses(miss_rng(j), 1.0, 1) == 1 for j in jobs)
+    other = [
+        planned_misses(miss_rng(EpisodeJob(TaskSpec("miniwob", "click-tab"), j.seed)), 0.5, 2) for j in jobs
+    ]
+    assert other != plans  # the task is part of the stream: episode k of every task is not alike
+
+
+# ---------------------------------------------------------------------------------------------------------
+# Real MiniWoB
+# ---------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def pool():
+    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.pool import EnvPool
+
+    p = EnvPool(functools.partial(make_miniwob_env), n=2)
+    yield p
+    p.close()
+
+
+def jobs_for(tasks, seeds):
+    return [
+        EpisodeJob(
+            TaskSpec("miniwob", t, split="in_domain", backend="miniwob"), seed=s, group_id=g, sample_idx=k
+        )
+        for g, t in enumerate(tasks)
+        for k, s in enumerate(seeds)
+    ]
+
+
+def signature(trajs):
+    return [(t.task_id, t.sample_idx, [(s.response_text, s.train_reply) for s in t.steps]) for t in trajs]
+
+
+def check_recovery_demos(pool, jobs, trajs, max_misses) -> int:
+    """Every demo: 1..max_misses untrained misses first, then the trained oracle steps, success; each
+    miss clicks a point (screen pixels) outside every element's box but the frame's, below the query bar.
+    A demo without a miss is allowed only on a page without empty space. Returns the demos with misses."""
+    assert len(trajs) == len(jobs)
+    n_recovery = 0
+    for job, t in zip(jobs, trajs, strict=True):
+        assert t.success > 0 and t.steps[-1].done and not any(s.done for s in t.steps[:-1])
+        # the page is unchanged by a miss: the DOM of a fresh reset of the instance is the one missed on
+        assert pool.submit_reset(0, job.task, job.seed).result().error is None
+        dom = pool.submit_call(0, "dom_elements").result().value
+        flags = [s.train_reply for s in t.steps]
+        n_miss = flags.index(True)
+        assert n_miss <= max_misses and all(flags[n_miss:])
+        if n_miss == 0:
+            assert empty_points(dom) == [], (t.task_id, job.seed)
+            continue
+        n_recovery += 1
+        assert len(t.steps) >= 2
+        query = next(e for e in dom if e.id == "query")
+        solid = [e for e in dom if e.visible and e.tag != "body" and e.id not in FRAME_IDS]
+        for s in t.steps[:n_miss]:
+            [a] = s.actions()
+            assert a["kind"] == "click"
+            assert a["point"][1] > query.bbox[1] + query.bbox[3]
+            assert not any(inside(a["point"], e.bbox) for e in solid), (t.task_id, a, s.response_text)
+            # the reply is the oracle's own Thought with another click
+            assert (
+                s.response_text.split("\nAction:")[0] == t.steps[n_miss].response_text.split("\nAction:")[0]
+            )
+    return n_recovery
+
+
+def test_recovery_demos_on_real_miniwob(pool):
+    jobs = jobs_for(["click-test-2", "click-checkboxes", "enter-text"], [7, 8])
+    res = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
+    assert res.errors == [] and res.n_failed == 0
+    assert check_recovery_demos(pool, jobs, res.trajectories, max_misses=2) == len(jobs)
+    again = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
+    assert signature(again.trajectories) == signature(res.trajectories)
+
+
+def plain_oracle_replies(pool, job) -> list[str]:
+    """Today's demo of one job: the oracle's replies from reset to the end of the episode."""
+    pool.submit_reset(0, job.task, job.seed).result()
+    replies = []
+    for _ in range(MAX_STEPS):
+        text = pool.submit_call(0, "oracle_reply").result().value
+        replies.append(text)
+        actions = to_screen(parse_response(text).actions, model_size(), (160, 210))
+        if pool.submit_step(0, actions).result().done:
+            break
+    return replies
+
+
+def test_recovery_rate_zero_gives_the_plain_oracle_demos(pool):
+    jobs = jobs_for(["click-test-2", "enter-text"], [7, 8])
+    res = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=0.0, max_misses=2)
+    assert res.errors == [] and len(res.trajectories) == len(jobs)
+    for job, t in zip(jobs, res.trajectories, strict=True):
+        assert all(s.train_reply for s in t.steps)
+        assert [s.response_text for s in t.steps] == plain_oracle_replies(pool, job)
+    assert {len(t.steps) for t in res.trajectories} == {1, 3}  # click-test-2: 1 step; enter-text: 3
+
+
+@pytest.mark.slow
+def test_every_oracle_task_recovers_from_misses(pool):
+    """Every in-domain task: misses on empty space never end the episode and the oracle still succeeds."""
+    jobs = jobs_for(sorted(ORACLES), [11, 12, 13])
+    res = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
+    assert res.errors == [] and res.n_failed == 0, (res.errors, res.n_failed)
+    n_recovery = check_recovery_demos(pool, jobs, res.trajectories, max_misses=2)
+    assert n_recovery >= 0.9 * len(jobs)  # click-tab's long tab texts can fill the whole task area
+    assert {t.task_id for t in res.trajectories if not t.steps[0].train_reply} == set(ORACLES)
+    print("steps per task:", json.dumps({t.task_id: len(t.steps) for t in res.trajectories}))
