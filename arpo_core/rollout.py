@@ -89,14 +89,23 @@ class EpisodeJob:
 
 
 def make_group_jobs(
-    tasks: Sequence[TaskSpec], group_size: int, seed: int, first_group: int = 0
+    tasks: Sequence[TaskSpec],
+    group_size: int,
+    seed: int,
+    first_group: int = 0,
+    groups_per_task: int = 1,
 ) -> list[EpisodeJob]:
-    """G jobs per task, group-contiguous. The G samples of a group share one env seed: GRPO compares
-    rollouts of the same task instance (the group mean is the baseline)."""
+    """`groups_per_task` groups of G jobs per task, task-major and group-contiguous. Group g (counted
+    over the whole list: task i's r-th group is g = i * groups_per_task + r) has group id
+    `first_group + g` and env seed `seed + g`: the G samples of a group share one task instance (GRPO
+    compares rollouts of the same instance, the group mean is the baseline), and each group of a task
+    plays its own instance. With groups_per_task=1 this is one group per task, group g = task i."""
     jobs = []
-    for g, task in enumerate(tasks):
-        for k in range(group_size):
-            jobs.append(EpisodeJob(task, seed=seed + g, group_id=first_group + g, sample_idx=k))
+    for i, task in enumerate(tasks):
+        for r in range(groups_per_task):
+            g = i * groups_per_task + r
+            for k in range(group_size):
+                jobs.append(EpisodeJob(task, seed=seed + g, group_id=first_group + g, sample_idx=k))
     return jobs
 
 

@@ -1,19 +1,28 @@
 """The ARPO/GRPO epoch loop: rollout groups -> replay fill -> advantages -> update -> buffer -> checkpoint.
 
 Decisions:
-1. One iteration = `tasks_per_iteration` tasks x `group_size` rollouts (docs/method.md §1-2). Tasks are
-   visited in a seeded order per epoch; an epoch is one pass over the task set. `train` only composes
-   three phases: `_restore_or_start`, `_run_iteration` (rollout -> `prepare_batch` (replay fill +
-   advantages) -> update -> buffer add -> trajectories written) and `_end_epoch` (summary, `on_epoch`,
-   checkpoint).
+1. One iteration = `tasks_per_iteration` tasks x `groups_per_task` groups x `group_size` rollouts
+   (docs/method.md §1-2; the reference has one group per task). Each group of a task plays its own task
+   instance (env seed) under its own group id, unique within the iteration (rollout.py
+   `make_group_jobs`), so G=4 x 4 groups gives an update the 16 rollouts per task of G=16 x 1 while the
+   group baseline stays per instance. Tasks are visited in a seeded order per epoch; an epoch is one
+   pass over the task set. `train` only composes three phases: `_restore_or_start`, `_run_iteration`
+   (rollout -> `prepare_batch` (replay fill + advantages) -> update -> buffer add -> trajectories
+   written) and `_end_epoch` (summary, `on_epoch`, checkpoint).
 2. ARPO order of operations as the reference: fresh groups are filled from the buffer (all-failed group
    + stored success -> one slot replaced), advantages are computed on the filled groups, the update runs,
-   and only then the buffer is updated with the FRESH rollouts (replay.py decision 7).
+   and only then the buffer is updated with the FRESH rollouts (replay.py decision 7). With
+   groups_per_task > 1 every all-failed group of a task is filled on its own: each draws uniformly from
+   the task's stored successes with the buffer's RNG, independently (with replacement, as the
+   reference's one `get_pos` call per group), so two groups may get the same stored success or two
+   different ones. A sibling group's success of the same iteration is not in the buffer yet and is never
+   drawn: it is already in the batch, fresh.
 3. A group with an env-failed job (rollout.py decision 3) is dropped from the update: GRPO statistics
    need the group's G samples, and an env fault says nothing about the policy.
 4. Every ablation switch of the paper is a parameter (train.replay.enabled, train.use_selection, loss
-   clip/KL/aggregation, format penalty, group size, lr); nothing is hard-wired. The params sections
-   arrive as they are (`TrainConfig`, `PolicyConfig`), never copied into a settings class of our own.
+   clip/KL/aggregation, format penalty, group size, groups per task, lr); nothing is hard-wired. The
+   params sections arrive as they are (`TrainConfig`, `PolicyConfig`), never copied into a settings
+   class of our own.
 5. Checkpoint at the end of every epoch, atomically: the whole directory is written under a temp name
    and renamed, then the `latest` pointer file is replaced. It holds the policy (save_pretrained), the
    engine/optimizer state, the replay buffer, the RNG states, the epoch counter, the policy version and
@@ -29,10 +38,30 @@ Decisions:
    per-token log-probs of every update batch enter the loss as the KL penalty (losses.py decision 3).
    ARPO's default is 0: no reference is loaded and no extra forward runs.
 9. Every random choice derives from the run seed and its place in the run (seeds.py): the epoch's task
-   order from ("task_order", seed, epoch), an iteration's env instances from ("env", seed, epoch, it),
-   its samples from ("sample", seed, epoch, it, job, step) inside the rollout, its mini-batch order from
+   order from ("task_order", seed, epoch), an iteration's env instances from ("env", seed, epoch, it)
+   (group g of the job list plays instance base + g; with groups_per_task=1 group g is task g), its
+   samples from ("sample", seed, epoch, it, job, step) inside the rollout, its mini-batch order from
    ("minibatch", seed, epoch, it). Nothing depends on the replay buffer or on timing, so ARPO and GRPO
    (train.replay.enabled true / false) play the same first iteration, episode for episode.
+10. Per-task metrics (`task_metrics`) in every iteration's row, so a run shows which tasks triggered
+    replay: `task/<domain>/<task_id>/{episodes, success_rate, all_fail_groups, replay_fills,
+    buffer_size}`, names cleaned as evaluate.py's per-task keys are (MLflow's key alphabet).
+    `all_fail_groups` counts the complete groups that met the replay trigger (replay.py decision 4; also
+    with replay disabled), `replay_fills` those filled from the buffer, `buffer_size` the task's stored
+    successes after the iteration's buffer add; `success_rate` is over the task's finished fresh
+    episodes (absent when none finished), so the episode-weighted mean of the tasks' rates is
+    `rollout/success_rate`.
+11. The epoch summary (`epoch_summary`, a history row) reduces the iteration rows by what a key means,
+    not by one blanket mean: counts are SUMMED over the epoch (`task/.../{episodes, all_fail_groups,
+    replay_fills}`, `train/groups`, `train/replayed` (= groups filled), `rollout/{episodes, env_faults,
+    failed_jobs}`); per-episode rates (`task/.../success_rate`, `rollout/{success_rate,
+    format_error_rate, mean_steps, mean_reward}`) are averaged over the episodes, each row weighted by
+    its episode count, not over iterations; the buffer's state (`task/.../buffer_size`, and `replay/*`:
+    counters and rates since the buffer was created) is its value at the epoch's end (the last row
+    holding the key; a task's size changes only in its own iteration); everything else (losses, clip
+    fractions, times, `train/nonzero_adv_frac`) is the mean over iterations. Until issue 15 every key was
+    the mean over iterations: the history's counts were per-iteration means and `replay/*` the mean of
+    running totals.
 """
 
 from __future__ import annotations
@@ -40,9 +69,10 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -57,13 +87,21 @@ from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_text
 from arpo_core.policy.generate import Generator, HFGenerator
 from arpo_core.policy.model import Policy, load_policy
-from arpo_core.replay import ReplayBuffer
+from arpo_core.replay import FILLED, NOT_FAILED, FillResult, ReplayBuffer
 from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes
 from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Trajectory, write_trajectories
 from arpo_core.update import compute_logps, encode_trajectories, ppo_update
 
-__all__ = ["PreparedBatch", "TrainState", "latest_checkpoint", "prepare_batch", "train"]
+__all__ = [
+    "PreparedBatch",
+    "TrainState",
+    "epoch_summary",
+    "latest_checkpoint",
+    "prepare_batch",
+    "task_metrics",
+    "train",
+]
 
 ENV_SEED_BITS = 40
 """Env instance seeds of training groups stay below 2^40: MiniWoB hands them to JavaScript, whose
@@ -155,6 +193,8 @@ class PreparedBatch:
     """(N,) group-relative advantages of `trajectories`."""
     n_groups: int
     n_replayed: int
+    fills: list[FillResult] = field(default_factory=list)
+    """`ReplayBuffer.apply`'s result for every complete group, in order (what replay did to each)."""
 
 
 def prepare_batch(
@@ -163,12 +203,49 @@ def prepare_batch(
     """Decisions 2-3: complete groups only, replay fill, then group advantages. Does NOT add `fresh` to
     the buffer (the caller does that after the update)."""
     groups = [g for g in _groups(fresh).values() if len(g) == group_size]
-    filled = [t for f in replay.apply(groups) for t in f.group]
+    fills = replay.apply(groups)  # each group on its own (decision 2)
+    filled = [t for f in fills for t in f.group]
     if not filled:
         return PreparedBatch([], torch.zeros(0), 0, 0)
     rewards = torch.tensor([t.reward for t in filled], dtype=torch.float32)  # (N,)
     adv = group_advantages(rewards, group_size, scale=scale, eps=eps)  # (N,)
-    return PreparedBatch(filled, adv, len(groups), sum(t.replayed for t in filled))
+    return PreparedBatch(filled, adv, len(groups), sum(t.replayed for t in filled), fills)
+
+
+_KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /]")
+
+
+def _clean(name: str) -> str:
+    """The rule of evaluate.py's per-task keys (MLflow's key alphabet): anything else becomes '_'."""
+    return _KEY_CHARS.sub("_", name)
+
+
+def task_metrics(
+    tasks: Sequence[TaskSpec],
+    fresh: Sequence[Trajectory],
+    fills: Sequence[FillResult],
+    buffer_sizes: Mapping[tuple[str, str], int],
+) -> dict[str, float]:
+    """Decision 10: one iteration's `task/<domain>/<task_id>/...` metrics for each task of `tasks`.
+
+    Args:
+        fresh: the iteration's finished episodes (before replay).
+        fills: `ReplayBuffer.apply`'s results for the complete groups (`PreparedBatch.fills`).
+        buffer_sizes: `ReplayBuffer.sizes()` after the iteration's buffer add.
+    """
+    out: dict[str, float] = {}
+    for task in tasks:
+        key = task.key
+        episodes = [t for t in fresh if t.key == key]
+        groups = [f for f in fills if f.group[0].key == key]
+        name = f"task/{_clean(key[0])}/{_clean(key[1])}"
+        out[f"{name}/episodes"] = float(len(episodes))
+        if episodes:
+            out[f"{name}/success_rate"] = sum(t.success for t in episodes) / len(episodes)
+        out[f"{name}/all_fail_groups"] = float(sum(f.reason != NOT_FAILED for f in groups))
+        out[f"{name}/replay_fills"] = float(sum(f.reason == FILLED for f in groups))
+        out[f"{name}/buffer_size"] = float(buffer_sizes.get(key, 0))
+    return out
 
 
 @dataclass
@@ -267,7 +344,7 @@ def _run_iteration(
     t0 = time.monotonic()
     cfg = run.cfg
     env_seed = derive_seed("env", run.seed, epoch, it, bits=ENV_SEED_BITS)  # decision 9
-    jobs = make_group_jobs(chunk, cfg.group_size, seed=env_seed)
+    jobs = make_group_jobs(chunk, cfg.group_size, seed=env_seed, groups_per_task=cfg.groups_per_task)
     bar = (
         progress_factory(total=len(jobs), desc=f"epoch {epoch} iter {it} rollout")
         if progress_factory
@@ -299,6 +376,7 @@ def _run_iteration(
         metrics.update(_update(run, batch, epoch, it))
     run.replay.add(res.trajectories)  # decision 2: after the update, fresh rollouts only
     metrics.update(run.replay.stats().as_metrics())
+    metrics.update(task_metrics(chunk, res.trajectories, batch.fills, run.replay.sizes()))
     metrics["train/groups"] = float(batch.n_groups)
     metrics["train/replayed"] = float(batch.n_replayed)
     metrics["time/iteration_s"] = time.monotonic() - t0
@@ -314,8 +392,9 @@ def _end_epoch(
     rows: Sequence[dict[str, float]],
     on_epoch: Callable[[int, Policy], dict[str, Any] | None] | None,
 ) -> None:
-    """The epoch's mean metrics plus `on_epoch`'s into the history, then the checkpoint (decision 5)."""
-    summary = _mean_metrics(rows)
+    """The epoch's summary (decision 11) plus `on_epoch`'s metrics into the history, then the checkpoint
+    (decision 5)."""
+    summary: dict[str, Any] = epoch_summary(rows)
     summary["epoch"] = epoch
     summary["policy_version"] = run.state.policy_version
     if on_epoch is not None:
@@ -387,6 +466,56 @@ def train(
     return state
 
 
-def _mean_metrics(rows: Sequence[dict[str, float]]) -> dict[str, Any]:
-    keys = sorted({k for r in rows for k in r})
-    return {k: float(np.mean([r[k] for r in rows if k in r])) for k in keys}
+_SUMMED = ("rollout/episodes", "rollout/env_faults", "rollout/failed_jobs", "train/groups", "train/replayed")
+_PER_EPISODE = (
+    "rollout/success_rate",
+    "rollout/format_error_rate",
+    "rollout/mean_steps",
+    "rollout/mean_reward",
+)
+_TASK_SUMMED = ("episodes", "all_fail_groups", "replay_fills")
+
+
+def _reduction(key: str) -> tuple[str, str | None]:
+    """How decision 11 reduces `key` over an epoch's rows: ('sum' | 'last' | 'mean', None) or
+    ('per_episode', the key of its episode count)."""
+    if key.startswith("task/"):
+        task, _, name = key.rpartition("/")
+        if name in _TASK_SUMMED:
+            return "sum", None
+        if name == "success_rate":
+            return "per_episode", f"{task}/episodes"
+        if name == "buffer_size":
+            return "last", None
+    if key in _SUMMED:
+        return "sum", None
+    if key in _PER_EPISODE:
+        return "per_episode", "rollout/episodes"
+    if key.startswith("replay/"):
+        return "last", None
+    return "mean", None
+
+
+def epoch_summary(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
+    """Decision 11: an epoch's iteration rows (in order) -> one flat row of floats."""
+    out: dict[str, float] = {}
+    for key in sorted({k for r in rows for k in r}):
+        held = [r for r in rows if key in r]
+        rule, weight_key = _reduction(key)
+        values = [float(r[key]) for r in held]
+        if rule == "sum":
+            out[key] = float(sum(values))
+        elif rule == "last":
+            out[key] = values[-1]
+        elif rule == "per_episode":
+            weights = [float(r.get(weight_key, 0.0)) for r in held]
+            total = sum(weights)
+            # no episode at all: every rate is the rollout's 0.0 placeholder; keep the plain mean
+            out[key] = (
+                sum(w * v for w, v in zip(weights, values, strict=True)) / total
+                if total
+                else float(np.mean(values))
+            )
+        else:
+            out[key] = float(np.mean(values))
+    return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import random
 
 import pytest
 from PIL import Image
@@ -278,6 +279,25 @@ def test_disabled_draws_nothing():
     assert off._rng.getstate() == state
     s = off.stats()
     assert (s.groups_failed, s.groups_fillable, s.groups_filled) == (5, 5, 0)
+
+
+def test_two_failed_groups_of_one_task_are_filled_independently():
+    """train.groups_per_task > 1 (trainer decision 2): every all-failed group of a task is filled on its
+    own, each with its own uniform draw (with replacement): the same stored success or two different
+    ones, as the buffer's RNG falls."""
+    picks = []
+    for seed in range(12):
+        buf = ReplayBuffer(ReplayConfig(seed=seed))
+        buf.add(successes(2))
+        results = buf.apply([failed_group(4, group=g) for g in (3, 4)])
+        assert [(r.reason, r.replaced_slot) for r in results] == [("filled", 0), ("filled", 0)]
+        assert [r.group[0].group_id for r in results] == [3, 4]  # each copy sits in its own group
+        assert all(r.group[0].replayed for r in results)
+        expected = random.Random(seed)  # the draws: randrange(2) of the seeded RNG, once per group
+        assert [r.group[0].policy_version for r in results] == [expected.randrange(2), expected.randrange(2)]
+        picks.append(tag(results[0].group[0]) == tag(results[1].group[0]))
+        assert buf.stats().groups_filled == 2
+    assert any(picks) and not all(picks)  # seen both: the same success twice, and two different ones
 
 
 def draw_sequence(buf: ReplayBuffer, n: int, task: str = "click-test") -> list[tuple]:

@@ -114,8 +114,11 @@ def tasks(*ids):
     return [TaskSpec(domain="fake", task_id=t, split="in_domain") for t in ids]
 
 
-def test_group_jobs_layout():
-    jobs = make_group_jobs(tasks("a", "b"), group_size=3, seed=10, first_group=4)
+@pytest.mark.parametrize("extra", [{}, {"groups_per_task": 1}])
+def test_group_jobs_layout(extra):
+    """One group per task (the default, and groups_per_task=1): group g is task g, on instance seed + g.
+    Pinned: the jobs, so the env seeds and sampling seeds (decision 5) of groups_per_task=1 never move."""
+    jobs = make_group_jobs(tasks("a", "b"), group_size=3, seed=10, first_group=4, **extra)
     assert [(j.task.task_id, j.group_id, j.sample_idx, j.seed) for j in jobs] == [
         ("a", 4, 0, 10),
         ("a", 4, 1, 10),
@@ -124,6 +127,37 @@ def test_group_jobs_layout():
         ("b", 5, 1, 11),
         ("b", 5, 2, 11),
     ]
+
+
+def test_groups_per_task_gives_each_group_its_own_instance_and_group_id():
+    jobs = make_group_jobs(tasks("a", "b"), group_size=2, seed=10, first_group=4, groups_per_task=3)
+    assert [(j.task.task_id, j.group_id, j.sample_idx, j.seed) for j in jobs] == [
+        ("a", 4, 0, 10),
+        ("a", 4, 1, 10),
+        ("a", 5, 0, 11),
+        ("a", 5, 1, 11),
+        ("a", 6, 0, 12),
+        ("a", 6, 1, 12),
+        ("b", 7, 0, 13),
+        ("b", 7, 1, 13),
+        ("b", 8, 0, 14),
+        ("b", 8, 1, 14),
+        ("b", 9, 0, 15),
+        ("b", 9, 1, 15),
+    ]
+    instances = {(j.task.task_id, j.seed) for j in jobs}
+    groups = {(j.group_id, j.task.task_id, j.seed) for j in jobs}
+    # group ids are unique, a group is one task on one instance, a task's groups play distinct instances
+    assert len(groups) == len({g for g, *_ in groups}) == len(instances) == 6
+
+
+def test_groups_per_task_rollout_plays_each_group_on_its_instance():
+    pool = FakePool(n=3, steps_to_done=1)
+    jobs = make_group_jobs(tasks("a"), group_size=2, seed=5, groups_per_task=2)
+    res = run_episodes(pool, ScriptedGenerator({"a": GOOD}), jobs, rollout_cfg())
+    assert [(t.group_id, t.sample_idx) for t in res.trajectories] == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    resets = sorted(entry[3] for entry in pool.log if entry[0] == "reset")  # ("reset", env, task, seed)
+    assert resets == [5, 5, 6, 6]
 
 
 def test_more_jobs_than_envs_all_finish_in_job_order_with_batched_generation():

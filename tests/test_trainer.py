@@ -1,11 +1,13 @@
-"""The ARPO epoch loop: replay fills all-failed groups (and not when disabled), checkpoints every epoch,
-a SIGKILLed run resumes to the same buffer and epoch count as an uninterrupted one, and ARPO and GRPO
-play the same first epoch on real MiniWoB."""
+"""The ARPO epoch loop: replay fills all-failed groups (and not when disabled), per-task metrics and
+the epoch summary (counts summed, rates per episode, buffer state at the epoch's end), several groups
+per task on distinct instances, checkpoints every epoch, a SIGKILLed run resumes to the same buffer and
+epoch count as an uninterrupted one, and ARPO and GRPO play the same first epoch on real MiniWoB."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -16,9 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from arpo_core.envs.base import TaskSpec
 from arpo_core.policy.model import build_tiny_policy
 from arpo_core.replay import ReplayBuffer, ReplayConfig
-from arpo_core.trainer import latest_checkpoint, prepare_batch, train
+from arpo_core.trainer import epoch_summary, latest_checkpoint, prepare_batch, task_metrics, train
 from arpo_core.trajectory import Step, Trajectory, read_trajectories
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -27,12 +30,12 @@ import trainer_harness as harness
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def traj(task, group, k, success, reward=None, replayed=False):
+def traj(task, group, k, success, reward=None, replayed=False, epoch=1):
     step = Step(step_idx=0, screenshot_png=b"png", screen_w=160, screen_h=210, response_text=f"r{group}{k}")
     return Trajectory(
         "r",
         "train",
-        1,
+        epoch,
         "fake",
         task,
         "i",
@@ -75,6 +78,112 @@ def test_group_with_missing_rollout_is_dropped():
     assert batch.n_groups == 1 and {t.task_id for t in batch.trajectories} == {"b"}
 
 
+def test_task_metrics_on_a_crafted_batch():
+    """Decision 10 by hand. Task a: two all-failed groups (groups_per_task=2) and a stored success -> both
+    filled (each on its own, decision 2). Task b: a mixed group (1 success of 4) and an all-failed one,
+    nothing stored before -> triggered, not filled; its success is stored after the update. Task
+    "click:odd?": a group with an env-failed job (3 episodes, 1 success) -> dropped from the update,
+    its success still stored. Task d: every job env-failed -> no episodes, no success rate."""
+    buf = ReplayBuffer(ReplayConfig(seed=0))
+    buf.add([traj("a", 9, 0, 1.0, epoch=0)])  # an earlier iteration's success of a
+    fresh = (
+        [traj("a", g, k, 0.0) for g in (0, 1) for k in range(4)]
+        + [traj("b", 2, k, float(k == 1)) for k in range(4)]
+        + [traj("b", 3, k, 0.0) for k in range(4)]
+        + [traj("click:odd?", 4, k, float(k == 2)) for k in range(3)]
+    )
+    batch = prepare_batch(fresh, buf, group_size=4, scale="group", eps=1e-6)
+    assert [f.reason for f in batch.fills] == ["filled", "filled", "not_failed", "no_stored_success"]
+    assert batch.n_groups == 4 and batch.n_replayed == 2
+    assert [(t.group_id, t.replayed) for t in batch.trajectories[::4]] == [
+        (0, True),
+        (1, True),
+        (2, False),
+        (3, False),
+    ]
+    buf.add(fresh)  # after the update (decision 2)
+    tasks = [TaskSpec("fake", t) for t in ("a", "b", "click:odd?", "d")]
+    m = task_metrics(tasks, fresh, batch.fills, buf.sizes())
+    assert m == {
+        "task/fake/a/episodes": 8.0,
+        "task/fake/a/success_rate": 0.0,
+        "task/fake/a/all_fail_groups": 2.0,
+        "task/fake/a/replay_fills": 2.0,
+        "task/fake/a/buffer_size": 1.0,  # the stored success; the fresh rollouts added none
+        "task/fake/b/episodes": 8.0,
+        "task/fake/b/success_rate": 0.125,
+        "task/fake/b/all_fail_groups": 1.0,
+        "task/fake/b/replay_fills": 0.0,
+        "task/fake/b/buffer_size": 1.0,
+        "task/fake/click_odd_/episodes": 3.0,  # the key cleaned like evaluate.py's
+        "task/fake/click_odd_/success_rate": pytest.approx(1 / 3),
+        "task/fake/click_odd_/all_fail_groups": 0.0,
+        "task/fake/click_odd_/replay_fills": 0.0,
+        "task/fake/click_odd_/buffer_size": 1.0,
+        "task/fake/d/episodes": 0.0,
+        "task/fake/d/all_fail_groups": 0.0,
+        "task/fake/d/replay_fills": 0.0,
+        "task/fake/d/buffer_size": 0.0,
+    }
+    assert all(type(v) is float for v in m.values())
+
+
+def test_epoch_summary_sums_counts_weights_rates_by_episodes_and_keeps_the_buffer_at_the_end():
+    """Decision 11 by hand on two iteration rows (8 then 4 episodes; task a in both, b in the second)."""
+    rows = [
+        {
+            "rollout/episodes": 8.0,
+            "rollout/success_rate": 0.5,
+            "train/groups": 2.0,
+            "train/replayed": 1.0,
+            "replay/groups_filled": 1.0,  # running totals of the buffer
+            "replay/n_items": 3.0,
+            "loss/policy": 1.0,
+            "task/fake/a/episodes": 8.0,
+            "task/fake/a/success_rate": 0.5,
+            "task/fake/a/all_fail_groups": 1.0,
+            "task/fake/a/replay_fills": 1.0,
+            "task/fake/a/buffer_size": 2.0,
+        },
+        {
+            "rollout/episodes": 4.0,
+            "rollout/success_rate": 0.25,
+            "train/groups": 1.0,
+            "train/replayed": 1.0,
+            "replay/groups_filled": 2.0,
+            "replay/n_items": 5.0,
+            "loss/policy": 3.0,
+            "task/fake/a/episodes": 4.0,
+            "task/fake/a/success_rate": 0.25,
+            "task/fake/a/all_fail_groups": 2.0,
+            "task/fake/a/replay_fills": 1.0,
+            "task/fake/a/buffer_size": 3.0,
+            "task/fake/b/episodes": 0.0,  # every job env-failed: no success rate
+            "task/fake/b/all_fail_groups": 0.0,
+            "task/fake/b/replay_fills": 0.0,
+            "task/fake/b/buffer_size": 1.0,
+        },
+    ]
+    assert epoch_summary(rows) == {
+        "rollout/episodes": 12.0,  # summed
+        "rollout/success_rate": pytest.approx(5 / 12),  # (8 * .5 + 4 * .25) / 12, not (.5 + .25) / 2
+        "train/groups": 3.0,
+        "train/replayed": 2.0,
+        "replay/groups_filled": 2.0,  # the running total at the epoch's end, not 1.5 or 3
+        "replay/n_items": 5.0,
+        "loss/policy": 2.0,  # mean over iterations
+        "task/fake/a/episodes": 12.0,
+        "task/fake/a/success_rate": pytest.approx(5 / 12),
+        "task/fake/a/all_fail_groups": 3.0,
+        "task/fake/a/replay_fills": 2.0,
+        "task/fake/a/buffer_size": 3.0,
+        "task/fake/b/episodes": 0.0,
+        "task/fake/b/all_fail_groups": 0.0,
+        "task/fake/b/replay_fills": 0.0,
+        "task/fake/b/buffer_size": 1.0,
+    }
+
+
 @pytest.fixture(scope="module")
 def policy_dir(tmp_path_factory):
     d = tmp_path_factory.mktemp("tiny")
@@ -109,6 +218,121 @@ def test_train_loop_checkpoints_every_epoch_and_fills_groups(policy_dir, tmp_pat
     # filled; the stats must account for every failed group either way
     last = seen[-1][2]
     assert last["replay/groups_failed"] >= last["replay/groups_filled"]
+
+    # Per-task metrics (decision 10) of the run pinned in test_groups_per_task_1_plays_the_pinned_episodes:
+    # epoch 1 every group fails; epoch 2 'easy' succeeds 3 times of 4 (its buffer keeps all 3), nothing
+    # was stored before, so nothing is filled
+    for _, it, m in seen:
+        tasks = {k.split("/")[2] for k in m if k.startswith("task/")}
+        assert len(tasks) == (2 if it == 0 else 1) and m["train/groups"] == len(tasks)
+    per_task = [{k: v for k, v in h.items() if k.startswith("task/")} for h in state.history]
+    assert per_task[0] == {
+        f"task/fake/{t}/{name}": value
+        for t in ("easy", "hard", "never")
+        for name, value in (
+            ("episodes", 4.0),
+            ("success_rate", 0.0),
+            ("all_fail_groups", 1.0),
+            ("replay_fills", 0.0),
+            ("buffer_size", 0.0),
+        )
+    }
+    easy = {
+        "episodes": 4.0,
+        "success_rate": 0.75,
+        "all_fail_groups": 0.0,
+        "replay_fills": 0.0,
+        "buffer_size": 3.0,
+    }
+    assert {k: v for k, v in per_task[1].items() if "/easy/" in k} == {
+        f"task/fake/easy/{n}": v for n, v in easy.items()
+    }
+    assert (
+        per_task[1]["task/fake/hard/all_fail_groups"] == per_task[1]["task/fake/never/all_fail_groups"] == 1.0
+    )
+    # the epoch summary sums counts over its 2 iterations and weights the success rate by episodes
+    for epoch, h in zip((1, 2), state.history, strict=True):
+        rows = [m for e, _, m in seen if e == epoch]
+        assert (
+            h["rollout/episodes"] == 12.0 and h["train/groups"] == sum(m["train/groups"] for m in rows) == 3.0
+        )
+        assert h["rollout/success_rate"] == pytest.approx(
+            sum(m["rollout/success_rate"] * m["rollout/episodes"] for m in rows) / 12
+        )
+        assert h["replay/groups_failed"] == rows[-1]["replay/groups_failed"]  # running total at the end
+    assert state.history[1]["rollout/success_rate"] == pytest.approx(3 / 12)
+    assert ReplayBuffer.load(ck / "replay").sizes() == {("fake", "easy"): 3}
+    # what reaches MLflow (on_iteration rows, history rows at step=epoch): flat float metrics, valid keys
+    for row in [m for *_, m in seen] + state.history:
+        for k, v in row.items():
+            assert re.fullmatch(r"[A-Za-z0-9_\-. /]+", k), k
+            assert type(v) is float or (k in ("epoch", "policy_version") and type(v) is int), (k, v)
+
+
+PINNED = {
+    "epoch-0001-iter-000.parquet": [
+        ("never", 0, k, 59, x, 0.0, False) for k, x in enumerate((120, 50, 150, 120))
+    ]
+    + [("easy", 1, k, 60, 150, 0.0, False) for k in range(4)],
+    "epoch-0001-iter-001.parquet": [
+        ("hard", 0, k, 66, x, 0.0, False) for k, x in enumerate((150, 50, 150, 120))
+    ],
+    "epoch-0002-iter-000.parquet": [
+        ("easy", 0, k, 41, x, float(x < 80), False) for k, x in enumerate((10, 120, 10, 50))
+    ]
+    + [("hard", 1, k, 42, x, 0.0, False) for k, x in enumerate((150, 150, 50, 120))],
+    "epoch-0002-iter-001.parquet": [
+        ("never", 0, k, 241, x, 0.0, False) for k, x in enumerate((150, 50, 50, 10))
+    ],
+}
+"""The harness's 2-epoch run before groups_per_task existed: (task, group, sample, env seed % 255, click x,
+success, replayed) per trajectory (harness.episodes)."""
+
+
+def test_groups_per_task_1_plays_the_pinned_episodes(policy_dir, tmp_path):
+    """groups_per_task=1 (the default) keeps the jobs, env instances, sampling seeds and so the
+    trajectories of one group per task exactly as they were (decision 9)."""
+    torch.set_num_threads(1)
+    harness.run(policy_dir, tmp_path, *harness.configs(2, groups_per_task=1))
+    assert harness.episodes(tmp_path) == PINNED
+
+
+def test_groups_per_task_plays_each_group_on_its_own_instance(policy_dir, tmp_path):
+    """groups_per_task=2: each task has two groups of G=4 per iteration, on two instances, under group
+    ids unique in the iteration; the update sees all of them and the per-task counts follow the
+    trajectories (with these seeds epoch 3 fills one all-failed 'hard' group from epoch 2's successes)."""
+    torch.set_num_threads(1)
+    seen = []
+    state = harness.run(
+        policy_dir,
+        tmp_path,
+        *harness.configs(3, groups_per_task=2),
+        on_iteration=lambda e, i, m: seen.append(m),
+    )
+    files = harness.episodes(tmp_path)
+    assert len(files) == 6  # 3 epochs x 2 iterations
+    for rows in files.values():
+        # (a replayed item shows the instance it was played on, not its group's)
+        groups = {(task, group, seed) for task, group, _, seed, _, _, replayed in rows if not replayed}
+        assert len(rows) == 4 * len(groups)
+        assert len({g for _, g, _ in groups}) == len(groups)  # group ids unique in the iteration
+        for task in {t for t, *_ in groups}:
+            assert len({seed for t, _, seed in groups if t == task}) == 2  # two instances per task
+    assert [m["train/groups"] for m in seen] == [4.0, 2.0] * 3
+    for epoch, h in enumerate(state.history, start=1):
+        for t in ("easy", "hard", "never"):
+            assert h[f"task/fake/{t}/episodes"] == 8.0
+            replayed = sum(
+                r[6]
+                for name, rows in files.items()
+                if f"epoch-{epoch:04d}" in name
+                for r in rows
+                if r[0] == t
+            )
+            assert h[f"task/fake/{t}/replay_fills"] == replayed
+        assert h["train/replayed"] == sum(h[f"task/fake/{t}/replay_fills"] for t in ("easy", "hard", "never"))
+    assert state.history[2]["task/fake/hard/replay_fills"] == 1.0
+    assert [h["task/fake/never/all_fail_groups"] for h in state.history] == [2.0, 2.0, 2.0]
 
 
 def test_kl_coef_trains_against_the_frozen_starting_policy_also_after_resume(policy_dir, tmp_path):

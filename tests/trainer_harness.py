@@ -129,6 +129,24 @@ def run(policy_dir, out, cfg, policy_cfg, **kw):
     )
 
 
+def episodes(out) -> dict[str, list[tuple]]:
+    """A run's trajectory files -> (task, group, sample, env seed % 255, click x, success, replayed) per
+    trajectory: FakePool paints the seed into the screenshot's red channel, RandomReplies writes x."""
+    import io
+
+    from arpo_core.trajectory import read_trajectories
+
+    out_rows = {}
+    for f in sorted((Path(out) / "trajectories").glob("*.parquet")):
+        rows = []
+        for t in read_trajectories(f):
+            red = Image.open(io.BytesIO(t.steps[0].screenshot_png)).getpixel((0, 0))[0]
+            x = int(t.steps[0].response_text.split("try ")[1].split(".")[0])
+            rows.append((t.task_id, t.group_id, t.sample_idx, red, x, t.success, t.replayed))
+        out_rows[f.name] = rows
+    return out_rows
+
+
 def main(policy_dir: str, out: str, epochs: int) -> None:
     import torch
 
