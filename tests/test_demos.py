@@ -149,13 +149,38 @@ def check_recovery_demos(pool, jobs, trajs, max_misses) -> int:
     return n_recovery
 
 
-def test_recovery_demos_on_real_miniwob(pool):
+def test_recovery_demos_on_real_miniwob(pool, tmp_path):
     jobs = jobs_for(["click-test-2", "click-checkboxes", "enter-text"], [7, 8])
     res = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
     assert res.errors == [] and res.n_failed == 0
     assert check_recovery_demos(pool, jobs, res.trajectories, max_misses=2) == len(jobs)
     again = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
     assert signature(again.trajectories) == signature(res.trajectories)
+    check_bc_sequences(res.trajectories, tmp_path)
+
+
+def check_bc_sequences(trajs, tmp_path):
+    """Every reply of a demo is in its behaviour-cloning sequence, in order, after its own screenshot and
+    the earlier steps (history); the assistant mask covers exactly the replies with train_reply set."""
+    import torch
+
+    from arpo_core.policy.model import build_tiny_policy
+    from arpo_core.policy.sequences import encode_trajectory
+
+    policy = build_tiny_policy(tmp_path / "tiny", size="xs", seed=0)
+    tok = policy.tokenizer
+    for t in trajs:
+        seq = encode_trajectory(policy, t, system="compact", history_images=None)
+        ids, mask = torch.tensor(seq.input_ids), torch.tensor(seq.assistant_mask)
+        trained = [s.response_text for s in t.steps if s.train_reply]
+        assert tok.decode(ids[mask]) == "".join(r + "<|im_end|>" for r in trained)
+        assert len(seq.image_grid_thw) == len(t.steps)
+        text = tok.decode(ids)
+        pos = [text.index(s.response_text + "<|im_end|>") for s in t.steps]
+        assert pos == sorted(pos)
+        # reply k follows screenshot k: k + 1 images before it
+        for k, p in enumerate(pos):
+            assert text[:p].count("<|vision_start|>") == k + 1
 
 
 def plain_oracle_replies(pool, job) -> list[str]:
@@ -171,7 +196,7 @@ def plain_oracle_replies(pool, job) -> list[str]:
     return replies
 
 
-def test_recovery_rate_zero_gives_the_plain_oracle_demos(pool):
+def test_recovery_rate_zero_gives_the_plain_oracle_demos(pool, tmp_path):
     jobs = jobs_for(["click-test-2", "enter-text"], [7, 8])
     res = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=0.0, max_misses=2)
     assert res.errors == [] and len(res.trajectories) == len(jobs)
@@ -179,6 +204,7 @@ def test_recovery_rate_zero_gives_the_plain_oracle_demos(pool):
         assert all(s.train_reply for s in t.steps)
         assert [s.response_text for s in t.steps] == plain_oracle_replies(pool, job)
     assert {len(t.steps) for t in res.trajectories} == {1, 3}  # click-test-2: 1 step; enter-text: 3
+    check_bc_sequences(res.trajectories, tmp_path)  # multi-step demos: every step's reply, with history
 
 
 @pytest.mark.slow

@@ -132,3 +132,40 @@ def test_sft_rejects_empty(tmp_path):
     policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
     with pytest.raises(ValueError, match="at least one"):
         sft(policy, [], SFTConfig(steps=1), progress=False, system="compact", history_images=None)
+
+
+def recovery_demos() -> list[Trajectory]:
+    """The demos with a deliberate miss in front (a recovery demo, arpo_core/demos.py): the miss is
+    context (train_reply False), the oracle's replies after it are the targets."""
+    out = []
+    for t in demos():
+        miss = Step(
+            0,
+            t.steps[0].screenshot_png,
+            160,
+            210,
+            t.steps[0].response_text.split("\nAction:")[0] + "\nAction: click(start_box='(160,230)')",
+            train_reply=False,
+        )
+        steps = [miss, *(Step(**{**s.__dict__, "step_idx": s.step_idx + 1}) for s in t.steps)]
+        out.append(t.with_(steps=steps))
+    return out
+
+
+def test_sft_loss_covers_exactly_the_trained_replies(tmp_path, one_thread):
+    """The first step's loss (before any update) is the token-mean NLL over the replies with
+    train_reply set, with the miss in their context; training the miss too would give another number."""
+    policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
+    trajs = recovery_demos()
+    expected = _eval_loss(policy, trajs)
+    all_trained = [
+        t.with_(steps=[Step(**{**s.__dict__, "train_reply": True}) for s in t.steps]) for t in trajs
+    ]
+    assert _eval_loss(policy, all_trained) != pytest.approx(expected, abs=1e-4)
+    history = sft(
+        policy, trajs, SFTConfig(steps=1, batch_size=4), progress=False, system="compact", history_images=None
+    )
+    assert history[0] == pytest.approx(expected, rel=1e-4)
+    only_misses = [t.with_(steps=t.steps[:1]) for t in trajs]
+    with pytest.raises(ValueError, match="at least one reply to train on"):
+        sft(policy, only_misses, SFTConfig(steps=1), progress=False, system="compact", history_images=None)
