@@ -284,6 +284,10 @@ class LossSection:
 
 @dataclass(frozen=True)
 class TrainConfig:
+    seed: Annotated[int, Ge(0)] | None = None
+    """The training run's seed (task order, instances, sampling, replay draws, mini-batches); null =
+    project.seed. A multi-seed study varies this one, so the base, its baseline rollouts and the task
+    selection stay the same for every seed."""
     epochs: Annotated[int, Ge(1)] = 3
     """Passes over the selected task set."""
     tasks_per_iteration: Annotated[int, Ge(1)] = 4

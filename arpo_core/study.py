@@ -174,25 +174,39 @@ def _history_counts(runs: Sequence[ArmRun], tasks: Sequence[str]) -> dict[str, A
     return out
 
 
+def _default_arm(arms: Mapping[str, Any], method: str, group: str | None) -> str | None:
+    """The `method` arm with group size `group`, else the one with the smallest group size."""
+    names = [a for a in arms if a.startswith(f"{method}_g")]
+    same = [a for a in names if a.split("_g")[-1] == group]
+    if same:
+        return same[0]
+    sizes = sorted(names, key=lambda a: int(a.split("_g")[-1]) if a.split("_g")[-1].isdigit() else 1 << 30)
+    return sizes[0] if sizes else None
+
+
 def replay_effect(
     runs: Sequence[ArmRun],
     baseline: Sequence[Trajectory],
     base_eval: Sequence[Trajectory],
     *,
-    arpo: str = "arpo_g4",
-    grpo: str = "grpo_g4",
+    arpo: str | None = None,
+    grpo: str | None = None,
     hard_max: float = 0.25,
     reps: int = 2000,
     targets: Sequence[Any] = (),
     first_seed: int = 0,
 ) -> dict[str, Any]:
-    """The study's result document (decisions 1-4)."""
+    """The study's result document (decisions 1-4). `arpo` / `grpo` name the two arms compared; by default
+    the ARPO arm with the smallest group size and the GRPO arm with the same group size (equal rollouts
+    per group: ARPO G=4 vs GRPO G=4 when the study also has GRPO G=16)."""
     hard, control, base_rates = hard_split(baseline, hard_max)
     epochs = second_half(runs)
     arms: dict[str, list[ArmRun]] = defaultdict(list)
     for r in runs:
         arms[r.arm].append(r)
     base_run = ArmRun("base", 0, {0: list(base_eval)})
+    arpo = arpo or _default_arm(arms, "arpo", None)
+    grpo = grpo or _default_arm(arms, "grpo", arpo.split("_g")[-1] if arpo else None)
     doc: dict[str, Any] = {
         "hard_tasks": hard,
         "control_tasks": control,
@@ -230,7 +244,7 @@ def replay_effect(
             )
         doc["arms"][name] = entry
     for key, name in (("arpo", arpo), ("grpo", grpo)):
-        a = doc["arms"].get(name, {})
+        a = doc["arms"].get(name or "", {})
         doc[key] = {
             "arm": name,
             "hard": a.get("hard"),
@@ -238,12 +252,14 @@ def replay_effect(
             "seeds": a.get("seeds", 0),
         }
     doc["arpo_minus_grpo"] = {
-        "hard": bootstrap_difference(arms.get(arpo, []), arms.get(grpo, []), hard, epochs, reps),
-        "control": bootstrap_difference(arms.get(arpo, []), arms.get(grpo, []), control, epochs, reps),
+        "hard": bootstrap_difference(arms.get(arpo or "", []), arms.get(grpo or "", []), hard, epochs, reps),
+        "control": bootstrap_difference(
+            arms.get(arpo or "", []), arms.get(grpo or "", []), control, epochs, reps
+        ),
     }
     doc["arpo_minus_base"] = {
-        "hard": bootstrap_difference(arms.get(arpo, []), [base_run], hard, [*epochs, 0], reps)
-        if arms.get(arpo)
+        "hard": bootstrap_difference(arms.get(arpo or "", []), [base_run], hard, [*epochs, 0], reps)
+        if arms.get(arpo or "")
         else {"mean": None, "ci95": None, "reps": 0}
     }
     return doc

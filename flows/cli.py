@@ -22,6 +22,9 @@ STAGE_HELP = " | ".join(STAGE_NAMES)
 METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)")
 VIEW_PATHS_ARG = typer.Argument(..., help="trajectory Parquet files or directories of them")
 PARAMS_OUT_OPT = typer.Option(None, "--out", "-o", help="write the merged params to this file")
+STUDY_OUT_OPT = typer.Option(
+    Path("benchmarks/results/replay_effect.json"), "--out", "-o", help="JSON to write"
+)
 DVC_OUT_OPT = typer.Option(Path("dvc.yaml"), "--out", "-o", help="file to write")
 DVC_CHECK_OPT = typer.Option(False, "--check", help="only check that the file equals the stage table's")
 VIEW_OUT_OPT = typer.Option(Path("plots/viewer/view.html"), "--out", "-o", help="HTML page to write")
@@ -142,6 +145,38 @@ def runs(
         raise typer.Exit(1)
     columns = list(metric) or tracking.default_columns(rows)
     typer.echo(tracking.comparison_table(rows, columns))
+
+
+@app.command()
+def study(
+    out: Path = STUDY_OUT_OPT,
+    experiment: str = typer.Option(None, "--experiment", "-e", help="default: project.name of --params"),
+    variant: str = typer.Option(None, "--variant", help="only train runs whose variant contains this"),
+    hard_max: float = typer.Option(0.25, help="hard task = sampled base success <= this"),
+    reps: int = typer.Option(2000, help="bootstrap replicates"),
+    alignment: bool = typer.Option(True, help="click alignment from DOM targets (starts one browser)"),
+    params: Path = PARAMS_OPT,
+) -> None:
+    """Replay study result files (ARPO vs GRPO over seeds) from the MLflow runs of the study's train
+    stages (each with evaluate.during_training > 0): replay_effect.json, .md and a plot."""
+    from flows.study import replay_study
+
+    p = _load(params, [])
+    targets: list = []
+    if alignment:
+        from arpo_core.pipeline.common import suite_tasks
+        from arpo_core.pipeline.compare import first_click_targets
+
+        targets, _ = first_click_targets(p, suite_tasks(p, "in_domain"), p.evaluate.during_training_episodes)
+    try:
+        doc = replay_study(
+            experiment or p.project.name, out, variant, hard_max, reps, targets, first_seed=p.evaluate.seed
+        )
+    except FileNotFoundError as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(1) from e
+    d = doc["arpo_minus_grpo"]["hard"]
+    typer.echo(f"{out}: arpo - grpo (hard) = {d['mean']} {d['ci95']}; arms {sorted(doc['arms'])}")
 
 
 @app.command()

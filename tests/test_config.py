@@ -200,6 +200,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("select.max_success_rate", 1.1, 1, ()),
     ("select.max_tasks", 0, 1, ()),
     ("select.seed", -1, 0, ()),
+    ("train.seed", -1, 0, ()),
     ("train.epochs", 0, 1, ()),
     ("train.tasks_per_iteration", 0, 1, ()),
     ("train.group_size", 1, 2, ()),

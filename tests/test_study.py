@@ -71,6 +71,7 @@ def test_replay_effect_document_has_the_required_fields():
         for s in range(2)
     ]
     runs += [ArmRun("grpo_g4", s, {20: evals({"a": 0.2, "c": 0.8})}) for s in range(2)]
+    runs += [ArmRun("grpo_g16", s, {20: evals({"a": 0.9, "c": 0.8})}) for s in range(2)]
     doc = replay_effect(runs, baseline, base_eval, reps=200)
     assert doc["hard_tasks"] == ["a"] and doc["base"]["hard"] == pytest.approx(0.1)
     assert doc["arpo"] == {
@@ -83,3 +84,42 @@ def test_replay_effect_document_has_the_required_fields():
     assert doc["arpo_minus_grpo"]["hard"]["mean"] == pytest.approx(0.3)
     assert doc["arpo_minus_base"]["hard"]["mean"] == pytest.approx(0.4)
     assert doc["arms"]["arpo_g4"]["counts"]["0"]["replay/groups_filled"] == 3.0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
+    """The study's front door end to end on the quick preset: two `arpo run`s (ARPO train.seed 0, GRPO
+    train.seed 1, both evaluating during training), then `arpo study` writes replay_effect.json/.md/.png
+    from MLflow; the second run re-runs only the stages a training seed reaches."""
+    import json
+
+    import orchestration_helpers as oh
+
+    project = oh.copy_project(tmp_path / "proj")
+    env = oh.base_env(project)
+    common = [
+        "-S",
+        "evaluate.during_training=1",
+        "-S",
+        "evaluate.during_training_episodes=2",
+        "-S",
+        "train.epochs=2",
+    ]
+    for extra in (["-S", "train.seed=0"], ["-S", "train.seed=1", "-S", "train.replay.enabled=false"]):
+        out = oh.run(["arpo", "run", "--preset", "quick", *common, *extra], project, env, timeout=600)
+        assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "baseline: up to date, skipped" in out.stdout + out.stderr  # the second run's
+    assert "rft: up to date, skipped" in out.stdout + out.stderr
+    res = oh.run(["arpo", "study", "--out", "study/replay_effect.json", "--reps", "50", "--no-alignment"],
+                 project, env, timeout=300)  # fmt: skip
+    assert res.returncode == 0, res.stdout + res.stderr
+    doc = json.loads((project / "study" / "replay_effect.json").read_text())
+    assert set(doc["arms"]) == {"arpo_g2", "grpo_g2"}
+    assert doc["arms"]["arpo_g2"]["seeds"] == 1 and doc["arms"]["grpo_g2"]["seeds"] == 1
+    assert set(doc["arms"]["arpo_g2"]["curve"]) == {"1", "2"}
+    assert doc["epochs_averaged"] == [2]
+    assert set(doc["provenance"]["train_runs"]) == {"arpo_g2/seed0", "grpo_g2/seed1"}
+    assert {"arpo", "grpo", "base", "arpo_minus_grpo"} <= set(doc)
+    assert (project / "study" / "replay_effect.png").exists()
+    assert "ARPO - GRPO on the hard tasks" in (project / "study" / "replay_effect.md").read_text()

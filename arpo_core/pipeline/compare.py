@@ -37,7 +37,7 @@ from arpo_core.pipeline.common import suite_tasks
 from arpo_core.pipeline.offline import SKIPPED
 from arpo_core.trajectory import Trajectory, read_trajectories
 
-__all__ = ["ORDER", "collect_evaluations", "run"]
+__all__ = ["ORDER", "collect_evaluations", "first_click_targets", "run"]
 
 ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo")
 SPLITS = ("in_domain", "out_of_domain")
@@ -57,14 +57,17 @@ def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, lis
     return dict(sorted(found.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0])))
 
 
-def _targets(p: Params, tasks: Sequence[TaskSpec]) -> tuple[list[Any], dict[str, str]]:
-    """Decision 2: DOM targets of the evaluation instances, and {task: why it has none}."""
+def first_click_targets(
+    p: Params, tasks: Sequence[TaskSpec], episodes: int | None = None
+) -> tuple[list[Any], dict[str, str]]:
+    """Decision 2: DOM targets of the first `episodes` (default `evaluate.episodes_per_task`) evaluation
+    instances per task, and {task: why it has none}."""
     from arpo_core.envs.miniwob import MiniWoBEnv
     from arpo_core.envs.oracles import ORACLES
     from arpo_core.probe import first_step_targets
 
     e = p.evaluate
-    seeds = range(e.seed, e.seed + e.episodes_per_task)
+    seeds = range(e.seed, e.seed + (episodes or e.episodes_per_task))
     records: list[Any] = []
     missing: dict[str, str] = {}
     miniwob = [t for t in tasks if t.backend == "miniwob"]
@@ -190,7 +193,7 @@ def run(
     tasks = {s: suite_tasks(p, s) for s in SPLITS}
     splits = split_map(tasks["in_domain"] + tasks["out_of_domain"])
     every = tasks["in_domain"] + tasks["out_of_domain"]
-    records, no_ceiling = _targets(p, every) if p.compare.image_blind else ([], {})
+    records, no_ceiling = first_click_targets(p, every) if p.compare.image_blind else ([], {})
     e = p.evaluate
     doc: dict[str, Any] = {
         "episodes_per_task": e.episodes_per_task,

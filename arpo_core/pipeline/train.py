@@ -121,6 +121,7 @@ def run(
     policy_dir = resolve_policy(policy_dir)
     tasks = training_tasks(p, selected_path)
     t = p.train
+    seed = p.project.seed if t.seed is None else t.seed
     per_epoch = max(1, math.ceil(len(tasks) / t.tasks_per_iteration))
     on_iteration = None
     if on_metrics is not None:
@@ -128,7 +129,7 @@ def run(
         def on_iteration(epoch: int, it: int, metrics: dict[str, float]) -> None:
             on_metrics((epoch - 1) * per_epoch + it + 1, metrics)
 
-    with make_pool(p, n=min(p.env.n_envs, t.tasks_per_iteration * t.group_size)) as pool:
+    with make_pool(p, n=min(p.env.n_envs, t.tasks_per_iteration * t.groups_per_task * t.group_size)) as pool:
         state = train(
             policy_dir,
             tasks,
@@ -136,8 +137,8 @@ def run(
             t,
             p.policy,
             pool,
-            seed=p.project.seed,
-            rollout=rollout_config(p, policy_dir, t.temperature, t.max_steps, p.project.seed),
+            seed=seed,
+            rollout=rollout_config(p, policy_dir, t.temperature, t.max_steps, seed),
             resume=resume,
             on_iteration=on_iteration,
             on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir)), on_epoch),

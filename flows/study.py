@@ -1,0 +1,182 @@
+"""`arpo study`: the result files of a multi-seed study, gathered from the project's MLflow experiment.
+
+The runs themselves go through the front doors (DVC experiments or Prefect deployments, one per arm and
+seed, with `evaluate.during_training > 0`; docs/orchestration.md "A replay study"); this module only
+reads what they logged and writes `replay_effect.json`, a Markdown summary and a plot.
+
+Decisions:
+1. A study's runs are the FINISHED `train` runs of the experiment that evaluated during training,
+   optionally only those whose variant contains `--variant`. The arm is named by the method and the group
+   size (`arpo_g4`, `grpo_g16`); the training seed is `train.seed` (or `project.seed` when null). Two runs of the same arm and seed:
+   the newest counts, and the older is listed as superseded.
+2. Each run's evaluation episodes and history come from its own artifacts (`evaluations/`, the last
+   checkpoint's `state.json`), so the numbers are those of the logged run, not of whatever is in the
+   working tree now. The base's episodes come from the newest `evaluate` run (`base.parquet`, the same
+   instances), the hard/control split from the newest `baseline` run's rollouts (study decision 1).
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
+from arpo_core.study import ArmRun, replay_effect
+from arpo_core.trajectory import Trajectory, read_trajectories
+from flows import tracking
+
+__all__ = ["gather", "write_study"]
+
+
+def _arm(params: dict[str, str]) -> str:
+    method = "arpo" if params.get("train.replay.enabled") == "True" else "grpo"
+    return f"{method}_g{params.get('train.group_size', '?')}"
+
+
+def _newest(c: Any, experiment: str, stage: str) -> Any | None:
+    rows = [r for r in tracking.run_rows(c, experiment, stage) if r["status"] == "FINISHED"]
+    return c.get_run(rows[0]["run"]) if rows else None
+
+
+def _download(c: Any, run_id: str, path: str, dst: Path) -> Path:
+    return Path(c.download_artifacts(run_id, path, str(dst)))
+
+
+def gather(
+    experiment: str, variant: str | None = None, root: str = "."
+) -> tuple[list[ArmRun], list[Trajectory], list[Trajectory], dict[str, Any]]:
+    """Decisions 1-2: (runs, baseline rollouts, base evaluation episodes, provenance)."""
+    c = tracking.client(root)
+    tmp = Path(tempfile.mkdtemp(prefix="arpo-study-"))
+    chosen: dict[tuple[str, int], Any] = {}
+    superseded: list[str] = []
+    for row in tracking.run_rows(c, experiment, "train"):  # newest first
+        run = c.get_run(row["run"])
+        params = run.data.params
+        if row["status"] != "FINISHED" or int(params.get("evaluate.during_training", "0")) <= 0:
+            continue
+        if variant and variant not in row["variant"]:
+            continue
+        seed = params.get("train.seed", "None")
+        key = (_arm(params), int(params.get("project.seed", "0") if seed == "None" else seed))
+        if key in chosen:
+            superseded.append(row["run"])
+            continue
+        chosen[key] = run
+    runs: list[ArmRun] = []
+    for (arm, seed), run in sorted(chosen.items()):
+        rid = run.info.run_id
+        evals_dir = _download(c, rid, "evaluations", tmp / rid)
+        evaluations = {
+            int(f.stem.split("-")[1]): read_trajectories(f) for f in sorted(evals_dir.glob("*.parquet"))
+        }
+        ckpts = [a.path for a in c.list_artifacts(rid, "checkpoint")]
+        history = []
+        if ckpts:
+            state = _download(c, rid, f"{sorted(ckpts)[-1]}/state.json", tmp / rid)
+            history = json.loads(state.read_text())["history"]
+        runs.append(ArmRun(arm, seed, evaluations, history))
+    baseline_run, evaluate_run = _newest(c, experiment, "baseline"), _newest(c, experiment, "evaluate")
+    if baseline_run is None or evaluate_run is None:
+        raise FileNotFoundError(f"experiment {experiment!r} has no finished baseline or evaluate run")
+    baseline = read_trajectories(_download(c, baseline_run.info.run_id, "trajectories", tmp / "baseline"))
+    base_file = _download(c, evaluate_run.info.run_id, "trajectories/base.parquet", tmp / "evaluate")
+    provenance = {
+        "experiment": experiment,
+        "tracking_uri": tracking.tracking_uri(root),
+        "train_runs": {f"{arm}/seed{seed}": run.info.run_id for (arm, seed), run in sorted(chosen.items())},
+        "superseded_runs": superseded,
+        "baseline_run": baseline_run.info.run_id,
+        "evaluate_run": evaluate_run.info.run_id,
+        "git_commits": sorted(
+            {r.data.tags.get("mlflow.source.git.commit", "") for r in chosen.values()} - {""}
+        ),
+    }
+    return runs, baseline, read_trajectories(base_file), provenance
+
+
+def _plot(doc: dict[str, Any], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(6.0, 3.6))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot(1, 1, 1)
+    for name, arm in doc["arms"].items():
+        pts = sorted((int(e), v) for e, v in arm["curve"].items() if v is not None)
+        if pts:
+            ax.plot(
+                [e for e, _ in pts],
+                [100 * v for _, v in pts],
+                marker="o",
+                label=f"{name} ({arm['seeds']} seeds)",
+            )
+    if doc["base"]["hard"] is not None:
+        ax.axhline(100 * doc["base"]["hard"], color="#7f7f7f", linestyle="--", label="base")
+    ax.set_xlabel("epoch")
+    ax.set_ylabel("greedy success on the hard tasks (%)")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+
+
+def _pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}"
+
+
+def _markdown(doc: dict[str, Any], png: str) -> str:
+    d = doc["arpo_minus_grpo"]["hard"]
+    ci = "-" if not d.get("ci95") else f"[{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}]"
+    lines = [
+        "# Replay effect",
+        "",
+        f"Hard tasks (sampled base success <= {doc['hard_max']:.0%}): {', '.join(doc['hard_tasks']) or 'none'}; "
+        f"controls: {', '.join(doc['control_tasks']) or 'none'}. Success = greedy, averaged over the "
+        f"evaluations at epochs {doc['epochs_averaged']} and over seeds.",
+        "",
+        "| arm | seeds | hard | control |",
+        "|---|---|---|---|",
+        f"| base | - | {_pct(doc['base']['hard'])} | {_pct(doc['base']['control'])} |",
+    ]
+    lines += [
+        f"| {n} | {a['seeds']} | {_pct(a['hard'])} | {_pct(a['control'])} |" for n, a in doc["arms"].items()
+    ]
+    mean = "-" if d.get("mean") is None else f"{100 * d['mean']:+.1f}"
+    lines += [
+        "",
+        f"ARPO - GRPO on the hard tasks: {mean} points, 95% interval {ci} (bootstrap over seeds and instances).",
+        "",
+        f"![curves]({png})",
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def write_study(doc: dict[str, Any], out: Path) -> list[Path]:
+    """replay_effect.json, .md and .png beside it."""
+    png = out.with_suffix(".png")
+    atomic_write_json(out, doc, indent=1)
+    _plot(doc, png)
+    atomic_write_text(out.with_suffix(".md"), _markdown(doc, png.name))
+    return [out, out.with_suffix(".md"), png]
+
+
+def replay_study(
+    experiment: str, out: Path, variant: str | None = None, hard_max: float = 0.25, reps: int = 2000,
+    targets: Sequence[Any] = (), first_seed: int = 0,
+) -> dict[str, Any]:  # fmt: skip
+    """Gather, compute (arpo_core.study.replay_effect) and write the study files."""
+    runs, baseline, base_eval, provenance = gather(experiment, variant)
+    if not runs:
+        raise FileNotFoundError(
+            f"experiment {experiment!r} has no finished train run with evaluate.during_training > 0"
+        )
+    doc = replay_effect(
+        runs, baseline, base_eval, hard_max=hard_max, reps=reps, targets=targets, first_seed=first_seed
+    )
+    doc["provenance"] = provenance
+    write_study(doc, out)
+    return doc
