@@ -14,17 +14,18 @@ Decisions:
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
+from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_json
 from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
 from arpo_core.pipeline.rollouts import make_pool, rollout_config
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["evaluate_policies", "run", "trajectory_file"]
+__all__ = ["evaluate_loaded", "evaluate_policies", "run", "trajectory_file"]
 
 
 def trajectory_file(out_dir: str | os.PathLike, name: str, mode: str = "greedy") -> Path:
@@ -32,12 +33,51 @@ def trajectory_file(out_dir: str | os.PathLike, name: str, mode: str = "greedy")
     return Path(out_dir) / (f"{name}.parquet" if mode == "greedy" else f"{name}-{mode}.parquet")
 
 
+def evaluate_loaded(
+    p: Params,
+    pool: Any,
+    policy: Any,
+    policy_dir: Path,
+    tasks: Sequence[TaskSpec],
+    episodes_per_task: int,
+    temperature: float,
+    *,
+    prefix: str,
+    run_id: str,
+    stage: str = "evaluate",
+    epoch: int = 0,
+) -> Any:
+    """One evaluation of a loaded policy on `pool` (decision 1's instances); returns the EvalResult.
+    Shared by this stage, the offline stages and the train stage's evaluations during training."""
+    from arpo_core.evaluate import evaluate_policy
+    from arpo_core.policy.generate import HFGenerator
+
+    e = p.evaluate
+    gen = HFGenerator(policy, system=p.policy.system_prompt, history_images=p.policy.history_images)
+    bar = progress_bar(len(tasks) * episodes_per_task, f"{run_id} ({prefix})")
+    try:
+        return evaluate_policy(
+            pool,
+            gen,
+            tasks,
+            episodes_per_task,
+            rollout_config(p, policy_dir, temperature, e.max_steps, e.seed),
+            first_seed=e.seed,
+            scoring="osworld_hard" if e.osworld_hard else "standard",
+            prefix=prefix,
+            run_id=run_id,
+            stage=stage,
+            epoch=epoch,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+
+
 def evaluate_policies(
     p: Params, policies: Mapping[str, str | os.PathLike], out_dir: str | os.PathLike
 ) -> dict[str, Any]:
     """Evaluate each named policy on both suites (decisions 1-2); returns the metrics."""
-    from arpo_core.evaluate import evaluate_policy
-    from arpo_core.policy.generate import HFGenerator
     from arpo_core.policy.model import load_policy
 
     setup_torch(p)
@@ -50,24 +90,19 @@ def evaluate_policies(
     with make_pool(p) as pool:
         for name, path in policies.items():
             policy_dir = resolve_policy(path)
-            gen = HFGenerator(
-                load_policy(policy_dir), system=p.policy.system_prompt, history_images=p.policy.history_images
-            )
+            policy = load_policy(policy_dir)
             for mode, temperature in modes:
-                bar = progress_bar(len(tasks) * e.episodes_per_task, f"evaluate {name} {mode}")
-                res = evaluate_policy(
+                res = evaluate_loaded(
+                    p,
                     pool,
-                    gen,
+                    policy,
+                    policy_dir,
                     tasks,
                     e.episodes_per_task,
-                    rollout_config(p, policy_dir, temperature, e.max_steps, e.seed),
-                    first_seed=e.seed,
-                    scoring="osworld_hard" if e.osworld_hard else "standard",
+                    temperature,
                     prefix=f"eval/{name}/{mode}",
                     run_id=f"evaluate-{name}",
-                    progress=bar,
                 )
-                bar.close()
                 metrics.update(res.metrics)
                 if res.trajectories:
                     write_trajectories(trajectory_file(out_dir, name, mode), res.trajectories)

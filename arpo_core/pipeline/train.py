@@ -55,33 +55,27 @@ def _evaluator(
     e = p.evaluate
     if not e.during_training:
         return None
-    from arpo_core.evaluate import evaluate_policy
-    from arpo_core.policy.generate import HFGenerator
+    from arpo_core.pipeline.evaluate import evaluate_loaded
     from arpo_core.trajectory import write_trajectories
 
     tasks = suite_tasks(p, "in_domain")
-    cfg = rollout_config(p, policy_dir, e.temperature, e.max_steps, e.seed)
 
     def on_epoch(epoch: int, policy: Any) -> dict[str, Any] | None:
         if epoch % e.during_training and epoch != p.train.epochs:
             return None
-        gen = HFGenerator(policy, system=p.policy.system_prompt, history_images=p.policy.history_images)
-        bar = progress_bar(len(tasks) * e.during_training_episodes, f"epoch {epoch} evaluate")
-        res = evaluate_policy(
+        res = evaluate_loaded(
+            p,
             pool,
-            gen,
+            policy,
+            policy_dir,
             tasks,
             e.during_training_episodes,
-            cfg,
-            first_seed=e.seed,
-            scoring="osworld_hard" if e.osworld_hard else "standard",
+            e.temperature,
             prefix="eval",
             run_id=f"train-eval-{epoch:04d}",
             stage="train-eval",
             epoch=epoch,
-            progress=bar,
         )
-        bar.close()
         write_trajectories(out_dir / "eval" / f"epoch-{epoch:04d}.parquet", res.trajectories)
         return res.metrics
 
