@@ -12,15 +12,25 @@ Decisions:
 2. Optimizer: AdamW (reference: lr 1e-6, weight decay 1e-2, constant schedule) with grad-norm clipping
    (reference 1.0). Only parameters with requires_grad are optimised.
 3. State for checkpoints: `state_dict()` / `load_state_dict()` of the optimizer for the torch engine; the
-   DeepSpeed engine saves its own (sharded) checkpoint directory.
+   DeepSpeed engine saves its own (sharded) checkpoint directory `<epoch dir>/deepspeed/state/` under a
+   fixed tag, without DeepSpeed's `latest` pointer file (the trainer's `checkpoints/latest` is the one
+   pointer), and loads that tag back into a freshly built engine.
 4. DeepSpeed is imported lazily: it is installed here (CPU, gloo backend in one process) but the torch
    engine must not pay its import time.
+5. ZeRO-3 partitions the model's parameters in place: outside DeepSpeed's forward hooks each holds an
+   empty placeholder, so `save_pretrained` (Policy.save: the trainer's checkpoint policy, which a resume
+   and the final export load) would write empty tensors. The ZeRO-3 engine therefore wraps the model's
+   `save_pretrained` to gather the full weights first (`full_weights()`; every rank gathers, HF writes).
+   The engine checkpoint itself restores the fp32 shards and optimizer state on resume.
 """
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import math
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -128,6 +138,18 @@ class DeepSpeedEngine:
         self.zero_stage = zero_stage
         self.accumulates = zero_stage < 3  # decision 1
         self.max_grad_norm = max_grad_norm
+        if zero_stage == 3 and callable(getattr(model, "save_pretrained", None)):
+            _gather_on_save_pretrained(model)  # decision 5
+
+    @contextlib.contextmanager
+    def full_weights(self) -> Iterator[None]:
+        """Within the block the model's parameters hold their full (read-only) values: a no-op below ZeRO-3;
+        under ZeRO-3 the shards are gathered on every rank and released afterwards (changes are dropped)."""
+        if self.zero_stage < 3:
+            yield
+            return
+        with _gathered(self.model):
+            yield
 
     def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
         # Our update loop weights micro-batches itself (update.py decision 3), and tells us which
@@ -144,11 +166,48 @@ class DeepSpeedEngine:
         self.engine.step()
         return float(self.engine.get_global_grad_norm())
 
+    CHECKPOINT_TAG = "state"
+    """DeepSpeed's tag (sub-directory) of the engine checkpoint inside `<epoch dir>/deepspeed`. Decision 3:
+    one fixed tag and no DeepSpeed `latest` pointer file - the trainer's own `checkpoints/latest` names
+    the epoch. (A tag named "latest" collided with that pointer file: IsADirectoryError, issue 16.)"""
+
     def save(self, directory: Path) -> None:
-        self.engine.save_checkpoint(str(directory / "deepspeed"), tag="latest")
+        self.engine.save_checkpoint(
+            str(Path(directory) / "deepspeed"), tag=self.CHECKPOINT_TAG, save_latest=False
+        )
 
     def load(self, directory: Path) -> None:
-        self.engine.load_checkpoint(str(directory / "deepspeed"), tag="latest", load_module_strict=True)
+        """Restores the module weights and the (sharded) optimizer state saved by `save`. Must be called on
+        a freshly built engine (DeepSpeed: a ZeRO-3 engine cannot reload into already-trained partitions)."""
+        path = Path(directory) / "deepspeed"
+        if not (path / self.CHECKPOINT_TAG).is_dir():
+            raise FileNotFoundError(f"no DeepSpeed engine checkpoint at {path / self.CHECKPOINT_TAG}")
+        load_path, _ = self.engine.load_checkpoint(
+            str(path), tag=self.CHECKPOINT_TAG, load_module_strict=True, load_optimizer_states=True
+        )
+        if load_path is None:  # DeepSpeed only logs a warning when it finds nothing to load
+            raise RuntimeError(f"DeepSpeed could not load the engine checkpoint at {path}")
+
+
+@contextlib.contextmanager
+def _gathered(model: torch.nn.Module) -> Iterator[None]:
+    import deepspeed
+
+    with deepspeed.zero.GatheredParameters(list(model.parameters()), modifier_rank=None):
+        yield
+
+
+def _gather_on_save_pretrained(model: torch.nn.Module) -> None:
+    """Decision 5: the model's own `save_pretrained` (Policy.save: checkpoints, exports) gathers its ZeRO-3
+    shards first, so it writes the full weights instead of the empty local placeholders."""
+    save = model.save_pretrained
+
+    @functools.wraps(save)
+    def save_pretrained(*args: Any, **kwargs: Any) -> Any:
+        with _gathered(model):
+            return save(*args, **kwargs)
+
+    model.save_pretrained = save_pretrained
 
 
 def _free_port() -> int:

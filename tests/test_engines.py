@@ -80,3 +80,76 @@ def test_torch_engine_state_round_trip(tmp_path):
 def test_make_engine_rejects_unknown():
     with pytest.raises(ValueError, match="unknown engine 'jax'"):
         make_engine("jax", make_model(), lr=1e-3)
+
+
+def adam_state(engine):
+    """The ZeRO optimizer's Adam moments and step count over its flat fp32 partitions, in order."""
+    opt = engine.optimizer
+    flats = (
+        opt.fp32_partitioned_groups_flat if engine.zero_stage == 3 else opt.single_partition_of_fp32_groups
+    )
+    return [{k: v.clone() for k, v in opt.optimizer.state[flat].items()} for flat in flats], [
+        f.detach().clone() for f in flats
+    ]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_checkpoint_round_trip_into_a_fresh_engine(stage, tmp_path):
+    """Issue 16: the engine saves into a directory (as the trainer's epoch checkpoint does) without a
+    DeepSpeed `latest` file colliding with its tag, and a freshly built engine on a differently
+    initialised model loads it: the same weights, fp32 master shards, Adam moments and step count, and
+    the two engines then take identical steps."""
+    eng = DeepSpeedEngine(make_model(), lr=1e-2, zero_stage=stage)
+    train(eng, steps=2)
+    eng.save(tmp_path)
+    assert sorted(p.name for p in (tmp_path / "deepspeed").iterdir() if p.suffix != ".py") == ["state"]
+
+    torch.manual_seed(5)
+    other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    fresh = DeepSpeedEngine(other, lr=1e-2, zero_stage=stage)
+    assert not torch.equal(params_of(fresh)[0], params_of(eng)[0])
+    fresh.load(tmp_path)
+    for p, q in zip(params_of(fresh), params_of(eng), strict=True):
+        assert torch.equal(p, q)
+    (s1, flat1), (s2, flat2) = adam_state(eng), adam_state(fresh)
+    assert float(s1[0]["step"]) == 2.0 and len(s1) == len(s2)
+    for a, b, f, g in zip(s1, s2, flat1, flat2, strict=True):
+        assert a.keys() == b.keys() == {"step", "exp_avg", "exp_avg_sq"}
+        for k in a:
+            assert torch.equal(a[k], b[k]), k
+        assert torch.equal(f, g)
+    # the restored moments drive the next steps exactly as the original's do
+    after, norms = train(eng, steps=2)
+    after2, norms2 = train(fresh, steps=2)
+    assert norms == norms2
+    for p, q in zip(after, after2, strict=True):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.slow
+def test_deepspeed_load_refuses_a_missing_checkpoint(tmp_path):
+    eng = DeepSpeedEngine(make_model(), lr=1e-2, zero_stage=2)
+    with pytest.raises(FileNotFoundError, match="no DeepSpeed engine checkpoint"):
+        eng.load(tmp_path)
+
+
+@pytest.mark.slow
+def test_zero3_save_pretrained_writes_the_full_weights(tmp_path):
+    """ZeRO-3 leaves empty placeholders in the model's parameters; the engine makes the model's
+    save_pretrained (Policy.save: the checkpoint policy a resume loads) gather the full weights first."""
+    from arpo_core.policy.model import build_tiny_policy, load_policy
+
+    build_tiny_policy(tmp_path / "tiny", size="xs", seed=0)
+    policy = load_policy(tmp_path / "tiny")
+    want = {k: v.clone() for k, v in policy.model.state_dict().items()}
+    eng = DeepSpeedEngine(policy.model, lr=1e-2, zero_stage=3)
+    assert any(p.numel() == 0 for p in policy.model.parameters())  # partitioned in place
+    with eng.full_weights():
+        assert all(p.numel() > 0 for p in policy.model.parameters())
+    policy.save(tmp_path / "saved")
+    got = load_policy(tmp_path / "saved").model.state_dict()
+    assert got.keys() == want.keys()
+    for k in want:
+        assert torch.equal(got[k], want[k]), k
+    assert any(p.numel() == 0 for p in policy.model.parameters())  # partitioned again afterwards

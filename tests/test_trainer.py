@@ -499,3 +499,63 @@ def test_arpo_and_grpo_share_their_first_epoch_on_real_miniwob(tmp_path):
         assert not any(e[0][4] for e in arpo)  # nothing replayed
         # batching (which episodes share a generation call) moves float sums in the last bits only
         assert logps(outs[True], name) == pytest.approx(logps(outs[False], name), abs=1e-3)
+
+
+def _tensors(x, path=""):
+    """Every tensor inside a nested checkpoint dict/list, by its key path."""
+    if isinstance(x, dict):
+        return {p: t for k, v in x.items() for p, t in _tensors(v, f"{path}/{k}").items()}
+    if isinstance(x, list | tuple):
+        return {p: t for i, v in enumerate(x) for p, t in _tensors(v, f"{path}[{i}]").items()}
+    return {path: x} if isinstance(x, torch.Tensor) else {}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [2, 3])
+def test_deepspeed_engine_checkpoints_and_resumes_like_an_uninterrupted_run(policy_dir, tmp_path, stage):
+    """Issue 16: with train.engine=deepspeed (ZeRO-2 and ZeRO-3, CPU, gloo) the first epoch checkpoint is
+    written (before: IsADirectoryError on DeepSpeed's `latest` file), and a run resumed from it continues
+    at epoch 2 and ends where an uninterrupted 2-epoch run ends: the same history, policy weights (the
+    ZeRO-3 checkpoint policy holds full weights), Adam moments and step count."""
+    from arpo_core.policy.model import load_policy
+
+    torch.set_num_threads(1)
+    kw = {"engine": "deepspeed", "zero_stage": stage, "micro_batch_size": 8}  # ZeRO-3: no accumulation
+    ref = harness.run(policy_dir, tmp_path / "ref", *harness.configs(2, **kw))
+
+    first = harness.run(policy_dir, tmp_path / "run", *harness.configs(1, **kw))
+    ck = latest_checkpoint(tmp_path / "run")
+    assert ck is not None and ck.name == "epoch-0001" and first.epoch == 1
+    assert (ck / "deepspeed" / "state").is_dir() and not (ck / "deepspeed" / "latest").exists()
+    assert not [p for p in (tmp_path / "run" / "checkpoints").iterdir() if p.name.startswith(".")]
+
+    seen = []
+    resumed = harness.run(
+        policy_dir,
+        tmp_path / "run",
+        *harness.configs(2, **kw),
+        on_iteration=lambda e, i, m: seen.append(e),
+    )
+    assert seen == [2, 2]  # only epoch 2's iterations ran: it continued from epoch 1's checkpoint
+    assert resumed.epoch == 2 and len(resumed.history) == 2
+    assert resumed.history[0] == first.history[0]
+    assert resumed.policy_version == ref.policy_version == 4
+
+    def same_metrics(a, b):
+        keys = {k for k in a if not k.startswith("time/")}
+        assert keys == {k for k in b if not k.startswith("time/")}
+        return {k: a[k] for k in keys} == pytest.approx({k: b[k] for k in keys}, rel=1e-5, abs=1e-7)
+
+    assert all(same_metrics(a, b) for a, b in zip(resumed.history, ref.history, strict=True))
+    a, b = latest_checkpoint(tmp_path / "ref"), latest_checkpoint(tmp_path / "run")
+    wa, wb = (load_policy(c / "policy").model.state_dict() for c in (a, b))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        assert wa[k].numel() > 0
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7)
+    [oa], [ob] = ((c / "deepspeed" / "state").glob("*optim_states.pt") for c in (a, b))
+    ta, tb = (_tensors(torch.load(f, weights_only=False)["optimizer_state_dict"]) for f in (oa, ob))
+    assert ta.keys() == tb.keys() and any(k.endswith("/exp_avg_sq") for k in ta)
+    assert [float(v) for k, v in ta.items() if k.endswith("/step")] == [4.0]
+    for k in ta:
+        torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-7)
