@@ -18,7 +18,8 @@ Decisions:
    (`lr: Annotated[float, Gt(0)]`, `clip_dual: Annotated[float, Gt(1)] | None`), and checked when params
    load, after type coercion (config_check.py), so a bad value fails at once, not hours later in a stage.
    Path fields that must exist carry `ExistingPath`: `load_params` checks them (relative paths from the
-   working directory, where the stages open them); `parse_params` alone does not touch the filesystem.
+   working directory, where the stages open them); `parse_params` alone does not check them (only
+   `env`'s cross-check reads the kind of suite files that exist).
    Rules across fields are a section's `cross_checks()` method, run by the loader.
 7. Construction in code is not range-checked (callers such as tests build configs freely), except the
    sections that always validated themselves (`ReplayConfig`, `SelectConfig`, `GroundPhase`,
@@ -69,6 +70,7 @@ __all__ = [
     "GroundSectionConfig",
     "InitPolicyConfig",
     "LossSection",
+    "OSWorldConfig",
     "Params",
     "PolicyConfig",
     "ProjectConfig",
@@ -78,6 +80,7 @@ __all__ = [
     "load_params",
     "merge",
     "parse_params",
+    "suite_backends",
     "to_dict",
 ]
 
@@ -97,7 +100,67 @@ class ProjectConfig:
 
 
 @dataclass(frozen=True)
+class OSWorldConfig:
+    """OSWorld desktops (`env.kind: osworld`; read by `pipeline/rollouts.py`, docs/osworld.md): which
+    provider runs them and the `OSWorldEnv` settings (the same names as its arguments)."""
+
+    provider: Literal["local", "remote", "desktop_env"] = "local"
+    """local: the project's own Xvfb desktop, a fresh one per reset; remote: running OSWorld VM servers
+    (`base_urls`; no snapshot revert); desktop_env: the official desktop-env package through the bridge."""
+    base_urls: list[Annotated[str, MinLen(1)]] = field(default_factory=list)
+    """remote: base URLs of servers speaking OSWorld's HTTP protocol (e.g. the official image's port 5000),
+    one env per URL; each is health-checked (GET /platform) before a pool starts."""
+    token: str | None = None
+    """remote: Bearer token sent to the servers (OSWorld's own servers want none: null)."""
+    claim_dir: str | None = None
+    """remote: folder of the URL claims, one lock file per URL (null: ~/.cache/arpo/osworld-claims/<hash>)."""
+    health_timeout_s: Annotated[float, Gt(0)] = 5.0
+    """remote: how long each URL may take to answer the health check."""
+    screen_width: Annotated[int, Ge(64)] = 1024
+    """local: desktop width in pixels. 1024x640 is the smallest 16:10 screen that holds the desktop's
+    100x30 terminal whole (905x597 px); the tiny policy's pixel budget shrinks any larger screen to the
+    same 560x336 model image, so more pixels would only cost screenshot time and Parquet bytes on a CPU."""
+    screen_height: Annotated[int, Ge(64)] = 640
+    """local: desktop height in pixels (see screen_width). Remote desktops report their own size."""
+    settle_s: Annotated[float, Ge(0)] = 0.5
+    """Pause after a step's actions before the screenshot (the UI catches up); desktop_env: the official
+    `DesktopEnv.step` pause."""
+    setup_settle_s: Annotated[float, Ge(0)] = 1.0
+    """Pause after a task's setup steps before the first screenshot."""
+    wait_s: Annotated[float, Ge(0)] = 2.0
+    """How long the `wait()` action sleeps (OSWorld's WAIT)."""
+    command_timeout_s: Annotated[float, Gt(0)] = 60.0
+    """local: limit for one command run on the desktop."""
+    download_cache_dir: str | None = None
+    """Cache of setup `download` files under OSWorld's cache names; a filled one runs them offline (null:
+    ~/.cache/arpo/osworld-downloads)."""
+    desktop_env_python: str | None = None
+    """desktop_env: the interpreter of the desktop-env venv (null: scripts/setup_desktop_env.sh's)."""
+    desktop_env_args: list[str] = field(default_factory=lambda: ["--provider-name", "docker"])
+    """desktop_env: arguments of the bridge's `serve` (official provider, VM path, screen, ...)."""
+    desktop_env_timeout_s: Annotated[float, Gt(0)] = 600.0
+    """desktop_env: limit for starting the bridge and for each of its calls (VMs boot and revert slowly)."""
+
+
+def suite_backends(path: str | Path) -> set[str] | None:
+    """The backends of a suite file's tasks (its `backend`, default miniwob, and any task's own), or None
+    when the file cannot be read here (a missing path is reported by its own check)."""
+    try:
+        doc = yaml.safe_load(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(doc, dict):
+        return None
+    top = str(doc.get("backend", "miniwob"))
+    tasks = doc.get("tasks") if isinstance(doc.get("tasks"), list) else []
+    return {top} | {str(t["backend"]) for t in tasks if isinstance(t, dict) and "backend" in t}
+
+
+@dataclass(frozen=True)
 class EnvConfig:
+    kind: Literal["miniwob", "osworld"] = "miniwob"
+    """Which envs the stages play: MiniWoB++ pages in headless Chromium (the embedded default) or OSWorld
+    desktops (`osworld`); the suites must be of the same kind."""
     backend: Literal["process", "ray"] = "process"
     """Env workers as local processes, or owned by Ray actors (placeable across machines)."""
     n_envs: Annotated[int, Ge(1)] = 8
@@ -105,7 +168,8 @@ class EnvConfig:
     in_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_in_domain.yaml"
     """Tasks trained on (and their demos)."""
     out_of_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_out_of_domain.yaml"
-    """Held-out tasks for generalisation."""
+    """Held-out tasks for generalisation. The same file as in_domain_suite: that file's tasks are divided by
+    their own `split` (in_domain there, every other one here; pipeline/common.py `suite_tasks`)."""
     episode_time_limit_s: Annotated[float, Gt(0)] | None = 60.0
     """MiniWoB episode clock (its own default of 10 s fails slow CPU policies); null: no limit."""
     reset_timeout_s: Annotated[float, Gt(0)] = 120.0
@@ -118,6 +182,36 @@ class EnvConfig:
     """Reset attempts before an env is reported failed (reference: 8)."""
     ray_resources: dict[str, Annotated[float, Ge(0)]] = field(default_factory=dict)
     """Custom Ray resources per env actor, e.g. {env_node: 0.01} (backend ray); amounts >= 0."""
+    osworld: OSWorldConfig = field(default_factory=OSWorldConfig)
+
+    def cross_checks(self) -> CrossChecks:
+        """Rules across fields, checked by the loader: (field, rule, other fields involved). The suites'
+        kind is read from the files when they exist (a missing file is the path check's error)."""
+        for name in ("in_domain_suite", "out_of_domain_suite"):
+            found = suite_backends(getattr(self, name))
+            if found is not None and found != {self.kind}:
+                yield (
+                    name,
+                    f"must hold {self.kind} tasks when kind is {self.kind}; the file's tasks are "
+                    f"{', '.join(sorted(found))} tasks",
+                    ("kind",),
+                )
+        o = self.osworld
+        if self.kind != "osworld" or o.provider != "remote":
+            return
+        if not o.base_urls:
+            yield (
+                "osworld.base_urls",
+                "must list at least one server URL when provider is remote",
+                ("osworld.provider",),
+            )
+        elif self.n_envs > len(o.base_urls):
+            yield (
+                "n_envs",
+                f"must be <= len(osworld.base_urls) = {len(o.base_urls)} with provider remote: one env "
+                "per URL",
+                ("osworld.base_urls", "osworld.provider"),
+            )
 
 
 @dataclass(frozen=True)
@@ -390,6 +484,20 @@ class Params:
                 "kept",
                 ("baseline.episodes_per_task", "train.use_selection"),
             )
+        if self.env.kind != "miniwob":  # real MiniWoB screens need MiniWoB pages
+            if self.ground.eval_miniwob_seeds:
+                yield (
+                    "ground.eval_miniwob_seeds",
+                    f"must be 0 when env.kind is {self.env.kind}: the held-out real screens are MiniWoB pages",
+                    ("env.kind",),
+                )
+            if any(ph.miniwob_seeds for ph in self.ground.phases):
+                yield (
+                    "ground.phases",
+                    f"must have miniwob_seeds 0 in every phase when env.kind is {self.env.kind}: real "
+                    "training screens are MiniWoB pages",
+                    ("env.kind",),
+                )
 
 
 # --------------------------------------------------------------------------------------------------

@@ -33,6 +33,7 @@ PROJECT_FILES = (
     ".dvc/config",
     ".dvc/.gitignore",
     "data/suites",
+    "data/osworld",
     "assets/checkpoints",
 )
 

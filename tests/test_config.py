@@ -115,6 +115,8 @@ def test_defaults_equal_empty_mapping_and_pass_every_rule():
         ({"train": {"replay": 3}}, "train.replay = 3 is not a section"),
         ({"select": {"max_tasks": 2.5}}, "select.max_tasks = 2.5 is not an integer or null"),
         ({"env": {"ray_resources": {"gpu": "x"}}}, "env.ray_resources.gpu = 'x' is not a number"),
+        ({"env": {"kind": "webarena"}}, "env.kind = 'webarena' is not one of ['miniwob', 'osworld']"),
+        ({"env": {"osworld": {"provider": "vmware"}}}, "env.osworld.provider = 'vmware' is not one of"),
     ],
 )
 def test_bad_values_name_key_value_and_file(raw, needle):
@@ -153,6 +155,15 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("env.eval_timeout_s", 0, TINY, ()),
     ("env.reset_retries", 0, 1, ()),
     ("env.ray_resources", {"node": -0.01}, {"node": 0}, ()),
+    ("env.osworld.base_urls", [""], ["http://vm-0:5000"], ()),
+    ("env.osworld.health_timeout_s", 0, TINY, ()),
+    ("env.osworld.screen_width", 63, 64, ()),
+    ("env.osworld.screen_height", 63, 64, ()),
+    ("env.osworld.settle_s", -0.1, 0, ()),
+    ("env.osworld.setup_settle_s", -0.1, 0, ()),
+    ("env.osworld.wait_s", -0.1, 0, ()),
+    ("env.osworld.command_timeout_s", 0, TINY, ()),
+    ("env.osworld.desktop_env_timeout_s", 0, TINY, ()),
     ("policy.history_images", 0, 1, ()),
     ("policy.max_new_tokens", 0, 1, ()),
     ("init_policy.seed", -1, 0, ()),
@@ -350,6 +361,12 @@ def test_optional_ranges_say_null_is_allowed():
 # --------------------------------------------------------------------------------------------------
 # Rules across fields
 
+OSWORLD_SUITES = (
+    ("env.in_domain_suite", "data/suites/osworld_local.yaml"),
+    ("env.out_of_domain_suite", "data/suites/osworld_local.yaml"),
+)
+OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_SUITES)
+
 
 @pytest.mark.parametrize(
     ("bad", "ok", "needle"),
@@ -407,12 +424,63 @@ def test_optional_ranges_say_null_is_allowed():
             r"select\.min_successes = 17 is out of range: must be <= baseline\.episodes_per_task when "
             r"train\.use_selection is true.*baseline\.episodes_per_task = 16 default value",
         ),
+        (  # env.kind osworld: the suites must be OSWorld suites ...
+            (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0)),
+            (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_SUITES),
+            r"env\.in_domain_suite = 'data/suites/miniwob_in_domain\.yaml' is out of range: must hold osworld "
+            r"tasks when kind is osworld; the file's tasks are miniwob tasks \(default value; env\.kind = "
+            r"'osworld' set by params file my\.yaml\)",
+        ),
+        (  # ... and MiniWoB's must be MiniWoB suites
+            (("env.out_of_domain_suite", "data/suites/osworld_local.yaml"),),
+            (("env.out_of_domain_suite", "data/suites/miniwob_quick_ood.yaml"),),
+            r"env\.out_of_domain_suite = 'data/suites/osworld_local\.yaml' is out of range: must hold miniwob "
+            r"tasks when kind is miniwob; the file's tasks are osworld tasks",
+        ),
+        (  # the held-out real screens of `ground` are MiniWoB pages
+            (("env.kind", "osworld"), *OSWORLD_SUITES),
+            (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_SUITES),
+            r"ground\.eval_miniwob_seeds = 3 is out of range: must be 0 when env\.kind is osworld",
+        ),
+        (
+            (*OSWORLD, ("ground.phases[0].miniwob_seeds", 2)),
+            (*OSWORLD, ("ground.phases[0].miniwob_seeds", 0)),
+            r"ground\.phases = .* is out of range: must have miniwob_seeds 0 in every phase when env\.kind is "
+            r"osworld",
+        ),
+        (  # remote desktops need URLs ...
+            (*OSWORLD, ("env.osworld.provider", "remote")),
+            (
+                *OSWORLD,
+                ("env.osworld.provider", "remote"),
+                ("env.osworld.base_urls", ["http://a:5000"]),
+                ("env.n_envs", 1),
+            ),
+            r"env\.osworld\.base_urls = \[\] is out of range: must list at least one server URL when provider "
+            r"is remote",
+        ),
+        (  # ... one per env
+            (*OSWORLD, ("env.osworld.provider", "remote"), ("env.osworld.base_urls", ["http://a:5000"])),
+            (
+                *OSWORLD,
+                ("env.osworld.provider", "remote"),
+                ("env.osworld.base_urls", ["http://a", "http://b"]),
+                ("env.n_envs", 2),
+            ),
+            r"env\.n_envs = 8 is out of range: must be <= len\(osworld\.base_urls\) = 1 with provider remote",
+        ),
     ],
 )
 def test_cross_field_rules(bad, ok, needle):
     with pytest.raises(ConfigError, match=needle):
         parse_params(_raws(*bad), file="my.yaml")
     parse_params(_raws(*ok))
+
+
+def test_osworld_rules_hold_only_when_the_desktops_are_used():
+    """env.osworld is read only with env.kind osworld: a MiniWoB run ignores its remote settings."""
+    p = parse_params(_raws(("env.osworld.provider", "remote")))
+    assert p.env.kind == "miniwob" and p.env.osworld.base_urls == []
 
 
 # --------------------------------------------------------------------------------------------------

@@ -345,3 +345,130 @@ def test_invalid_action_is_a_policy_error_not_an_env_fault(env):
     assert res.info["last_action_kind"] == "wait"
     assert env.step([Action("call_user")]).done
     assert env.evaluate() == 1.0
+
+
+# ------------------------------------------------------------------ the pipeline's front doors (env.kind)
+OSWORLD_PARAMS = (
+    "env.kind=osworld",
+    "env.in_domain_suite=data/suites/osworld_local.yaml",
+    "env.out_of_domain_suite=data/suites/osworld_local.yaml",
+    "ground.eval_miniwob_seeds=0",
+)
+
+
+def _params(*overrides: str):
+    from arpo_core.config import load_params
+
+    return load_params(REPO / "params.yaml", list(overrides))
+
+
+@pytest.fixture
+def in_repo(monkeypatch):
+    monkeypatch.chdir(REPO)  # suite paths are relative to the working directory, as in the stages
+
+
+def test_health_check_names_each_desktop_that_does_not_answer():
+    from orchestration_helpers import free_port
+
+    from arpo_core.envs.osworld import DesktopError, check_desktops
+
+    desk = LocalDesktop(screen_size=(320, 200))
+    info = desk.start()
+    dead = f"http://127.0.0.1:{free_port()}"
+    try:
+        check_desktops([info.base_url], info.token, timeout_s=5)  # answers: no error
+        with pytest.raises(DesktopError) as err:
+            check_desktops([info.base_url, dead], info.token, timeout_s=2)
+        msg = str(err.value)
+        assert "env.osworld.base_urls" in msg and f"{dead} did not answer within 2 s" in msg
+        assert info.base_url not in msg.split(": ", 1)[1]  # the live one is not blamed
+        with pytest.raises(DesktopError, match=r"refused the token \(HTTP 401\)"):
+            check_desktops([info.base_url], "wrong-token", timeout_s=5)
+    finally:
+        desk.stop()
+
+
+def test_env_factories_come_from_params(in_repo):
+    from arpo_core.envs.desktop_env_bridge import make_desktop_env_bridge_env
+    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.pipeline.rollouts import ENV_FACTORIES
+
+    mw = ENV_FACTORIES["miniwob"](_params())  # exactly the factory make_pool always built for MiniWoB
+    assert mw.func is make_miniwob_env and mw.args == () and mw.keywords == {"episode_time_limit_s": 60.0}
+    local = ENV_FACTORIES["osworld"](_params(*OSWORLD_PARAMS, "env.osworld.settle_s=0.2"))
+    assert local.func is make_osworld_env
+    assert local.keywords["provider"] == "local" and local.keywords["screen_size"] == (1024, 640)
+    assert local.keywords["settle_s"] == 0.2 and local.keywords["setup_settle_s"] == 1.0
+    bridge = ENV_FACTORIES["osworld"](
+        _params(*OSWORLD_PARAMS, "env.osworld.provider=desktop_env", "env.osworld.desktop_env_args=[-x, y]")
+    )
+    assert bridge.func is make_desktop_env_bridge_env and bridge.keywords["serve_args"] == ["-x", "y"]
+    assert bridge.keywords["pause_s"] == 0.5 and bridge.keywords["call_timeout_s"] == 600.0
+
+
+def test_remote_pool_does_not_start_when_a_url_is_dead(in_repo, tmp_path):
+    from orchestration_helpers import free_port
+
+    from arpo_core.envs.osworld import DesktopError
+    from arpo_core.pipeline.rollouts import make_pool
+
+    dead = f"http://127.0.0.1:{free_port()}"
+    p = _params(
+        *OSWORLD_PARAMS,
+        "env.osworld.provider=remote",
+        f"env.osworld.base_urls=[{dead}]",
+        "env.n_envs=1",
+        "env.osworld.health_timeout_s=1",
+    )
+    with pytest.raises(DesktopError, match=f"{dead} did not answer"), make_pool(p):
+        pytest.fail("the pool must not start")
+
+
+def test_make_pool_plays_local_desktops_from_params(in_repo):
+    """kind osworld: the pool's envs are local desktops of the params' size; the demos' calls work there
+    (the oracle's reply, and no DOM: `dom_elements` is None without breaking the worker)."""
+    from arpo_core.pipeline.common import suite_tasks
+    from arpo_core.pipeline.rollouts import make_pool
+
+    p = _params(*OSWORLD_PARAMS, "env.osworld.screen_width=640", "env.osworld.screen_height=400")
+    spec = next(t for t in suite_tasks(p, "in_domain") if t.task_id == "window-open-terminal")
+    with make_pool(p, n=1) as pool:
+        first = pool.reset([(0, spec, None)])[0]
+        assert first.error is None and first.observation.screenshot.size == (640, 400)
+        dom = pool.submit_call(0, "dom_elements").result()
+        assert dom.error is None and dom.value is None
+        reply = pool.submit_call(0, "oracle_reply").result()
+        assert reply.error is None and "hotkey" in reply.value
+        assert pool.restarts() == [0]
+
+
+def test_one_suite_named_twice_is_divided_by_split(in_repo):
+    from arpo_core.pipeline.common import suite_tasks
+
+    p = _params(*OSWORLD_PARAMS)
+    ind, ood = suite_tasks(p, "in_domain"), suite_tasks(p, "out_of_domain")
+    assert [t.task_id for t in ind] == [t.task_id for t in SUITE_SPECS.values() if t.split == "in_domain"]
+    assert {t.task_id for t in ood} == {t.task_id for t in SUITE_SPECS.values() if t.split == "osworld_os"}
+    assert {t.split for t in ood} == {"out_of_domain"}
+    same = _params(
+        "env.in_domain_suite=data/suites/miniwob_quick.yaml",
+        "env.out_of_domain_suite=data/suites/miniwob_quick.yaml",
+    )
+    assert suite_tasks(same, "in_domain") == suite_tasks(
+        _params("env.in_domain_suite=data/suites/miniwob_quick.yaml"), "in_domain"
+    )
+    with pytest.raises(ValueError, match="none is left for out_of_domain"):
+        suite_tasks(same, "out_of_domain")
+
+
+def test_miniwob_only_settings_fail_naming_the_setting(in_repo, tmp_path):
+    import dataclasses
+
+    from arpo_core.pipeline import demos, ground
+
+    with pytest.raises(ValueError, match=r"env\.osworld\.provider desktop_env .* serves no oracle replies"):
+        demos.run(_params(*OSWORLD_PARAMS, "env.osworld.provider=desktop_env"), tmp_path / "demos")
+    p = _params(*OSWORLD_PARAMS)  # built in code past the loader's rule: the stage names it too
+    p = dataclasses.replace(p, ground=dataclasses.replace(p.ground, eval_miniwob_seeds=1))
+    with pytest.raises(ValueError, match=r"env\.kind is osworld .* set ground\.eval_miniwob_seeds"):
+        ground._real_screens(p, (56, 56))

@@ -13,6 +13,7 @@ Design decisions:
    exclusive `flock` on `<claim_dir>/<i>.lock` for its lifetime; the kernel drops the lock when the
    worker dies, so a restarted worker finds the slot free again. A remote reset does NOT revert the VM
    (plain HTTP cannot); use the `desktop_env` bridge (desktop_env_bridge.py) for snapshot reverts.
+   `check_desktops` is the health check a pipeline runs on the URLs before it starts a pool.
 3. Tasks are OSWorld JSON files, loaded unchanged into `TaskSpec(config={"path", "task",
    "unsupported"})`. `unsupported` names every setup step / getter / metric the env lacks; `reset`
    refuses such a task with that list in the message, so nothing is silently scored 0 or 1.
@@ -281,6 +282,30 @@ def claim_slot(urls: list[str], claim_dir: str | Path) -> tuple[int, Any]:
     raise RuntimeError(f"all {len(urls)} desktop URLs are claimed by other envs (claim dir {d})")
 
 
+def check_desktops(
+    urls: list[str] | tuple[str, ...], token: str | None = None, timeout_s: float = 5.0
+) -> None:
+    """Health check of remote desktops before a pool starts (decision 2): every URL must answer
+    GET /platform with 200 within `timeout_s`; otherwise one DesktopError names each URL that did not
+    and why (no answer, wrong token, another status)."""
+    problems = []
+    for url in urls:
+        try:
+            code, raw = DesktopClient(url, token, timeout_s).request("GET", "/platform")
+        except DesktopError as e:
+            problems.append(f"{url} did not answer within {timeout_s:g} s ({e})")
+            continue
+        if code == 401:
+            problems.append(f"{url} refused the token (HTTP 401)")
+        elif code != 200:
+            problems.append(f"{url} answered HTTP {code}: {raw[:200]!r}")
+    if problems:
+        raise DesktopError(
+            "OSWorld desktops (env.osworld.base_urls) failed the health check GET /platform: "
+            + "; ".join(problems)
+        )
+
+
 # ---------------------------------------------------------------------------------------------------------
 # The env
 # ---------------------------------------------------------------------------------------------------------
@@ -508,6 +533,11 @@ class OSWorldEnv:
         if self.osworld_hard_scoring and self.max_steps is not None:
             score = osworld_hard(score, self.steps >= self.max_steps, last)
         return score
+
+    def dom_elements(self) -> None:
+        """A desktop serves no DOM (MiniWoB's envs do): None, so callers such as the demos' recovery
+        misses (arpo_core/demos.py) skip what needs one instead of failing the worker."""
+        return None
 
     def _oracle_replies(self) -> list[str]:
         assert self.task is not None

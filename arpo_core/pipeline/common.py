@@ -6,12 +6,18 @@ Decisions:
    (`pretrained.json`) and `resolve_policy` follows it.
 2. The trained policy is named by its method everywhere (`method_name`): `arpo` with experience replay,
    `grpo` without, so the two arms of an ablation never share a label.
+3. Suites are read by their own backend (`suite_tasks`): an OSWorld suite (`backend: osworld`) through
+   `load_osworld_suite`, which loads each task's OSWorld JSON; any other through `load_suite`. One file
+   named as both suites (`env.in_domain_suite == env.out_of_domain_suite`, e.g. the 17 local desktop
+   tasks) is divided by its tasks' own `split`: the in-domain suite is its `in_domain` tasks, the
+   out-of-domain suite every other task, labelled `out_of_domain` (the split the metrics name).
 """
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -50,9 +56,26 @@ def resolve_policy(path: str | os.PathLike) -> Path:
 
 
 def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
-    """Tasks of the 'in_domain' or 'out_of_domain' suite named in params."""
+    """Tasks of the 'in_domain' or 'out_of_domain' suite named in params, loaded by their backend
+    (decision 3)."""
     path = {"in_domain": p.env.in_domain_suite, "out_of_domain": p.env.out_of_domain_suite}[split]
-    return load_suite(path)
+    tasks = load_suite(path)
+    if any(t.backend == "osworld" for t in tasks):
+        from arpo_core.envs.osworld import load_osworld_suite
+
+        tasks = load_osworld_suite(path)
+    if Path(p.env.in_domain_suite).resolve() != Path(p.env.out_of_domain_suite).resolve():
+        return tasks
+    if split == "in_domain":
+        tasks = [t for t in tasks if t.split == "in_domain"]
+    else:
+        tasks = [replace(t, split="out_of_domain") for t in tasks if t.split != "in_domain"]
+    if not tasks:
+        raise ValueError(
+            f"{path} is both env.in_domain_suite and env.out_of_domain_suite, so its tasks are divided by "
+            f"their split (in_domain or not), and none is left for {split}"
+        )
+    return tasks
 
 
 def progress_bar(total: int, desc: str) -> Any:

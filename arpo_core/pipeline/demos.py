@@ -1,5 +1,8 @@
-"""Stage `demos`: scripted DOM oracles play the in-domain suite; successful episodes to Parquet. A share
-`demos.recovery_rate` of them starts with untrained misses (arpo_core/demos.py decisions 4-5)."""
+"""Stage `demos`: scripted oracles play the in-domain suite; successful episodes to Parquet. On MiniWoB
+the oracles read the DOM, and a share `demos.recovery_rate` of the episodes starts with untrained misses
+(arpo_core/demos.py decisions 4-5). On OSWorld desktops (`env.kind: osworld`, providers local and remote)
+the oracle is the suite's scripted `oracle` replies (`OSWorldEnv.oracle_reply`); a desktop has no DOM, so
+no misses, and it is not seeded, so every episode of a task replays the same instance."""
 
 from __future__ import annotations
 
@@ -21,6 +24,12 @@ def run(
 ) -> dict[str, Any]:
     """Oracle demonstrations (successful episodes only), in the model-image frame of the policy at
     `policy_dir` (its image processor's pixel budget; default: the oracles' own)."""
+    if p.env.kind == "osworld" and p.env.osworld.provider == "desktop_env":
+        raise ValueError(
+            "demos: env.osworld.provider desktop_env (the official DesktopEnv behind the bridge) serves no "
+            "oracle replies; play the demos with provider local or remote, which serve the suite's scripted "
+            "`oracle` replies"
+        )
     tasks = suite_tasks(p, "in_domain")
     jobs = [
         EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)

@@ -74,8 +74,12 @@ def _check_levels(levels: Sequence[str]) -> None:
 def _miniwob_task_ids(p: Params) -> list[str]:
     tasks = suite_tasks(p, "in_domain")
     other = sorted({t.domain for t in tasks} - {"miniwob"})
-    if other:
-        raise ValueError(f"ground: real-screen examples need a MiniWoB in-domain suite, got domains {other}")
+    if other or p.env.kind != "miniwob":
+        raise ValueError(
+            f"ground: real-screen examples need MiniWoB pages, but env.kind is {p.env.kind} (in-domain "
+            f"domains {sorted({t.domain for t in tasks})}): set ground.eval_miniwob_seeds and every "
+            "ground.phases[].miniwob_seeds to 0"
+        )
     return [t.task_id for t in tasks]
 
 

@@ -8,28 +8,81 @@ Decisions:
    values of the calling stage (temperature, step limit), the shared `policy` section, the format penalty
    of `train.loss` and the pixel budget of the checkpoint itself (its image processor config), so the
    model-image coordinates of a rollout are always those of the policy that plays it.
+3. The envs come from the params, never from the stage: `ENV_FACTORIES` maps `env.kind` to a builder of
+   the pool's picklable env factory (MiniWoB pages, or OSWorld desktops from `env.osworld`: the local
+   Xvfb desktop, running OSWorld servers, or the official desktop-env bridge). Remote servers are
+   health-checked before the pool starts, so a dead URL is one clear error naming it, not eight reset
+   retries per worker. The pool (process or Ray backend, `env.ray_resources`, timeouts) is the same for
+   every kind.
 """
 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
 
 from arpo_core.config import Params
-from arpo_core.envs.pool import EnvPool
+from arpo_core.envs.pool import EnvFactory, EnvPool
 from arpo_core.pipeline.common import pixel_budget
 from arpo_core.rollout import RolloutConfig
 
-__all__ = ["make_pool", "rollout_config"]
+__all__ = ["ENV_FACTORIES", "make_pool", "miniwob_factory", "osworld_factory", "rollout_config"]
+
+
+def miniwob_factory(p: Params) -> EnvFactory:
+    """MiniWoB++ pages in headless Chromium, with the params' episode clock."""
+    from arpo_core.envs.miniwob import make_miniwob_env
+
+    return functools.partial(make_miniwob_env, episode_time_limit_s=p.env.episode_time_limit_s)
+
+
+def osworld_factory(p: Params) -> EnvFactory:
+    """OSWorld desktops of `env.osworld.provider` (decision 3); remote URLs must answer first."""
+    o = p.env.osworld
+    if o.provider == "desktop_env":
+        from arpo_core.envs.desktop_env_bridge import make_desktop_env_bridge_env
+
+        return functools.partial(
+            make_desktop_env_bridge_env,
+            python=o.desktop_env_python,
+            serve_args=list(o.desktop_env_args),
+            pause_s=o.settle_s,
+            start_timeout_s=o.desktop_env_timeout_s,
+            call_timeout_s=o.desktop_env_timeout_s,
+        )
+    from arpo_core.envs.osworld import check_desktops, make_osworld_env
+
+    if o.provider == "remote":
+        check_desktops(o.base_urls, o.token, o.health_timeout_s)
+    return functools.partial(
+        make_osworld_env,
+        provider=o.provider,
+        base_urls=tuple(o.base_urls),
+        token=o.token,
+        claim_dir=o.claim_dir,
+        screen_size=(o.screen_width, o.screen_height),
+        settle_s=o.settle_s,
+        setup_settle_s=o.setup_settle_s,
+        wait_s=o.wait_s,
+        command_timeout_s=o.command_timeout_s,
+        download_cache_dir=o.download_cache_dir,
+    )
+
+
+ENV_FACTORIES: dict[str, Callable[[Params], EnvFactory]] = {
+    "miniwob": miniwob_factory,
+    "osworld": osworld_factory,
+}
+"""`env.kind` -> builder of the pool's env factory (decision 3)."""
 
 
 @contextmanager
 def make_pool(p: Params, n: int | None = None):
-    """An EnvPool of MiniWoB envs (the embedded default), closed on exit (decision 1)."""
-    from arpo_core.envs.miniwob import make_miniwob_env
-
-    factory = functools.partial(make_miniwob_env, episode_time_limit_s=p.env.episode_time_limit_s)
+    """An EnvPool of `p.env.kind` envs (decision 3), `n` of them (default `env.n_envs`), closed on exit
+    (decision 1)."""
+    factory = ENV_FACTORIES[p.env.kind](p)
     pool = EnvPool(
         factory,
         n=n or p.env.n_envs,
