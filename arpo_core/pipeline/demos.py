@@ -7,6 +7,7 @@ no misses, and it is not seeded, so every episode of a task replays the same ins
 from __future__ import annotations
 
 import os
+from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
@@ -20,7 +21,7 @@ __all__ = ["run"]
 
 
 def run(
-    p: Params, out_path: str | os.PathLike, policy_dir: str | os.PathLike | None = None
+    p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | None = None
 ) -> dict[str, Any]:
     """Oracle demonstrations (successful episodes only), in the model-image frame of the policy at
     `policy_dir` (its image processor's pixel budget; default: the oracles' own)."""
@@ -52,7 +53,7 @@ def run(
         bar.close()
     if not res.trajectories:
         raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")
-    write_trajectories(out_path, res.trajectories)
+    write_trajectories(Path(out_dir) / "demos.parquet", res.trajectories)
     misses = [sum(not s.train_reply for s in t.steps) for t in res.trajectories]
     return {
         "demos/episodes": float(len(res.trajectories)),
