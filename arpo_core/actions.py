@@ -46,12 +46,19 @@ Decisions:
    ``"relative1000"``: x * W / 1000). Sizes are always (width, height) except `smart_resize`, which
    keeps Qwen's (height, width) order. `to_screen` clamps to the screen; `to_model` clamps its
    input to the screen, so its output lies inside the model frame.
-7. `to_pyautogui` returns one string per action, each either pyautogui code or one of the OSWorld
-   markers ``"DONE"`` (finished), ``"FAIL"`` (call_user) and ``"WAIT"`` (wait): a caller executes the
+7. `to_pyautogui` returns one string per action, each either pyautogui code (for non-ASCII text also a
+   fixed X11 typing helper, decision 8) or one of the OSWorld markers ``"DONE"`` (finished),
+   ``"FAIL"`` (call_user) and ``"WAIT"`` (wait): a caller executes the
    code strings in order and stops at DONE/FAIL (``cmd in PYAUTOGUI_MARKERS`` tells them apart). This
    is the list of actions OSWorld's UI-TARS agent hands to ``DesktopEnv.step``. All user text is
    emitted with `repr()` of a str, so quotes, backslashes, newlines and code in content are typed
    literally; horizontal scrolls use ``pyautogui.hscroll`` (the reference silently drops them).
+8. `type` text with any non-ASCII character (accents, CJK, emoji: pyautogui.write has no key for them
+   and drops them silently on X11, as it drops control characters) is rendered as the fixed helper
+   `X11_TYPE_HELPER` followed by one call whose only argument is `ascii()` of the text: the rendered code
+   stays pure ASCII, the text is a single string literal (never code, never a shell word), and the
+   helper types it through XTEST with keycodes bound to the characters' keysyms. Pure-ASCII text keeps
+   `pyautogui.write`. A trailing newline is still `pyautogui.press('enter')`.
 """
 
 from __future__ import annotations
@@ -696,6 +703,55 @@ def to_model(
 # ---------------------------------------------------------------------------------------------------------
 
 
+X11_TYPE_CALL = "_arpo_type"
+X11_TYPE_HELPER = f"""from Xlib import X, display; from Xlib.ext import xtest
+def {X11_TYPE_CALL}(text, interval=0.01):
+    d = display.Display()
+    lo = d.display.info.min_keycode
+    rows = d.get_keyboard_mapping(lo, d.display.info.max_keycode - lo + 1)
+    keycode = {{r[0]: lo + i for i, r in enumerate(rows) if len(r) and r[0]}}
+    ours = [lo + i for i, r in enumerate(rows) if len(r) > 1 and r[0] == r[1] and (0xA0 <= r[0] <= 0xFF or r[0] >= 0x1000100)]
+    spare = [lo + i for i, r in enumerate(rows) if not any(r)][:-4] + ours
+    pressed, run = {{}}, ""
+    for ch in text:
+        if ch.isascii() and (ch.isprintable() or ch in "\\t\\n\\r"):
+            run += ch
+            continue
+        if run:
+            pyautogui.write(run)
+            run = ""
+        if ord(ch) < 0xA0:
+            continue
+        keysym = ord(ch) if ord(ch) <= 0xFF else 0x1000000 | ord(ch)
+        kc = keycode.get(keysym)
+        if kc is None:
+            kc = spare.pop(0)
+            spare.append(kc)
+            time.sleep(max(0.0, pressed.get(kc, -1.0) + 0.3 - time.monotonic()))
+            d.change_keyboard_mapping(kc, [(keysym, keysym)])
+            d.sync()
+            keycode = {{k: c for k, c in keycode.items() if c != kc}}
+            keycode[keysym] = kc
+        xtest.fake_input(d, X.KeyPress, kc)
+        xtest.fake_input(d, X.KeyRelease, kc)
+        d.sync()
+        pressed[kc] = time.monotonic()
+        time.sleep(interval)
+    if run:
+        pyautogui.write(run)
+    d.close()
+"""
+"""Decision 8: the code that types text with characters pyautogui has no key for. It runs on the desktop
+after OSWorld's prefix (`import pyautogui; import time; ...; ` - hence the first line is a simple
+statement) and needs only pyautogui's own X library (python-xlib with XTEST). pyautogui writes the
+ASCII runs; every other character is typed through a spare keycode bound to its keysym (Latin-1, or
+0x1000000 + code point) that STAYS bound, so no client can look a key up after its keycode was re-bound
+(xdotool type re-binds one scratch keycode per character and lost about one character in two on the
+loaded test desktop). Bound keycodes (both levels the same Latin-1 or Unicode keysym) are reused
+round-robin after the empty ones (four empty ones stay free for other tools); re-binding one pressed
+less than 0.3 s ago waits first. Control characters are dropped, as pyautogui.write drops them."""
+
+
 def _xy(point: tuple[float, float], screen_size: tuple[int, int] | None) -> tuple[int, int]:
     x, y = round(point[0]), round(point[1])
     if screen_size is not None:
@@ -712,12 +768,14 @@ def to_pyautogui(
 ) -> list[str]:
     """Render screen-pixel actions as pyautogui commands: one string per action (decision 7).
 
-    Each entry is either Python code calling only `pyautogui.*`, or a marker from PYAUTOGUI_MARKERS
+    Each entry is either Python code calling only `pyautogui.*` (non-ASCII type() text: the fixed
+    X11_TYPE_HELPER and one call of it on the text), or a marker from PYAUTOGUI_MARKERS
     ("DONE" for finished, "FAIL" for call_user, "WAIT" for wait); test `cmd in PYAUTOGUI_MARKERS`.
     Coordinates are rounded to ints and, given screen_size = (W, H), clamped to the screen.
     A scroll is `scroll_amount` wheel clicks: up +N / down -N with pyautogui.scroll, right +N / left -N
     with pyautogui.hscroll. type() content is written with repr() and a trailing newline becomes
-    pyautogui.press('enter'). Raises ValueError for an invalid action.
+    pyautogui.press('enter'); non-ASCII content goes through X11_TYPE_HELPER (decision 8).
+    Raises ValueError for an invalid action.
     """
     out = []
     for a in actions:
@@ -749,8 +807,11 @@ def to_pyautogui(
             if enter:
                 text = text[:-1]
             lines = []
-            if text or not enter:
-                lines.append(f"pyautogui.write({text!r})")
+            if text.isascii():
+                if text or not enter:
+                    lines.append(f"pyautogui.write({text!r})")
+            else:  # decision 8
+                lines.append(f"{X11_TYPE_HELPER}{X11_TYPE_CALL}({text!a})")
             if enter:
                 lines.append("pyautogui.press('enter')")
             out.append("\n".join(lines))

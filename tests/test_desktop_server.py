@@ -180,6 +180,44 @@ def test_terminal_window_activate_close_and_terminal_output(desktop):
     assert c.post_json("/setup/activate_window", {"window_name": "Nope"})[0] == 404
 
 
+def test_type_action_delivers_non_ascii_text_to_a_real_window(desktop):
+    """Issue 16: the rendered `type` code, sent as OSWorld does (`python -c` with its prefix through
+    /execute), reaches an xterm exactly - accents, CJK, a symbol, an emoji; more distinct characters
+    than the keyboard has spare keycodes; ASCII lines - and a trailing newline still presses Enter.
+    (`cat` in the terminal writes each line to a file; echo is off so only typed keys reach it.)"""
+    from arpo_core.actions import Action, to_pyautogui
+    from arpo_core.envs.osworld import PYAUTOGUI_PREFIX
+
+    _, info, c = desktop
+    out = Path(info.home, "typed.txt")
+    cmd = ["x-terminal-emulator", "-T", "TypeTarget", "-e", "sh", "-c", "stty -echo; cat > ~/typed.txt"]
+    assert c.post_json("/setup/launch", {"command": cmd, "shell": False})[0] == 200
+
+    def visible() -> str:
+        return c.execute("xdotool search --onlyvisible --name '^TypeTarget$'", True)["output"].strip()
+
+    assert wait_until(visible)
+    try:
+        assert c.post_json("/setup/activate_window", {"window_name": "TypeTarget", "strict": True})[0] == 200
+        lines = [
+            "café naïve 日本語 ✓",
+            "plain ASCII: echo $HOME 'q' \"dq\" \\ {}",
+            "".join(chr(0x4E00 + 7 * i) for i in range(24)) + " Ωμέγα Größe 😀",
+            "café naïve 日本語 ✓",
+        ]
+        for line in lines:
+            (code,) = to_pyautogui([Action("type", content=line + "\n")])
+            res = c.execute(["python", "-c", PYAUTOGUI_PREFIX + code])
+            assert res["returncode"] == 0, res
+        want = "".join(line + "\n" for line in lines)
+        assert wait_until(lambda: out.exists() and out.read_bytes().count(b"\n") == len(lines))
+        time.sleep(0.2)
+        assert out.read_text(encoding="utf-8") == want
+    finally:
+        c.post_json("/setup/close_window", {"window_name": "TypeTarget", "strict": True})
+        wait_until(lambda: not visible())
+
+
 def test_unknown_endpoint_and_no_accessibility(desktop):
     _, _, c = desktop
     assert c.request("GET", "/nope")[0] == 404
