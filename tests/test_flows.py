@@ -57,7 +57,7 @@ def test_stage_params_flattens_sections_and_keeps_cross_keys():
     assert got["select.min_successes"] == 3
     assert got["env.in_domain_suite"] == "x.yaml"
     assert "env.n_envs" not in got  # operational settings are not inputs (spec decision 2)
-    assert all(k.startswith(("select.", "env.in_domain_suite")) for k in got)
+    assert all(k.startswith(("select.", "env.in_domain_suite", "env.kind")) for k in got)
 
 
 def test_fingerprint_tracks_content_and_names_but_not_bytecode(tmp_path):

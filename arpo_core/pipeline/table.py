@@ -36,7 +36,17 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = "arpo_core"
 
 ROLLOUT = ("policy", "train.top_p", "train.loss.format_penalty", "project.seed")
-SUITES = ("env.in_domain_suite", "env.out_of_domain_suite", "env.episode_time_limit_s")
+SUITES = (
+    "env.kind",
+    "env.in_domain_suite",
+    "env.out_of_domain_suite",
+    "env.episode_time_limit_s",
+    "env.osworld.screen_width",
+    "env.osworld.screen_height",
+)
+"""What the envs the episodes run in depend on (MiniWoB's clock, the desktop's screen)."""
+TASK_DATA = ("data/suites", "data/osworld")
+"""Suite files, and the OSWorld task files OSWorld suites name."""
 EVALUATION = ("evaluate", *ROLLOUT, *SUITES)
 DURING_TRAINING = (
     "evaluate.during_training",
@@ -124,12 +134,12 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "ground",
         module="ground",
-        params=("ground", "policy.system_prompt", "env.in_domain_suite"),
+        params=("ground", "policy.system_prompt", "env.kind", "env.in_domain_suite"),
         inputs={"policy_dir": "models/init"},
         outputs={"out_dir": "models/grounded"},
         artifacts={"models/grounded": "policy"},
         # ground.checkpoint lives here; a DVC dep cannot depend on a param, so the whole folder is one.
-        data=("data/suites", "assets/checkpoints"),
+        data=(*TASK_DATA, "assets/checkpoints"),
     ),
     Stage(
         "demos",
@@ -138,7 +148,7 @@ STAGES: tuple[Stage, ...] = (
         inputs={},
         outputs={"out_dir": "data/demos"},
         artifacts={"data/demos": "trajectories"},
-        data=("data/suites",),
+        data=TASK_DATA,
         envs=True,
         viewer=False,
     ),
@@ -157,17 +167,17 @@ STAGES: tuple[Stage, ...] = (
         inputs={"policy_dir": "models/base"},
         outputs={"out_dir": "data/baseline"},
         artifacts={"data/baseline": "trajectories"},
-        data=("data/suites",),
+        data=TASK_DATA,
         envs=True,
     ),
     Stage(
         "select",
         module="select",
-        params=("select", "env.in_domain_suite"),
+        params=("select", "env.kind", "env.in_domain_suite"),
         inputs={"baseline_dir": "data/baseline"},
         outputs={"out_path": "data/selected_tasks.json"},
         artifacts={"data/selected_tasks.json": "selection"},
-        data=("data/suites",),
+        data=TASK_DATA,
     ),
     Stage(
         "train",
@@ -175,7 +185,7 @@ STAGES: tuple[Stage, ...] = (
         params=("train", "policy", "project.seed", *SUITES, *DURING_TRAINING),
         inputs={"policy_dir": "models/base", "selected_path": "data/selected_tasks.json"},
         outputs={"out_dir": "models/arpo"},
-        data=("data/suites",),
+        data=TASK_DATA,
         envs=True,
         iterations=True,
     ),
@@ -188,7 +198,7 @@ STAGES: tuple[Stage, ...] = (
             outputs={"out_dir": f"models/{method}", "eval_dir": f"data/eval_{method}"},
             artifacts={f"models/{method}": "policy", f"data/eval_{method}": "trajectories"},
             consts={"method": method},
-            data=("data/suites",),
+            data=TASK_DATA,
             envs=True,
         )
         for method in OFFLINE
@@ -200,7 +210,7 @@ STAGES: tuple[Stage, ...] = (
         inputs={"base_dir": "models/base", "trained_dir": "models/arpo"},
         outputs={"out_dir": "data/eval"},
         artifacts={"data/eval": "trajectories"},
-        data=("data/suites",),
+        data=TASK_DATA,
         envs=True,
     ),
     Stage(
@@ -213,7 +223,7 @@ STAGES: tuple[Stage, ...] = (
         },
         outputs={"out_dir": "reports/comparison"},
         artifacts={"reports/comparison": "report"},
-        data=("data/suites",),
+        data=TASK_DATA,
         envs=True,
         viewer=False,
     ),
