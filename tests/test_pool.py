@@ -258,3 +258,31 @@ def test_benchmark_script_runs_and_records(tmp_path):
     (row,) = record["results"]
     assert row["n_envs"] == 1 and row["steps_per_s_median"] > 0
     assert record["machine"]["cpu_count"] == os.cpu_count() and record["date_utc"]
+
+
+SEQUENTIAL_RAY_POOLS = """
+import functools, sys
+from arpo_core.envs.base import TaskSpec
+from arpo_core.envs.miniwob import make_miniwob_env
+from arpo_core.envs.pool import EnvPool
+for i in range(2):  # two stages in one process: the first pool starts Ray, the second reuses it
+    pool = EnvPool(functools.partial(make_miniwob_env), 1, backend="ray")
+    res = pool.reset([(0, TaskSpec("miniwob", "click-test"), i)])[0]
+    assert res.error is None, res.error
+    pool.close()
+    print("pool", i, "ok", flush=True)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_ray_survives_the_pool_that_started_it(tmp_path):
+    """pool._ensure_ray: Ray started by one pool's worker thread died with that thread, so the next
+    stage's pool (same process) failed to reach GCS or hung."""
+    script = tmp_path / "two_pools.py"
+    script.write_text(SEQUENTIAL_RAY_POOLS)
+    out = subprocess.run(
+        [sys.executable, str(script)], cwd=REPO, capture_output=True, text=True, timeout=240, check=False
+    )
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+    assert "pool 1 ok" in out.stdout

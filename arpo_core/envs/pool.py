@@ -298,6 +298,36 @@ class _EnvHost:
         return self.worker.pid
 
 
+_RAY_LOCK = threading.Lock()
+
+
+def _ensure_ray() -> None:
+    """Start Ray (if this process has not) from a daemon thread that lives as long as the process.
+
+    Ray ties the head processes it starts (GCS, raylet) to the thread that called `ray.init`: when a
+    pool's worker thread started Ray and then ended with the pool, the next stage's pool found Ray
+    dead ("Failed to connect to GCS") or hung. Measured with a bare ray EnvPool open/close."""
+    import ray
+
+    with _RAY_LOCK:
+        if ray.is_initialized():
+            return
+        done, err = threading.Event(), []
+
+        def owner() -> None:
+            try:
+                ray.init()
+            except BaseException as e:
+                err.append(e)
+            done.set()
+            threading.Event().wait()
+
+        threading.Thread(target=owner, name="ray-owner", daemon=True).start()
+        done.wait()
+        if err:
+            raise err[0]
+
+
 class RayWorker:
     """Same interface as ProcessWorker, with the worker process owned by a Ray actor."""
 
@@ -442,6 +472,7 @@ class EnvPool:
     # ------------------------------------------------------------------ worker management
     def _new_worker(self) -> Any:
         if self.backend == "ray":
+            _ensure_ray()
             return RayWorker(self.env_factory, self.start_timeout_s, self.ray_resources)
         return ProcessWorker(self.env_factory, self.start_timeout_s)
 
