@@ -20,9 +20,7 @@ from arpo_core.trajectory import write_trajectories
 __all__ = ["run"]
 
 
-def run(
-    p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | None = None
-) -> dict[str, Any]:
+def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Oracle demonstrations (successful episodes only), in the model-image frame of the policy at
     `policy_dir` (its image processor's pixel budget; default: the oracles' own)."""
     if p.env.kind == "osworld" and p.env.osworld.provider == "desktop_env":
