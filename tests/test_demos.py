@@ -183,6 +183,18 @@ def check_bc_sequences(trajs, tmp_path):
             assert text[:p].count("<|vision_start|>") == k + 1
 
 
+def test_misses_do_not_count_against_the_step_limit(pool):
+    """Decision 7: a long task (login-user: 5 oracle steps) still succeeds after many misses; the demo
+    then has more than max_steps steps, max_steps of them the oracle's."""
+    jobs = jobs_for(["login-user"], [7, 8, 9])
+    res = play_oracle_episodes(pool, jobs, max_steps=6, recovery_rate=1.0, max_misses=7)
+    assert res.errors == [] and res.n_failed == 0 and len(res.trajectories) == len(jobs)
+    for t in res.trajectories:
+        n_miss = sum(not s.train_reply for s in t.steps)
+        assert n_miss >= 1 and len(t.steps) - n_miss == 5 and t.success > 0
+    assert max(len(t.steps) for t in res.trajectories) > 6
+
+
 def plain_oracle_replies(pool, job) -> list[str]:
     """Today's demo of one job: the oracle's replies from reset to the end of the episode."""
     pool.submit_reset(0, job.task, job.seed).result()
