@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
+import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import typer
@@ -28,6 +32,50 @@ STUDY_OUT_OPT = typer.Option(
 DVC_OUT_OPT = typer.Option(Path("dvc.yaml"), "--out", "-o", help="file to write")
 DVC_CHECK_OPT = typer.Option(False, "--check", help="only check that the file equals the stage table's")
 VIEW_OUT_OPT = typer.Option(Path("plots/viewer/view.html"), "--out", "-o", help="HTML page to write")
+
+
+@contextlib.contextmanager
+def _locked(command: str) -> Iterator[None]:
+    """The working tree's run lock (arpo_core/lock.py) around a run; held: exit 3 naming the holder.
+    Nothing the run starts outlives it (arpo_core/guardian.py): SIGTERM/SIGHUP end it through the
+    normal exit path, Prefect's temporary server and Ray are stopped on the way out, and a guardian
+    process removes whatever child is left once the run has gone (also after a SIGKILL)."""
+    from arpo_core.guardian import start_guardian
+    from arpo_core.lock import RunLocked, run_lock
+
+    try:
+        with run_lock(".", command=command):
+            _guardians.append(start_guardian())
+            for sig in (signal.SIGTERM, signal.SIGHUP):
+                signal.signal(sig, _exit_on_signal)
+            try:
+                yield
+            finally:
+                _stop_services()
+    except RunLocked as e:
+        typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3) from e
+
+
+_guardians: list = []
+
+
+def _exit_on_signal(signum: int, frame: object) -> None:
+    raise SystemExit(128 + signum)
+
+
+def _stop_services() -> None:
+    """Stop Prefect's temporary API server and Ray if this run started them (only if imported)."""
+    server = sys.modules.get("prefect.server.api.server")
+    if server is not None:
+        for instance in list(server.SubprocessASGIServer._instances.values()):
+            with contextlib.suppress(Exception):
+                instance.stop()
+    ray = sys.modules.get("ray")
+    if ray is not None:
+        with contextlib.suppress(Exception):
+            if ray.is_initialized():
+                ray.shutdown()
 
 
 def _load(params: Path, overrides: list[str], preset: str | None = None) -> Params:
@@ -83,7 +131,8 @@ def stage(
 ) -> None:
     """Run one pipeline stage without Prefect (each DVC stage's cmd); tracked in MLflow."""
     _load(params, set_, preset)  # a bad key exits 2 with the message, before any work
-    metrics = run_stage(name, params, set_, preset)
+    with _locked(f"arpo stage {name}"):
+        metrics = run_stage(name, params, set_, preset)
     typer.echo(json.dumps(metrics, indent=1, sort_keys=True))
 
 
@@ -123,7 +172,8 @@ def run(
     from flows.arpo_train import arpo_train
 
     t0 = time.monotonic()
-    arpo_train(params=str(params), preset=preset, overrides=list(set_), force=force)
+    with _locked("arpo run " + " ".join(sys.argv[2:])):
+        arpo_train(params=str(params), preset=preset, overrides=list(set_), force=force)
     typer.secho(f"[arpo] pipeline finished in {(time.monotonic() - t0) / 60:.1f} min", fg=typer.colors.GREEN)
 
 

@@ -41,6 +41,7 @@ from typing import Any
 
 from arpo_core.config import Params, load_params
 from arpo_core.fileio import atomic_open, atomic_write_json
+from arpo_core.lock import run_lock
 from arpo_core.pipeline.table import Stage
 from flows import tracking
 from flows.spec import SPECS, stage_key, stage_params, stamp_path, write_stamp
@@ -131,7 +132,12 @@ class StageRun:
 
     def execute(self) -> dict[str, float]:
         """Run the stage's task inside the stage's MLflow run; returns its metrics plus
-        `time/<stage>_s`."""
+        `time/<stage>_s`. Holds the working tree's run lock (arpo_core/lock.py; re-entrant inside an
+        `arpo run`), so a second run fails before touching any output."""
+        with run_lock(self.root, command=f"arpo stage {self.name}"):
+            return self._execute()
+
+    def _execute(self) -> dict[str, float]:
         key = stage_key(self.p, self.spec, self.root)
         exp = tracking.ensure_experiment(self.client, self.p.project.name, self.root)
         tags = tracking.run_tags(
