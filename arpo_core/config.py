@@ -75,6 +75,7 @@ __all__ = [
     "PolicyConfig",
     "ProjectConfig",
     "TrainConfig",
+    "VLLMConfig",
     "apply_overrides",
     "flatten",
     "load_params",
@@ -215,7 +216,31 @@ class EnvConfig:
 
 
 @dataclass(frozen=True)
+class VLLMConfig:
+    """The colocated vLLM engine of `policy.backend: vllm` (arpo_core/policy/generate.py, decision 8)."""
+
+    gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
+    """Share of the GPU's memory vLLM may take (weights + KV cache); the trainer shares the GPU, so the
+    rest is its (TRL's colocate default is 0.3)."""
+    max_model_len: Annotated[int, Ge(256)] = 32768
+    """Longest prompt + reply in tokens (a 15-step UI-TARS episode at 1920x1080 is ~40k with all
+    screenshots; lower it with policy.history_images)."""
+    dtype: Literal["auto", "bfloat16", "float16", "float32"] = "bfloat16"
+    """Weights and activations of the engine (the trainer's recomputed log-probs stay the loss's)."""
+    enforce_eager: bool = False
+    """No CUDA graphs: faster start (seconds instead of ~a minute), slower decoding."""
+    sleep_mode: bool = False
+    """Release the engine's GPU memory (weights and KV cache) during each update and take it back before
+    the next rollout (vLLM's sleep(level=1) / wake_up): more memory for a large model's update."""
+
+
+@dataclass(frozen=True)
 class PolicyConfig:
+    backend: Literal["hf", "vllm"] = "hf"
+    """Who generates replies in baseline, train and evaluate: `hf` (the transformers model itself, CPU or
+    GPU) or `vllm` (a vLLM engine colocated on the trainer's GPU that receives the trainer's weights after
+    every update; needs a CUDA GPU and the environment of scripts/setup_gpu.sh; the trained policy is then
+    put on the GPU with either train.engine)."""
     system_prompt: Literal["uitars", "compact"] = "compact"
     """Prompt template: the full UI-TARS computer-use prompt, or a short one for tiny CPU models."""
     history_images: Annotated[int, Ge(1)] | None = None
@@ -225,6 +250,16 @@ class PolicyConfig:
     """Reply length limit in tokens."""
     coord_mode: Literal["absolute", "relative1000"] = "absolute"
     """Model coordinates: pixels of the smart_resized image (UI-TARS-1.5) or 0-1000 (UI-TARS-1.0)."""
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+
+    def cross_checks(self) -> CrossChecks:
+        """Rules across fields, checked by the loader: (field, rule, other fields involved)."""
+        if self.backend == "vllm" and self.vllm.max_model_len <= self.max_new_tokens:
+            yield (
+                "vllm.max_model_len",
+                f"must be > max_new_tokens = {self.max_new_tokens} with backend vllm: a prompt needs room",
+                ("max_new_tokens", "backend"),
+            )
 
 
 @dataclass(frozen=True)

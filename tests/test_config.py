@@ -117,6 +117,7 @@ def test_defaults_equal_empty_mapping_and_pass_every_rule():
         ({"env": {"ray_resources": {"gpu": "x"}}}, "env.ray_resources.gpu = 'x' is not a number"),
         ({"env": {"kind": "webarena"}}, "env.kind = 'webarena' is not one of ['miniwob', 'osworld']"),
         ({"env": {"osworld": {"provider": "vmware"}}}, "env.osworld.provider = 'vmware' is not one of"),
+        ({"policy": {"backend": "sglang"}}, "policy.backend = 'sglang' is not one of ['hf', 'vllm']"),
     ],
 )
 def test_bad_values_name_key_value_and_file(raw, needle):
@@ -166,6 +167,9 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("env.osworld.desktop_env_timeout_s", 0, TINY, ()),
     ("policy.history_images", 0, 1, ()),
     ("policy.max_new_tokens", 0, 1, ()),
+    ("policy.vllm.gpu_memory_utilization", 0, TINY, ()),
+    ("policy.vllm.gpu_memory_utilization", 1.01, 1, ()),
+    ("policy.vllm.max_model_len", 255, 256, ()),
     ("init_policy.seed", -1, 0, ()),
     ("init_policy.rope_theta", 0, TINY, ()),
     ("init_policy.mrope", [2, 7], [2, 7, 7], ()),
@@ -803,3 +807,30 @@ def test_every_field_is_documented(cls):
         nxt = body[i + 1] if i + 1 < len(body) else None
         documented = isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant)
         assert documented, f"{cls.__name__}.{node.target.id} has no docstring line"
+
+
+# --------------------------------------------------------------------------------------------------
+# policy.backend (issue 16, item 5)
+
+
+def test_vllm_backend_params_are_valid_with_either_engine():
+    for engine in ("torch", "deepspeed"):
+        p = load_params(ROOT / "params.yaml", ["policy.backend=vllm", f"train.engine={engine}"])
+        assert p.policy.backend == "vllm" and p.train.engine == engine
+    assert load_params(ROOT / "params.yaml", ["policy.backend=vllm"]).policy.backend == "vllm"
+    assert load_params(ROOT / "params.yaml").policy.backend == "hf"  # the embedded default
+
+
+def test_vllm_max_model_len_must_leave_room_for_a_prompt():
+    with pytest.raises(ConfigError) as err:
+        load_params(
+            ROOT / "params.yaml",
+            ["policy.backend=vllm", "policy.max_new_tokens=512", "policy.vllm.max_model_len=256"],
+        )
+    msg = str(err.value)
+    assert msg.startswith(
+        "policy.vllm.max_model_len = 256 is out of range: must be > max_new_tokens = 512"
+    ), msg
+    assert "-S policy.vllm.max_model_len=256" in msg and "policy.backend = 'vllm'" in msg, msg
+    # the rule is about the vllm backend only
+    parse_params({"policy": {"max_new_tokens": 512, "vllm": {"max_model_len": 256}}})
