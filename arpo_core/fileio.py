@@ -7,19 +7,110 @@ Decisions:
 2. On any error the temp file is removed and the error propagates.
 3. `atomic_path` hands a writer (pyarrow, matplotlib, csv) an open binary file; the text/JSON helpers
    are thin wrappers over it.
+4. A full disk or an unwritable output is one clear `OutputError` (an OSError with the original errno)
+   saying what was being written, where, how much space it needed and how much is free
+   (`write_error`), never a bare `[Errno 28]` or a library's `iostream error`: a writer that fails
+   without an errno (torch's serializer, pyarrow) while the device is (nearly) full is reported as a
+   full disk too. `check_space` fails before anything is written when the known need exceeds the free
+   space, so the previous output is never touched by a write that cannot finish.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import shutil
 import tempfile
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-__all__ = ["atomic_open", "atomic_write_json", "atomic_write_text"]
+__all__ = [
+    "OutputError",
+    "atomic_open",
+    "atomic_write_json",
+    "atomic_write_text",
+    "check_space",
+    "free_bytes",
+    "tree_size",
+    "write_error",
+]
+
+DISK_FULL = (errno.ENOSPC, errno.EDQUOT)
+UNWRITABLE = (errno.EROFS, errno.EACCES, errno.EPERM)
+NEARLY_FULL_BYTES = 16 << 20
+"""Free space under which a writer's errno-less failure (torch, pyarrow) is taken for a full disk."""
+
+
+class OutputError(OSError):
+    """Decision 4: an output could not be written (disk full, read-only, no permission); the message
+    says what, where and how much space."""
+
+
+def _mb(n: int) -> str:
+    return f"{n / 2**20:.1f} MB"
+
+
+def free_bytes(path: str | os.PathLike) -> int:
+    """Free bytes (for this user) on the filesystem of `path`, or of its nearest existing parent."""
+    p = Path(path).absolute()
+    while not p.exists() and p != p.parent:
+        p = p.parent
+    return shutil.disk_usage(p).free
+
+
+def tree_size(path: str | os.PathLike) -> int:
+    """Bytes of the files under `path` (a file's own size); 0 when missing."""
+    p = Path(path)
+    if p.is_file():
+        return p.stat().st_size
+    total = 0
+    for dirpath, _, files in os.walk(p):
+        for f in files:
+            with suppress(OSError):
+                total += (Path(dirpath) / f).stat().st_size
+    return total
+
+
+def write_error(
+    e: BaseException, what: str, path: str | os.PathLike, needed: int | None = None
+) -> OutputError | None:
+    """Decision 4: the clear error for `e`, raised while writing `what` at `path`; None when `e` is not
+    a disk-space or permission failure."""
+    if isinstance(e, OutputError):
+        return e
+    code = getattr(e, "errno", None)
+    try:
+        free = free_bytes(path)
+    except OSError:
+        free = -1
+    need = f", about {_mb(needed)} needed" if needed else ""
+    if code in DISK_FULL or (
+        code is None and isinstance(e, RuntimeError | OSError) and 0 <= free < NEARLY_FULL_BYTES
+    ):
+        return OutputError(
+            code if code in DISK_FULL else errno.ENOSPC,
+            f"disk full while writing {what} to {path}: {_mb(max(free, 0))} free{need} "
+            f"(free space on that device, then run again; the previous output is intact) [{type(e).__name__}: {e}]",
+        )
+    if code in UNWRITABLE:
+        return OutputError(
+            code, f"cannot write {what} to {path}: {os.strerror(code)} (check its permissions)"
+        )
+    return None
+
+
+def check_space(path: str | os.PathLike, needed: int, what: str, margin: float = 1.1) -> None:
+    """Decision 4: raise `OutputError` before writing when `needed` bytes (times `margin`) do not fit."""
+    free = free_bytes(path)
+    if needed * margin > free:
+        raise OutputError(
+            errno.ENOSPC,
+            f"not enough disk space to write {what} to {path}: about {_mb(int(needed * margin))} needed, "
+            f"{_mb(free)} free (nothing was written; the previous output is intact)",
+        )
 
 
 @contextmanager
@@ -29,15 +120,29 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
         raise ValueError(f"atomic_open writes only ('wb' or 'w'), got mode {mode!r}")
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    except OSError as e:
+        err = write_error(e, path.name, path.parent)
+        if err is None:
+            raise
+        raise err from e
     try:
         with os.fdopen(fd, mode, **({"encoding": "utf-8", "newline": ""} if mode == "w" else {})) as f:
             yield f
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
-    except BaseException:
+    except BaseException as e:
+        written = tree_size(tmp)
         Path(tmp).unlink(missing_ok=True)
+        err = (
+            write_error(e, path.name, path.parent, needed=written or None)
+            if isinstance(e, Exception)
+            else None
+        )
+        if err is not None and err is not e:
+            raise err from e
         raise
 
 

@@ -84,7 +84,7 @@ from arpo_core.advantages import group_advantages
 from arpo_core.config import PolicyConfig, TrainConfig
 from arpo_core.engines import make_engine
 from arpo_core.envs.base import TaskSpec
-from arpo_core.fileio import atomic_write_text
+from arpo_core.fileio import atomic_write_text, check_space, tree_size, write_error
 from arpo_core.policy.generate import Generator, HFGenerator
 from arpo_core.policy.model import Policy, load_policy
 from arpo_core.replay import FILLED, NOT_FAILED, FillResult, ReplayBuffer
@@ -141,17 +141,33 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
     ckpts.mkdir(parents=True, exist_ok=True)
     name = f"epoch-{state.epoch:04d}"
     tmp = ckpts / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
-    policy.save(tmp / "policy")
-    engine.save(tmp)
-    replay.save(tmp / "replay")
-    torch.save(_rng_state(), tmp / "rng.pt")
-    (tmp / "state.json").write_text(
-        json.dumps(
-            {"epoch": state.epoch, "policy_version": state.policy_version, "history": state.history}, indent=1
+    for stale in ckpts.glob(".epoch-*.tmp"):  # partial checkpoints of a killed run
+        shutil.rmtree(stale, ignore_errors=True)
+    # Disk full: fail before writing when the last checkpoint's size does not fit, and on any write
+    # failure remove the partial temp dir and say what, where and how much (fileio decision 4); the
+    # previous checkpoint and `latest` stay as they were.
+    previous = latest_checkpoint(out_dir)
+    needed = tree_size(previous) if previous is not None else 0
+    check_space(ckpts, needed, f"checkpoint {name}")
+    try:
+        tmp.mkdir()
+        policy.save(tmp / "policy")
+        engine.save(tmp)
+        replay.save(tmp / "replay")
+        torch.save(_rng_state(), tmp / "rng.pt")
+        (tmp / "state.json").write_text(
+            json.dumps(
+                {"epoch": state.epoch, "policy_version": state.policy_version, "history": state.history},
+                indent=1,
+            )
         )
-    )
+    except Exception as e:
+        written = tree_size(tmp)
+        shutil.rmtree(tmp, ignore_errors=True)
+        err = write_error(e, f"checkpoint {name}", ckpts, needed=max(needed, written) or None)
+        if err is None:
+            raise
+        raise err from e
     final = ckpts / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)

@@ -176,11 +176,12 @@ class StageRun:
         marker = stamp_path(self.root, self.name).with_suffix(".running")
         resumable = marker.exists() and marker.read_text().strip() == key
         if not resumable:
+            # Directories (a train run's checkpoints) would be resumed, so they go; a file output stays
+            # until the stage replaces it atomically at its end (fileio.py), so a stage that fails (disk
+            # full, a bug) leaves the previous good file (issue 18).
             for out in self._outputs().values():
                 if out.is_dir():
                     shutil.rmtree(out)
-                elif out.exists():
-                    out.unlink()
             marker.parent.mkdir(parents=True, exist_ok=True)
             marker.write_text(key)
         return marker

@@ -109,9 +109,16 @@ def run(
 ) -> dict[str, Any]:
     """Train; the final policy to `out_dir/policy`, checkpoints to `out_dir/checkpoints`."""
     from arpo_core.policy.model import load_policy
-    from arpo_core.trainer import train
+    from arpo_core.trainer import latest_checkpoint, train
 
     setup_torch(p)
+    ckpt = latest_checkpoint(out_dir) if resume else None
+    if ckpt is not None:
+        done = json.loads((ckpt / "state.json").read_text())["epoch"]
+        print(
+            f"[train] resuming from epoch {done} ({ckpt}); epochs {done + 1}..{p.train.epochs} to go",
+            flush=True,
+        )
     policy_dir = resolve_policy(policy_dir)
     tasks = training_tasks(p, selected_path)
     t = p.train
