@@ -45,6 +45,7 @@ import fcntl
 import hashlib
 import io
 import json
+import logging
 import os
 import shutil
 import tempfile
@@ -53,6 +54,7 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import uuid
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -82,6 +84,7 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 OSWORLD_DEFAULT_ROOT = REPO_ROOT / "data" / "osworld"  # shipped unmodified, Apache-2.0 (its NOTICE.md)
 PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 PROVIDERS = ("local", "remote")
+log = logging.getLogger("arpo.osworld")
 
 
 def osworld_root() -> Path:
@@ -103,11 +106,94 @@ def resolve_task_path(path: str) -> Path:
 # ---------------------------------------------------------------------------------------------------------
 
 
-def task_spec_from_json(task: dict, domain: str, path: str = "", split: str = "in_domain") -> TaskSpec:
-    """An OSWorld task dict -> TaskSpec (feasible unless func is `infeasible`; see decision 3)."""
+class TaskFileError(ValueError):
+    """An OSWorld task file that cannot be used; the message names the file and the field."""
+
+
+def _kind(value: Any) -> str:
+    return "null" if value is None else type(value).__name__
+
+
+def _check_steps(steps: Any, where: str, field: str) -> None:
+    if steps is None:
+        return
+    if not isinstance(steps, list):
+        raise TaskFileError(f"{where}: {field!r} must be a list of steps, got {_kind(steps)} {steps!r:.60}")
+    for i, step in enumerate(steps):
+        if not isinstance(step, dict):
+            raise TaskFileError(f"{where}: {field}[{i}] must be an object, got {_kind(step)}")
+        if not isinstance(step.get("type"), str):
+            raise TaskFileError(f"{where}: {field}[{i}].type must be a string, got {_kind(step.get('type'))}")
+        if not isinstance(step.get("parameters", {}), dict):
+            raise TaskFileError(f"{where}: {field}[{i}].parameters must be an object")
+
+
+def validate_task(task: Any, where: str) -> None:
+    """Raise `TaskFileError` naming `where` (the file) and the field when `task` is not an OSWorld task
+    the loader and `unsupported_features` can read (decision 3)."""
+    if not isinstance(task, dict):
+        raise TaskFileError(f"{where}: a task file must hold a JSON object, got {_kind(task)}")
     for key in ("id", "instruction", "evaluator"):
         if key not in task:
-            raise ValueError(f"{path or 'task'}: OSWorld task without {key!r}")
+            raise TaskFileError(f"{where}: OSWorld task without {key!r}")
+    if not isinstance(task["id"], str | int) or isinstance(task["id"], bool) or str(task["id"]) == "":
+        raise TaskFileError(
+            f"{where}: 'id' must be a non-empty string, got {_kind(task['id'])} {task['id']!r:.60}"
+        )
+    if not isinstance(task["instruction"], str):
+        raise TaskFileError(f"{where}: 'instruction' must be a string, got {_kind(task['instruction'])}")
+    ev = task["evaluator"]
+    if not isinstance(ev, dict):
+        raise TaskFileError(f"{where}: 'evaluator' must be an object, got {_kind(ev)} {ev!r:.60}")
+    funcs = ev.get("func")
+    if not (
+        isinstance(funcs, str)
+        or (isinstance(funcs, list) and funcs and all(isinstance(f, str) for f in funcs))
+    ):
+        raise TaskFileError(f"{where}: evaluator.func must be a name or a list of names, got {_kind(funcs)}")
+    _check_steps(task.get("config"), where, "config")
+    _check_steps(ev.get("postconfig"), where, "evaluator.postconfig")
+    for key in ("result", "expected"):
+        value = ev.get(key)
+        items = value if isinstance(value, list) else [value]
+        for item in items:
+            if item is not None and not isinstance(item, dict):
+                raise TaskFileError(
+                    f"{where}: evaluator.{key} must be an object or a list of them, got {_kind(item)}"
+                )
+            if isinstance(item, dict) and not isinstance(item.get("type", ""), str):
+                raise TaskFileError(f"{where}: evaluator.{key}.type must be a string")
+    for key in ("options",):
+        if ev.get(key) is not None and not isinstance(ev[key], dict | list):
+            raise TaskFileError(f"{where}: evaluator.{key} must be an object or a list, got {_kind(ev[key])}")
+
+
+def read_task_file(path: str | Path) -> dict:
+    """The JSON object of a task file; `TaskFileError` naming the file for unreadable, binary or
+    malformed content (with the line and column of a JSON error)."""
+    p = Path(path)
+    try:
+        raw = p.read_bytes()
+    except OSError as e:
+        raise TaskFileError(f"{p}: cannot read: {e.strerror or e}") from e
+    if b"\0" in raw:
+        raise TaskFileError(f"{p}: not a JSON text file (binary content)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise TaskFileError(f"{p}: not UTF-8 text (byte {e.start}): not a JSON task file") from e
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise TaskFileError(f"{p}: invalid JSON at line {e.lineno} column {e.colno}: {e.msg}") from e
+    except RecursionError as e:
+        raise TaskFileError(f"{p}: invalid JSON: nested too deeply") from e
+
+
+def task_spec_from_json(task: dict, domain: str, path: str = "", split: str = "in_domain") -> TaskSpec:
+    """An OSWorld task dict -> TaskSpec (feasible unless func is `infeasible`; see decision 3). Raises
+    `TaskFileError` (a ValueError) naming the file and the field for a malformed task."""
+    validate_task(task, path or "task")
     return TaskSpec(
         domain=domain,
         task_id=str(task["id"]),
@@ -122,17 +208,39 @@ def task_spec_from_json(task: dict, domain: str, path: str = "", split: str = "i
 def load_osworld_task(path: str | Path, domain: str | None = None) -> TaskSpec:
     """One OSWorld task file; the domain defaults to its folder name (`examples/<domain>/<id>.json`)."""
     p = Path(path)
-    return task_spec_from_json(json.loads(p.read_text()), domain or p.parent.name, str(p))
+    return task_spec_from_json(read_task_file(p), domain or p.parent.name, str(p))
 
 
-def load_osworld_index(root: str | Path | None = None, index: str = "test_all.json") -> list[TaskSpec]:
-    """All tasks listed in `<root>/evaluation_examples/<index>` ({domain: [ids]}), in index order."""
+def load_osworld_files(paths: Iterable[str | Path]) -> tuple[list[TaskSpec], list[tuple[str, str]]]:
+    """Every file that loads, and (file, reason) for each rejected one: a bad file is listed and
+    logged (one warning line) without stopping the others."""
+    specs, rejected = [], []
+    for path in paths:
+        try:
+            specs.append(load_osworld_task(path))
+        except TaskFileError as e:
+            rejected.append((str(path), str(e)))
+            log.warning("OSWorld task file rejected: %s", e)
+    return specs, rejected
+
+
+def load_osworld_index(
+    root: str | Path | None = None, index: str = "test_all.json", rejected: list | None = None
+) -> list[TaskSpec]:
+    """All tasks listed in `<root>/evaluation_examples/<index>` ({domain: [ids]}), in index order. A
+    listed file that is missing or malformed is skipped with a warning and appended to `rejected`
+    ((file, reason)) when given, instead of aborting the whole index."""
     base = Path(root) if root is not None else osworld_root()
     ex = base / "evaluation_examples"
-    listing = json.loads((ex / index).read_text())
-    return [
-        load_osworld_task(ex / "examples" / d / f"{i}.json", d) for d, ids in listing.items() for i in ids
-    ]
+    listing = read_task_file(ex / index)
+    if not isinstance(listing, dict) or not all(isinstance(v, list) for v in listing.values()):
+        raise TaskFileError(f"{ex / index}: an index must map each domain to a list of task ids")
+    specs, bad = load_osworld_files(
+        ex / "examples" / d / f"{i}.json" for d, ids in listing.items() for i in ids
+    )
+    if rejected is not None:
+        rejected.extend(bad)
+    return specs
 
 
 def support_report(specs: list[TaskSpec]) -> dict[str, Any]:
@@ -165,7 +273,9 @@ def load_osworld_suite(path: str | Path) -> list[TaskSpec]:
         if "path" not in s.config:
             raise ValueError(f"{path}: task {s.task_id} has no config.path to its OSWorld JSON")
         file = resolve_task_path(s.config["path"])
-        task = json.loads(file.read_text())
+        task = read_task_file(file)
+        if not isinstance(task, dict):
+            raise TaskFileError(f"{file}: a task file must hold a JSON object, got {_kind(task)}")
         if str(task.get("id")) != s.task_id:
             raise ValueError(f"{path}: task_id {s.task_id} != id {task.get('id')!r} in {file}")
         full = task_spec_from_json(task, s.domain, s.config["path"], s.split)
