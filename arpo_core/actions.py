@@ -458,11 +458,18 @@ def _split_thought(text: str) -> tuple[str, int]:
     )
 
 
-def parse_response(text: str) -> ParsedResponse:
+MAX_ACTIONS_PER_REPLY = 16
+"""A reply with more actions is a format error (docs/method.md §3): UI-TARS writes one to three per step;
+an unbounded count would let one reply run thousands of GUI events (a 50,000-action reply was accepted)."""
+
+
+def parse_response(text: str, max_actions: int = MAX_ACTIONS_PER_REPLY) -> ParsedResponse:
     """Parse a UI-TARS reply into its thought and actions (coordinates in model-image pixels).
 
     Raises ActionParseError with a message saying what is wrong; see the module docstring for the
-    accepted forms and tolerances. Never evaluates any part of `text`.
+    accepted forms and tolerances. More than `max_actions` actions is an error too (checked before the
+    next action is parsed, so a huge reply costs no more than `max_actions` actions). Never evaluates
+    any part of `text`.
     """
     if not isinstance(text, str):
         raise ActionParseError(f"reply must be a str, got {type(text).__name__}")
@@ -472,6 +479,11 @@ def parse_response(text: str) -> ParsedResponse:
         raise ActionParseError("no action after 'Action:'")
     actions: list[Action] = []
     while True:
+        if len(actions) >= max_actions:
+            raise ActionParseError(
+                f"more than {max_actions} actions in one reply (the limit per reply; "
+                f"next at {_snippet(text, pos)})"
+            )
         where = f"action {len(actions) + 1}"
         start = pos
         try:

@@ -972,3 +972,22 @@ def test_rendered_code_shape(actions: list[Action], screen: tuple[int, int] | No
                 else:
                     continue
                 assert 0 <= x < screen[0] and 0 <= y < screen[1], cmd
+
+
+def test_actions_per_reply_are_bounded_beyond_it_a_format_error():
+    import time
+
+    from arpo_core.actions import MAX_ACTIONS_PER_REPLY
+
+    one = "click(start_box='(10,20)')"
+    ok = parse_response("Thought: many\nAction: " + "\n\n".join([one] * MAX_ACTIONS_PER_REPLY))
+    assert len(ok.actions) == MAX_ACTIONS_PER_REPLY == 16
+    with pytest.raises(ActionParseError, match="more than 16 actions in one reply"):
+        parse_response("Thought: many\nAction: " + "\n\n".join([one] * (MAX_ACTIONS_PER_REPLY + 1)))
+    t0 = time.monotonic()
+    with pytest.raises(ActionParseError, match="more than 16 actions"):
+        parse_response("Thought: flood\nAction: " + "\n\n".join([one] * 50_000))
+    assert time.monotonic() - t0 < 1.0  # stops at the bound, does not parse 50,000 actions
+    assert len(parse_response("Action: " + "\n\n".join([one] * 3), max_actions=3).actions) == 3
+    with pytest.raises(ActionParseError, match="more than 2 actions"):
+        parse_response("Action: " + "\n\n".join([one] * 3), max_actions=2)
