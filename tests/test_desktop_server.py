@@ -278,3 +278,112 @@ def test_screenshot_is_png_with_the_cursor_drawn(desktop):
     assert body[:8] == b"\x89PNG\r\n\x1a\n"
     # the root window is black; the drawn cursor is white just below/right of the tip
     assert img.getpixel((302, 206)) == (255, 255, 255)
+
+
+# ------------------------------------------------------------------ confinement and bounds (issue 18)
+def test_confine_keeps_paths_in_the_session_home(tmp_path):
+    home = tmp_path / "home"
+    (home / "Documents").mkdir(parents=True)
+    (home / "link_out").symlink_to("/etc")
+    h = str(home)
+    assert ds.confine("/home/user/Documents/a.txt", h) == str(home / "Documents" / "a.txt")
+    assert ds.confine("~", h) == str(home) and ds.confine("rel/x", h) == str(home / "rel" / "x")
+    for bad in ("/etc/passwd", "~/../../..", "/home/user/../../etc/shadow", "link_out/passwd", "/proc/self"):
+        with pytest.raises(ds.HTTPError) as ei:
+            ds.confine(bad, h)
+        assert ei.value.code == 403, bad
+    for bad in (None, 3, "", ["x"], "a\0b"):
+        with pytest.raises(ds.HTTPError) as ei:
+            ds.confine(bad, h)
+        assert ei.value.code == 400
+
+
+def test_directory_tree_is_bounded_and_never_follows_links(tmp_path):
+    (tmp_path / "loop").symlink_to(tmp_path)
+    (tmp_path / "root").symlink_to("/")
+    tree = ds.directory_tree(str(tmp_path))
+    assert tree["children"] == [{"type": "file", "name": "loop"}, {"type": "file", "name": "root"}]
+    deep = tmp_path / "d"
+    for i in range(5):
+        deep = deep / str(i)
+    deep.mkdir(parents=True)
+    with pytest.raises(ds.TreeTooLarge, match="deeper than 3 levels"):
+        ds.directory_tree(str(tmp_path), max_depth=3)
+    for i in range(30):
+        (tmp_path / f"f{i}").write_text("")
+    with pytest.raises(ds.TreeTooLarge, match="more than 10 entries"):
+        ds.directory_tree(str(tmp_path), max_entries=10)
+    with pytest.raises(ds.TreeTooLarge, match="took more than"):
+        ds.directory_tree(str(tmp_path), max_s=0.0)
+
+
+def _post(info, endpoint: str, body: bytes, ctype: str = "application/json", headers: dict | None = None):
+    req = urllib.request.Request(
+        f"{info.base_url}/t/{info.token}{endpoint}",
+        data=body,
+        method="POST",
+        headers={"Content-Type": ctype, **(headers or {})},
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def test_file_endpoints_refuse_paths_outside_the_home(desktop):
+    _, info, c = desktop
+    outside = Path(info.home).parent / "outside.txt"  # the session's runtime dir, beside the home
+    for path in ("/etc/passwd", "~/../../../etc/passwd", "/home/user/../../etc/hostname", str(outside)):
+        code, body = _post(info, "/file", json.dumps({"file_path": path}).encode())
+        assert code == 403 and b"outside the session home" in body, (path, code, body)
+        form = urllib.parse.urlencode({"file_path": path, "file_data": "x"}).encode()
+        code, _ = _post(info, "/setup/upload", form, "application/x-www-form-urlencoded")
+        assert code == 403, path
+        code, _ = _post(info, "/list_directory", json.dumps({"path": path}).encode())
+        assert code == 403, path
+        code, _ = _post(info, "/setup/open_file", json.dumps({"path": path}).encode())
+        assert code == 403, path
+    assert not outside.exists()
+    os.symlink("/", os.path.join(info.home, "slash"))
+    assert _post(info, "/file", json.dumps({"file_path": "~/slash/etc/passwd"}).encode())[0] == 403
+    assert c.list_directory("/") is None  # 403 -> the client's "not found"
+    # inside the home all still works, and a link loop is listed, not followed
+    os.symlink(info.home, os.path.join(info.home, "Documents", "loop"))
+    t0 = time.monotonic()
+    tree = c.list_directory("/home/user")
+    assert time.monotonic() - t0 < 10 and tree["type"] == "directory"
+
+
+def test_malformed_requests_get_4xx_not_500(desktop):
+    _, info, _ = desktop
+    j = "application/json"
+    cases = [
+        ("/execute", b"{not json", j, 400),
+        ("/execute", b"[1, 2]", j, 400),
+        ("/execute", b"{}", j, 400),  # no command
+        ("/file", b"{}", j, 400),
+        ("/file", json.dumps({"file_path": 7}).encode(), j, 400),
+        ("/list_directory", json.dumps({"path": None}).encode(), j, 400),
+        ("/setup/upload", b"file_path=\xff\xfe&file_data=x", "application/x-www-form-urlencoded", 400),
+        ("/setup/upload", b"--x\r\nbroken", "multipart/form-data; boundary=x", 400),
+        ("/setup/activate_window", b"{}", j, 400),
+        ("/run_python", b"\xff\xfe", j, 400),
+        ("/setup/open_file", b'{"path": {"a": 1}}', j, 400),
+    ]
+    for endpoint, body, ctype, want in cases:
+        code, resp = _post(info, endpoint, body, ctype)
+        assert code == want, (endpoint, body, code, resp)
+    # a body over the bound is refused unread with 413
+    req = f"POST /t/{info.token}/setup/upload HTTP/1.1\r\nHost: x\r\nContent-Length: {ds.MAX_BODY_BYTES + 1}\r\n"
+    import socket
+
+    host, port = info.base_url.split("//")[1].split(":")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(req.encode() + b"Content-Type: application/json\r\n\r\n{")
+        assert sock.recv(100).startswith(b"HTTP/1.0 413")
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        sock.sendall(f"POST /t/{info.token}/file HTTP/1.1\r\nHost: x\r\nContent-Length: abc\r\n\r\n".encode())
+        assert sock.recv(100).startswith(b"HTTP/1.0 400")
+    # the server is still serving
+    assert raw(f"{info.base_url}/t/{info.token}/platform") == 200

@@ -41,6 +41,12 @@ Design decisions:
 7. /terminal returns the text of the most recently started terminal: each xterm logs its output
    (`xterm -l`), and the server strips escape sequences. OSWorld reads gnome-terminal's accessibility
    text instead; both give the commands and their output.
+8. Requests are bounded and checked (issue 18): the file endpoints (/file, /setup/upload,
+   /setup/open_file, /list_directory) resolve their path (symlinks, `..`) and refuse with 403 anything
+   outside the session home; /list_directory never follows links and stops at LIST_MAX_DEPTH levels,
+   LIST_MAX_ENTRIES entries or LIST_MAX_S seconds (400 naming the bound); a body over MAX_BODY_BYTES is
+   refused with 413 unread; malformed JSON, a missing field or a bad value is a 400, never a 500. (The
+   command endpoints still run whatever they are sent: the token is the boundary, as in OSWorld's VM.)
 """
 
 from __future__ import annotations
@@ -181,13 +187,67 @@ def split_token_path(path: str) -> tuple[str | None, str]:
     return None, path
 
 
-def directory_tree(path: str) -> dict[str, Any]:
-    """OSWorld's /list_directory shape: {"type": "directory", "name", "children": [...]} / {"type": "file"}."""
-    p = Path(path)
-    if p.is_dir():
-        children = [directory_tree(str(c)) for c in sorted(p.iterdir(), key=lambda c: c.name)]
-        return {"type": "directory", "name": p.name, "children": children}
-    return {"type": "file", "name": p.name}
+MAX_BODY_BYTES = 512 << 20
+"""Largest request body accepted (an upload of a task file); more is refused with 413 before reading."""
+LIST_MAX_DEPTH = 16
+LIST_MAX_ENTRIES = 20_000
+LIST_MAX_S = 5.0
+"""Bounds of /list_directory: nesting depth, entries in all and wall time; beyond any: 400 naming it."""
+
+
+class HTTPError(Exception):
+    """A request the server refuses with a 4xx status and a message (never a 500)."""
+
+    def __init__(self, code: int, message: str):
+        super().__init__(message)
+        self.code = code
+
+
+def confine(path: Any, home: str) -> str:
+    """`map_path`, then the resolved path (symlinks and `..` followed) must lie in the session home:
+    file endpoints never reach outside it (403 otherwise; 400 for a path that is not a string)."""
+    if not isinstance(path, str) or not path or "\0" in path:
+        raise HTTPError(HTTPStatus.BAD_REQUEST, f"path must be a non-empty string, got {path!r:.80}")
+    real_home = os.path.realpath(home)
+    real = os.path.realpath(map_path(path, home))
+    if real != real_home and not real.startswith(real_home + os.sep):
+        raise HTTPError(HTTPStatus.FORBIDDEN, f"path {path!r} is outside the session home")
+    return real
+
+
+class TreeTooLarge(Exception):
+    """`directory_tree` passed one of its bounds; the message says which."""
+
+
+def directory_tree(
+    path: str,
+    max_depth: int = LIST_MAX_DEPTH,
+    max_entries: int = LIST_MAX_ENTRIES,
+    max_s: float = LIST_MAX_S,
+) -> dict[str, Any]:
+    """OSWorld's /list_directory shape: {"type": "directory", "name", "children": [...]} / {"type": "file"}.
+    Symbolic links are listed as files, never followed (a link to / or /proc/self would never end);
+    raises `TreeTooLarge` past `max_depth` levels, `max_entries` entries or `max_s` seconds."""
+    deadline = time.monotonic() + max_s
+    count = [0]
+
+    def walk(p: Path, depth: int) -> dict[str, Any]:
+        count[0] += 1
+        if count[0] > max_entries:
+            raise TreeTooLarge(f"more than {max_entries} entries")
+        if time.monotonic() > deadline:
+            raise TreeTooLarge(f"listing took more than {max_s:g} s")
+        if p.is_dir() and not p.is_symlink():
+            if depth >= max_depth:
+                raise TreeTooLarge(f"deeper than {max_depth} levels")
+            try:
+                entries = sorted(p.iterdir(), key=lambda c: c.name)
+            except OSError:
+                entries = []
+            return {"type": "directory", "name": p.name, "children": [walk(c, depth + 1) for c in entries]}
+        return {"type": "file", "name": p.name}
+
+    return walk(Path(path), 0)
 
 
 def draw_cursor(image: Any, x: int, y: int) -> None:
@@ -411,11 +471,27 @@ class _Handler(BaseHTTPRequestHandler):
         self.wfile.write(body)
 
     def _body(self) -> bytes:
-        n = int(self.headers.get("Content-Length") or 0)
+        try:
+            n = int(self.headers.get("Content-Length") or 0)
+        except ValueError:
+            self.close_connection = True
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "bad Content-Length") from None
+        if n < 0:
+            self.close_connection = True
+            raise HTTPError(HTTPStatus.BAD_REQUEST, "bad Content-Length")
+        if n > MAX_BODY_BYTES:
+            self.close_connection = True  # the body is not read: the connection cannot be reused
+            raise HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {n} bytes > {MAX_BODY_BYTES}")
         return self.rfile.read(n) if n else b""
 
     def _json(self, raw: bytes) -> dict:
-        return json.loads(raw or b"{}")
+        try:
+            req = json.loads(raw or b"{}")
+        except (ValueError, RecursionError) as e:
+            raise HTTPError(HTTPStatus.BAD_REQUEST, f"malformed JSON body: {e}") from None
+        if not isinstance(req, dict):
+            raise HTTPError(HTTPStatus.BAD_REQUEST, f"JSON body must be an object, got {type(req).__name__}")
+        return req
 
     def _form(self, raw: bytes) -> dict[str, Any]:
         """Form fields of a urlencoded or multipart body (multipart file parts as (filename, bytes))."""
@@ -448,6 +524,12 @@ class _Handler(BaseHTTPRequestHandler):
             return
         try:
             fn()
+        except HTTPError as e:
+            self._reply(e.code, {"status": "error", "message": str(e)})
+        except KeyError as e:  # a required field of the request is missing
+            self._reply(HTTPStatus.BAD_REQUEST, {"status": "error", "message": f"missing field {e}"})
+        except (ValueError, TypeError, UnicodeDecodeError) as e:  # a malformed value
+            self._reply(HTTPStatus.BAD_REQUEST, {"status": "error", "message": f"{type(e).__name__}: {e}"})
         except Exception as e:  # a bad request must not kill the server thread silently
             self._reply(
                 HTTPStatus.INTERNAL_SERVER_ERROR, {"status": "error", "message": f"{type(e).__name__}: {e}"}
@@ -518,7 +600,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _post_setup_open_file(self) -> None:
         req = self._json(self._body())
-        path = map_path(req["path"], self.session.home)
+        path = confine(req["path"], self.session.home)
         if not os.path.exists(path):
             self._reply(404, {"status": "error", "message": f"file not found: {req['path']}"})
             return
@@ -551,9 +633,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _post_setup_upload(self) -> None:
         form = self._form(self._body())
-        path = map_path(form["file_path"], self.session.home)
+        path = confine(form["file_path"], self.session.home)
+        if os.path.isdir(path):
+            raise HTTPError(HTTPStatus.BAD_REQUEST, f"{form['file_path']!r} is a directory")
         data = form["file_data"]
-        data = data[1] if isinstance(data, tuple) else data.encode()
+        data = data[1] if isinstance(data, tuple) else str(data).encode()
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         with open(path, "wb") as f:
             f.write(data)
@@ -561,7 +645,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _post_file(self) -> None:
         form = self._form(self._body())
-        path = map_path(form["file_path"], self.session.home)
+        path = confine(form["file_path"], self.session.home)
         if not os.path.isfile(path):
             self._reply(404, {"status": "error", "message": f"file not found: {form['file_path']}"})
             return
@@ -569,11 +653,17 @@ class _Handler(BaseHTTPRequestHandler):
 
     def _post_list_directory(self) -> None:
         req = self._json(self._body())
-        path = map_path(req["path"], self.session.home)
+        path = confine(req["path"], self.session.home)
         if not os.path.isdir(path):
             self._reply(404, {"status": "error", "message": f"directory not found: {req['path']}"})
             return
-        self._reply(200, {"directory_tree": directory_tree(path)})
+        try:
+            tree = directory_tree(path)
+        except TreeTooLarge as e:
+            raise HTTPError(
+                HTTPStatus.BAD_REQUEST, f"directory {req['path']!r} is too large to list: {e}"
+            ) from None
+        self._reply(200, {"directory_tree": tree})
 
 
 def _watch_parent(parent_pid: int, runtime_dir: str) -> None:
