@@ -36,6 +36,7 @@ __all__ = [
     "comparison_json",
     "comparison_table",
     "epoch_series",
+    "plot_epoch_panels",
     "plot_epochs",
     "plot_replay",
 ]
@@ -176,6 +177,32 @@ def plot_epochs(
     ax.grid(True, alpha=0.3)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="best")
+    return _save(fig, out_png)
+
+
+def plot_epoch_panels(
+    history: Sequence[Metrics],
+    panels: Mapping[str, Sequence[str]],
+    out_png: str | os.PathLike,
+    *,
+    x_key: str = "epoch",
+) -> Path:
+    """One panel per `{title: [metric keys]}`, each key a line over `x_key` from the history rows (a
+    training run's per-epoch rows). A static image: it renders anywhere, offline (`dvc plots show`)."""
+    fig = Figure(figsize=(4.0 * max(1, len(panels)), 3.4), layout="constrained")
+    for j, (title, keys) in enumerate(panels.items()):
+        ax = fig.add_subplot(1, max(1, len(panels)), j + 1)
+        for i, key in enumerate(keys):
+            pts = epoch_series(history, key, x_key)
+            if pts:
+                xs, ys = zip(*pts, strict=True)
+                ax.plot(xs, ys, marker="o", linewidth=2, color=_FALLBACK[i % len(_FALLBACK)], label=key)
+        ax.set_title(title)
+        ax.set_xlabel(x_key)
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(True, alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(loc="best", fontsize=7)
     return _save(fig, out_png)
 
 

@@ -61,7 +61,15 @@ Decisions:
     holding the key; a task's size changes only in its own iteration); everything else (losses, clip
     fractions, times, `train/nonzero_adv_frac`) is the mean over iterations. Until issue 15 every key was
     the mean over iterations: the history's counts were per-iteration means and `replay/*` the mean of
-    running totals.
+    running totals. `logprob/*max*` keys are the maximum over the epoch's iterations.
+12. A generator that holds its own copy of the weights (the vLLM backend, generate.py decision 8) gets
+    the policy's new weights after every update (`sync_weights`, after the update's last optimizer step,
+    before the next rollout; `before_update` first lets it free GPU memory), and once when it is built.
+    Its log-probs are only a diagnostic: the update's old log-probs are the trainer's recomputation
+    (`compute_logps` under the behaviour weights, passed to `ppo_update`), and the fresh replies' summed
+    log-probs are compared with the generator's (`logprob/gen_vs_train_max_abs`: the largest |difference|
+    of one reply's sum; `..._per_token`: that difference over the reply's tokens, max and mean). With
+    the HF backend the generator is the trained model itself: nothing to sync or compare.
 """
 
 from __future__ import annotations
@@ -87,6 +95,7 @@ from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_text, check_space, tree_size, write_error
 from arpo_core.policy.generate import Generator, HFGenerator
 from arpo_core.policy.model import Policy, load_policy
+from arpo_core.policy.sequences import reply_logprob_sums
 from arpo_core.replay import FILLED, NOT_FAILED, FillResult, ReplayBuffer
 from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes
 from arpo_core.seeds import derive_seed
@@ -98,6 +107,7 @@ __all__ = [
     "TrainState",
     "epoch_summary",
     "latest_checkpoint",
+    "logprob_gap",
     "prepare_batch",
     "task_metrics",
     "train",
@@ -285,19 +295,24 @@ class _Run:
 
 
 def _restore_or_start(
-    policy_dir: str | os.PathLike, out_dir: Path, cfg: TrainConfig, seed: int, resume: bool
+    policy_dir: str | os.PathLike,
+    out_dir: Path,
+    cfg: TrainConfig,
+    seed: int,
+    resume: bool,
+    device: str = "cpu",
 ) -> tuple[Policy, Any, ReplayBuffer, TrainState, Policy | None]:
     """The last complete epoch's policy, engine, buffer, state and RNG states (decision 5), or a fresh
     start from `policy_dir` with the global RNGs seeded from the run seed; and the frozen reference
     policy when train.loss.kl_coef > 0 (decision 8)."""
     ckpt = latest_checkpoint(out_dir) if resume else None
     if ckpt is not None:
-        policy = load_policy(ckpt / "policy")
+        policy = load_policy(ckpt / "policy", device=device)
         meta = json.loads((ckpt / "state.json").read_text())
         state = TrainState(meta["epoch"], meta["policy_version"], meta["history"])
         replay = ReplayBuffer.load(ckpt / "replay", config=cfg.replay)
     else:
-        policy = load_policy(policy_dir)
+        policy = load_policy(policy_dir, device=device)
         state = TrainState()
         replay = ReplayBuffer(cfg.replay)
     reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
@@ -337,6 +352,14 @@ def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, f
         if run.reference is not None
         else None
     )
+    synced = callable(getattr(run.generator, "sync_weights", None))  # decision 12
+    old_logps, extra = None, {}
+    if synced:
+        run.generator.before_update()
+        old_logps = compute_logps(
+            run.policy, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, module=run.engine.module
+        )
+        extra = logprob_gap([batch.trajectories[i] for i in keep], seqs, old_logps)
     stats = ppo_update(
         run.policy,
         run.engine,
@@ -344,12 +367,51 @@ def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, f
         adv[keep],
         cfg,
         seed=derive_seed("minibatch", run.seed, epoch, it),
+        old_logps=old_logps,
         ref_logps=ref_logps,
     )
     run.state.policy_version += 1
-    return stats.as_metrics() | {
-        "time/update_s": time.monotonic() - t0,
-        "train/nonzero_adv_frac": float((adv != 0).float().mean()),
+    if synced:
+        t1 = time.monotonic()
+        run.generator.sync_weights(run.policy.model)
+        extra["time/weight_sync_s"] = time.monotonic() - t1
+    return (
+        stats.as_metrics()
+        | {
+            "time/update_s": time.monotonic() - t0,
+            "train/nonzero_adv_frac": float((adv != 0).float().mean()),
+        }
+        | extra
+    )
+
+
+def logprob_gap(
+    trajectories: Sequence[Trajectory], seqs: Sequence[Any], logps: Sequence[torch.Tensor]
+) -> dict[str, float]:
+    """Decision 12's diagnostic: the generator's summed log-prob of each fresh reply (`gen_logprob_sum`)
+    against the trainer's recomputation (`logps`, one (L_i,) tensor per sequence of `seqs`). Replayed
+    trajectories (an older policy's) and replies without sampled tokens are left out."""
+    diffs: list[tuple[float, int]] = []
+    for traj, seq, lp in zip(trajectories, seqs, logps, strict=True):
+        if traj.replayed:
+            continue
+        steps = [s for s in traj.steps if s.train_reply]
+        sums = reply_logprob_sums(seq.assistant_mask, lp)
+        if len(sums) != len(steps):
+            continue
+        diffs += [
+            (abs(total - s.gen_logprob_sum), n)
+            for (total, n), s in zip(sums, steps, strict=True)
+            if s.response_token_ids
+        ]
+    if not diffs:
+        return {}
+    per_token = [d / n for d, n in diffs]
+    return {
+        "logprob/gen_vs_train_max_abs": max(d for d, _ in diffs),
+        "logprob/gen_vs_train_max_abs_per_token": max(per_token),
+        "logprob/gen_vs_train_mean_abs_per_token": sum(d for d, _ in diffs) / sum(n for _, n in diffs),
+        "logprob/replies_compared": float(len(diffs)),
     }
 
 
@@ -436,6 +498,7 @@ def train(
     on_epoch: Callable[[int, Policy], dict[str, Any] | None] | None = None,
     progress_factory: Callable[..., Any] | None = None,
     generator_factory: Callable[[Policy], Any] | None = None,
+    device: str = "cpu",
 ) -> TrainState:
     """Train from `policy_dir` (or resume from `out_dir`'s last checkpoint) for `cfg.epochs` epochs.
 
@@ -444,14 +507,18 @@ def train(
         pool: an `EnvPool` (or anything with its submit_* API).
         seed: the run seed (`project.seed`), root of every derived seed (decision 9).
         rollout: how training episodes are played (sampling, step limit, pixels), built from params.
-        generator_factory: policy -> Generator; default `HFGenerator` with policy_cfg's prompt.
+        generator_factory: policy -> Generator; default `HFGenerator` with policy_cfg's prompt. A
+            generator with `sync_weights` gets the weights after every update (decision 12).
+        device: where the trained policy is loaded ("cuda" with the vLLM backend: colocated).
 
     Trajectories go to `out_dir/trajectories/epoch-EEEE-iter-III.parquet` (filled groups, replayed flag
     set), checkpoints to `out_dir/checkpoints/`. Returns the final state (its history has one entry per
     epoch).
     """
     out_dir = Path(out_dir)
-    policy, engine, replay, state, reference = _restore_or_start(policy_dir, out_dir, cfg, seed, resume)
+    policy, engine, replay, state, reference = _restore_or_start(
+        policy_dir, out_dir, cfg, seed, resume, device
+    )
     generator = (
         generator_factory(policy)
         if generator_factory is not None
@@ -493,7 +560,7 @@ _TASK_SUMMED = ("episodes", "all_fail_groups", "replay_fills")
 
 
 def _reduction(key: str) -> tuple[str, str | None]:
-    """How decision 11 reduces `key` over an epoch's rows: ('sum' | 'last' | 'mean', None) or
+    """How decision 11 reduces `key` over an epoch's rows: ('sum' | 'last' | 'max' | 'mean', None) or
     ('per_episode', the key of its episode count)."""
     if key.startswith("task/"):
         task, _, name = key.rpartition("/")
@@ -509,6 +576,8 @@ def _reduction(key: str) -> tuple[str, str | None]:
         return "per_episode", "rollout/episodes"
     if key.startswith("replay/"):
         return "last", None
+    if key.startswith("logprob/") and "max" in key:
+        return "max", None
     return "mean", None
 
 
@@ -523,6 +592,8 @@ def epoch_summary(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
             out[key] = float(sum(values))
         elif rule == "last":
             out[key] = values[-1]
+        elif rule == "max":
+            out[key] = max(values)
         elif rule == "per_episode":
             weights = [float(r.get(weight_key, 0.0)) for r in held]
             total = sum(weights)

@@ -20,6 +20,11 @@ Decisions:
    thousands of steps stays responsive. The first visible episode is open.
 5. Filters by task, outcome (success / failure / replayed / format error) and epoch; the header shows
    "N of M episodes" for the current filter.
+6. Every episode says where it came from: its policy (given, e.g. the evaluation file's name `base` /
+   `arpo`, else the stage and run id the trajectory was written with) and its source file, so a page
+   combining several files never leaves the reader guessing which policy played an episode.
+7. Pages are readable by everyone who can read the directory (mode 0644, as any other generated
+   report): the atomic temp file is created 0600, so the written page is set to 0644.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pathlib import Path
 from arpo_core.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory
 
-__all__ = ["split_reply", "viewer_data", "write_viewer"]
+__all__ = ["policy_label", "split_reply", "viewer_data", "write_viewer"]
 
 _THOUGHT = re.compile(r"^\s*(?:Thought|Reflection|Action_Summary)\s*:\s*", re.IGNORECASE)
 
@@ -90,8 +95,24 @@ def _actions(actions_json: str) -> tuple[list[dict], str]:
     return out, ""
 
 
-def viewer_data(trajectories: Sequence[Trajectory]) -> dict:
-    """The JSON the page renders: {"images": {sha1: base64}, "episodes": [...]}."""
+def policy_label(t: Trajectory) -> str:
+    """Decision 6's default label: the policy part of the run id the trajectory was written with
+    ('evaluate-arpo' -> 'arpo'), else 'stage/run id'."""
+    if t.run_id.startswith(f"{t.stage}-"):
+        return t.run_id[len(t.stage) + 1 :]
+    return t.run_id if t.run_id == t.stage else f"{t.stage}/{t.run_id}"
+
+
+def viewer_data(
+    trajectories: Sequence[Trajectory],
+    policies: Sequence[str] | None = None,
+    sources: Sequence[str] | None = None,
+) -> dict:
+    """The JSON the page renders: {"images": {sha1: base64}, "episodes": [...]}. `policies` and
+    `sources` label each episode (decision 6), one entry per trajectory."""
+    for what, labels in (("policies", policies), ("sources", sources)):
+        if labels is not None and len(labels) != len(trajectories):
+            raise ValueError(f"{what}: {len(labels)} labels for {len(trajectories)} trajectories")
     images: dict[str, str] = {}
     episodes = []
     for n, t in enumerate(trajectories):
@@ -122,6 +143,8 @@ def viewer_data(trajectories: Sequence[Trajectory]) -> dict:
                 "n": n,
                 "task": f"{t.task_domain}/{t.task_id}",
                 "instruction": t.instruction,
+                "policy": policies[n] if policies is not None and policies[n] else policy_label(t),
+                "source": sources[n] if sources is not None else "",
                 "run": t.run_id,
                 "stage": t.stage,
                 "epoch": t.epoch,
@@ -140,18 +163,25 @@ def viewer_data(trajectories: Sequence[Trajectory]) -> dict:
 
 
 def write_viewer(
-    trajectories: Sequence[Trajectory], out_html: str | os.PathLike, title: str = "Trajectories"
+    trajectories: Sequence[Trajectory],
+    out_html: str | os.PathLike,
+    title: str = "Trajectories",
+    *,
+    policies: Sequence[str] | None = None,
+    sources: Sequence[str] | None = None,
 ) -> Path:
-    """Write the viewer page for `trajectories` to `out_html` (atomically); returns the path."""
+    """Write the viewer page for `trajectories` to `out_html` (atomically, mode 0644); returns the
+    path. `policies` / `sources`: per-episode labels (decision 6)."""
     out = Path(out_html)
     out.parent.mkdir(parents=True, exist_ok=True)
     page = (
         _PAGE.replace("__TITLE__", html.escape(title))
         .replace("__STYLE__", _STYLE)
         .replace("__SCRIPT__", _SCRIPT)
-        .replace("__DATA__", _json_for_script(viewer_data(trajectories)))
+        .replace("__DATA__", _json_for_script(viewer_data(trajectories, policies, sources)))
     )
     atomic_write_text(out, page)
+    out.chmod(0o644)  # decision 7
     return out
 
 
@@ -196,6 +226,8 @@ summary { cursor: pointer; padding: 8px 10px; }
 .badge.format { background: #f5cba7; color: #6e2c00; }
 .badge.env { background: #d6eaf8; color: #1b4f72; }
 .instr { color: #555; padding: 0 10px 6px 10px; }
+.source { color: #888; font-size: 12px; padding: 0 10px 6px 10px; }
+.badge.policy { background: #e5e0f5; color: #3c2a7a; margin-left: 0; margin-right: 6px; }
 .steps { display: flex; flex-wrap: wrap; gap: 12px; padding: 6px 10px 12px 10px; }
 .step { width: 340px; border: 1px solid #e1e4ea; border-radius: 4px; padding: 6px; background: #fafbfc; }
 .shot { position: relative; display: inline-block; line-height: 0; }
@@ -305,7 +337,8 @@ _SCRIPT = r"""
     d.dataset.task = ep.task;
     d.dataset.epoch = String(ep.epoch);
     const sum = el('summary');
-    sum.appendChild(el('b', null, ep.task));
+    sum.appendChild(el('span', 'badge policy', ep.policy));
+    sum.appendChild(el('b', null, ' ' + ep.task));
     sum.appendChild(el('span', null, `  epoch ${ep.epoch} · group ${ep.group} · sample ${ep.sample} · ${ep.steps.length} step${ep.steps.length === 1 ? '' : 's'} · reward ${ep.reward.toFixed(2)}`));
     sum.appendChild(el('span', 'badge ' + (ok ? 'success' : 'failure'), ok ? `success ${ep.success.toFixed(2)}` : 'failure'));
     if (ep.replayed) sum.appendChild(el('span', 'badge replayed', 'replayed'));
@@ -313,6 +346,7 @@ _SCRIPT = r"""
     if (ep.env_error) sum.appendChild(el('span', 'badge env', 'env error'));
     d.appendChild(sum);
     d.appendChild(el('div', 'instr', ep.instruction));
+    if (ep.source) d.appendChild(el('div', 'source', 'from ' + ep.source));
     const box = el('div', 'steps');
     d.appendChild(box);
     let rendered = false;

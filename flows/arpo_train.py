@@ -10,6 +10,9 @@ Decisions:
    `arpo run` and `dvc exp run -S`, so a deployment run is reproducible from its parameters alone.
 4. Progress: one line when a stage starts, is skipped or ends (with its wall time and headline
    metrics), through `print` with `log_prints` so it reaches the terminal and the Prefect UI.
+5. One MLflow parent run per pipeline run, named by the variant (flows/tracking.py decision 7), with
+   the variant's full effective params and the keys it changes against the params file alone (tag
+   `arpo.changed`); the stage runs it executes are its children. The flow run has the same name.
 """
 
 from __future__ import annotations
@@ -21,9 +24,11 @@ from pathlib import Path
 from prefect import flow
 from prefect.context import FlowRunContext
 
+from arpo_core.config import to_dict
+from flows import tracking
 from flows.runner import load_params_once, variant_name
-from flows.spec import SPECS, is_up_to_date
-from flows.stages import FLOWS
+from flows.spec import SPECS, _flatten, is_up_to_date
+from flows.stages import FLOWS, run_name
 
 __all__ = ["FLOWS", "arpo_train", "headline"]
 
@@ -39,9 +44,8 @@ HEADLINE_KEYS = (
     "rollout/success_rate",
     "replay/groups_filled",
     "eval/base/greedy/in_domain/success_rate",
-    "eval/arpo/greedy/in_domain/success_rate",
-    "eval/arpo/greedy/out_of_domain/success_rate",
-    "eval/grpo/greedy/in_domain/success_rate",
+    "eval/trained/greedy/in_domain/success_rate",
+    "eval/trained/greedy/out_of_domain/success_rate",
     "compare/arpo/in_domain/delta_vs_base",
     "compare/grpo/in_domain/delta_vs_base",
     "compare/image_blind/in_domain",
@@ -53,7 +57,38 @@ def headline(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k}={metrics[k]:.3g}" for k in HEADLINE_KEYS if k in metrics)
 
 
-@flow(name="arpo-train", log_prints=True)
+def changed_params(params: str, p: object) -> dict[str, object]:
+    """Decision 5: {dotted key: value} of the effective params that differ from the params file alone."""
+    base = _flatten(to_dict(load_params_once(params)), "")
+    now = _flatten(to_dict(p), "")
+    return {k[1:]: v for k, v in now.items() if base.get(k, object()) != v}
+
+
+def start_pipeline_run(
+    params: str, preset: str | None, overrides: list[str] | None, p: object, pid: str
+) -> str:
+    """Decision 5: the parent MLflow run of this pipeline run; returns its id."""
+    c = tracking.client(".")
+    exp = tracking.ensure_experiment(c, p.project.name, ".")
+    variant = variant_name(preset, overrides)
+    changed = changed_params(params, p)
+    tags = tracking.run_tags(
+        tracking.PIPELINE,
+        ".",
+        {
+            "arpo.variant": variant,
+            "arpo.pipeline_id": pid,
+            "arpo.preset": preset,
+            "arpo.overrides": " ".join(overrides or ()) or None,
+            "arpo.changed": ", ".join(f"{k}={v}" for k, v in sorted(changed.items()))[:5000] or None,
+        },
+    )
+    run_id = tracking.start_run(c, exp, variant, tags)
+    tracking.log_params(c, run_id, {k[1:]: v for k, v in _flatten(to_dict(p), "").items()})
+    return run_id
+
+
+@flow(name="arpo-train", log_prints=True, flow_run_name=run_name())
 def arpo_train(
     params: str = "params.yaml",
     preset: str | None = None,
@@ -71,14 +106,28 @@ def arpo_train(
     )
     results: dict[str, dict[str, float]] = {}
     t_all = time.monotonic()
-    for i, (name, stage_flow) in enumerate(FLOWS.items(), 1):
-        tag = f"[arpo-train] {i}/{len(FLOWS)} {name}"
-        if not force and is_up_to_date(p, SPECS[name], Path(".")):
-            print(f"{tag}: up to date, skipped")
-            continue
-        print(f"{tag}: running")
-        t0 = time.monotonic()
-        results[name] = stage_flow(params=params, preset=preset, overrides=overrides, pipeline_id=pipeline_id)
-        print(f"{tag}: done in {time.monotonic() - t0:.0f} s  {headline(results[name])}")
+    parent = start_pipeline_run(params, preset, overrides, p, pipeline_id)
+    c = tracking.client(".")
+    ok = False
+    try:
+        for i, (name, stage_flow) in enumerate(FLOWS.items(), 1):
+            tag = f"[arpo-train] {i}/{len(FLOWS)} {name}"
+            if not force and is_up_to_date(p, SPECS[name], Path(".")):
+                print(f"{tag}: up to date, skipped")
+                tracking.set_tags(c, parent, {f"arpo.skipped.{name}": "up to date"})
+                continue
+            print(f"{tag}: running")
+            t0 = time.monotonic()
+            results[name] = stage_flow(
+                params=params,
+                preset=preset,
+                overrides=overrides,
+                pipeline_id=pipeline_id,
+                parent_run_id=parent,
+            )
+            print(f"{tag}: done in {time.monotonic() - t0:.0f} s  {headline(results[name])}")
+        ok = True
+    finally:
+        tracking.finish_run(c, parent, ok)
     print(f"[arpo-train] finished in {time.monotonic() - t_all:.0f} s")
     return results

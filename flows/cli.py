@@ -180,12 +180,16 @@ def run(
 @app.command()
 def runs(
     experiment: str = typer.Option(None, "--experiment", "-e", help="default: project.name of --params"),
-    stage_name: str = typer.Option(None, "--stage", "-s", help="only runs of this stage, e.g. evaluate"),
+    stage_name: str = typer.Option(
+        None, "--stage", "-s", help="only runs of this stage, e.g. evaluate; `pipeline`: the parent runs"
+    ),
     metric: list[str] = METRIC_OPT,
     params: Path = PARAMS_OPT,
     limit: int = typer.Option(30, help="newest N runs"),
 ) -> None:
-    """Compare the MLflow runs of an experiment in a terminal table (one row per stage run)."""
+    """Compare the MLflow runs of an experiment in a terminal table: one row per run (the pipeline
+    runs, named by variant, with `-s pipeline`), the params that differ between runs of the same
+    stage (what each variant changed), then the metric columns."""
     from flows import tracking
 
     name = experiment or _load(params, []).project.name
@@ -194,7 +198,7 @@ def runs(
         typer.echo(f"no runs in experiment {name!r} ({tracking.tracking_uri()})")
         raise typer.Exit(1)
     columns = list(metric) or tracking.default_columns(rows)
-    typer.echo(tracking.comparison_table(rows, columns))
+    typer.echo(tracking.comparison_table(rows, columns, tracking.differing_params(rows)))
 
 
 @app.command()
@@ -242,21 +246,25 @@ def view(
     from arpo_core.trajectory import read_trajectories
     from arpo_core.viewer import write_viewer
 
-    trajs = []
-    for path in paths:
+    trajs, sources = [], []
+    files = [f for path in paths for f in (sorted(path.glob("*.parquet")) if path.is_dir() else [path])]
+    for path in files:
         try:
-            trajs += read_trajectories(path)
+            got = read_trajectories(path)
+            trajs += got
+            sources += [str(path)] * len(got)  # each episode labelled with its file (viewer decision 6)
         except (FileNotFoundError, ValueError) as e:
             typer.secho(f"error: {path}: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from e
     if task:
-        trajs = [t for t in trajs if t.task_id == task]
+        keep = [i for i, t in enumerate(trajs) if t.task_id == task]
+        trajs, sources = [trajs[i] for i in keep], [sources[i] for i in keep]
     if limit:
-        trajs = trajs[:limit]
+        trajs, sources = trajs[:limit], sources[:limit]
     if not trajs:
         typer.secho("error: no episodes to show", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
-    page = write_viewer(trajs, out, title=title or ", ".join(p.name for p in paths))
+    page = write_viewer(trajs, out, title=title or ", ".join(p.name for p in paths), sources=sources)
     typer.echo(f"{page} ({len(trajs)} episodes)")
 
 

@@ -24,6 +24,16 @@ Decisions:
    metrics go to MLflow under `iter/<key>` through the task's `on_metrics` hook.
 6. Params are parsed once per process for a given (file contents, preset, overrides): the pipeline flow
    and every stage flow it calls share the same `Params` object (`load_params_once`).
+7. What a run logs: its effective params (own + upstream, flows/spec.py decision 4) plus the stage
+   module's `tracked_params(p)` where it has one (the trained policy's `method`); the summary metrics
+   to `metrics/<stage>.json` and the breakdowns to `metrics/details/<stage>.json` (spec decision 5),
+   all of them to MLflow; each `policy` artifact as an MLflow model (flows/policy_model.py) linked to
+   the run's metrics; the evaluations' metrics linked to the models of the stages that produced the
+   evaluated policies (the stage module's `MODEL_INPUTS`, role -> input argument).
+8. Inside a Prefect flow run each stage publishes artifacts: a Markdown summary (variant, headline
+   metrics, MLflow run) and, where it evaluated policies, a table of success per role, mode and split.
+9. Viewer pages of a stage are rewritten as a whole: the stage's page directory is emptied first, so a
+   re-run with another configuration leaves no pages of the earlier one.
 """
 
 from __future__ import annotations
@@ -44,13 +54,24 @@ from arpo_core.fileio import atomic_open, atomic_write_json
 from arpo_core.lock import run_lock
 from arpo_core.pipeline.table import Stage
 from flows import tracking
-from flows.spec import SPECS, stage_key, stage_params, stamp_path, write_stamp
+from flows.spec import (
+    SPECS,
+    details_path,
+    effective_params,
+    read_stamp,
+    split_metrics,
+    stage_key,
+    stamp_path,
+    write_stamp,
+)
 from tasks.stages import TASKS
 
 __all__ = ["PLOT_COLUMNS", "StageRun", "call", "load_params_once", "variant_name", "write_epoch_plot"]
 
 VIEWER_DIR = Path("plots/viewer")
 """Trajectory viewer pages (issue 8), one per trajectory file of a stage, logged under `viewer/`."""
+KNOWN_POLICIES = ("base", "rft", "dpo", "kto", "grpo", "arpo")
+"""Evaluation files are named by the policy they evaluated (`data/eval/base.parquet`)."""
 VIEWER_MAX_EPISODES = 400
 """Episodes per viewer page (the first ones in file order); keeps a page a few MB."""
 PLOT_COLUMNS = (
@@ -75,12 +96,13 @@ def call(task: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 def variant_name(preset: str | None, overrides: Sequence[str] | None, dvc_exp: str | None = None) -> str:
-    """Short label of an ablation: 'default', 'quick', 'grpo train.lr=0.001', 'dvc-exp:puffy-walk'."""
+    """Label of a variant, the name of its pipeline run: 'default', 'quick',
+    'quick | train.replay.enabled=false', 'dvc-exp:puffy-walk'."""
     parts = [Path(preset).stem] if preset else []
     parts += list(overrides or ())
     if dvc_exp:
         parts.append(f"dvc-exp:{dvc_exp}")
-    return " ".join(parts) or "default"
+    return " | ".join(parts) or "default"
 
 
 @cache
@@ -116,6 +138,7 @@ class StageRun:
         overrides: Sequence[str] | None = None,
         pipeline_id: str | None = None,
         p: Params | None = None,
+        parent_run_id: str | None = None,
     ) -> None:
         self.name = name
         self.spec: Stage = SPECS[name]
@@ -124,6 +147,8 @@ class StageRun:
         self.p = p if p is not None else load_params_once(params, list(overrides or ()), preset=preset)
         self.variant = variant_name(preset, overrides, os.environ.get("DVC_EXP_NAME"))
         self.pipeline_id = pipeline_id
+        self.parent_run_id = parent_run_id
+        self.model_ids: dict[str, str] = {}
         self.client = tracking.client(self.root)
         self.run_id: str | None = None
 
@@ -146,22 +171,31 @@ class StageRun:
             {"arpo.key": key, "arpo.variant": self.variant, "arpo.pipeline_id": self.pipeline_id},
         )
         marker = self._prepare_outputs(key)
-        self.run_id = tracking.start_run(self.client, exp, self.name, tags)
-        tracking.log_params(self.client, self.run_id, stage_params(self.p, self.spec))
+        self.run_id = tracking.start_run(self.client, exp, self.name, tags, self.parent_run_id)
+        tracking.log_params(self.client, self.run_id, self.params())
         ok = False
         t0 = time.monotonic()
         try:
             result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration)
             metrics = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
             metrics[f"time/{self.name}_s"] = time.monotonic() - t0
-            atomic_write_json(self.root / self.spec.metrics, metrics, sort_keys=True)
+            summary, details = split_metrics(metrics)
+            atomic_write_json(self.root / self.spec.metrics, summary, sort_keys=True)
+            atomic_write_json(self.root / details_path(self.spec), details, sort_keys=True)
             self._log_results(metrics)
-            write_stamp(self.root, self.spec, key, {"mlflow_run_id": self.run_id})
+            extra = {"mlflow_run_id": self.run_id, "mlflow_model_ids": self.model_ids}
+            write_stamp(self.root, self.spec, key, extra)
             marker.unlink(missing_ok=True)
             ok = True
+            publish_artifacts(self.name, self.variant, summary, metrics, self.run_id)
             return metrics
         finally:
             tracking.finish_run(self.client, self.run_id, ok)
+
+    def params(self) -> dict[str, Any]:
+        """Decision 7: what this run logs as params."""
+        extra = getattr(self.module, "tracked_params", None)
+        return {**effective_params(self.p, self.spec), **(extra(self.p) if extra else {})}
 
     def _log_iteration(self, step: int, metrics: dict[str, float]) -> None:
         """Decision 5: per-iteration metrics under `iter/<key>`."""
@@ -190,25 +224,75 @@ class StageRun:
         c, run_id = self.client, self.run_id
         assert run_id is not None
         history = getattr(self.module, "epoch_history", None)
+        last = 0
         if history is not None:  # decision 5
             rows = history(**self._outputs())
             for row in rows:
                 tracking.log_metrics(c, run_id, row, step=int(row.get("epoch", 0)))
             plot = self.root / "plots" / f"{self.name}_epochs.csv"
             write_epoch_plot(rows, plot)
+            from arpo_core.report import plot_epoch_panels
+            from flows.spec import EPOCH_PANELS
+
+            plot_epoch_panels(rows, EPOCH_PANELS, plot.with_suffix(".png"))
             tracking.log_artifacts(c, run_id, plot, "plots")
+            tracking.log_artifacts(c, run_id, plot.with_suffix(".png"), "plots")
             last = int(rows[-1].get("epoch", 0)) if rows else 0
             tracking.log_metrics(
                 c, run_id, {f"time/{self.name}_s": metrics[f"time/{self.name}_s"]}, step=last
             )
         else:
-            tracking.log_metrics(c, run_id, metrics)
+            self._log_linked_metrics(metrics)
         tracking.log_artifacts(c, run_id, self.root / self.spec.metrics, "metrics")
+        tracking.log_artifacts(c, run_id, self.root / details_path(self.spec), "metrics")
         for path, artifact_dir in self._artifacts():
-            tracking.log_artifacts(c, run_id, path, artifact_dir)
+            if artifact_dir == "policy":
+                self._log_model(path, last)
+            else:
+                tracking.log_artifacts(c, run_id, path, artifact_dir)
         if self.spec.viewer:
             for page in self._write_viewers():
                 tracking.log_artifacts(c, run_id, page, "viewer")
+
+    def _log_linked_metrics(self, metrics: dict[str, float]) -> None:
+        """Decision 7: metrics of role `r` (`eval/r/...`) linked to the model of the stage whose output
+        the module's `MODEL_INPUTS[r]` argument reads; the rest plainly."""
+        assert self.run_id is not None
+        roles = getattr(self.module, "MODEL_INPUTS", {})
+        rest = dict(metrics)
+        for role, arg in roles.items():
+            model_id = self._upstream_model(self.spec.inputs.get(arg))
+            mine = {k: v for k, v in metrics.items() if k.startswith(f"eval/{role}/")}
+            if model_id and mine:
+                tracking.log_metrics(self.client, self.run_id, mine, model_id=model_id)
+                rest = {k: v for k, v in rest.items() if k not in mine}
+        tracking.log_metrics(self.client, self.run_id, rest)
+
+    def _upstream_model(self, path: Any) -> str | None:
+        """The MLflow model id the stage that wrote `path` logged for its policy (from its stamp)."""
+        for s in SPECS.values():
+            if isinstance(path, str) and path in s.outs:
+                stamp = read_stamp(self.root, s.name) or {}
+                return next(iter((stamp.get("mlflow_model_ids") or {}).values()), None)
+        return None
+
+    def _log_model(self, path: Path, step: int) -> None:
+        """Decision 7: the policy checkpoint at `path` as the run's MLflow model, named by its method
+        (`arpo`, `grpo`, `rft`, ...) or the stage."""
+        from flows.policy_model import log_policy_model
+
+        if not (path / "config.json").exists() and not any(path.glob("*")):
+            return
+        assert self.run_id is not None
+        name = str(self.params().get("method", self.name))
+        pol = self.p.policy
+        config = {
+            "system_prompt": pol.system_prompt,
+            "history_images": pol.history_images,
+            "max_new_tokens": pol.max_new_tokens,
+        }
+        uri = tracking.tracking_uri(self.root)
+        self.model_ids[name] = log_policy_model(uri, self.run_id, path, name, config, step=step)
 
     def _artifacts(self) -> list[tuple[Path, str]]:
         """(path, artifact dir): the module's own list, or every output under its table path."""
@@ -224,6 +308,9 @@ class StageRun:
         from arpo_core.viewer import write_viewer
 
         pages = []
+        stage_dir = self.root / VIEWER_DIR / self.name
+        if stage_dir.exists():  # decision 9
+            shutil.rmtree(stage_dir)
         for path, _ in self._artifacts():
             files = (
                 sorted(path.glob("*.parquet"))
@@ -234,6 +321,77 @@ class StageRun:
             )
             for f in files:
                 trajs = read_trajectories(f)[:VIEWER_MAX_EPISODES]
-                page = self.root / VIEWER_DIR / self.name / f"{f.stem}.html"
-                pages.append(write_viewer(trajs, page, title=f"{self.name}: {f.stem}"))
+                page = stage_dir / f"{f.stem}.html"
+                stem = f.stem.removesuffix("-sampled")
+                label = stem if stem in KNOWN_POLICIES else str(self.params().get("method", ""))
+                pages.append(
+                    write_viewer(
+                        trajs,
+                        page,
+                        title=f"{self.name}: {f.stem}",
+                        policies=[label] * len(trajs),
+                        sources=[f.as_posix()] * len(trajs),
+                    )
+                )
         return pages
+
+
+# ------------------------------------------------------------------------------------------------
+# Prefect artifacts (decision 8)
+
+SUMMARY_ROWS = 24
+
+
+def evaluation_rows(metrics: dict[str, float]) -> list[dict[str, Any]]:
+    """One row per (role, mode, split) of `eval/<role>/<mode>/<split>/success_rate` keys, with the 95%
+    interval and the episode count: the table artifact of a stage that evaluated policies."""
+    rows = []
+    for k, v in sorted(metrics.items()):
+        parts = k.split("/")
+        if len(parts) == 5 and parts[0] == "eval" and parts[4] == "success_rate":
+            base = k.removesuffix("/success_rate")
+            rows.append(
+                {
+                    "policy": parts[1],
+                    "mode": parts[2],
+                    "split": parts[3],
+                    "success": round(v, 4),
+                    "ci95_low": round(metrics.get(f"{base}/success_ci_low", float("nan")), 4),
+                    "ci95_high": round(metrics.get(f"{base}/success_ci_high", float("nan")), 4),
+                    "episodes": int(metrics.get(f"{base}/episodes", 0)),
+                }
+            )
+    return rows
+
+
+def summary_markdown(stage: str, variant: str, summary: dict[str, float], run_id: str | None) -> str:
+    """The Markdown artifact of a stage: variant, MLflow run, the first SUMMARY_ROWS summary metrics."""
+    lines = [f"# {stage} ({variant})", "", f"MLflow run `{run_id}`", "", "| metric | value |", "|---|---|"]
+    for k, v in sorted(summary.items())[:SUMMARY_ROWS]:
+        lines.append(f"| `{k}` | {v:.4g} |")
+    if len(summary) > SUMMARY_ROWS:
+        lines.append(f"| ... | {len(summary) - SUMMARY_ROWS} more in metrics/{stage}.json |")
+    return "\n".join(lines) + "\n"
+
+
+def publish_artifacts(
+    stage: str, variant: str, summary: dict[str, float], metrics: dict[str, float], run_id: str | None
+) -> list[str]:
+    """Decision 8: the stage's Prefect artifacts, inside a flow run only (none under DVC); returns
+    their keys."""
+    from prefect.context import FlowRunContext
+
+    if FlowRunContext.get() is None:
+        return []
+    from prefect.artifacts import create_markdown_artifact, create_table_artifact
+
+    slug = stage.replace("_", "-")
+    create_markdown_artifact(
+        summary_markdown(stage, variant, summary, run_id), key=f"{slug}-summary", description=variant
+    )
+    keys = [f"{slug}-summary"]
+    rows = evaluation_rows(metrics)
+    if rows:
+        create_table_artifact(rows, key=f"{slug}-evaluation", description=f"{stage}: success, 95% CI")
+        keys.append(f"{slug}-evaluation")
+    return keys

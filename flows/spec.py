@@ -14,6 +14,12 @@ Decisions:
 3. Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`, dotfiles
    and temp names are skipped so that running Python does not make code look changed (the same
    patterns are in .dvcignore for DVC's own hashes).
+4. A stage's *effective* params are its own plus those of every stage upstream of it (the stages whose
+   outputs it reads, transitively): the stage key needs only its own (upstream outputs are hashed as
+   deps), but a tracked run must show everything its result depends on.
+5. Metrics files are short: `metrics/<stage>.json` (what `dvc metrics show` reads) holds the summary
+   keys; per-task, per-domain and per-level breakdowns go to `metrics/details/<stage>.json`, a plain
+   output, not a DVC metric. MLflow gets both.
 """
 
 from __future__ import annotations
@@ -33,12 +39,17 @@ from arpo_core.pipeline.table import STAGE_NAMES, STAGES, Stage
 __all__ = [
     "SPECS",
     "STAGE_NAMES",
+    "details_path",
     "dvc_yaml",
+    "effective_params",
     "fingerprint",
+    "is_detail",
     "is_up_to_date",
     "read_stamp",
+    "split_metrics",
     "stage_key",
     "stage_params",
+    "upstream",
     "write_stamp",
 ]
 
@@ -71,6 +82,34 @@ def stage_params(p: Params, spec: Stage) -> dict[str, Any]:
             out.update(_flatten(value, key))
         else:
             out[key] = value
+    return out
+
+
+def upstream(spec: Stage) -> tuple[Stage, ...]:
+    """Every stage whose outputs `spec` reads, directly or through other stages, in table order
+    (decision 4). `upstream(SPECS['evaluate'])` -> init_policy, ground, demos, sft, baseline, select,
+    train."""
+    producer = {out: s for s in STAGES for out in s.outs}
+    seen: set[str] = set()
+    todo = [spec]
+    while todo:
+        for path in todo.pop().input_paths:
+            s = producer.get(path)
+            if s is not None and s.name not in seen:
+                seen.add(s.name)
+                todo.append(s)
+    return tuple(s for s in STAGES if s.name in seen)
+
+
+def effective_params(p: Params, spec: Stage) -> dict[str, Any]:
+    """Decision 4: the params that determine a stage's outputs: its own (`stage_params`), every upstream
+    stage's, and its constants (the offline stages' `method`). What its MLflow run logs, so two runs
+    of a stage differ in params whenever their results can differ (the evaluate runs of ARPO and GRPO
+    differ in `train.replay.enabled`)."""
+    out: dict[str, Any] = {}
+    for s in (*upstream(spec), spec):
+        out.update(stage_params(p, s))
+    out.update({k: v for k, v in spec.consts.items() if isinstance(v, str | int | float | bool)})
     return out
 
 
@@ -158,26 +197,46 @@ DVC_HEADER = """\
 #   dvc exp run -S train.replay.enabled=false      # an ablation (GRPO), compared with `dvc exp show`
 # Stage commands need `arpo` on PATH: `source .venv/bin/activate` first (docs/orchestration.md).
 """
-EPOCH_PLOT = "plots/train_epochs.csv"
-DVC_PLOTS = [
-    {
-        "success rate per epoch": {
-            "x": "epoch",
-            "y": {EPOCH_PLOT: ["rollout/success_rate", "rollout/format_error_rate"]},
-        }
-    },
-    {
-        "replay fills per epoch": {
-            "x": "epoch",
-            "y": {EPOCH_PLOT: ["replay/groups_filled", "replay/fill_rate"]},
-        }
-    },
-    {"loss per epoch": {"x": "epoch", "y": {EPOCH_PLOT: ["loss/policy"]}}},
-]
+EPOCH_TABLE = "plots/train_epochs.csv"
+"""The train stage's per-epoch rows (flows/runner.py PLOT_COLUMNS): a plain output, for tools."""
+EPOCH_PLOT = "plots/train_epochs.png"
+"""The same rows drawn (EPOCH_PANELS): what `dvc plots show` shows for training."""
+EPOCH_PANELS = {
+    "success rate": ("rollout/success_rate", "rollout/format_error_rate"),
+    "replay fills": ("replay/groups_filled", "replay/fill_rate"),
+    "policy loss": ("loss/policy",),
+}
+DVC_PLOTS = ["reports/comparison/comparison.png"]
+"""Image plots only (the train stage declares its own, EPOCH_PLOT): DVC renders them as <img> tags,
+so the page `dvc plots show` writes loads no script (DVC's data-series plots load Vega from a CDN and
+stay blank offline)."""
+
+
+DETAIL_PARTS = frozenset({"task", "domain"})
+"""Path components that mark a per-task or per-domain breakdown (decision 5)."""
+
+
+def is_detail(key: str) -> bool:
+    """Decision 5: a breakdown key ('eval/trained/greedy/task/miniwob/click-button/success_rate',
+    'task/miniwob/x/episodes', 'iter/...') rather than a summary one."""
+    parts = key.split("/")
+    return parts[0] in ("iter", "task") or bool(DETAIL_PARTS & set(parts[1:-1]))
+
+
+def split_metrics(metrics: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
+    """(summary, details) of a stage's metrics (decision 5)."""
+    summary = {k: v for k, v in metrics.items() if not is_detail(k)}
+    details = {k: v for k, v in metrics.items() if is_detail(k)}
+    return summary, details
+
+
+def details_path(spec: Stage) -> str:
+    """Where a stage's breakdown metrics go (decision 5): a DVC output, not a DVC metric."""
+    return f"metrics/details/{spec.name}.json"
 
 
 def dvc_yaml() -> str:
-    """The text of dvc.yaml: one DVC stage per table row, in order, plus the train epoch plots."""
+    """The text of dvc.yaml: one DVC stage per table row, in order, plus the image plots."""
     import yaml
 
     stages: dict[str, Any] = {}
@@ -186,11 +245,11 @@ def dvc_yaml() -> str:
             "cmd": f"arpo stage {s.name}",
             "deps": list(s.deps),
             "params": list(s.params),
-            "outs": list(s.outs),
+            "outs": [*s.outs, details_path(s), *([EPOCH_TABLE] if s.iterations else [])],
             "metrics": [s.metrics],
         }
         if s.iterations:
-            entry["plots"] = [{EPOCH_PLOT: {"x": "epoch"}}]
+            entry["plots"] = [EPOCH_PLOT]
         stages[s.name] = entry
     body = yaml.safe_dump({"stages": stages, "plots": DVC_PLOTS}, sort_keys=False, width=120)
     return DVC_HEADER + body

@@ -18,6 +18,13 @@ Decisions:
    experiment in a temporary copy of the workspace under `<project>/.dvc/tmp/exps/`, whose own
    `mlflow.db` would vanish with it. `store_root` maps such a directory back to the project, so every
    seed and arm of a study lands in the project's MLflow experiment (`arpo runs`, the MLflow UI).
+7. Runs nest: a pipeline run (`arpo run`, a deployment run) is a parent run named by its variant
+   (`quick | train.replay.enabled=false`, tag `arpo.stage=pipeline`) and every stage run it executes
+   is its child (`mlflow.parentRunId`), named by the stage. Stage runs carry their effective params
+   (flows/spec.py decision 4) and are selected by the tag `arpo.stage`, not by name.
+8. The experiment is a model-training experiment: tag `mlflow.experimentKind=custom_model_development`
+   (the tag the MLflow 3 UI reads to choose its layout; without it an experiment with no runs opens on
+   the GenAI overview).
 """
 
 from __future__ import annotations
@@ -40,6 +47,7 @@ __all__ = [
     "log_artifacts",
     "log_metrics",
     "log_params",
+    "run_rows",
     "start_run",
     "tracking_uri",
 ]
@@ -47,6 +55,10 @@ __all__ = [
 MAX_METRICS = 1000
 MAX_PARAMS = 100
 MAX_PARAM_CHARS = 6000
+EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
+"""Decision 8: the experiment tag MLflow 3's UI reads (values genai_development / custom_model_development)."""
+PIPELINE = "pipeline"
+"""`arpo.stage` of a pipeline's parent run (decision 7)."""
 
 
 def store_root(root: str | os.PathLike = ".") -> Path:
@@ -77,11 +89,13 @@ def ensure_experiment(c: MlflowClient, name: str, root: str | os.PathLike = ".")
     """Id of experiment `name`, created (artifacts under `<root>/mlruns` for a local store) if new."""
     exp = c.get_experiment_by_name(name)
     if exp is not None:
+        if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # decision 8, also for stores made before it
+            c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
         return exp.experiment_id
     location = None
     if not os.environ.get("MLFLOW_TRACKING_URI"):
         location = (store_root(root) / "mlruns" / name).as_uri()
-    return c.create_experiment(name, artifact_location=location)
+    return c.create_experiment(name, artifact_location=location, tags=dict([EXPERIMENT_KIND]))
 
 
 def git_commit(root: str | os.PathLike = ".") -> str | None:
@@ -107,9 +121,19 @@ def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | Non
     return {k: str(v) for k, v in tags.items() if v is not None}
 
 
-def start_run(c: MlflowClient, experiment_id: str, name: str, tags: Mapping[str, str] | None = None) -> str:
-    """A new run named `name` (the stage name); returns its id."""
-    return c.create_run(experiment_id, run_name=name, tags=dict(tags or {})).info.run_id
+def start_run(
+    c: MlflowClient,
+    experiment_id: str,
+    name: str,
+    tags: Mapping[str, str] | None = None,
+    parent_run_id: str | None = None,
+) -> str:
+    """A new run named `name` (a stage, or a pipeline's variant), nested under `parent_run_id` if given
+    (decision 7); returns its id."""
+    tags = dict(tags or {})
+    if parent_run_id:
+        tags["mlflow.parentRunId"] = parent_run_id
+    return c.create_run(experiment_id, run_name=name, tags=tags).info.run_id
 
 
 def _chunks(items: Sequence[Any], n: int) -> Iterable[Sequence[Any]]:
@@ -124,11 +148,14 @@ def log_params(c: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
         c.log_batch(run_id, params=chunk)
 
 
-def log_metrics(c: MlflowClient, run_id: str, metrics: Mapping[str, Any], step: int = 0) -> int:
-    """Log the numeric entries of `metrics` at `step` in batches (decision 3); returns how many."""
+def log_metrics(
+    c: MlflowClient, run_id: str, metrics: Mapping[str, Any], step: int = 0, model_id: str | None = None
+) -> int:
+    """Log the numeric entries of `metrics` at `step` in batches (decision 3), linked to logged model
+    `model_id` if given; returns how many."""
     now = int(time.time() * 1000)
     items = [
-        Metric(k, float(v), now, step)
+        Metric(k, float(v), now, step, model_id=model_id)
         for k, v in sorted(metrics.items())
         if isinstance(v, int | float) and not isinstance(v, bool)
     ]
@@ -162,9 +189,10 @@ DEFAULT_COLUMNS = (
     "replay/groups_filled",
     "loss/policy",
     "eval/base/greedy/in_domain/success_rate",
-    "eval/arpo/greedy/in_domain/success_rate",
-    "eval/arpo/greedy/out_of_domain/success_rate",
+    "eval/trained/greedy/in_domain/success_rate",
+    "eval/trained/greedy/out_of_domain/success_rate",
 )
+MAX_PARAM_COLUMNS = 4
 
 
 def default_columns(rows: Sequence[Mapping[str, Any]], n: int = 6) -> list[str]:
@@ -176,19 +204,40 @@ def default_columns(rows: Sequence[Mapping[str, Any]], n: int = 6) -> list[str]:
     return keys[:n]
 
 
-def comparison_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], max_width: int = 14) -> str:
-    """Plain-text table of runs: `rows` are dicts with 'run', 'stage', 'variant', 'status', 'minutes'
-    and metric values; `columns` are the metric keys shown (headers shortened by `short_name`).
+def differing_params(rows: Sequence[Mapping[str, Any]], limit: int = MAX_PARAM_COLUMNS) -> list[str]:
+    """The params whose values differ between runs of the same stage among `rows` (each row's
+    'params' dict): what the variants changed, as MLflow's compare view shows it. At most `limit`,
+    sorted; a param a run lacks counts as different."""
+    by_stage: dict[str, list[Mapping[str, str]]] = {}
+    for r in rows:
+        by_stage.setdefault(str(r.get("stage", "")), []).append(r.get("params") or {})
+    keys: set[str] = set()
+    for runs in by_stage.values():
+        if len(runs) > 1:
+            for k in set().union(*runs):
+                if len({run.get(k) for run in runs}) > 1:
+                    keys.add(k)
+    return sorted(keys)[:limit]
+
+
+def comparison_table(
+    rows: Sequence[Mapping[str, Any]], columns: Sequence[str], params: Sequence[str] = ()
+) -> str:
+    """Plain-text table of runs: `rows` are dicts with 'run', 'stage', 'variant', 'status', 'minutes',
+    metric values and a 'params' dict; `columns` are the metric keys shown (headers shortened by
+    `short_name`), `params` the param keys shown before them (e.g. `differing_params`).
     Missing values print as '-'; numbers with 3 significant digits."""
-    head = ["run", "stage", "variant", "status", "min", *[short_name(c) for c in columns]]
+    head = ["run", "stage", "variant", "status", "min", *params, *[short_name(c) for c in columns]]
     body = []
     for r in rows:
+        ps = r.get("params") or {}
         cells = [
             str(r.get("run", ""))[:8],
             str(r.get("stage", "")),
             str(r.get("variant", "")),
             str(r.get("status", "")),
             _fmt(r.get("minutes")),
+            *[str(ps.get(k, "-")) for k in params],
             *[_fmt(r.get(c)) for c in columns],
         ]
         body.append(cells)
@@ -201,7 +250,8 @@ def comparison_table(rows: Sequence[Mapping[str, Any]], columns: Sequence[str], 
 
 
 def short_name(key: str) -> str:
-    """Column header of a metric: 'eval/arpo/greedy/in_domain/success_rate' -> 'arpo/in_domain/success'."""
+    """Column header of a metric: 'eval/trained/greedy/in_domain/success_rate' ->
+    'trained/in_domain/success'."""
     out = key.removeprefix("eval/").replace("/greedy/", "/").replace("success_rate", "success")
     return out
 
@@ -215,11 +265,12 @@ def _fmt(v: Any) -> str:
 
 
 def run_rows(c: MlflowClient, experiment: str, stage: str | None = None) -> list[dict[str, Any]]:
-    """One dict per run of `experiment` (newest first), optionally only runs named `stage`."""
+    """One dict per run of `experiment` (newest first), optionally only the runs of `stage` (tag
+    `arpo.stage`; `pipeline` selects the parent runs)."""
     exp = c.get_experiment_by_name(experiment)
     if exp is None:
         return []
-    flt = f"attributes.run_name = '{stage}'" if stage else ""
+    flt = f"tags.`arpo.stage` = '{stage}'" if stage else ""
     runs = c.search_runs([exp.experiment_id], filter_string=flt, order_by=["attributes.start_time DESC"])
     rows = []
     for run in runs:
@@ -228,10 +279,12 @@ def run_rows(c: MlflowClient, experiment: str, stage: str | None = None) -> list
         rows.append(
             {
                 "run": info.run_id,
-                "stage": info.run_name,
+                "stage": data.tags.get("arpo.stage", info.run_name),
                 "variant": data.tags.get("arpo.variant", ""),
                 "status": info.status,
                 "minutes": minutes,
+                "params": dict(data.params),
+                "parent": data.tags.get("mlflow.parentRunId"),
                 **data.metrics,
             }
         )

@@ -100,16 +100,27 @@ def test_every_stage_reads_its_own_params_section():
         assert name in stage["params"], name
 
 
-def test_dvc_plots_read_columns_the_train_stage_writes():
+def test_dvc_plots_are_images_a_stage_writes():
+    """`dvc plots show` must render offline: only image plots (no data series, whose page loads Vega
+    from a CDN), each one written by a stage; the epoch panels draw columns the train stage writes."""
     from flows.runner import PLOT_COLUMNS
+    from flows.spec import EPOCH_PANELS
 
-    assert SPECS["train"].iterations
-    for plot in DVC["plots"]:
-        ((_, spec),) = plot.items()
-        assert spec["x"] in PLOT_COLUMNS
-        for file, cols in spec["y"].items():
-            assert file == "plots/train_epochs.csv"
-            assert set(cols) <= set(PLOT_COLUMNS)
+    plots = list(DVC["plots"]) + [p for s in DVC["stages"].values() for p in s.get("plots", [])]
+    assert plots == ["reports/comparison/comparison.png", "plots/train_epochs.png"]
+    outs = [o for s in DVC["stages"].values() for o in s["outs"]]
+    for plot in plots:
+        assert isinstance(plot, str) and plot.endswith(".png")
+        assert plot in DVC["stages"]["train"].get("plots", []) or any(plot.startswith(o + "/") for o in outs)
+    assert {k for keys in EPOCH_PANELS.values() for k in keys} <= set(PLOT_COLUMNS)
+
+
+def test_metrics_files_are_summaries_and_details_are_plain_outputs():
+    """`dvc metrics show` reads metrics/<stage>.json only; the breakdowns file of each stage is an
+    output DVC tracks but does not show as metrics (spec decision 5)."""
+    for name, stage in DVC["stages"].items():
+        assert stage["metrics"] == [f"metrics/{name}.json"]
+        assert f"metrics/details/{name}.json" in stage["outs"]
 
 
 def test_unknown_key_in_params_yaml_fails_with_a_clear_message(tmp_path):
@@ -162,8 +173,15 @@ def test_dvc_repro_quick_then_noop_then_ablation_experiment(tmp_path):
         assert f"Running stage '{name}'" in first.stdout
     assert (project / "data" / "demos" / "demos.parquet").exists()
     metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
-    assert "eval/arpo/greedy/in_domain/success_rate" in metrics
+    assert "eval/trained/greedy/in_domain/success_rate" in metrics
+    assert not any("/task/" in k for k in metrics)  # breakdowns are in metrics/details/
     lock = (project / "dvc.lock").read_text()
+    shown = oh.run(["dvc", "metrics", "show", "--md"], project, env, timeout=120)
+    assert shown.returncode == 0 and "/task/" not in shown.stdout, shown.stderr
+    plots = oh.run(["dvc", "plots", "show", "-o", "dvc_plots"], project, env, timeout=120)
+    assert plots.returncode == 0, plots.stderr
+    page = (project / "dvc_plots" / "index.html").read_text()
+    assert "<script src" not in page and "cdn." not in page and "<img" in page
 
     second = oh.run(["dvc", "repro"], project, env, timeout=120)
     assert second.returncode == 0, second.stdout + second.stderr

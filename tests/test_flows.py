@@ -120,7 +120,8 @@ def test_stamp_up_to_date_until_params_inputs_or_outputs_change(tmp_path):
     [
         (None, None, None, "default"),
         ("quick", [], None, "quick"),
-        ("presets/grpo.yaml", ["train.lr=0.001"], None, "grpo train.lr=0.001"),
+        ("presets/grpo.yaml", ["train.lr=0.001"], None, "grpo | train.lr=0.001"),
+        ("quick", ["train.replay.enabled=false"], None, "quick | train.replay.enabled=false"),
         (None, None, "puffy-walk", "dvc-exp:puffy-walk"),
     ],
 )
@@ -183,7 +184,8 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
     )  # the flow body, no Prefect server
     assert metrics["init_policy/parameters"] > 0 and metrics["time/init_policy_s"] > 0
     assert not stale.exists()  # outputs of another configuration are removed first (runner decision 4)
-    assert json.loads((tmp_path / "metrics" / "init_policy.json").read_text()) == metrics
+    assert json.loads((tmp_path / "metrics" / "init_policy.json").read_text()) == metrics  # no breakdowns
+    assert json.loads((tmp_path / "metrics" / "details" / "init_policy.json").read_text()) == {}
     stamp = read_stamp(Path("."), "init_policy")
     p = load_params("params.yaml", preset="quick")
     assert is_up_to_date(p, SPECS["init_policy"], Path("."))
@@ -198,10 +200,105 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
     assert run.data.params["init_policy.size"] == "xs"
     assert run.data.metrics["init_policy/parameters"] == metrics["init_policy/parameters"]
     arts = {a.path for a in c.list_artifacts(run.info.run_id)}
-    assert arts == {"metrics", "policy"}
-    assert "config.json" in {Path(a.path).name for a in c.list_artifacts(run.info.run_id, "policy")}
+    assert arts == {"metrics"}  # the policy is a logged model, not a plain artifact (runner decision 7)
+    (model_out,) = run.outputs.model_outputs
+    assert stamp["mlflow_model_ids"] == {"init_policy": model_out.model_id}
+    model = c.get_logged_model(model_out.model_id)
+    assert model.source_run_id == run.info.run_id and model.name == "init_policy"
+    assert {m.key for m in model.metrics} >= {"init_policy/parameters"}  # linked to the run's metrics
+    assert model.params["init_policy.size"] == "xs"
     exp = c.get_experiment_by_name("arpo-embedded")
     assert exp.artifact_location == (tmp_path / "mlruns" / "arpo-embedded").resolve().as_uri()
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI overview
+
+
+def test_logged_policy_model_loads_back_and_answers(tmp_path, monkeypatch, one_thread):
+    """The MLflow model of a policy loads with mlflow.pyfunc and turns (instruction, screenshot) into
+    a UI-TARS reply (flows/policy_model.py)."""
+    import io
+
+    import mlflow
+    import pandas as pd
+    from PIL import Image
+
+    from flows.policy_model import log_policy_model
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    c = tracking.client(".")
+    run_id = tracking.start_run(c, tracking.ensure_experiment(c, "e", "."), "sft")
+    tracking.log_metrics(c, run_id, {"sft/loss_last": 0.5})
+    config = {"system_prompt": "compact", "history_images": None, "max_new_tokens": 12}
+    model_id = log_policy_model(
+        tracking.tracking_uri("."), run_id, ROOT / "assets/checkpoints/grounded-xs", "base", config
+    )
+    model = mlflow.pyfunc.load_model(f"models:/{model_id}")
+    png = io.BytesIO()
+    Image.new("RGB", (160, 210), "white").save(png, format="PNG")
+    (reply,) = model.predict(pd.DataFrame({"instruction": ["Click OK"], "screenshot": [png.getvalue()]}))
+    assert isinstance(reply, str) and reply
+    assert [m.key for m in c.get_logged_model(model_id).metrics] == ["sft/loss_last"]
+
+
+def test_effective_params_carry_the_upstream_stages(tmp_path):
+    """ARPO's and GRPO's evaluate runs differ in params (spec decision 4): the evaluate stage's
+    effective params include train's, its own `method`, and every upstream stage's sections."""
+    from flows.spec import effective_params, upstream
+
+    assert [s.name for s in upstream(SPECS["evaluate"])] == [
+        "init_policy", "ground", "demos", "sft", "baseline", "select", "train",
+    ]  # fmt: skip
+    assert upstream(SPECS["init_policy"]) == ()
+    assert "train" not in [s.name for s in upstream(SPECS["rft"])]
+    arpo = load_params(ROOT / "params.yaml", preset="quick")
+    grpo = load_params(ROOT / "params.yaml", ["train.replay.enabled=false"], preset="quick")
+    from arpo_core.pipeline.evaluate import tracked_params
+
+    a, g = (effective_params(q, SPECS["evaluate"]) | tracked_params(q) for q in (arpo, grpo))
+    diff = {k for k in a.keys() | g.keys() if a.get(k) != g.get(k)}
+    assert diff == {"train.replay.enabled", "method"}
+    assert (a["method"], g["method"]) == ("arpo", "grpo")
+    assert "sft.lr" in a and "init_policy.size" in a and "select.min_successes" in a
+    assert effective_params(arpo, SPECS["rft"])["method"] == "rft"
+
+
+def test_metrics_split_into_summary_and_details():
+    from flows.spec import split_metrics
+
+    summary, details = split_metrics(
+        {
+            "eval/trained/greedy/in_domain/success_rate": 0.5,
+            "eval/trained/greedy/task/miniwob/click-button/success_rate": 1.0,
+            "eval/base/greedy/domain/miniwob/success_rate": 0.25,
+            "task/miniwob/click-button/episodes": 4.0,
+            "rollout/success_rate": 0.5,
+            "time/train_s": 3.0,
+        }
+    )
+    assert summary == {
+        "eval/trained/greedy/in_domain/success_rate": 0.5,
+        "rollout/success_rate": 0.5,
+        "time/train_s": 3.0,
+    }
+    assert len(details) == 3
+
+
+def test_prefect_artifact_tables_name_role_mode_split():
+    from flows.runner import evaluation_rows, summary_markdown
+
+    m = {
+        "eval/trained/greedy/in_domain/success_rate": 0.5,
+        "eval/trained/greedy/in_domain/success_ci_low": 0.25,
+        "eval/trained/greedy/in_domain/success_ci_high": 0.75,
+        "eval/trained/greedy/in_domain/episodes": 8.0,
+        "eval/trained/greedy/task/miniwob/x/success_rate": 1.0,
+    }
+    assert evaluation_rows(m) == [
+        {"policy": "trained", "mode": "greedy", "split": "in_domain", "success": 0.5, "ci95_low": 0.25,
+         "ci95_high": 0.75, "episodes": 8},
+    ]  # fmt: skip
+    md = summary_markdown("evaluate", "quick | train.replay.enabled=false", {"a/b": 0.5}, "r1")
+    assert md.startswith("# evaluate (quick | train.replay.enabled=false)") and "| `a/b` | 0.5 |" in md
 
 
 def test_failed_stage_marks_run_failed_and_keeps_marker(tmp_path, monkeypatch):
@@ -237,7 +334,7 @@ def _dvc_dir_files(project: Path, out: str) -> dict[str, str]:
 
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
     project = oh.copy_project(tmp_path / "proj")
     (project / "scripts").mkdir()
@@ -279,6 +376,18 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         )
         assert again.returncode == 0 and "Completed" in again.stdout, again.stdout + again.stderr
         log2 = (tmp_path / "worker.log").read_text()[len(log) :]
+        # The GRPO ablation of the same preset: train, evaluate and compare re-run.
+        grpo = oh.run(
+            ["prefect", "deployment", "run", "arpo-train/quick", "--watch", "--watch-timeout", "600",
+             "--param", 'overrides=["train.replay.enabled=false"]'],
+            project,
+            cli_env,
+            timeout=660,
+        )  # fmt: skip
+        assert grpo.returncode == 0 and "Completed" in grpo.stdout, grpo.stdout + grpo.stderr
+        # Prefect: flow runs named by variant, each stage's artifacts (runner decision 8)
+        flow_runs = oh.run(["prefect", "flow-run", "ls", "--limit", "60"], project, cli_env, timeout=120)
+        artifacts = oh.run(["prefect", "artifact", "ls"], project, cli_env, timeout=120)
     finally:
         if worker is not None:
             oh.stop(worker)
@@ -289,18 +398,41 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         assert f"{name}: up to date, skipped" in log2, log2[-3000:]
     assert "done in" not in log2
 
-    # MLflow: one finished run per stage, named after it, sharing the pipeline id (the flow run id).
+    assert "quick | train.replay.enabled=false" in flow_runs.stdout, flow_runs.stdout[-3000:]
+    assert "evaluate | quick" in flow_runs.stdout, flow_runs.stdout[-3000:]
+    for key in ("evaluate-evaluation", "evaluate-summary", "train-summary", "init-policy-summary"):
+        assert key in artifacts.stdout, artifacts.stdout[-3000:]
+
+    # MLflow: three pipeline runs named by variant; the first one's stage runs nested under it, one
+    # finished run per stage, sharing the pipeline id (the flow run id).
     c = tracking.client(project)
-    rows = tracking.run_rows(c, "arpo-embedded")
+    parents = tracking.run_rows(c, "arpo-embedded", "pipeline")  # newest first
+    assert [c.get_run(r["run"]).info.run_name for r in parents] == [
+        "quick | train.replay.enabled=false", "quick", "quick",
+    ]  # fmt: skip
+    first = parents[-1]["run"]
+    rows = [r for r in tracking.run_rows(c, "arpo-embedded") if r["parent"] == first]
     assert sorted(r["stage"] for r in rows) == sorted(STAGE_NAMES)
     assert {r["status"] for r in rows} == {"FINISHED"} and {r["variant"] for r in rows} == {"quick"}
     runs = {r["stage"]: c.get_run(r["run"]) for r in rows}
     assert len({r.data.tags["arpo.pipeline_id"] for r in runs.values()}) == 1
     train = runs["train"]
-    assert train.data.params["train.replay.enabled"] == "True"
+    assert train.data.params["train.replay.enabled"] == "True" and train.data.params["method"] == "arpo"
     assert "iter/rollout/success_rate" in train.data.metrics and "rollout/success_rate" in train.data.metrics
-    assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"policy", "trajectories", "checkpoint"}
-    assert "eval/arpo/greedy/in_domain/success_rate" in runs["evaluate"].data.metrics
+    assert {a.path for a in c.list_artifacts(train.info.run_id)} >= {"trajectories", "checkpoint"}
+    (model_out,) = train.outputs.model_outputs  # the trained policy as an MLflow model
+    assert c.get_logged_model(model_out.model_id).name == "arpo"
+    assert "eval/trained/greedy/in_domain/success_rate" in runs["evaluate"].data.metrics
+    # ARPO's and GRPO's evaluate runs differ in params (upstream train.replay.enabled, method)
+    grpo_rows = [r for r in tracking.run_rows(c, "arpo-embedded") if r["parent"] == parents[0]["run"]]
+    assert sorted(r["stage"] for r in grpo_rows) == ["compare", "evaluate", "train"]
+    evals = [r for r in tracking.run_rows(c, "arpo-embedded", "evaluate")]
+    assert len(evals) == 2
+    diff = {k for k in evals[0]["params"] if evals[0]["params"][k] != evals[1]["params"].get(k)}
+    assert diff == {"train.replay.enabled", "method"}
+    assert {r["params"]["method"] for r in evals} == {"arpo", "grpo"}
+    linked = c.get_logged_model(model_out.model_id).metrics
+    assert any(m.key.startswith("eval/trained/") for m in linked)  # evaluations linked to the model
     # The trajectory viewer (issue 8): one page per evaluated policy, logged to the evaluate run.
     assert {a.path for a in c.list_artifacts(runs["evaluate"].info.run_id, "viewer")} == {
         "viewer/base.html",
@@ -313,7 +445,12 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
     assert demos.num_rows > 0 and "screenshot_png" in demos.column_names
     assert pq.read_table(project / "data" / "baseline" / "in_domain.parquet").num_rows >= 4  # 2 tasks x 2
     assert list((project / "models" / "arpo" / "trajectories").glob("*.parquet"))
-    assert {p.name for p in (project / "data" / "eval").glob("*.parquet")} == {"base.parquet", "arpo.parquet"}
+    # the last variant's outputs are on disk (the GRPO run's), with no page or file of ARPO's left
+    assert {p.name for p in (project / "data" / "eval").glob("*.parquet")} == {"base.parquet", "grpo.parquet"}
+    assert {p.name for p in (project / "plots" / "viewer" / "evaluate").iterdir()} == {
+        "base.html",
+        "grpo.html",
+    }
 
     # DVC takes the deployment's outputs as its own: `dvc commit` records them, then nothing to repro,
     # and the Parquet files are in DVC's cache and, after `dvc push`, in the local remote.
@@ -326,6 +463,13 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         assert out.returncode == 0, out.stdout + out.stderr
     out = oh.run(["dvc", "status"], project, denv, 120)
     assert "up to date" in out.stdout, out.stdout + out.stderr
+    shown = oh.run(["dvc", "metrics", "show"], project, denv, 120)
+    assert shown.returncode == 0 and "/task/" not in shown.stdout, shown.stdout + shown.stderr
+    print(f"dvc metrics show: {len(shown.stdout.splitlines())} lines")
+    plots = oh.run(["dvc", "plots", "show", "-o", "dvc_plots"], project, denv, 120)
+    assert plots.returncode == 0, plots.stdout + plots.stderr
+    page = (project / "dvc_plots" / "index.html").read_text()
+    assert "<script src" not in page and "cdn." not in page and page.count("<img") == 2, page[:2000]
     files = _dvc_dir_files(project, "data/demos")
     md5 = files["demos.parquet"]
     assert (project / "dvc-remote" / "files" / "md5" / md5[:2] / md5[2:]).exists()

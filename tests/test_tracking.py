@@ -103,7 +103,7 @@ def test_run_tags_link_git_and_dvc(tmp_path, monkeypatch):
 @pytest.mark.parametrize(
     ("key", "short"),
     [
-        ("eval/arpo/greedy/in_domain/success_rate", "arpo/in_domain/success"),
+        ("eval/trained/greedy/in_domain/success_rate", "trained/in_domain/success"),
         ("eval/base/sampled/all/success_rate", "base/sampled/all/success"),
         ("rollout/success_rate", "rollout/success"),
         ("loss/policy", "loss/policy"),
@@ -127,6 +127,28 @@ def test_comparison_table_layout():
     ]
 
 
+def test_differing_params_compare_runs_of_the_same_stage():
+    rows = [
+        {"stage": "evaluate", "params": {"method": "arpo", "train.replay.enabled": "True", "seed": "0"}},
+        {"stage": "evaluate", "params": {"method": "grpo", "train.replay.enabled": "False", "seed": "0"}},
+        {"stage": "sft", "params": {"sft.lr": "1"}},
+    ]
+    assert tracking.differing_params(rows) == ["method", "train.replay.enabled"]
+    assert tracking.differing_params(rows[:1]) == []
+    table = tracking.comparison_table(rows[:2], [], ["method"]).splitlines()
+    assert table[0].split() == ["run", "stage", "variant", "status", "min", "method"]
+    assert table[2].split()[-1] == "arpo" and table[3].split()[-1] == "grpo"
+
+
+def test_experiment_is_tagged_for_model_training(store, tmp_path):
+    """tracking decision 8, also for an experiment made before the tag existed."""
+    old = store.create_experiment("old", artifact_location=(tmp_path / "old").as_uri())
+    assert tracking.ensure_experiment(store, "old", tmp_path) == old
+    new = tracking.ensure_experiment(store, "new", tmp_path)
+    for exp_id in (old, new):
+        assert store.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
 def test_default_columns_fall_back_to_stage_metrics():
     rows = [{"init_policy/parameters": 1.0, "time/init_policy_s": 0.1, "run": "x"}]
     assert tracking.default_columns(rows) == ["init_policy/parameters"]
@@ -134,12 +156,18 @@ def test_default_columns_fall_back_to_stage_metrics():
 
 
 def _two_train_runs(store, tmp_path):
+    """Two pipeline runs (default, grpo), each a parent with its train run nested; one sft run."""
     exp = tracking.ensure_experiment(store, "arpo-embedded", tmp_path)
     for variant, sr in (("default", 0.5), ("grpo", 0.25)):
-        rid = tracking.start_run(store, exp, "train", {"arpo.variant": variant})
+        parent = tracking.start_run(store, exp, variant, {"arpo.variant": variant, "arpo.stage": "pipeline"})
+        rid = tracking.start_run(
+            store, exp, "train", {"arpo.variant": variant, "arpo.stage": "train"}, parent
+        )
+        tracking.log_params(store, rid, {"train.replay.enabled": variant == "default", "train.lr": 1e-5})
         tracking.log_metrics(store, rid, {"rollout/success_rate": sr})
         tracking.finish_run(store, rid, True)
-    rid = tracking.start_run(store, exp, "sft", {"arpo.variant": "default"})
+        tracking.finish_run(store, parent, True)
+    rid = tracking.start_run(store, exp, "sft", {"arpo.variant": "default", "arpo.stage": "sft"})
     tracking.finish_run(store, rid, True)
 
 
@@ -148,8 +176,12 @@ def test_run_rows_filter_by_stage_newest_first(store, tmp_path):
     rows = tracking.run_rows(store, "arpo-embedded", "train")
     assert [r["variant"] for r in rows] == ["grpo", "default"]
     assert [r["rollout/success_rate"] for r in rows] == [0.25, 0.5]
-    assert len(tracking.run_rows(store, "arpo-embedded")) == 3
+    assert len(tracking.run_rows(store, "arpo-embedded")) == 5
     assert tracking.run_rows(store, "no-such-experiment") == []
+    parents = tracking.run_rows(store, "arpo-embedded", "pipeline")
+    assert [r["variant"] for r in parents] == ["grpo", "default"]
+    assert [r["parent"] for r in rows] == [p["run"] for p in parents]  # stage runs nest (decision 7)
+    assert store.get_run(parents[0]["run"]).info.run_name == "grpo"  # the parent is named by variant
 
 
 def test_arpo_runs_prints_comparison(store, tmp_path):
@@ -158,6 +190,8 @@ def test_arpo_runs_prints_comparison(store, tmp_path):
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert "rollout/success" in lines[0]
+    assert "train.replay.enabled" in lines[0] and "train.lr" not in lines[0]  # what the variants changed
+    assert "False" in lines[2] and "True" in lines[3]
     assert "grpo" in lines[2] and "0.25" in lines[2] and "default" in lines[3] and "0.5" in lines[3]
     missing = CliRunner().invoke(app, ["runs", "-e", "nothing-here"])
     assert missing.exit_code == 1 and "no runs" in missing.output

@@ -21,6 +21,8 @@ from arpo_core.envs.miniwob import CHROMEDRIVER, CHROMIUM_BINARY, CHROMIUM_FLAGS
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 from arpo_core.viewer import _json_for_script, split_reply, viewer_data, write_viewer
 
+ROOT = Path(__file__).resolve().parents[1]
+
 EVIL = "</script><script>window.pwned = 1</script><img src=x onerror='window.pwned = 2'>"
 
 
@@ -237,7 +239,52 @@ def test_arpo_view_command_writes_page_and_filters(tmp_path):
     page = out.read_text()
     data = json.loads(page.split('<script type="application/json" id="data">')[1].split("</script>")[0])
     assert [e["task"] for e in data["episodes"]] == ["miniwob/click-button", "miniwob/click-button"]
+    # combined files: each episode says which file and which policy it came from (decision 6)
+    assert [e["source"] for e in data["episodes"]] == [str(src / "a.parquet"), str(src / "b.parquet")]
+    assert [e["policy"] for e in data["episodes"]] == ["train/run1", "train/run1"]
+    assert out.stat().st_mode & 0o777 == 0o644  # readable like any other report (decision 7)
     res = runner.invoke(app, ["view", str(tmp_path / "missing.parquet"), "--out", str(out)])
     assert res.exit_code == 2 and "missing.parquet" in res.output
     res = runner.invoke(app, ["view", str(src), "--out", str(out), "--task", "nope"])
     assert res.exit_code == 1 and "no episodes" in res.output
+
+
+def test_episode_labels_policy_and_source(tmp_path):
+    from arpo_core.viewer import policy_label
+
+    trajs = make_trajs()[:2]
+    data = viewer_data(trajs, policies=["arpo", ""], sources=["data/eval/arpo.parquet", "x.parquet"])
+    assert [(e["policy"], e["source"]) for e in data["episodes"]] == [
+        ("arpo", "data/eval/arpo.parquet"),
+        ("train/run1", "x.parquet"),  # an empty label falls back to the trajectory's own stage and run
+    ]
+    t = trajs[0]
+    assert policy_label(Trajectory("evaluate-grpo", "evaluate", 0, "m", "t", "i", [])) == "grpo"
+    assert policy_label(Trajectory("baseline", "baseline", 0, "m", "t", "i", [])) == "baseline"
+    assert policy_label(t) == "train/run1"
+    with pytest.raises(ValueError, match="1 labels for 2 trajectories"):
+        viewer_data(trajs, sources=["only-one"])
+    out = write_viewer(trajs, tmp_path / "p.html", policies=["base", "base"])
+    assert out.stat().st_mode & 0o777 == 0o644
+
+
+def test_stage_viewer_pages_are_replaced_on_rerun(tmp_path, monkeypatch):
+    """runner decision 9: a stage that re-runs leaves no page of an earlier configuration."""
+    from arpo_core.trajectory import write_trajectories
+    from flows.runner import VIEWER_DIR, StageRun
+
+    from arpo_core.config import load_params
+
+    p = load_params(ROOT / "params.yaml")  # suite paths resolve in the project
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    write_trajectories(tmp_path / "data/eval/arpo.parquet", make_trajs()[:1])
+    stale = tmp_path / VIEWER_DIR / "evaluate" / "grpo.html"
+    stale.parent.mkdir(parents=True)
+    stale.write_text("an earlier GRPO run's page")
+    run = StageRun("evaluate", p=p)
+    pages = run._write_viewers()
+    assert [p.name for p in pages] == ["arpo.html"] and not stale.exists()
+    data = json.loads(pages[0].read_text().split('id="data">')[1].split("</script>")[0])
+    assert data["episodes"][0]["policy"] == "arpo"
+    assert data["episodes"][0]["source"] == "data/eval/arpo.parquet"

@@ -9,7 +9,7 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.pipeline.common import progress_bar, resolve_policy, setup_torch, suite_tasks
-from arpo_core.pipeline.rollouts import make_pool, rollout_config
+from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
 from arpo_core.rollout import EpisodeJob, run_episodes
 from arpo_core.trajectory import write_trajectories
 
@@ -18,15 +18,12 @@ __all__ = ["run"]
 
 def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Rollouts of the base policy to `out_dir/in_domain.parquet`; metrics `baseline/...`."""
-    from arpo_core.policy.generate import HFGenerator
     from arpo_core.policy.model import load_policy
 
     setup_torch(p)
     policy_dir = resolve_policy(policy_dir)
     b = p.baseline
-    gen = HFGenerator(
-        load_policy(policy_dir), system=p.policy.system_prompt, history_images=p.policy.history_images
-    )
+    gen = generator(p, load_policy(policy_dir), policy_dir)
     jobs = [
         EpisodeJob(t, seed=b.seed + k, group_id=g, sample_idx=k)
         for g, t in enumerate(suite_tasks(p, "in_domain"))

@@ -22,7 +22,7 @@ from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_json
 from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
-from arpo_core.pipeline.rollouts import make_pool, rollout_config
+from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
 from arpo_core.trajectory import write_trajectories
 
 __all__ = ["evaluate_loaded", "evaluate_policies", "run", "trajectory_file"]
@@ -50,10 +50,9 @@ def evaluate_loaded(
     """One evaluation of a loaded policy on `pool` (decision 1's instances); returns the EvalResult.
     Shared by this stage, the offline stages and the train stage's evaluations during training."""
     from arpo_core.evaluate import evaluate_policy
-    from arpo_core.policy.generate import HFGenerator
 
     e = p.evaluate
-    gen = HFGenerator(policy, system=p.policy.system_prompt, history_images=p.policy.history_images)
+    gen = generator(p, policy, policy_dir)  # vllm: the process's engine, given these weights
     bar = progress_bar(len(tasks) * episodes_per_task, f"{run_id} ({prefix})")
     try:
         return evaluate_policy(

@@ -5,8 +5,9 @@ evaluated on the evaluation instances every policy shares.
 Decisions:
 1. One function for the three methods; the stage table binds `method`. Training is
    `preference.rft / dpo / kto` with the params section of the same name.
-2. Each stage evaluates its own policy (`evaluate.evaluate_policies`, same instances, same keys
-   `eval/<method>/<mode>/...`): a changed `train` section then re-runs neither these stages nor their
+2. Each stage evaluates its own policy (`evaluate.evaluate_policies`, same instances, keys by role
+   `eval/trained/<mode>/...`, the method being the run's param `method`): a changed `train` section
+   then re-runs neither these stages nor their
    evaluations, and `compare` pairs every method's episodes with the base's.
 3. Baseline rollouts may hold no usable data (RFT needs a success, DPO a task with a success and a
    failure, KTO two trajectories). Then the stage records why in `<out_dir>/skipped.json`, writes no
@@ -109,5 +110,5 @@ def run(
     metrics = train_offline(p, method, policy_dir, baseline_dir, out_dir)
     Path(eval_dir).mkdir(parents=True, exist_ok=True)
     if f"{method}/skipped" not in metrics:
-        metrics.update(evaluate_policies(p, {method: out_dir}, eval_dir))
+        metrics.update(evaluate_policies(p, {method: out_dir}, eval_dir, roles={method: "trained"}))
     return metrics

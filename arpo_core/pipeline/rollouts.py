@@ -8,6 +8,8 @@ Decisions:
    values of the calling stage (temperature, step limit), the shared `policy` section, the format penalty
    of `train.loss` and the pixel budget of the checkpoint itself (its image processor config), so the
    model-image coordinates of a rollout are always those of the policy that plays it.
+4. The generator comes from the params too (`generator`): `policy.backend` hf or vllm
+   (arpo_core/policy/generate.py, decisions 8-10), built for the checkpoint the stage plays.
 3. The envs come from the params, never from the stage: `ENV_FACTORIES` maps `env.kind` to a builder of
    the pool's picklable env factory (MiniWoB pages, or OSWorld desktops from `env.osworld`: the local
    Xvfb desktop, running OSWorld servers, or the official desktop-env bridge). Remote servers are
@@ -22,13 +24,14 @@ import functools
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.pool import EnvFactory, EnvPool
 from arpo_core.pipeline.common import pixel_budget
 from arpo_core.rollout import RolloutConfig
 
-__all__ = ["ENV_FACTORIES", "make_pool", "miniwob_factory", "osworld_factory", "rollout_config"]
+__all__ = ["ENV_FACTORIES", "generator", "make_pool", "miniwob_factory", "osworld_factory", "rollout_config"]
 
 
 def miniwob_factory(p: Params) -> EnvFactory:
@@ -115,3 +118,13 @@ def rollout_config(
         coord_mode=p.policy.coord_mode,
         seed=seed,
     )
+
+
+def generator(p: Params, policy: Any, policy_dir: Path) -> Any:
+    """Decision 4: the `policy.backend` generator of `policy` (loaded from `policy_dir`). A vLLM engine
+    takes up to the longest step limit of baseline, train and evaluate in screenshots per prompt (one
+    engine serves them all in a process, generate.py decision 10)."""
+    from arpo_core.policy.generate import make_generator
+
+    steps = max(p.baseline.max_steps, p.train.max_steps, p.evaluate.max_steps)
+    return make_generator(policy, policy_dir, p.policy, max_images=steps)

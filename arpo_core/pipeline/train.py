@@ -31,7 +31,7 @@ from typing import Any
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.pipeline.common import progress_bar, resolve_policy, setup_torch, suite_tasks
-from arpo_core.pipeline.rollouts import make_pool, rollout_config
+from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
 from arpo_core.selection import read_selection
 
 __all__ = ["artifacts", "epoch_history", "run", "training_tasks"]
@@ -144,6 +144,8 @@ def run(
             on_iteration=on_iteration,
             on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir)), on_epoch),
             progress_factory=progress_bar,
+            generator_factory=lambda policy: generator(p, policy, policy_dir),
+            device="cuda" if p.policy.backend == "vllm" else "cpu",  # colocated with the engine
         )
     final = Path(out_dir) / "policy"
     load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)

@@ -27,13 +27,39 @@ Decisions:
    token-exact prefix of the trajectory's training sequence.
 7. Sampling settings (temperature, top_p, max_new_tokens) and the prompt settings (system prompt,
    history window) are required keyword arguments: params.yaml is their one source.
+8. `policy.backend` picks the generator (`make_generator`): `hf` generates with the policy's own model
+   (the trainer's weights, nothing to sync), `vllm` with a vLLM engine colocated in the same process on
+   the same GPU, as TRL's `vllm_mode="colocate"` does: `LLM(..., distributed_executor_backend=
+   "external_launcher")` keeps the engine's model in this process. After every update the trainer calls
+   `sync_weights(model)`, which hands each parameter to the engine model's own `load_weights` (the
+   function vLLM loads checkpoint files with) under its checkpoint name, then clears the prefix cache
+   (its KV entries were computed with the old weights). Two ways to reach the engine's model, tried in
+   order (`load_into_engine`): the engine's model in this process (`IN_PROCESS_PATHS`:
+   `llm.llm_engine.model_executor.driver_worker.model_runner.model`, the path TRL's colocate mode uses
+   with vLLM 0.17-0.25, or the `driver_worker.worker.model_runner.model` one verl's sharding managers
+   use), else
+   `llm.collective_rpc(fn, args=(weights,))`, which runs `fn(worker, weights)` on every worker (engines
+   whose workers live in other processes; tensors are pickled, slower). Under DeepSpeed ZeRO-3 each
+   parameter is gathered on its own while it is handed over (TRL does the same), so the full model is
+   never materialised twice. verl's sharding managers do the same with the FSDP / Megatron weights:
+   `model.load_weights(...)` of the in-process vLLM model before each rollout. Written against vLLM
+   0.33 (the version scripts/setup_gpu.sh installs) from TRL's and verl's code; NOT RUN here (no GPU).
+9. The log-probs vLLM returns are the behaviour policy's as vLLM computes them (bf16 kernels, another
+   attention implementation): they are recorded on the trajectory (`gen_logprob_sum`) and compared with
+   the trainer's recomputation as a diagnostic (`logprob/*` metrics of trainer.py), never used in the
+   loss: GRPO's old log-probs are always the trainer's own (update.py decision 2).
+10. One vLLM engine per process (`make_generator` keeps it): vLLM does not give its GPU memory back
+    reliably, so a second policy of the same architecture (evaluate's base and trained policies, the
+    train stage's evaluations) reuses the engine and only loads its weights.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
@@ -41,7 +67,21 @@ from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, build_segments
 from arpo_core.policy.sequences import collate, encode_prompt
 
-__all__ = ["Generation", "Generator", "HFGenerator", "VLLMGenerator", "sample_next", "top_p_filter"]
+if TYPE_CHECKING:
+    from arpo_core.config import PolicyConfig
+
+__all__ = [
+    "Generation",
+    "Generator",
+    "HFGenerator",
+    "VLLMGenerator",
+    "checkpoint_name",
+    "load_into_engine",
+    "make_generator",
+    "named_weights",
+    "sample_next",
+    "top_p_filter",
+]
 
 
 @dataclass(frozen=True)
@@ -214,19 +254,94 @@ class HFGenerator:
         ]
 
 
+def checkpoint_name(name: str) -> str:
+    """A parameter of transformers' Qwen2.5-VL (`model.language_model.*`, `model.visual.*`, `lm_head.*`)
+    -> its name in a checkpoint file (`model.*`, `visual.*`, `lm_head.*`), the layout of UI-TARS-1.5-7B's
+    safetensors and of what `save_pretrained` writes, i.e. what the vLLM engine loaded at its start."""
+    for new, old in (("model.language_model.", "model."), ("model.visual.", "visual.")):
+        if name.startswith(new):
+            return old + name[len(new) :]
+    return name
+
+
+def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
+    """(checkpoint name, parameter) of every parameter once (tied embeddings: the embedding only, as in
+    the checkpoint file)."""
+    return [(checkpoint_name(n), p) for n, p in model.named_parameters()]
+
+
+def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
+    """Runs inside a vLLM worker (collective_rpc): the worker's model loads `weights`."""
+    runner = worker.model_runner
+    model = runner.get_model() if hasattr(runner, "get_model") else runner.model
+    model.load_weights(weights=weights)
+
+
+IN_PROCESS_PATHS = (
+    ("llm_engine", "model_executor", "driver_worker", "model_runner", "model"),
+    ("llm_engine", "model_executor", "driver_worker", "worker", "model_runner", "model"),
+    (
+        "llm_engine",
+        "engine_core",
+        "engine_core",
+        "model_executor",
+        "driver_worker",
+        "worker",
+        "model_runner",
+        "model",
+    ),
+)
+"""Where an in-process vLLM engine keeps its model (decision 8): TRL's colocate path, verl's sharding
+managers' path, and the V1 engine core behind an in-process client."""
+
+
+def _in_process_model(llm: Any) -> Any | None:
+    """The engine's model when it lives in this process (decision 8), else None."""
+    for path in IN_PROCESS_PATHS:
+        obj = llm
+        try:
+            for attr in path:
+                obj = getattr(obj, attr)
+        except AttributeError:
+            continue
+        if callable(getattr(obj, "load_weights", None)):
+            return obj
+    return None
+
+
+def load_into_engine(llm: Any, weights: list[tuple[str, torch.Tensor]]) -> str:
+    """Hand (checkpoint name, tensor) pairs to the vLLM engine's model (decision 8); returns the path used:
+    'in_process' or 'collective_rpc'."""
+    model = _in_process_model(llm)
+    if model is not None:
+        model.load_weights(weights)
+        return "in_process"
+    if hasattr(llm, "collective_rpc"):
+        llm.collective_rpc(_load_weights_on_worker, args=(weights,))
+        return "collective_rpc"
+    raise RuntimeError(
+        "cannot reach the vLLM engine's model: neither llm.llm_engine.model_executor.driver_worker."
+        "model_runner.model nor llm.collective_rpc exists in this vLLM version"
+    )
+
+
 class VLLMGenerator:
-    """The same interface on vLLM, for GPU machines. UNTESTED in this project's CI (no GPU, and vLLM has
-    no CPU wheel: docs/method.md §6).
+    """The same interface on vLLM, for GPU machines, colocated with the trainer (decisions 8-10).
+    UNTESTED against a real vLLM in this project's CI (no GPU, and vLLM has no CPU wheel:
+    docs/method.md §6); tests drive it with a fake engine.
 
     Install: vLLM pins its own CUDA torch and transformers, so it lives in a separate GPU environment
     (`scripts/setup_gpu.sh`, the `gpu` extra of pyproject.toml), never in the CPU training venv. The
-    import is guarded: constructing this class without vLLM raises ImportError with that hint.
+    import is lazy: constructing this class without vLLM raises ImportError with that hint.
 
     Prompts are the same segments as the HF backend, passed as token ids (one `<|image_pad|>` per image;
     vLLM expands it from the image) with the screenshots as multi-modal data, so earlier replies keep
-    their sampled token ids. `SamplingParams(logprobs=0)` returns the sampled token's log-prob; vLLM's
-    default `logprobs_mode` is the raw model log-probs (before temperature/top-p), matching decision 2
-    (set `logprobs_mode="raw_logprobs"` explicitly where the vLLM version supports it).
+    their sampled token ids; the engine's image processor gets the policy's own pixel budget, so an image
+    becomes as many tokens as in the trainer's sequence. `SamplingParams(logprobs=0)` returns the sampled
+    token's log-prob, and the engine is built with `logprobs_mode="raw_logprobs"` (log_softmax of the raw
+    logits, before temperature / top-p / logit bias), decision 2's definition; vLLM versions without that
+    argument get their default, which was the raw log-probs. Reply text is decoded by the policy's own
+    tokenizer, as in the HF backend.
     """
 
     def __init__(
@@ -236,20 +351,84 @@ class VLLMGenerator:
         *,
         system: str,
         history_images: int | None,
-        **llm_kwargs,
+        max_images: int = 15,
+        sleep_mode: bool = False,
+        llm: Any = None,
+        **llm_kwargs: Any,
     ):
-        try:
-            from vllm import LLM
-        except ImportError as e:  # pragma: no cover - exercised only on GPU machines
-            raise ImportError(
-                "VLLMGenerator needs vLLM, which is installed in a separate GPU environment "
-                "(scripts/setup_gpu.sh); use HFGenerator on CPU"
-            ) from e
+        """`max_images`: images per prompt when `history_images` is None (the episode step limit);
+        `llm`: an engine to use instead of building one (a reused engine, or a test's stand-in);
+        `llm_kwargs` go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype, enforce_eager)."""
         self.policy = policy
         self.system = system
         self.history_images = history_images
-        limit = {"image": 15 if history_images is None else history_images}
-        self.llm = LLM(model=model_path, limit_mm_per_prompt=limit, **llm_kwargs)
+        self.sleep_mode = sleep_mode
+        self.weights_version = 0
+        """How many times `sync_weights` ran."""
+        self.last_sync_path = ""
+        self._asleep = False
+        self.llm = llm if llm is not None else self._build(model_path, max_images, llm_kwargs)
+
+    def _build(self, model_path: str, max_images: int, llm_kwargs: dict[str, Any]) -> Any:
+        try:
+            from vllm import LLM
+        except ImportError as e:
+            raise ImportError(
+                "policy.backend=vllm needs vLLM, which is installed in a separate GPU environment "
+                "(scripts/setup_gpu.sh); use policy.backend=hf on CPU"
+            ) from e
+        # external_launcher (decision 8) joins this process's torch.distributed world (DeepSpeed's, when
+        # the trainer built its engine first) or starts a one-process world from these variables.
+        for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
+            os.environ.setdefault(k, v)
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        limit = self.history_images if self.history_images is not None else max_images
+        kwargs = {
+            "model": str(model_path),
+            "limit_mm_per_prompt": {"image": limit},
+            "mm_processor_kwargs": {
+                "min_pixels": self.policy.min_pixels,
+                "max_pixels": self.policy.max_pixels,
+            },
+            "distributed_executor_backend": "external_launcher",
+            "enable_sleep_mode": self.sleep_mode,
+            "seed": 0,
+            "logprobs_mode": "raw_logprobs",
+            **llm_kwargs,
+        }
+        try:
+            return LLM(**kwargs)
+        except TypeError as e:  # a vLLM without logprobs_mode: its default was the raw log-probs
+            if "logprobs_mode" not in str(e):
+                raise
+            kwargs.pop("logprobs_mode")
+            return LLM(**kwargs)
+
+    def before_update(self) -> None:
+        """Called by the trainer before an update: with sleep mode, vLLM frees its GPU memory (level 1:
+        weights to CPU, KV cache dropped) for the update's activations."""
+        if self.sleep_mode and not self._asleep:
+            self.llm.sleep(level=1)
+            self._asleep = True
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        """Load `model`'s current weights into the engine (decision 8). ZeRO-3 shards are gathered one
+        parameter at a time."""
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
+        pairs = named_weights(model)
+        if any(hasattr(p, "ds_id") for _, p in pairs):  # DeepSpeed ZeRO-3 partitioned parameters
+            import deepspeed
+
+            for name, p in pairs:
+                with deepspeed.zero.GatheredParameters([p], modifier_rank=None):
+                    self.last_sync_path = load_into_engine(self.llm, [(name, p.data)])
+        else:
+            self.last_sync_path = load_into_engine(self.llm, [(name, p.data) for name, p in pairs])
+        if hasattr(self.llm, "reset_prefix_cache"):
+            self.llm.reset_prefix_cache()
+        self.weights_version += 1
 
     def _prompt(self, p: PromptInput) -> dict:
         segs = build_segments(
@@ -280,10 +459,15 @@ class VLLMGenerator:
         top_p: float,
         max_new_tokens: int,
         seeds: Sequence[int] | None = None,
-    ) -> list[Generation]:  # pragma: no cover - GPU only
+    ) -> list[Generation]:
         from vllm import SamplingParams
 
         seeds = _check_seeds(batch, temperature, seeds)
+        if not batch:
+            return []
+        if self._asleep:
+            self.llm.wake_up()
+            self._asleep = False
         stops = [self.policy.im_end_id, self.policy.pad_id]
         params = [
             SamplingParams(
@@ -298,11 +482,68 @@ class VLLMGenerator:
             )
             for seed in seeds
         ]
-        outs = self.llm.generate([self._prompt(p) for p in batch], params)
+        outs = self.llm.generate([self._prompt(p) for p in batch], params, use_tqdm=False)
         result = []
         for o in outs:
             c = o.outputs[0]
-            ids = tuple(c.token_ids)
+            ids = tuple(int(t) for t in c.token_ids)
             lps = tuple(float(step[t].logprob) for t, step in zip(ids, c.logprobs, strict=True))
-            result.append(Generation(c.text, ids, lps, "stop" if c.finish_reason == "stop" else "length"))
+            text = self.policy.tokenizer.decode(ids, skip_special_tokens=True)
+            stopped = bool(ids) and ids[-1] in stops
+            result.append(Generation(text, ids, lps, "stop" if stopped else "length"))
         return result
+
+
+_ENGINE: dict[str, Any] = {}
+"""The process's vLLM engine and the config.json text of the model it was built for (decision 10)."""
+
+
+def make_generator(
+    policy: Policy, policy_dir: str | os.PathLike, cfg: PolicyConfig, *, max_images: int = 15
+) -> Generator:
+    """The generator of `cfg.backend` (params' `policy` section) for `policy`, loaded from `policy_dir`
+    (decision 8). A vLLM engine already built in this process for a model of the same config is reused
+    (decision 10); either way the engine gets `policy`'s weights before the first reply."""
+    if cfg.backend == "hf":
+        return HFGenerator(policy, system=cfg.system_prompt, history_images=cfg.history_images)
+    if cfg.backend != "vllm":
+        raise ValueError(f"unknown policy.backend {cfg.backend!r}; choose 'hf' or 'vllm'")
+    config_text = (Path(policy_dir) / "config.json").read_text()
+    v = cfg.vllm
+    llm = _ENGINE.get("llm") if _ENGINE.get("config") == config_text else None
+    if llm is None and _ENGINE:
+        _drop_engine()
+    gen = VLLMGenerator(
+        policy,
+        str(policy_dir),
+        system=cfg.system_prompt,
+        history_images=cfg.history_images,
+        max_images=max_images,
+        sleep_mode=v.sleep_mode,
+        llm=llm,
+        gpu_memory_utilization=v.gpu_memory_utilization,
+        max_model_len=v.max_model_len,
+        dtype=v.dtype,
+        enforce_eager=v.enforce_eager,
+    )
+    _ENGINE.update(llm=gen.llm, config=config_text)
+    gen.sync_weights(policy.model)
+    return gen
+
+
+def _drop_engine() -> None:
+    """Release the process's engine (a model of another architecture is next)."""
+    import gc
+
+    _ENGINE.clear()
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]

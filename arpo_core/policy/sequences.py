@@ -50,6 +50,7 @@ __all__ = [
     "encode_trajectory",
     "forward_logits",
     "gather_logprobs",
+    "reply_logprob_sums",
     "sequence_logprobs",
 ]
 
@@ -258,3 +259,22 @@ def sequence_logprobs(
     B, T = batch.input_ids.shape
     logps = torch.zeros((B, T), dtype=torch.float32, device=logits.device).index_copy(1, keep + 1, picked)
     return logps, mask
+
+
+def reply_logprob_sums(assistant_mask: Sequence[bool], logps: torch.Tensor) -> list[tuple[float, int]]:
+    """(sum of log-probs, tokens) of each trained reply of one sequence: the runs of consecutive assistant
+    tokens in order (a reply's sampled tokens are one run; chat markup separates two replies).
+    `logps` (L,) as `update.compute_logps` returns them. The trainer compares these sums with the
+    generator's `gen_logprob_sum` of the same steps (trainer.py, the `logprob/*` diagnostic)."""
+    out: list[tuple[float, int]] = []
+    run_sum, run_len = 0.0, 0
+    for t, on in enumerate(assistant_mask):
+        if on and t > 0:
+            run_sum += float(logps[t])
+            run_len += 1
+        elif run_len:
+            out.append((run_sum, run_len))
+            run_sum, run_len = 0.0, 0
+    if run_len:
+        out.append((run_sum, run_len))
+    return out

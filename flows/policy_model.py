@@ -1,0 +1,114 @@
+"""The pipeline's policies as MLflow models (the "Logged models" of a run), loadable with
+`mlflow.pyfunc.load_model("models:/<model_id>")`.
+
+Decisions:
+1. Flavour pyfunc with a `PythonModel` around the project's own loader: the policy is a Qwen2.5-VL
+   checkpoint directory (tokenizer, image processor, weights) that `arpo_core.policy.model.load_policy`
+   loads, and what a user wants back from MLflow is "give it a screenshot and an instruction, get the
+   UI-TARS reply", which pyfunc's `predict` expresses directly. The checkpoint directory is the model's
+   artifact `policy` (copied into the model, not referenced), the prompt settings its `model_config`.
+2. Logged with the run's id (`Model.log(run_id=...)`), not through the fluent active-run stack (tracking
+   decision 2); MLflow then links the run's metrics at `step` to the model and copies the run's params
+   onto it, so the model page shows the numbers of the run that produced it.
+3. Requirements are pinned from the installed versions instead of inferred: inference loads the model
+   in a subprocess (tens of seconds per model here) to guess what we already know.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import warnings
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+import mlflow
+from mlflow.models import ModelSignature
+from mlflow.pyfunc import PythonModel
+from mlflow.types import ColSpec, Schema
+
+__all__ = ["PolicyModel", "log_policy_model"]
+
+SIGNATURE = ModelSignature(
+    inputs=Schema([ColSpec("string", "instruction"), ColSpec("binary", "screenshot")]),
+    outputs=Schema([ColSpec("string")]),
+)
+REQUIREMENTS = ("torch", "transformers", "pillow", "pandas", "mlflow")
+
+
+warnings.filterwarnings("ignore", message="Add type hints to the `predict` method", category=UserWarning)
+warnings.filterwarnings("ignore", message="An input example was not provided", category=UserWarning)
+
+
+class PolicyModel(PythonModel):
+    """Input: a DataFrame with `instruction` (str) and `screenshot` (PNG bytes) columns, one row per
+    prompt; output: the greedy replies, one string per row."""
+
+    def load_context(self, context):  # no hints: MLflow validates predict input by them
+        from arpo_core.pipeline.common import resolve_policy
+        from arpo_core.policy.model import load_policy
+
+        self.config = dict(context.model_config or {})
+        self.policy = load_policy(resolve_policy(context.artifacts["policy"]))
+
+    def predict(self, context, model_input, params=None):
+        from PIL import Image
+
+        from arpo_core.policy.generate import HFGenerator
+        from arpo_core.policy.prompt import PromptInput
+
+        cfg = {**self.config, **(params or {})}
+        rows = model_input.to_dict("records") if hasattr(model_input, "to_dict") else list(model_input)
+        batch = [
+            PromptInput(
+                instruction=str(r["instruction"]),
+                screenshots=(Image.open(io.BytesIO(r["screenshot"])).convert("RGB"),),
+            )
+            for r in rows
+        ]
+        gen = HFGenerator(
+            self.policy, system=cfg.get("system_prompt", "compact"), history_images=cfg.get("history_images")
+        )
+        out = gen.generate(
+            batch, temperature=0.0, top_p=1.0, max_new_tokens=int(cfg.get("max_new_tokens", 64))
+        )
+        return [g.text for g in out]
+
+
+def _requirements() -> list[str]:
+    reqs = []
+    for name in REQUIREMENTS:
+        try:
+            reqs.append(f"{name}=={metadata.version(name).split('+')[0]}")
+        except metadata.PackageNotFoundError:
+            reqs.append(name)
+    return reqs
+
+
+def log_policy_model(
+    tracking_uri: str,
+    run_id: str,
+    policy_dir: str | os.PathLike,
+    name: str,
+    config: dict[str, Any],
+    step: int = 0,
+) -> str:
+    """Log the checkpoint at `policy_dir` as run `run_id`'s model `name` (decisions 1-3); returns its
+    model id. The run's metrics at `step` are linked to it, so log them first."""
+    mlflow.set_tracking_uri(tracking_uri)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "consider an input example" advice, per model
+        info = mlflow.models.Model.log(
+            artifact_path=None,
+            name=name,
+            flavor=mlflow.pyfunc,
+            run_id=run_id,
+            python_model=PolicyModel(),
+            artifacts={"policy": str(Path(policy_dir).resolve())},
+            model_config=dict(config),
+            pip_requirements=_requirements(),
+            signature=SIGNATURE,
+            step=step,
+        )
+    return info.model_id
