@@ -6,9 +6,12 @@ Decisions:
    `evaluate_policies` (this one and the offline stages rft / dpo / kto), so the `compare` stage can
    pair their episodes one by one.
 2. Greedy trajectories go to `<out_dir>/<name>.parquet`, sampled ones (with
-   `evaluate.sampled_temperature`) to `<out_dir>/<name>-sampled.parquet`; metric keys are
-   `eval/<name>/<mode>/...` (evaluate.summarize's keys under that prefix).
-3. The trained policy is named by its method, `arpo` or `grpo` (`common.method_name`).
+   `evaluate.sampled_temperature`) to `<out_dir>/<name>-sampled.parquet`; metric keys are named by the
+   policy's role, `eval/<role>/<mode>/...` (evaluate.summarize's keys under that prefix): `base` and
+   `trained`, so the evaluate runs of ARPO and GRPO have the same metric names and compare column by
+   column; which method was trained is the run's param `method` (`tracked_params`).
+3. The trained policy is named by its method, `arpo` or `grpo` (`common.method_name`): its file name,
+   and the `method` param.
 """
 
 from __future__ import annotations
@@ -25,7 +28,16 @@ from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy,
 from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["evaluate_loaded", "evaluate_policies", "run", "trajectory_file"]
+__all__ = ["MODEL_INPUTS", "evaluate_loaded", "evaluate_policies", "run", "tracked_params", "trajectory_file"]
+
+MODEL_INPUTS = {"base": "base_dir", "trained": "trained_dir"}
+"""Metric role -> the `run` argument holding that policy (the tracking layer links `eval/<role>/...` to
+the model the stage producing that input logged)."""
+
+
+def tracked_params(p: Params) -> dict[str, str]:
+    """Decision 2: the method of the trained policy, logged as a param of the stage's run."""
+    return {"method": method_name(p)}
 
 
 def trajectory_file(out_dir: str | os.PathLike, name: str, mode: str = "greedy") -> Path:
@@ -74,9 +86,13 @@ def evaluate_loaded(
 
 
 def evaluate_policies(
-    p: Params, policies: Mapping[str, str | os.PathLike], out_dir: str | os.PathLike
+    p: Params,
+    policies: Mapping[str, str | os.PathLike],
+    out_dir: str | os.PathLike,
+    roles: Mapping[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Evaluate each named policy on both suites (decisions 1-2); returns the metrics."""
+    """Evaluate each named policy on both suites (decisions 1-2); returns the metrics, keyed by each
+    policy's role (`roles[name]`, default the name)."""
     from arpo_core.policy.model import load_policy
 
     setup_torch(p)
@@ -99,7 +115,7 @@ def evaluate_policies(
                     tasks,
                     e.episodes_per_task,
                     temperature,
-                    prefix=f"eval/{name}/{mode}",
+                    prefix=f"eval/{(roles or {}).get(name, name)}/{mode}",
                     run_id=f"evaluate-{name}",
                 )
                 metrics.update(res.metrics)
@@ -116,6 +132,6 @@ def run(
 ) -> dict[str, Any]:
     """Base (`base_dir`) vs the trained policy (`trained_dir/policy`); episodes to `out_dir`."""
     policies = {"base": base_dir, method_name(p): Path(trained_dir) / "policy"}
-    metrics = evaluate_policies(p, policies, out_dir)
+    metrics = evaluate_policies(p, policies, out_dir, roles={"base": "base", method_name(p): "trained"})
     atomic_write_json(Path(out_dir) / "policies.json", {k: str(v) for k, v in policies.items()}, indent=1)
     return metrics

@@ -30,11 +30,11 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
-from arpo_core.pipeline.common import progress_bar, resolve_policy, setup_torch, suite_tasks
+from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
 from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
 from arpo_core.selection import read_selection
 
-__all__ = ["artifacts", "epoch_history", "run", "training_tasks"]
+__all__ = ["artifacts", "epoch_history", "run", "tracked_params", "training_tasks"]
 
 
 def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[TaskSpec]:
@@ -151,6 +151,11 @@ def run(
     load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)
     last = state.history[-1] if state.history else {}
     return {"train/epochs": float(state.epoch), **{k: v for k, v in last.items() if isinstance(v, float)}}
+
+
+def tracked_params(p: Params) -> dict[str, str]:
+    """The trained method (`arpo` with replay, `grpo` without), a param of the stage's run."""
+    return {"method": method_name(p)}
 
 
 def epoch_history(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
