@@ -54,6 +54,7 @@ from arpo_core.config_check import (
     build,
     check_fields,
     dotted,
+    unknown_suite_task,
 )
 from arpo_core.offline_config import DPOConfig, GroundTrainConfig, KTOConfig, RFTConfig, SFTConfig
 from arpo_core.replay import ReplayConfig
@@ -189,6 +190,9 @@ class EnvConfig:
         """Rules across fields, checked by the loader: (field, rule, other fields involved). The suites'
         kind is read from the files when they exist (a missing file is the path check's error)."""
         for name in ("in_domain_suite", "out_of_domain_suite"):
+            # a misspelt task fails when params load, not 25 s later inside a stage
+            if problem := unknown_suite_task(getattr(self, name)):
+                yield (name, problem, ())
             found = suite_backends(getattr(self, name))
             if found is not None and found != {self.kind}:
                 yield (

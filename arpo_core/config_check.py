@@ -344,10 +344,63 @@ def build(cls: type[T], raw: Mapping[str, Any], path: KeyPath, ctx: Context) -> 
             for o in involved
             for k in [(*path, *o.split("."))]
         )
-        raise ConfigError(
-            f"{dotted(key)} = {_lookup(obj, name)!r} is out of range: {rule} ({ctx.origin(key)}; {others})"
-        )
+        where = f"{ctx.origin(key)}; {others}" if others else ctx.origin(key)
+        raise ConfigError(f"{dotted(key)} = {_lookup(obj, name)!r} is out of range: {rule} ({where})")
     return obj
+
+
+# ------------------------------------------------------------------------------------------------
+# Suite files: every MiniWoB task a suite names exists (issue 17)
+
+
+@functools.cache
+def miniwob_task_names() -> frozenset[str] | None:
+    """The MiniWoB++ task ids the installed `miniwob` package ships (its html/miniwob/*.html pages), or
+    None without the package. Found without importing it (importing it pulls in selenium)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("miniwob")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    pages = Path(next(iter(spec.submodule_search_locations))) / "html" / "miniwob"
+    names = frozenset(p.stem for p in pages.glob("*.html"))
+    return names or None
+
+
+def unknown_suite_task(path: str | Path) -> str | None:
+    """Why suite file `path` cannot be played, for its first MiniWoB task entry naming no MiniWoB task:
+    "names no MiniWoB task: 'click-buton' (data/suites/x.yaml:21); closest known: click-button, ..."
+    (difflib's closest names). None when every MiniWoB entry exists, the file is unreadable (its own
+    checks report that) or the package is missing."""
+    import difflib
+
+    import yaml
+
+    known = miniwob_task_names()
+    if known is None:
+        return None
+    try:
+        root = yaml.compose(Path(path).read_text())
+    except (OSError, yaml.YAMLError):
+        return None
+    if not isinstance(root, yaml.MappingNode):
+        return None
+    top = {k.value: v for k, v in root.value if isinstance(k, yaml.ScalarNode)}
+    default_backend = top["backend"].value if isinstance(top.get("backend"), yaml.ScalarNode) else "miniwob"
+    tasks = top.get("tasks")
+    for node in tasks.value if isinstance(tasks, yaml.SequenceNode) else ():
+        backend, task = default_backend, node
+        if isinstance(node, yaml.MappingNode):
+            entry = {k.value: v for k, v in node.value if isinstance(k, yaml.ScalarNode)}
+            task = entry.get("task_id")
+            if isinstance(entry.get("backend"), yaml.ScalarNode):
+                backend = entry["backend"].value
+        if backend != "miniwob" or not isinstance(task, yaml.ScalarNode) or task.value in known:
+            continue
+        close = difflib.get_close_matches(task.value, sorted(known), n=3, cutoff=0.6)
+        hint = f"; closest known: {', '.join(close)}" if close else "; no known task is close"
+        return f"names no MiniWoB task: {task.value!r} ({path}:{task.start_mark.line + 1}){hint}"
+    return None
 
 
 def _lookup(obj: Any, name: str) -> Any:

@@ -1,9 +1,16 @@
-"""The `arpo` command: the front door of the pipeline (it may import Prefect; arpo_core may not)."""
+"""The `arpo` command: the front door of the pipeline (it may import Prefect; arpo_core may not).
+
+Errors are one line (`error: <what went wrong>`, exit 1; bad params exit 2) unless `arpo --debug ...`
+(or ARPO_DEBUG=1) asks for the traceback: without it, Prefect's flow and task run loggers also log a
+failure as its message only, not the traceback they would print three times over.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import os
 import signal
 import sys
 import time
@@ -16,7 +23,57 @@ import yaml
 from arpo_core.config import ConfigError, Params, load_params, to_dict
 from arpo_core.pipeline.table import STAGE_NAMES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="ARPO training pipeline for GUI agents.")
+DEBUG_ENV = "ARPO_DEBUG"
+
+
+def _debug() -> bool:
+    return "--debug" in sys.argv[1:2] or os.environ.get(DEBUG_ENV) == "1"
+
+
+class _OneLineRecords(logging.Filter):
+    """Drops the traceback of a log record (the message stays): Prefect's run loggers without --debug."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.exc_info:
+            exc = record.exc_info[1]
+            record.exc_info, record.exc_text = None, None
+            if exc is not None and str(exc) not in record.getMessage():
+                record.msg, record.args = f"{record.getMessage()}: {exc}", ()
+        return True
+
+
+class OneLineErrors(typer.Typer):
+    """The `arpo` app: an unexpected exception ends the command with one line naming it, exit 1; the
+    traceback only with --debug."""
+
+    def __call__(self, *args: object, **kwargs: object) -> object:
+        if _debug():
+            return super().__call__(*args, **kwargs)
+        for name in ("prefect.flow_runs", "prefect.task_runs"):
+            logging.getLogger(name).addFilter(_OneLineRecords())
+        try:
+            return typer.main.get_command(self)(*args, **kwargs)
+        except Exception as e:  # everything not already a clean exit (click handles its own errors)
+            message = str(e).strip().splitlines()[0] if str(e).strip() else ""
+            typer.secho(
+                f"error: {type(e).__name__}: {message} (arpo --debug ... shows the traceback)",
+                fg=typer.colors.RED,
+                err=True,
+            )
+            sys.exit(1)
+
+
+app = OneLineErrors(add_completion=False, no_args_is_help=True, help="ARPO training pipeline for GUI agents.")
+
+
+@app.callback()
+def _main(
+    debug: bool = typer.Option(
+        False, "--debug", help=f"show tracebacks (also {DEBUG_ENV}=1); errors are one line otherwise"
+    ),
+) -> None:
+    """ARPO training pipeline for GUI agents."""
+
 
 PARAMS_OPT = typer.Option(Path("params.yaml"), "--params", "-p", help="params file")
 SET_OPT = typer.Option([], "--set", "-S", help="override, e.g. train.replay.enabled=false (repeatable)")
