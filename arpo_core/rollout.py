@@ -25,6 +25,8 @@ Decisions:
    gives the same trajectories with 1 or 8 envs, process or Ray workers.
 6. Time is split into env (waiting on env futures), inference (generation) and the rest, so a
    benchmark can see who waits for whom.
+8. Env faults are metrics: the pool's fault counters (pool.py decision 7) during the call become
+   `rollout/faults/<kind>` (every kind, 0 included) and `task/<domain>/<task_id>/env_faults`.
 7. `RolloutConfig` has no defaults for what params own (sampling, step limit, reply length, format
    penalty, pixel budget, coordinate mode, seed): the caller builds it from params.yaml.
 """
@@ -33,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -347,8 +350,10 @@ def run_episodes(
     the sampling seeds (decision 5): two calls with the same job list, config, epoch and iteration give
     the same episodes. `progress` (tqdm-like, optional) is advanced by one per finished episode."""
     t_start = time.monotonic()
+    faults_before = _faults(pool)
     r = _Rollout(pool, generator, jobs, cfg, epoch, iteration, progress)
     r.run()
+    faults_after = _faults(pool)
     done = sorted(r.finished, key=lambda e: e.order)
     trajs = [_trajectory(ep, cfg, run_id, stage, epoch, policy_version) for ep in done]
     failed = [(job, error) for _, job, error in sorted(r.failed, key=lambda f: f[0])]  # job order too
@@ -367,4 +372,29 @@ def run_episodes(
         "time/inference_s": r.t_inf,
         "time/other_s": max(0.0, total - r.t_env - r.t_inf),
     }
+    metrics.update(_fault_metrics(faults_before, faults_after))
     return RolloutResult(trajs, failed, metrics)
+
+
+def _faults(pool) -> tuple[dict[str, int], dict[tuple[str, str], dict[str, int]]]:
+    """The pool's fault counters (pool.py decision 7), empty for a pool-like object without them."""
+    counts = getattr(pool, "fault_counts", None)
+    per_task = getattr(pool, "task_fault_counts", None)
+    return (counts() if counts else {}), (per_task() if per_task else {})
+
+
+def _fault_metrics(before, after) -> dict[str, float]:
+    """Decision 8: `rollout/faults/<kind>` for every kind and `task/<domain>/<task_id>/env_faults` for
+    each task with a fault, counted during this call."""
+    out = {f"rollout/faults/{k}": float(v - before[0].get(k, 0)) for k, v in after[0].items()}
+    for key, kinds in after[1].items():
+        old = before[1].get(key, {})
+        n = sum(v - old.get(k, 0) for k, v in kinds.items())
+        if n:
+            out[f"task/{_clean(key[0])}/{_clean(key[1])}/env_faults"] = float(n)
+    return out
+
+
+def _clean(name: str) -> str:
+    """MLflow's key alphabet (the trainer's and evaluate's per-task keys): anything else becomes '_'."""
+    return re.sub(r"[^A-Za-z0-9_\-. /]", "_", name)

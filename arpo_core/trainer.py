@@ -556,7 +556,7 @@ _PER_EPISODE = (
     "rollout/mean_steps",
     "rollout/mean_reward",
 )
-_TASK_SUMMED = ("episodes", "all_fail_groups", "replay_fills")
+_TASK_SUMMED = ("episodes", "all_fail_groups", "replay_fills", "env_faults")
 
 
 def _reduction(key: str) -> tuple[str, str | None]:
@@ -570,7 +570,7 @@ def _reduction(key: str) -> tuple[str, str | None]:
             return "per_episode", f"{task}/episodes"
         if name == "buffer_size":
             return "last", None
-    if key in _SUMMED:
+    if key in _SUMMED or key.startswith("rollout/faults/"):
         return "sum", None
     if key in _PER_EPISODE:
         return "per_episode", "rollout/episodes"

@@ -118,6 +118,10 @@ def test_killed_browser_is_detected_and_replaced(backend):
         again = pool.reset([(0, task("click-test"), 3)])[0]
         assert again.error is None and again.observation.instruction == "Click the button."
         assert pool.restarts() == [1, 0]
+        faults = pool.fault_counts()  # every fault counted (issue 18)
+        assert (faults["browser_crashes"], faults["worker_restarts"]) == (1, 1), faults
+        assert sum(faults.values()) == 2
+        assert pool.task_fault_counts() == {("miniwob", "click-test"): faults}
         assert pool.worker_pids()[0] != old_worker
         assert wait_gone([old_worker]) == []
         out = pool.step({0: oracle_actions(pool, 0), 1: oracle_actions(pool, 1)})
@@ -138,6 +142,25 @@ def test_sigkilled_worker_takes_its_browser_along_and_is_replaced(backend):
         assert out.done and "worker" in out.error
         assert pool.reset([(0, task("click-test"), 0)])[0].error is None
         assert pool.restarts() == [1]
+        faults = pool.fault_counts()
+        assert (faults["worker_crashes"], faults["worker_restarts"], sum(faults.values())) == (1, 1, 2), (
+            faults
+        )
+
+
+def test_every_fault_is_one_warning_line_and_a_dead_worker_is_counted_at_close(caplog):
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="arpo.envs"):
+        pool = make_pool(FACTORY, 1)
+        pool.reset([(0, task("click-test"), 0)])
+        worker = pool.worker_pids()[0]
+        os.kill(worker, signal.SIGKILL)  # dies between calls: only close() can notice
+        assert wait_gone([worker]) == []
+        pool.close()
+    assert pool.fault_counts()["worker_crashes"] == 1
+    lines = [r.getMessage() for r in caplog.records if r.name == "arpo.envs"]
+    assert len(lines) == 1 and "worker_crashes" in lines[0] and "miniwob/click-test" in lines[0], lines
 
 
 def test_close_leaves_no_process(backend):
@@ -170,6 +193,8 @@ def test_hung_step_times_out_kills_group_and_recovers(backend):
         assert wait_gone([worker, *browser]) == []
         assert pool.reset([(0, task("click-test"), 0)])[0].error is None
         assert pool.restarts() == [1]
+        faults = pool.fault_counts()
+        assert (faults["timeouts"], faults["worker_restarts"], sum(faults.values())) == (1, 1, 2), faults
 
 
 @pytest.mark.slow
@@ -180,6 +205,11 @@ def test_reset_retries_then_reports_env_error(backend):
         assert res.done and res.observation is None
         assert "reset failed 2 times" in res.error
         assert pool.restarts() == [1]
+        faults = pool.fault_counts()
+        assert (
+            faults["reset_retries"] == 1 and faults["reset_failures"] == 1 and faults["worker_restarts"] == 1
+        )
+        assert faults["env_errors"] == 2  # the browser could not start, once per try
 
 
 PARENT = """

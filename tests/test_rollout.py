@@ -418,3 +418,48 @@ def test_tiny_policy_on_real_miniwob(tmp_path):
         assert t.steps[0].image().size == SCREEN
         assert t.steps[0].response_token_ids
         assert t.reward in (0.0, 1.0, -1.0)
+
+
+class CountingPool(FakePool):
+    """FakePool with the EnvPool's fault counters (pool.py decision 7): each injected fault counts one
+    `browser_crashes` (reset) or `timeouts` (step) for its task."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.counts = {"browser_crashes": 0, "timeouts": 0}
+        self.per_task = {}
+
+    def _count(self, kind, task_id):
+        self.counts[kind] += 1
+        per = self.per_task.setdefault(("miniwob", task_id), {"browser_crashes": 0, "timeouts": 0})
+        per[kind] += 1
+
+    def submit_reset(self, i, task, seed):
+        if self.faults.get((task.task_id, seed), 0) > 0:
+            self._count("browser_crashes", task.task_id)
+        return super().submit_reset(i, task, seed)
+
+    def submit_step(self, i, actions):
+        st = self.state[i]
+        if self.step_faults.get((st["task"], st["seed"]), 0) > 0:
+            self._count("timeouts", st["task"])
+        return super().submit_step(i, actions)
+
+    def fault_counts(self):
+        return dict(self.counts)
+
+    def task_fault_counts(self):
+        return {k: dict(v) for k, v in self.per_task.items()}
+
+
+def test_pool_faults_become_rollout_and_per_task_metrics_of_the_call():
+    pool = CountingPool(n=2, faults={("a", 0): 2}, step_faults={("c", 2): 1})
+    pool.counts["timeouts"] = 5  # faults before this call are not counted again
+    gen = ScriptedGenerator({"a": GOOD, "b": GOOD, "c": GOOD})
+    jobs = [EpisodeJob(tasks(t)[0], s, group_id=s) for s, t in enumerate("abc")]
+    res = run_episodes(pool, gen, jobs, rollout_cfg(env_retries=2))
+    m = res.metrics
+    assert (m["rollout/faults/browser_crashes"], m["rollout/faults/timeouts"]) == (2.0, 1.0)
+    assert m["task/miniwob/a/env_faults"] == 2.0 and m["task/miniwob/c/env_faults"] == 1.0
+    assert "task/miniwob/b/env_faults" not in m
+    assert m["rollout/env_faults"] == 3.0 and len(res.trajectories) == 3

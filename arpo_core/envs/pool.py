@@ -25,6 +25,9 @@ Design decisions:
 5. Each env has a one-thread executor: calls to one env run in order, calls to different envs run in
    parallel, and the `submit_*` methods return futures so the rollout loop can evaluate a finished env
    while the others keep stepping (docs/method.md §1).
+7. Every fault is counted and reported (issue 18): `FAULT_KINDS` per pool and per task (the task the
+   env was playing), one warning line each on the `arpo.envs` logger; `fault_counts()` and
+   `task_fault_counts()` are what the rollout loop turns into metrics.
 6. The Ray backend keeps the same class: each env's worker process is owned by a small Ray actor
    (`resources={"env_node": 0.01}`-style custom resources place actors on env machines, as the
    reference does with 128 OSWorld VMs); a hung actor is `ray.kill`ed and the orphaned worker kills
@@ -34,6 +37,7 @@ Design decisions:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import pickle
 import shutil
@@ -55,6 +59,20 @@ from arpo_core.actions import Action
 from arpo_core.envs.base import GuiEnv, Observation, StepResult, TaskSpec
 
 EnvFactory = Callable[[], GuiEnv]
+FAULT_KINDS = (
+    "worker_restarts",
+    "worker_crashes",
+    "timeouts",
+    "browser_crashes",
+    "env_errors",
+    "reset_retries",
+    "reset_failures",
+)
+"""Decision 7: worker_restarts (a worker replaced after a fault), worker_crashes (a worker died or could
+not start), timeouts (a call past its limit), browser_crashes (a step reported a fatal env fault, e.g. a
+dead browser), env_errors (the env raised or a step reported an error), reset_retries (a reset tried
+again), reset_failures (a reset given up after all its tries)."""
+log = logging.getLogger("arpo.envs")
 _WORKER_BOOT = (
     "import sys; from arpo_core.envs.pool import worker_main; "
     "worker_main(int(sys.argv[1]), int(sys.argv[2]), sys.argv[3] if len(sys.argv) > 3 else '')"
@@ -418,6 +436,8 @@ class _Slot:
     broken: bool = True
     restarts: int = -1
     """Worker starts minus one (the first start is not a restart)."""
+    task: tuple[str, str] | None = None
+    """(domain, task_id) of the episode the env is playing, for per-task fault counts."""
 
 
 class EnvPool:
@@ -462,6 +482,9 @@ class EnvPool:
         self.start_timeout_s = start_timeout_s
         self.ray_resources = dict(ray_resources or {})
         self._closed = False
+        self._fault_lock = threading.Lock()
+        self._faults: dict[str, int] = dict.fromkeys(FAULT_KINDS, 0)
+        self._task_faults: dict[tuple[str, str], dict[str, int]] = {}
         self._slots = [
             _Slot(i, ThreadPoolExecutor(max_workers=1, thread_name_prefix=f"env{i}")) for i in range(n)
         ]
@@ -476,16 +499,42 @@ class EnvPool:
             return RayWorker(self.env_factory, self.start_timeout_s, self.ray_resources)
         return ProcessWorker(self.env_factory, self.start_timeout_s)
 
+    def _fault(self, slot: _Slot, kind: str, message: str) -> None:
+        """Decision 7: count one fault of `kind` for the pool and the slot's task; one warning line."""
+        with self._fault_lock:
+            self._faults[kind] += 1
+            if slot.task is not None:
+                per = self._task_faults.setdefault(slot.task, dict.fromkeys(FAULT_KINDS, 0))
+                per[kind] += 1
+        task = "/".join(slot.task) if slot.task else "-"
+        first = message.strip().splitlines()[0][:300] if message.strip() else ""
+        log.warning("env fault %s: env %d, task %s: %s", kind, slot.idx, task, first)
+
+    def fault_counts(self) -> dict[str, int]:
+        """Decision 7: faults of each kind so far (all of `FAULT_KINDS`)."""
+        with self._fault_lock:
+            return dict(self._faults)
+
+    def task_fault_counts(self) -> dict[tuple[str, str], dict[str, int]]:
+        """Decision 7: {(domain, task_id): {kind: count}} for the tasks that had a fault."""
+        with self._fault_lock:
+            return {k: dict(v) for k, v in self._task_faults.items()}
+
     def _restart(self, slot: _Slot) -> str | None:
         """Kill the slot's worker (whole group) and start a fresh one; returns an error or None."""
         if slot.worker is not None:
             slot.worker.kill()
         slot.worker = self._new_worker()
         slot.restarts += 1
+        if slot.restarts > 0:
+            self._fault(
+                slot, "worker_restarts", f"worker replaced (restart {slot.restarts} of env {slot.idx})"
+            )
         try:
             slot.worker.start()
         except WorkerFailure as e:
             slot.broken = True
+            self._fault(slot, "worker_crashes", f"worker start failed: {e}")
             return str(e)
         slot.broken = False
         return None
@@ -499,22 +548,28 @@ class EnvPool:
             return slot.worker.call(method, args, timeout_s), None
         except EnvCallError as e:
             slot.broken = True
+            self._fault(slot, "env_errors", f"{method}: {e}")
             return None, f"env error in {method}: {e}"
         except WorkerFailure as e:
             slot.broken = True
+            self._fault(slot, "timeouts" if "timed out" in str(e) else "worker_crashes", f"{method}: {e}")
             return None, f"worker failure in {method}: {e}"
 
     # ------------------------------------------------------------------ single-env jobs
     def _reset_job(self, slot: _Slot, task: TaskSpec, seed: int | None) -> EnvResult:
         t0 = time.monotonic()
+        slot.task = (task.domain, task.task_id)
         errors: list[str] = []
-        for _ in range(self.reset_retries):
+        for attempt in range(self.reset_retries):
             obs, err = self._call(slot, "reset", (task, seed), self.reset_timeout_s)
             if err is None:
                 return EnvResult(slot.idx, observation=obs, elapsed_s=time.monotonic() - t0)
             errors.append(err)
             slot.broken = True
+            if attempt + 1 < self.reset_retries:
+                self._fault(slot, "reset_retries", f"reset try {attempt + 1} failed, trying again: {err}")
         msg = f"reset failed {len(errors)} times; last: {errors[-1]}"
+        self._fault(slot, "reset_failures", msg)
         return EnvResult(slot.idx, done=True, error=msg, elapsed_s=time.monotonic() - t0)
 
     def _step_job(self, slot: _Slot, actions: list[Action]) -> EnvResult:
@@ -526,6 +581,9 @@ class EnvPool:
         env_err = res.info.get("error")
         if res.info.get("fatal"):
             slot.broken = True  # e.g. the browser died: replace the worker before the next episode
+            self._fault(slot, "browser_crashes", f"step: {env_err or 'fatal env fault'}")
+        elif env_err:
+            self._fault(slot, "env_errors", f"step: {env_err}")
         return EnvResult(
             slot.idx,
             observation=res.observation,
@@ -607,6 +665,10 @@ class EnvPool:
         self._closed = True
         for s in self._slots:
             s.executor.shutdown(wait=True, cancel_futures=True)
+        for s in self._slots:  # decision 7: a worker that died since its last call is a fault too
+            proc = getattr(s.worker, "proc", None)
+            if proc is not None and not s.broken and proc.poll() is not None:
+                self._fault(s, "worker_crashes", f"worker {proc.pid} found dead when the pool closed")
         closers = ThreadPoolExecutor(max_workers=max(1, self.n))
         for f in [closers.submit(s.worker.close) for s in self._slots if s.worker is not None]:
             with contextlib.suppress(Exception):

@@ -21,6 +21,7 @@ Decisions:
 from __future__ import annotations
 
 import functools
+import logging
 from collections.abc import Callable
 from contextlib import contextmanager
 from pathlib import Path
@@ -100,6 +101,11 @@ def make_pool(p: Params, n: int | None = None):
         yield pool
     finally:
         pool.close()
+        faults = {k: v for k, v in pool.fault_counts().items() if v}
+        if faults:  # the stage's total, beside one warning line per fault (pool.py decision 7)
+            logging.getLogger("arpo.envs").warning(
+                "env faults in this stage: %s", ", ".join(f"{k}={v}" for k, v in faults.items())
+            )
 
 
 def rollout_config(
