@@ -50,6 +50,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from arpo_core.actions import ActionParseError, parse_response
+from arpo_core.offline import lr_factor
 from arpo_core.offline_config import GroundTrainConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, build_segments, model_image_size
@@ -394,19 +395,6 @@ class GroundConfig(GroundTrainConfig):
             if step >= start:
                 mix = m
         return mix
-
-
-def lr_factor(step: int, warmup: int, total: int, min_frac: float) -> float:
-    """Warm-up then cosine schedule: factor of the peak LR at 0-based `step`.
-
-    >>> [round(lr_factor(s, 2, 6, 0.0), 3) for s in range(6)]
-    [0.5, 1.0, 1.0, 0.75, 0.25, 0.0]
-    """
-    if warmup and step < warmup:
-        return (step + 1) / warmup
-    span = max(1, total - warmup - 1)
-    t = min(1.0, (step - warmup) / span)
-    return min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t))
 
 
 def coord_pattern(image: Image.Image, model_size: tuple[int, int], strength: float) -> Image.Image:

@@ -23,6 +23,7 @@ Decisions:
 
 from __future__ import annotations
 
+import math
 import random
 from collections.abc import Sequence
 from contextlib import nullcontext
@@ -38,7 +39,20 @@ from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import collate, encode_trajectory, sequence_logprobs
 from arpo_core.trajectory import Trajectory
 
-__all__ = ["SFTConfig", "masked_mean_nll", "sft"]
+__all__ = ["SFTConfig", "lr_factor", "masked_mean_nll", "sft"]
+
+
+def lr_factor(step: int, warmup: int, total: int, min_frac: float) -> float:
+    """Warm-up then cosine schedule: factor of the peak LR at 0-based `step`.
+
+    >>> [round(lr_factor(s, 2, 6, 0.0), 3) for s in range(6)]
+    [0.5, 1.0, 1.0, 0.75, 0.25, 0.0]
+    """
+    if warmup and step < warmup:
+        return (step + 1) / warmup
+    span = max(1, total - warmup - 1)
+    t = min(1.0, (step - warmup) / span)
+    return min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t))
 
 
 def masked_mean_nll(logps: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -79,7 +93,7 @@ def sft(
     rng = random.Random(config.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
-        optimizer, lambda s: min(1.0, (s + 1) / config.warmup_steps) if config.warmup_steps else 1.0
+        optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
     )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
     order: list[int] = []

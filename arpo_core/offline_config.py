@@ -60,9 +60,11 @@ class SFTConfig:
     grad_accum: Annotated[int, Ge(1)] = 1
     """Micro-batches per optimizer step."""
     lr: Annotated[float, Gt(0)] = 1e-3
-    """AdamW learning rate (constant after warm-up)."""
+    """AdamW peak learning rate."""
     warmup_steps: Annotated[int, Ge(0)] = 0
     """Linear warm-up from 0 over this many optimizer steps."""
+    min_lr_frac: Annotated[float, Interval(ge=0, le=1)] = 1.0
+    """Cosine decay from `lr` to `min_lr_frac * lr` at the last step (1.0: constant after warm-up)."""
     weight_decay: Annotated[float, Ge(0)] = 0.0
     """AdamW weight decay."""
     max_grad_norm: Annotated[float, Gt(0)] = 1.0

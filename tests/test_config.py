@@ -201,6 +201,8 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("sft.grad_accum", 0, 1, ()),
     ("sft.lr", 0, TINY, ()),
     ("sft.warmup_steps", -1, 0, ()),
+    ("sft.min_lr_frac", -0.1, 0, ()),
+    ("sft.min_lr_frac", 1.1, 1, ()),
     ("sft.weight_decay", -0.1, 0, ()),
     ("sft.max_grad_norm", 0, TINY, ()),
     ("sft.checkpoint_every", -1, 0, ()),
