@@ -8,8 +8,9 @@ Decisions:
    UI-TARS reply", which pyfunc's `predict` expresses directly. The checkpoint directory is the model's
    artifact `policy` (copied into the model, not referenced), the prompt settings its `model_config`.
 2. Logged with the run's id (`Model.log(run_id=...)`), not through the fluent active-run stack (tracking
-   decision 2); MLflow then links the run's metrics at `step` to the model and copies the run's params
-   onto it, so the model page shows the numbers of the run that produced it.
+   decision 2); MLflow then links the run's metrics at `step` to the model. The logged model itself is
+   created first, in the run's experiment, with the run's params: without an active run MLflow would
+   file it under the fluent default experiment ("Default"), away from the run's "Logged models".
 3. Requirements are pinned from the installed versions instead of inferred: inference loads the model
    in a subprocess (tens of seconds per model here) to guess what we already know.
 """
@@ -97,6 +98,15 @@ def log_policy_model(
     """Log the checkpoint at `policy_dir` as run `run_id`'s model `name` (decisions 1-3); returns its
     model id. The run's metrics at `step` are linked to it, so log them first."""
     mlflow.set_tracking_uri(tracking_uri)
+    c = mlflow.MlflowClient(tracking_uri)
+    run = c.get_run(run_id)
+    model = c.create_logged_model(
+        experiment_id=run.info.experiment_id,
+        name=name,
+        source_run_id=run_id,
+        params=dict(run.data.params),
+        model_type="policy",
+    )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "consider an input example" advice, per model
         info = mlflow.models.Model.log(
@@ -110,5 +120,6 @@ def log_policy_model(
             pip_requirements=_requirements(),
             signature=SIGNATURE,
             step=step,
+            model_id=model.model_id,
         )
     return info.model_id

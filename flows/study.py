@@ -60,8 +60,9 @@ def gather(
             continue
         if variant and variant not in row["variant"]:
             continue
-        seed = params.get("train.seed", "None")
-        key = (_arm(params), int(params.get("project.seed", "0") if seed == "None" else seed))
+        seed = params.get("train.seed", "null")
+        unset = seed in ("null", "None")  # tracking.log_params writes None as 'null' (older runs: 'None')
+        key = (_arm(params), int(params.get("project.seed", "0") if unset else seed))
         if key in chosen:
             superseded.append(row["run"])
             continue

@@ -237,7 +237,10 @@ def test_logged_policy_model_loads_back_and_answers(tmp_path, monkeypatch, one_t
     Image.new("RGB", (160, 210), "white").save(png, format="PNG")
     (reply,) = model.predict(pd.DataFrame({"instruction": ["Click OK"], "screenshot": [png.getvalue()]}))
     assert isinstance(reply, str) and reply
-    assert [m.key for m in c.get_logged_model(model_id).metrics] == ["sft/loss_last"]
+    logged = c.get_logged_model(model_id)
+    assert [m.key for m in logged.metrics] == ["sft/loss_last"]
+    assert logged.experiment_id == c.get_run(run_id).info.experiment_id  # in the run's experiment
+    assert [m.model_id for m in c.search_logged_models([logged.experiment_id])] == [model_id]
 
 
 def test_effective_params_carry_the_upstream_stages(tmp_path):
@@ -386,8 +389,9 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         )  # fmt: skip
         assert grpo.returncode == 0 and "Completed" in grpo.stdout, grpo.stdout + grpo.stderr
         # Prefect: flow runs named by variant, each stage's artifacts (runner decision 8)
-        flow_runs = oh.run(["prefect", "flow-run", "ls", "--limit", "60"], project, cli_env, timeout=120)
-        artifacts = oh.run(["prefect", "artifact", "ls"], project, cli_env, timeout=120)
+        wide = {**cli_env, "COLUMNS": "400"}  # rich tables would cut the names
+        flow_runs = oh.run(["prefect", "flow-run", "ls", "--limit", "60"], project, wide, timeout=120)
+        artifacts = oh.run(["prefect", "artifact", "ls"], project, wide, timeout=120)
     finally:
         if worker is not None:
             oh.stop(worker)
@@ -433,6 +437,11 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
     assert {r["params"]["method"] for r in evals} == {"arpo", "grpo"}
     linked = c.get_logged_model(model_out.model_id).metrics
     assert any(m.key.startswith("eval/trained/") for m in linked)  # evaluations linked to the model
+    exp_id = c.get_experiment_by_name("arpo-embedded").experiment_id
+    models = c.search_logged_models([exp_id])
+    assert {"arpo", "grpo", "sft"} <= {m.name for m in models}  # the experiment's "Logged models"
+    print(f"MLflow: {len(parents)} pipeline runs, {len(rows)} nested stage runs in the first, "
+          f"{len(models)} logged models ({sorted(m.name for m in models)}); evaluate params differ in {sorted(diff)}")  # fmt: skip
     # The trajectory viewer (issue 8): one page per evaluated policy, logged to the evaluate run.
     assert {a.path for a in c.list_artifacts(runs["evaluate"].info.run_id, "viewer")} == {
         "viewer/base.html",
