@@ -4,6 +4,7 @@ table; and the MLflow UI script serving those runs on a loopback port (slow)."""
 from __future__ import annotations
 
 import json
+import os
 import shutil
 import subprocess
 import urllib.parse
@@ -221,9 +222,37 @@ def test_mlflow_ui_script_serves_the_runs(store, tmp_path):
         with urllib.request.urlopen(req, timeout=10) as r:
             runs = json.loads(r.read())["runs"]
         assert len(runs) == 2
+        # one worker and no GenAI job runner: a handful of processes, not 10 (issue 17)
+        group = _process_group(proc.pid)
+        rss_mb = sum(_rss_kb(pid) for pid in group) / 1024
+        print(f"mlflow ui: {len(group)} processes, {rss_mb:.0f} MB RSS")
+        assert len(group) <= 4, group
     finally:
         oh.stop(proc)
     assert proc.poll() is not None
+
+
+def _process_group(pgid: int) -> list[int]:
+    """Live pids whose process group is `pgid` (the session a test started)."""
+    pids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                if os.getpgid(int(entry.name)) == pgid:
+                    pids.append(int(entry.name))
+            except OSError:
+                pass
+    return pids
+
+
+def _rss_kb(pid: int) -> int:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1])
+    except OSError:
+        pass
+    return 0
 
 
 def test_queued_dvc_experiments_use_the_projects_store(tmp_path, monkeypatch):
