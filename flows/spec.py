@@ -212,15 +212,38 @@ so the page `dvc plots show` writes loads no script (DVC's data-series plots loa
 stay blank offline)."""
 
 
-DETAIL_PARTS = frozenset({"task", "domain"})
-"""Path components that mark a per-task or per-domain breakdown (decision 5)."""
+DETAIL_PARTS = frozenset({"task", "domain", "all", "time", "faults", "first", "last"})
+"""Path components that mark a breakdown (per task, per domain, both splits pooled, timings, fault
+counts, first/last optimiser steps) rather than a headline number (decision 5)."""
+HEADLINE_ENDS = (
+    "success_rate",
+    "hit_rate",
+    "delta_vs_base",
+    "image_blind/in_domain",
+    "loss_last",
+    "loss/policy",
+    "groups_filled",
+    "kept",
+    "parameters",
+)
+"""Summary keys end so: success rates, grounding hit rates, paired deltas, final losses, replay fills,
+the selection and model sizes; plus `<stage>/episodes`. Not in the summary: image-blind variants
+(`blind_hit_rate`), the compare stage's success rates (the evaluations' own summary has them) and wall
+times (all in the details file and MLflow)."""
 
 
 def is_detail(key: str) -> bool:
     """Decision 5: a breakdown key ('eval/trained/greedy/task/miniwob/click-button/success_rate',
-    'task/miniwob/x/episodes', 'iter/...') rather than a summary one."""
+    'task/miniwob/x/episodes', 'iter/...', 'rollout/faults/timeouts') rather than a headline one
+    ('eval/trained/greedy/in_domain/success_rate', 'rollout/success_rate')."""
     parts = key.split("/")
-    return parts[0] in ("iter", "task") or bool(DETAIL_PARTS & set(parts[1:-1]))
+    if parts[0] in ("iter", "task", "time") or DETAIL_PARTS & set(parts[:-1]):
+        return True
+    if parts[-1].startswith("blind_") or (parts[0] == "compare" and parts[-1] == "success_rate"):
+        return True
+    if len(parts) == 2 and parts[1] == "episodes":
+        return False
+    return not key.endswith(HEADLINE_ENDS)
 
 
 def split_metrics(metrics: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
