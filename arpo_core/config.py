@@ -334,8 +334,10 @@ class GroundSectionConfig:
 
 @dataclass(frozen=True)
 class DemosConfig:
-    episodes_per_task: Annotated[int, Ge(1)] = 60
-    """Oracle episodes per in-domain task (seeded, distinct instances)."""
+    episodes_per_task: Annotated[int, Ge(0)] = 60
+    """Oracle episodes per in-domain task (seeded, distinct instances). 0: no demos and no behaviour
+    cloning - the `sft` stage passes the grounded policy through as the base (a pretrained checkpoint
+    such as UI-TARS, or suites without scripted oracles, e.g. OSWorld's own tasks)."""
     seed: Annotated[int, Ge(0)] = 100000
     """First env seed of the demos (kept apart from evaluation seeds)."""
     recovery_rate: Annotated[float, Interval(ge=0, le=1)] = 0.5

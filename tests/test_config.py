@@ -191,7 +191,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].seed", -1, 0, ()),
     ("ground.phases[0].miniwob_seeds", -1, 0, ()),
     ("ground.phases[0].grow_after", [0, -1], [0], ()),
-    ("demos.episodes_per_task", 0, 1, ()),
+    ("demos.episodes_per_task", -1, 0, ()),
     ("demos.seed", -1, 0, ()),
     ("demos.recovery_rate", -0.1, 0, ()),
     ("demos.recovery_rate", 1.1, 1, ()),

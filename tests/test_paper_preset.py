@@ -61,6 +61,7 @@ def test_paper_preset_loads_the_reference_hyperparameters(uitars_dir, monkeypatc
         "token-mean",
     )
     assert p.train.replay.capacity_per_task == 8 and p.select.min_successes == 1
+    assert p.demos.episodes_per_task == 0  # no oracles, no behaviour cloning: sft passes the pointer on
     assert (p.policy.backend, p.policy.system_prompt, p.policy.history_images) == ("vllm", "uitars", None)
     # the same file through parse_params (what `arpo params --preset paper --out` writes for DVC)
     raw = merge(

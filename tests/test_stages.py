@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from arpo_core.config import ConfigError, load_params
-from arpo_core.pipeline import common, init_policy, offline, select
+from arpo_core.pipeline import common, demos, init_policy, offline, select, sft
 from arpo_core.policy.model import load_policy
 from arpo_core.selection import read_selection
 from arpo_core.trajectory import Step, Trajectory, png_bytes, write_trajectories
@@ -96,6 +96,34 @@ def test_pretrained_pointer_is_followed(workdir, tmp_path):
     assert common.resolve_policy(tmp_path / "init") == (workdir / "init").resolve()
     with pytest.raises(ConfigError, match=r"init_policy\.pretrained = .* is not a checkpoint"):
         params(f"init_policy.pretrained={tmp_path / 'nothing'}")
+
+
+def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
+    workdir, tmp_path, monkeypatch
+):
+    """demos.episodes_per_task = 0: demos starts no env and writes an empty file; sft passes its start
+    through (a pretrained pointer as a pointer, a tiny checkpoint bit for bit)."""
+    p = params("demos.episodes_per_task=0")
+
+    def no_pool(_p):
+        raise AssertionError("demos started an env pool with episodes_per_task = 0")
+
+    monkeypatch.setattr(demos, "make_pool", no_pool)
+    assert demos.run(p, tmp_path / "demos") == {"demos/episodes": 0.0}
+    assert (tmp_path / "demos" / "demos.parquet").exists()
+
+    assert sft.run(p, workdir / "init", tmp_path / "demos", tmp_path / "base") == {"sft/steps": 0.0}
+    for f in (workdir / "init").iterdir():
+        if f.is_file():
+            assert (tmp_path / "base" / f.name).read_bytes() == f.read_bytes(), f.name
+
+    init_policy.run(params(f"init_policy.pretrained={workdir / 'init'}"), tmp_path / "pointer")
+    sft.run(p, tmp_path / "pointer", tmp_path / "demos", tmp_path / "base2")
+    assert common.resolve_policy(tmp_path / "base2") == (workdir / "init").resolve()
+
+    write_trajectories(tmp_path / "some" / "demos.parquet", [traj("click-test", 0, 1.0, 20)])
+    with pytest.raises(ValueError, match=r"episodes_per_task is 0 but .* holds 1 demos"):
+        sft.run(p, workdir / "init", tmp_path / "some", tmp_path / "base3")
 
 
 def test_pixel_budget_reads_both_layouts(workdir, tmp_path):

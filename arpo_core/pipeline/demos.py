@@ -2,7 +2,9 @@
 the oracles read the DOM, and a share `demos.recovery_rate` of the episodes starts with untrained misses
 (arpo_core/demos.py decisions 4-5). On OSWorld desktops (`env.kind: osworld`, providers local and remote)
 the oracle is the suite's scripted `oracle` replies (`OSWorldEnv.oracle_reply`); a desktop has no DOM, so
-no misses, and it is not seeded, so every episode of a task replays the same instance."""
+no misses, and it is not seeded, so every episode of a task replays the same instance. With
+`demos.episodes_per_task: 0` no env is started and the file is empty: the `sft` stage then passes the
+grounded policy through (a pretrained checkpoint needs no behaviour cloning)."""
 
 from __future__ import annotations
 
@@ -23,6 +25,9 @@ __all__ = ["run"]
 def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | None = None) -> dict[str, Any]:
     """Oracle demonstrations (successful episodes only), in the model-image frame of the policy at
     `policy_dir` (its image processor's pixel budget; default: the oracles' own)."""
+    if p.demos.episodes_per_task == 0:  # no behaviour cloning: an empty file, no env started
+        write_trajectories(Path(out_dir) / "demos.parquet", [])
+        return {"demos/episodes": 0.0}
     if p.env.kind == "osworld" and p.env.osworld.provider == "desktop_env":
         raise ValueError(
             "demos: env.osworld.provider desktop_env (the official DesktopEnv behind the bridge) serves no "

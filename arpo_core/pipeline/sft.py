@@ -1,13 +1,19 @@
-"""Stage `sft`: behaviour cloning of the grounded policy on the oracle demos -> the base policy."""
+"""Stage `sft`: behaviour cloning of the grounded policy on the oracle demos -> the base policy.
+
+With `demos.episodes_per_task: 0` there are no demos and no behaviour cloning: the grounded policy is
+the base, passed through as it is (a pretrained model's pointer file, or the tiny checkpoint copied file
+by file), so a pretrained checkpoint such as UI-TARS-1.5 goes from `init_policy` to `baseline` untouched."""
 
 from __future__ import annotations
 
 import os
+import shutil
+from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.offline import sft
-from arpo_core.pipeline.common import resolve_policy, setup_torch
+from arpo_core.pipeline.common import POINTER, resolve_policy, setup_torch
 from arpo_core.policy.model import load_policy
 from arpo_core.trajectory import read_trajectories
 
@@ -18,11 +24,22 @@ def run(
     p: Params, policy_dir: str | os.PathLike, demos_path: str | os.PathLike, out_dir: str | os.PathLike
 ) -> dict[str, Any]:
     """Behaviour cloning; the policy is saved to `out_dir`."""
+    demos = read_trajectories(demos_path)
+    if p.demos.episodes_per_task == 0:  # the module docstring's pass-through
+        if demos:
+            raise ValueError(f"sft: demos.episodes_per_task is 0 but {demos_path} holds {len(demos)} demos")
+        src, out = Path(policy_dir), Path(out_dir)
+        out.mkdir(parents=True, exist_ok=True)
+        if (src / POINTER).exists():
+            shutil.copyfile(src / POINTER, out / POINTER)
+        else:
+            shutil.copytree(src, out, dirs_exist_ok=True)
+        return {"sft/steps": 0.0}
     setup_torch(p)
     policy = load_policy(resolve_policy(policy_dir))
     history = sft(
         policy,
-        read_trajectories(demos_path),
+        demos,
         p.sft,
         checkpoint_dir=None,
         progress=True,

@@ -155,7 +155,7 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "sft",
         module="sft",
-        params=("sft", "policy.system_prompt", "policy.history_images"),
+        params=("sft", "demos.episodes_per_task", "policy.system_prompt", "policy.history_images"),
         inputs={"policy_dir": "models/grounded", "demos_path": "data/demos"},
         outputs={"out_dir": "models/base"},
         artifacts={"models/base": "policy"},
