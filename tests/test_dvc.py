@@ -200,6 +200,16 @@ def test_dvc_repro_quick_then_noop_then_ablation_experiment(tmp_path):
     assert "Running stage 'compare'" in exp.stdout
     shown = oh.run(["dvc", "exp", "show", "--json"], project, env, timeout=120)
     assert "train.replay.enabled" in shown.stdout or '"enabled": false' in shown.stdout
+    # the documented view (docs/orchestration.md): only what differs, every column shown in a wide
+    # terminal (measured: about 300 characters, the ablated param, compare's paired deltas, the changed
+    # outputs) instead of 300+ metric columns cut to '…'
+    table = oh.run(
+        ["dvc", "exp", "show", "--only-changed", "--no-pager"], project, {**env, "COLUMNS": "400"}, 120
+    )
+    assert table.returncode == 0, table.stderr
+    print(table.stdout)
+    header = next(line for line in table.stdout.splitlines() if "Experiment" in line)
+    assert "train.replay.enabled" in header and "…" not in header, table.stdout
 
     from flows import tracking
 
