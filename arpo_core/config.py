@@ -159,6 +159,20 @@ def suite_backends(path: str | Path) -> set[str] | None:
 
 
 @dataclass(frozen=True)
+class RolloutModeConfig:
+    """How episodes interleave with generation inside one rollout call (arpo_core/rollout.py decision 1).
+    Speed only: the episodes are the same in either mode (seeds per job and step), so the stage table
+    leaves these keys out, like the env count."""
+
+    mode: Literal["sync", "async"] = "async"
+    """sync: step-synchronous rounds (every live episode in one batch, then every env steps, the reference's
+    loop); async: an env steps as soon as its reply is ready and the generator batches the prompts that
+    are ready. Measured: benchmarks/results/rollout.json, rollout_sim.json."""
+    batch_wait_s: Annotated[float, Ge(0), Le(60)] = 0.0
+    """async: how long the oldest ready prompt may wait for other envs' prompts to join its batch."""
+
+
+@dataclass(frozen=True)
 class EnvConfig:
     kind: Literal["miniwob", "osworld"] = "miniwob"
     """Which envs the stages play: MiniWoB++ pages in headless Chromium (the embedded default) or OSWorld
@@ -185,6 +199,8 @@ class EnvConfig:
     ray_resources: dict[str, Annotated[float, Ge(0)]] = field(default_factory=dict)
     """Custom Ray resources per env actor, e.g. {env_node: 0.01} (backend ray); amounts >= 0."""
     osworld: OSWorldConfig = field(default_factory=OSWorldConfig)
+    rollout: RolloutModeConfig = field(default_factory=RolloutModeConfig)
+    """Scheduling of env steps and generation in rollouts (train, evaluate, baseline)."""
 
     def cross_checks(self) -> CrossChecks:
         """Rules across fields, checked by the loader: (field, rule, other fields involved). The suites'

@@ -1,13 +1,20 @@
 """Groups of episodes over an env pool with batched inference (docs/method.md §1, "Rollout system").
 
 Decisions:
-1. Step-synchronous: every live episode's prompt goes to the generator as ONE batch, the parsed actions
-   go back to the envs in parallel, and the loop waits for those steps. Episodes do not wait for each
-   other otherwise: a finished episode is evaluated at once through the pool's futures while the others
-   keep stepping, and its env immediately takes the next queued job (the per-env executor runs the
-   reset after the evaluation), so with more jobs than envs no env idles until the queue is empty.
-   The loop is a small state object (`_Rollout`) whose methods are its phases: `start` (an env takes
-   a job), `collect_evals`, `collect_resets`, `generate`, `step`, `fault`, `finish`.
+1. Two schedules of the same loop (`RolloutConfig.mode`, params' `env.rollout.mode`), one policy
+   version per call. `sync` (step-synchronous, the reference's): once every pending reset and step has
+   come back, every live episode's prompt goes to the generator as ONE batch, the parsed actions go to
+   the envs in parallel, and the loop waits for all of them before the next batch. `async`: an env
+   steps as soon as ITS reply is ready, and the generator takes whatever prompts are ready when it is
+   free: at once when no other env call is pending, else once the oldest waiting prompt has waited
+   `batch_wait_s` (a bounded wait to fill the batch); so no env idles while another is slow and no
+   generation waits for the slowest env. In both, a finished episode is evaluated at once through the
+   pool's futures while the others keep stepping, and its env immediately takes the next queued job (the
+   per-env executor runs the reset after the evaluation), so with more jobs than envs no env idles until
+   the queue is empty. Results do not depend on the mode (decision 5): the same trajectories, retries
+   and output order. The loop is a small state object (`_Rollout`) whose methods are its phases: `start`
+   (an env takes a job), `collect` (route the env calls that came back), `batch_due`, `generate`,
+   `step` (send each reply's actions), `wait`, `fault`, `finish`.
 2. A reply that does not parse is a format error: the step is recorded (parse_ok False), the episode
    ends without touching the env, success is 0 and the reward gets the format penalty (docs/method.md §1).
    Model text is never executed: it goes through `parse_response` only.
@@ -23,12 +30,18 @@ Decisions:
    depends on timing; the replies do not (the generator seeds each prompt on its own, generate.py
    decision 1), and a re-run after an env fault draws the same seeds as a clean run. The same job list
    gives the same trajectories with 1 or 8 envs, process or Ray workers.
-6. Time is split into env (waiting on env futures), inference (generation) and the rest, so a
-   benchmark can see who waits for whom.
+6. Time is split into env (the loop blocked waiting on env calls), inference (generation) and the rest,
+   so a benchmark can see who waits for whom.
 8. Env faults are metrics: the pool's fault counters (pool.py decision 7) during the call become
    `rollout/faults/<kind>` (every kind, 0 included) and `task/<domain>/<task_id>/env_faults`.
 7. `RolloutConfig` has no defaults for what params own (sampling, step limit, reply length, format
-   penalty, pixel budget, coordinate mode, seed): the caller builds it from params.yaml.
+   penalty, pixel budget, coordinate mode, seed): the caller builds it from params.yaml. The scheduling
+   settings (mode, batch_wait_s) change speed, never results, and default to params.yaml's values.
+9. Time and waiting go through a `Clock` (`RealClock`: time.monotonic + concurrent.futures.wait), so the
+   very same loop runs under a simulated clock with fake envs and a generation cost model
+   (benchmarks/rollout_sim.py, the paper's 128 OSWorld envs). `rollout/env_utilization` is the envs'
+   busy time (the pool's `EnvResult.elapsed_s` of every reset, step and evaluation) over n_envs x wall
+   time; `rollout/mean_batch` and `rollout/generate_calls` show how the generator was fed.
 """
 
 from __future__ import annotations
@@ -38,9 +51,11 @@ import json
 import re
 import time
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future
+from collections.abc import Collection, Sequence
+from concurrent.futures import FIRST_COMPLETED, Future
+from concurrent.futures import wait as wait_futures
 from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
 
 from PIL import Image
 
@@ -53,7 +68,19 @@ from arpo_core.rewards import trajectory_reward
 from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
-__all__ = ["EpisodeJob", "RolloutConfig", "RolloutResult", "make_group_jobs", "run_episodes"]
+__all__ = [
+    "ROLLOUT_MODES",
+    "Clock",
+    "EpisodeJob",
+    "RealClock",
+    "RolloutConfig",
+    "RolloutResult",
+    "make_group_jobs",
+    "run_episodes",
+]
+
+ROLLOUT_MODES = ("sync", "async")
+"""Decision 1: how env steps and generation interleave within one `run_episodes` call."""
 
 
 @dataclass(frozen=True)
@@ -80,6 +107,19 @@ class RolloutConfig:
     """Run seed of sampling; each reply's seed derives from it (decision 5)."""
     env_retries: int = 2
     """Re-runs of an episode hit by an env fault before it is reported failed."""
+    mode: Literal["sync", "async"] = "async"
+    """Decision 1: `sync` (step-synchronous rounds) or `async` (an env steps as soon as its reply is
+    ready). Speed only, never the episodes (decision 5), so, like env_retries, it has a default: the one
+    of params.yaml's `env.rollout.mode`."""
+    batch_wait_s: float = 0.0
+    """Async mode: how long the oldest ready prompt may wait for others to join its batch (params'
+    `env.rollout.batch_wait_s`)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in ROLLOUT_MODES:
+            raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
+        if self.batch_wait_s < 0:
+            raise ValueError(f"batch_wait_s must be >= 0, got {self.batch_wait_s}")
 
 
 @dataclass(frozen=True)
@@ -142,6 +182,29 @@ def _model_size(screen: tuple[int, int], cfg: RolloutConfig) -> tuple[int, int]:
     return (w, h)
 
 
+class Clock(Protocol):
+    """Time and waiting as the loop sees them (decision 9): the real clock, or a simulated one
+    (benchmarks/rollout_sim.py) under which the same loop drives fake envs and a generation cost model."""
+
+    def now(self) -> float:
+        """Seconds on a monotonic clock."""
+        ...
+
+    def wait(self, futures: Collection[Any], timeout: float | None) -> None:
+        """Return once one of `futures` is done, or after `timeout` seconds (None: no limit)."""
+        ...
+
+
+class RealClock:
+    """`time.monotonic` and `concurrent.futures.wait` (the pool's futures)."""
+
+    def now(self) -> float:
+        return time.monotonic()
+
+    def wait(self, futures: Collection[Any], timeout: float | None) -> None:
+        wait_futures(futures, timeout=timeout, return_when=FIRST_COMPLETED)
+
+
 class _Rollout:
     """The state of one `run_episodes` call; each method is one phase of the loop (decision 1)."""
 
@@ -154,36 +217,54 @@ class _Rollout:
         epoch: int,
         iteration: int,
         progress,
+        clock: Clock,
     ):
-        self.pool, self.generator, self.cfg = pool, generator, cfg
+        self.pool, self.generator, self.cfg, self.clock = pool, generator, cfg, clock
         self.epoch, self.iteration, self.progress = epoch, iteration, progress
         self.queue: deque[_Episode] = deque(_Episode(job, i) for i, job in enumerate(jobs))
         self.resets: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
+        self.steps: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
         self.evals: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
-        self.live: dict[int, _Episode] = {}
+        self.ready: dict[int, tuple[_Episode, float]] = {}
+        """env -> (episode whose next reply is due, since when)."""
         self.finished: list[_Episode] = []
         self.failed: list[tuple[int, EpisodeJob, str]] = []
         """(job index, job, last error) of jobs given up on, in the order they failed."""
         self.n_env_faults = 0
-        self.t_env = self.t_inf = 0.0
+        self.t_env = self.t_inf = self.env_busy_s = 0.0
+        self.batch_sizes: list[int] = []
 
     def run(self) -> None:
         for env_idx in range(self.pool.n):
             self.release(env_idx)
-        while self.resets or self.evals or self.live:
-            self.collect_evals()
-            self.collect_resets()
-            if self.live:
+        while self.resets or self.steps or self.evals or self.ready:
+            self.collect()
+            if self.ready and self.batch_due():
                 self.step(self.generate())
-            elif self.evals:  # nothing to generate for: wait for one evaluation to come back
-                self._wait(lambda: next(iter(self.evals.values()))[1].result())
+            elif self.resets or self.steps or self.evals:
+                self.wait()
 
-    def _wait(self, fn):
-        t0 = time.monotonic()
-        try:
-            return fn()
-        finally:
-            self.t_env += time.monotonic() - t0
+    def batch_due(self) -> bool:
+        """Decision 1: sync generates once no reset or step is pending (every live episode in one batch);
+        async once nothing else can join soon, or the oldest waiting prompt has waited `batch_wait_s`."""
+        if not self.resets and not self.steps:
+            return True
+        if self.cfg.mode == "sync":
+            return False
+        return self.clock.now() >= self._deadline()
+
+    def _deadline(self) -> float:
+        return min(t for _, t in self.ready.values()) + self.cfg.batch_wait_s
+
+    def wait(self) -> None:
+        """Block until an env call comes back (async with prompts waiting: at most until their deadline)."""
+        pending = [f for d in (self.resets, self.steps, self.evals) for _, f in d.values()]
+        timeout = None
+        if self.ready and self.cfg.mode == "async":  # sync waits for every pending reset and step
+            timeout = max(0.0, self._deadline() - self.clock.now())
+        t0 = self.clock.now()
+        self.clock.wait(pending, timeout)
+        self.t_env += self.clock.now() - t0
 
     # ---- an env takes a job, gives one back
     def start(self, ep: _Episode, env_idx: int) -> None:
@@ -216,66 +297,33 @@ class _Rollout:
             self.queue.appendleft(ep)
         self.release(ep.env_idx)
 
-    # ---- the phases of one round
-    def collect_evals(self) -> None:
-        """Evaluations that are done (they overlap the other envs' steps)."""
-        for env_idx in [i for i, (_, f) in self.evals.items() if f.done()]:
-            ep, fut = self.evals.pop(env_idx)
+    def _done(self, calls: dict[int, tuple[_Episode, Future[EnvResult]]]):
+        """(env, episode, result) of the calls that are back, by env index; the env is busy no more."""
+        for env_idx in sorted(i for i, (_, f) in calls.items() if f.done()):
+            ep, fut = calls.pop(env_idx)
             res = fut.result()
+            self.env_busy_s += res.elapsed_s
+            yield env_idx, ep, res
+
+    # ---- the phases of the loop
+    def collect(self) -> None:
+        """Route every env call that is back: evaluations end episodes (overlapping the other envs'
+        steps), resets and steps make an episode's next prompt ready (or end it)."""
+        for _, ep, res in self._done(self.evals):
             if res.error:
                 self.fault(ep, f"evaluate: {res.error}")
             else:
                 ep.success = float(res.score or 0.0)
                 self.finish(ep)
-
-    def collect_resets(self) -> None:
-        """Resets (new episodes) must land before their first generation."""
-        for env_idx in list(self.resets):
-            ep, fut = self.resets.pop(env_idx)
-            res = self._wait(fut.result)
+        now = self.clock.now()
+        for env_idx, ep, res in self._done(self.resets):
             if res.error or res.observation is None:
                 self.fault(ep, f"reset: {res.error}")
             else:
                 ep.obs = res.observation
                 ep.instruction = res.observation.instruction or ep.job.task.instruction
-                self.live[env_idx] = ep
-
-    def generate(self) -> dict[int, Generation]:
-        """One batched generation for every live episode, each reply with its own seed (decision 5)."""
-        order = sorted(self.live)
-        prompts, seeds = [], []
-        for env_idx in order:
-            ep = self.live[env_idx]
-            ep.screenshots.append(ep.obs.screenshot)
-            prompts.append(PromptInput(ep.instruction, tuple(ep.screenshots), tuple(ep.replies)))
-            seeds.append(
-                derive_seed("sample", self.cfg.seed, self.epoch, self.iteration, ep.order, len(ep.steps))
-            )
-        t0 = time.monotonic()
-        gens = self.generator.generate(
-            prompts,
-            temperature=self.cfg.temperature,
-            top_p=self.cfg.top_p,
-            max_new_tokens=self.cfg.max_new_tokens,
-            seeds=seeds,
-        )
-        self.t_inf += time.monotonic() - t0
-        return dict(zip(order, gens, strict=True))
-
-    def step(self, gens: dict[int, Generation]) -> None:
-        """Record each reply; step the envs whose replies parsed, in parallel; route every episode on."""
-        steps: dict[int, Future[EnvResult]] = {}
-        for env_idx, gen in gens.items():
-            ep = self.live[env_idx]
-            actions = self._record(ep, gen)
-            if actions is not None:
-                steps[env_idx] = self.pool.submit_step(env_idx, actions)
-        for env_idx in gens:
-            ep = self.live.pop(env_idx)
-            if ep.format_error:  # decision 2: no env step, no evaluation
-                self.finish(ep)
-                continue
-            res = self._wait(steps[env_idx].result)
+                self.ready[env_idx] = (ep, now)
+        for env_idx, ep, res in self._done(self.steps):
             if res.error:
                 ep.steps[-1].env_error = res.error
                 self.fault(ep, f"step: {res.error}")
@@ -285,7 +333,41 @@ class _Rollout:
                 self.evals[env_idx] = (ep, self.pool.submit_evaluate(env_idx))
             else:
                 ep.obs = res.observation
-                self.live[env_idx] = ep
+                self.ready[env_idx] = (ep, now)
+
+    def generate(self) -> dict[int, Generation]:
+        """One batched generation for every ready episode, each reply with its own seed (decision 5)."""
+        order = sorted(self.ready)
+        prompts, seeds = [], []
+        for env_idx in order:
+            ep = self.ready[env_idx][0]
+            ep.screenshots.append(ep.obs.screenshot)
+            prompts.append(PromptInput(ep.instruction, tuple(ep.screenshots), tuple(ep.replies)))
+            seeds.append(
+                derive_seed("sample", self.cfg.seed, self.epoch, self.iteration, ep.order, len(ep.steps))
+            )
+        self.batch_sizes.append(len(order))
+        t0 = self.clock.now()
+        gens = self.generator.generate(
+            prompts,
+            temperature=self.cfg.temperature,
+            top_p=self.cfg.top_p,
+            max_new_tokens=self.cfg.max_new_tokens,
+            seeds=seeds,
+        )
+        self.t_inf += self.clock.now() - t0
+        return dict(zip(order, gens, strict=True))
+
+    def step(self, gens: dict[int, Generation]) -> None:
+        """Record each reply and send its actions to its env at once (the loop collects the results
+        later); a reply that does not parse ends its episode (decision 2: no env step, no evaluation)."""
+        for env_idx, gen in gens.items():
+            ep = self.ready.pop(env_idx)[0]
+            actions = self._record(ep, gen)
+            if actions is None:
+                self.finish(ep)
+            else:
+                self.steps[env_idx] = (ep, self.pool.submit_step(env_idx, actions))
 
     def _record(self, ep: _Episode, gen: Generation):
         """Append the step of reply `gen` to `ep`; its actions in screen pixels, or None on a format error."""
@@ -345,19 +427,22 @@ def run_episodes(
     iteration: int = 0,
     policy_version: int = 0,
     progress=None,
+    clock: Clock | None = None,
 ) -> RolloutResult:
     """Run every job to completion over `pool` (decision 1). `epoch` and `iteration` name this call in
     the sampling seeds (decision 5): two calls with the same job list, config, epoch and iteration give
-    the same episodes. `progress` (tqdm-like, optional) is advanced by one per finished episode."""
-    t_start = time.monotonic()
+    the same episodes. `progress` (tqdm-like, optional) is advanced by one per finished episode.
+    `clock`: the loop's time and waiting (decision 9; default the real clock)."""
+    clock = clock or RealClock()
+    t_start = clock.now()
     faults_before = _faults(pool)
-    r = _Rollout(pool, generator, jobs, cfg, epoch, iteration, progress)
+    r = _Rollout(pool, generator, jobs, cfg, epoch, iteration, progress, clock)
     r.run()
     faults_after = _faults(pool)
     done = sorted(r.finished, key=lambda e: e.order)
     trajs = [_trajectory(ep, cfg, run_id, stage, epoch, policy_version) for ep in done]
     failed = [(job, error) for _, job, error in sorted(r.failed, key=lambda f: f[0])]  # job order too
-    total = time.monotonic() - t_start
+    total = clock.now() - t_start
     n = max(1, len(trajs))
     metrics = {
         "rollout/episodes": float(len(trajs)),
@@ -371,6 +456,10 @@ def run_episodes(
         "time/env_wait_s": r.t_env,
         "time/inference_s": r.t_inf,
         "time/other_s": max(0.0, total - r.t_env - r.t_inf),
+        "time/env_busy_s": r.env_busy_s,
+        "rollout/env_utilization": r.env_busy_s / (pool.n * total) if total > 0 else 0.0,
+        "rollout/generate_calls": float(len(r.batch_sizes)),
+        "rollout/mean_batch": sum(r.batch_sizes) / max(1, len(r.batch_sizes)),
     }
     metrics.update(_fault_metrics(faults_before, faults_after))
     return RolloutResult(trajs, failed, metrics)

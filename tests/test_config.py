@@ -118,6 +118,10 @@ def test_defaults_equal_empty_mapping_and_pass_every_rule():
         ({"env": {"ray_resources": {"gpu": "x"}}}, "env.ray_resources.gpu = 'x' is not a number"),
         ({"env": {"kind": "webarena"}}, "env.kind = 'webarena' is not one of ['miniwob', 'osworld']"),
         ({"env": {"osworld": {"provider": "vmware"}}}, "env.osworld.provider = 'vmware' is not one of"),
+        (
+            {"env": {"rollout": {"mode": "lockstep"}}},
+            "env.rollout.mode = 'lockstep' is not one of ['sync', 'async']",
+        ),
         ({"policy": {"backend": "sglang"}}, "policy.backend = 'sglang' is not one of ['hf', 'vllm']"),
     ],
 )
@@ -166,6 +170,8 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("env.osworld.wait_s", -0.1, 0, ()),
     ("env.osworld.command_timeout_s", 0, TINY, ()),
     ("env.osworld.desktop_env_timeout_s", 0, TINY, ()),
+    ("env.rollout.batch_wait_s", -0.01, 0, ()),
+    ("env.rollout.batch_wait_s", 60.01, 60, ()),
     ("policy.history_images", 0, 1, ()),
     ("policy.max_new_tokens", 0, 1, ()),
     ("policy.vllm.gpu_memory_utilization", 0, TINY, ()),

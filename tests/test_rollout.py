@@ -7,6 +7,7 @@ from __future__ import annotations
 import functools
 import json
 import random
+import time
 from concurrent.futures import Future
 from dataclasses import replace
 from pathlib import Path
@@ -21,6 +22,7 @@ from arpo_core.rollout import EpisodeJob, RolloutConfig, make_group_jobs, run_ep
 from arpo_core.seeds import derive_seed
 
 SCREEN = (160, 210)
+MODES = ["sync", "async"]
 ROOT = Path(__file__).resolve().parents[1]
 GROUNDED = ROOT / "assets" / "checkpoints" / "grounded-xs"
 
@@ -185,10 +187,13 @@ def test_more_jobs_than_envs_all_finish_in_job_order_with_batched_generation():
     assert res.metrics["rollout/episodes"] == 8
 
 
-def test_format_error_ends_episode_without_env_step_and_gets_penalty():
+@pytest.mark.parametrize("mode", MODES)
+def test_format_error_ends_episode_without_env_step_and_gets_penalty(mode):
     pool = FakePool(n=2)
     gen = ScriptedGenerator({"a": GARBAGE})
-    res = run_episodes(pool, gen, make_group_jobs(tasks("a"), 2, 0), rollout_cfg(format_penalty=-0.5))
+    res = run_episodes(
+        pool, gen, make_group_jobs(tasks("a"), 2, 0), rollout_cfg(format_penalty=-0.5, mode=mode)
+    )
     assert [t.reward for t in res.trajectories] == [-0.5, -0.5]
     t = res.trajectories[0]
     assert len(t.steps) == 1 and not t.steps[0].parse_ok and t.steps[0].done
@@ -207,7 +212,8 @@ def test_max_steps_stops_and_evaluates():
     assert t.success == 1.0  # the checker decides, even when the step limit ended the episode
 
 
-def test_env_faults_are_retried_then_reported_not_scored():
+@pytest.mark.parametrize("mode", MODES)
+def test_env_faults_are_retried_then_reported_not_scored(mode):
     # a: first reset fails once (retried, succeeds); b: always fails (reported); c: one step fault.
     pool = FakePool(n=2, faults={("a", 0): 1, ("b", 1): 99}, step_faults={("c", 2): 1})
     gen = ScriptedGenerator({"a": GOOD, "b": GOOD, "c": GOOD})
@@ -216,7 +222,7 @@ def test_env_faults_are_retried_then_reported_not_scored():
         EpisodeJob(tasks("b")[0], 1, group_id=1),
         EpisodeJob(tasks("c")[0], 2, group_id=2),
     ]
-    res = run_episodes(pool, gen, jobs, rollout_cfg(env_retries=2))
+    res = run_episodes(pool, gen, jobs, rollout_cfg(env_retries=2, mode=mode))
     assert [t.task_id for t in res.trajectories] == ["a", "c"]
     assert all(t.success == 1.0 and t.env_error == "" for t in res.trajectories)
     assert (
@@ -228,9 +234,11 @@ def test_env_faults_are_retried_then_reported_not_scored():
     assert res.metrics["rollout/failed_jobs"] == 1
 
 
-def test_time_split_adds_up():
+@pytest.mark.parametrize("mode", MODES)
+def test_time_split_adds_up(mode):
     pool = FakePool(n=2)
-    res = run_episodes(pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 4, 0), rollout_cfg())
+    cfg = rollout_cfg(mode=mode)
+    res = run_episodes(pool, ScriptedGenerator({"a": GOOD}), make_group_jobs(tasks("a"), 4, 0), cfg)
     m = res.metrics
     assert m["time/env_wait_s"] + m["time/inference_s"] + m["time/other_s"] == pytest.approx(
         m["time/rollout_s"], rel=1e-6
@@ -284,15 +292,74 @@ def test_trajectories_do_not_depend_on_the_number_of_envs(n_envs):
     assert signature(other) != signature(ref)  # another epoch draws other seeds
 
 
-def test_retried_episode_equals_a_clean_one():
+@pytest.mark.parametrize("mode", MODES)
+def test_retried_episode_equals_a_clean_one(mode):
     """A job re-run after an env fault (decision 3) draws the same seeds: the same episode comes out."""
     jobs = make_group_jobs(tasks("a", "b"), group_size=2, seed=0)
-    cfg = rollout_cfg(max_steps=3, seed=2)
+    cfg = rollout_cfg(max_steps=3, seed=2, mode=mode)
     clean = run_episodes(FakePool(n=2, steps_to_done=3), SeededReplies(), jobs, cfg)
     faulty = FakePool(n=2, steps_to_done=3, faults={("a", 0): 1}, step_faults={("b", 1): 1})
     res = run_episodes(faulty, SeededReplies(), jobs, cfg)
     assert res.metrics["rollout/env_faults"] >= 1 and res.failed == []
     assert signature(res) == signature(clean)
+
+
+class DelayedPool:
+    """FakePool whose calls come back from other threads after a random delay (0-15 ms, drawn per env
+    and call): envs finish in a different order every run, as real ones do."""
+
+    def __init__(self, inner, seed=0):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.inner, self.n = inner, inner.n
+        self.rng = random.Random(seed)
+        self.threads = ThreadPoolExecutor(max_workers=inner.n + 1)
+
+    def _later(self, fut):
+        delay = self.rng.uniform(0, 0.015)
+        return self.threads.submit(lambda: (time.sleep(delay), fut.result())[1])
+
+    def submit_reset(self, *a):
+        return self._later(self.inner.submit_reset(*a))
+
+    def submit_step(self, *a):
+        return self._later(self.inner.submit_step(*a))
+
+    def submit_evaluate(self, *a):
+        return self._later(self.inner.submit_evaluate(*a))
+
+
+@pytest.mark.parametrize(("n_envs", "batch_wait_s"), [(2, 0.0), (4, 0.0), (4, 0.005), (9, 0.01)])
+def test_async_and_sync_modes_give_identical_trajectories(n_envs, batch_wait_s):
+    """Decision 1 + 5: the schedule (who shares a batch, when an env steps) changes, the episodes, their
+    order, retries and metrics of results do not. Envs answer after random delays from other threads."""
+    jobs = make_group_jobs(tasks("a", "b", "c"), group_size=3, seed=0)
+    faults = {"faults": {("b", 1): 1}, "step_faults": {("c", 2): 1}}
+    runs = {}
+    for mode in MODES:
+        cfg = rollout_cfg(max_steps=4, seed=3, mode=mode, batch_wait_s=batch_wait_s)
+        pool = DelayedPool(FakePool(n=n_envs, steps_to_done=4, **faults), seed=n_envs)
+        runs[mode] = run_episodes(pool, SeededReplies(), jobs, cfg, epoch=1, iteration=2)
+        pool.threads.shutdown()
+    sync, async_ = runs["sync"], runs["async"]
+    assert signature(async_) == signature(sync)
+    assert [t.steps[-1].gen_logprob_sum for t in async_.trajectories] == [
+        t.steps[-1].gen_logprob_sum for t in sync.trajectories
+    ]
+    assert async_.failed == sync.failed == []
+    for key in ("rollout/episodes", "rollout/success_rate", "rollout/mean_steps", "rollout/env_faults"):
+        assert async_.metrics[key] == sync.metrics[key], key
+    assert sync.metrics["rollout/env_faults"] == 2
+    # the runs exercise what could differ: several steps, parsed clicks and format errors
+    assert {len(t.steps) for t in sync.trajectories} != {1}
+    assert {t.format_error for t in sync.trajectories} == {True, False}
+
+
+def test_rollout_config_checks_the_schedule():
+    with pytest.raises(ValueError, match="mode"):
+        rollout_cfg(mode="lockstep")
+    with pytest.raises(ValueError, match="batch_wait_s"):
+        rollout_cfg(batch_wait_s=-1.0)
 
 
 def test_rollout_config_has_no_defaults_for_params_values():
@@ -452,12 +519,13 @@ class CountingPool(FakePool):
         return {k: dict(v) for k, v in self.per_task.items()}
 
 
-def test_pool_faults_become_rollout_and_per_task_metrics_of_the_call():
+@pytest.mark.parametrize("mode", MODES)
+def test_pool_faults_become_rollout_and_per_task_metrics_of_the_call(mode):
     pool = CountingPool(n=2, faults={("a", 0): 2}, step_faults={("c", 2): 1})
     pool.counts["timeouts"] = 5  # faults before this call are not counted again
     gen = ScriptedGenerator({"a": GOOD, "b": GOOD, "c": GOOD})
     jobs = [EpisodeJob(tasks(t)[0], s, group_id=s) for s, t in enumerate("abc")]
-    res = run_episodes(pool, gen, jobs, rollout_cfg(env_retries=2))
+    res = run_episodes(pool, gen, jobs, rollout_cfg(env_retries=2, mode=mode))
     m = res.metrics
     assert (m["rollout/faults/browser_crashes"], m["rollout/faults/timeouts"]) == (2.0, 1.0)
     assert m["task/miniwob/a/env_faults"] == 2.0 and m["task/miniwob/c/env_faults"] == 1.0

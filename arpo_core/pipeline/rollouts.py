@@ -7,7 +7,8 @@ Decisions:
 2. `rollout_config` is the one place where a `RolloutConfig` is assembled from params: the sampling
    values of the calling stage (temperature, step limit), the shared `policy` section, the format penalty
    of `train.loss` and the pixel budget of the checkpoint itself (its image processor config), so the
-   model-image coordinates of a rollout are always those of the policy that plays it.
+   model-image coordinates of a rollout are always those of the policy that plays it; and the schedule
+   (`env.rollout`: sync or async, batch wait), which train, evaluate and baseline all use.
 4. The generator comes from the params too (`generator`): `policy.backend` hf or vllm
    (arpo_core/policy/generate.py, decisions 8-10), built for the checkpoint the stage plays.
 3. The envs come from the params, never from the stage: `ENV_FACTORIES` maps `env.kind` to a builder of
@@ -123,6 +124,8 @@ def rollout_config(
         max_pixels=max_pixels,
         coord_mode=p.policy.coord_mode,
         seed=seed,
+        mode=p.env.rollout.mode,
+        batch_wait_s=p.env.rollout.batch_wait_s,
     )
 
 
