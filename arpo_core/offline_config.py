@@ -74,7 +74,12 @@ class SFTConfig:
     checkpoint_every: Annotated[int, Ge(0)] = 0
     """Save every N optimizer steps (0 = only at the end, and only with a checkpoint_dir)."""
     seed: Annotated[int, Ge(0)] = 0
-    """Shuffling seed."""
+    """Shuffling seed (and the initialisation of layers added by `grow_after`)."""
+    grow_after: list[Annotated[int, Ge(0)]] | None = None
+    """Before behaviour cloning, insert a new language-model layer after each of these layer indices
+    (`policy.model.grow_depth`: the grown model computes the same function until trained), e.g. [0, 1]
+    turns the 2-layer grounded tiny policy into 4 layers: more capacity for the replies' text without
+    losing its grounding. Applied by the `sft` stage; null: the depth as it is."""
 
 
 @dataclass(frozen=True)
@@ -163,3 +168,8 @@ class RFTConfig:
     """Seed of which successes are kept when a task has more than max_per_task."""
     sft: SFTConfig = field(default_factory=SFTConfig)
     """The behaviour-cloning run on the kept trajectories."""
+
+    def cross_checks(self) -> Iterator[tuple[str, str, tuple[str, ...]]]:
+        """Rules across fields, checked by the params loader: (field, rule, other fields involved)."""
+        if self.sft.grow_after:
+            yield "sft.grow_after", "must be null: RFT fine-tunes the base policy at its own depth", ()

@@ -213,6 +213,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("sft.max_grad_norm", 0, TINY, ()),
     ("sft.checkpoint_every", -1, 0, ()),
     ("sft.seed", -1, 0, ()),
+    ("sft.grow_after", [0, -1], [0], ()),
     ("baseline.episodes_per_task", 0, 1, ()),
     ("baseline.temperature", -0.1, 0, ()),
     ("baseline.max_steps", 0, 1, ()),

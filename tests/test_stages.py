@@ -126,6 +126,19 @@ def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
         sft.run(p, workdir / "init", tmp_path / "some", tmp_path / "base3")
 
 
+def test_sft_grows_the_policy_before_cloning_and_rft_refuses_to(workdir, tmp_path):
+    """sft.grow_after: the base has a layer more per index and was trained; rft.sft.grow_after is an error."""
+    write_trajectories(
+        tmp_path / "demos" / "demos.parquet", [traj("click-test", k, 1.0, 20) for k in range(2)]
+    )
+    p = params("sft.grow_after=[0]", "sft.steps=2", "sft.batch_size=2")
+    m = sft.run(p, workdir / "init", tmp_path / "demos", tmp_path / "base")
+    assert m["sft/layers"] == 3.0 and m["sft/steps"] == 2.0
+    assert load_policy(tmp_path / "base").model.config.text_config.num_hidden_layers == 3
+    with pytest.raises(ConfigError, match=r"rft\.sft\.grow_after = \[0\] .*must be null"):
+        params("rft.sft.grow_after=[0]")
+
+
 def test_pixel_budget_reads_both_layouts(workdir, tmp_path):
     assert common.pixel_budget(workdir / "init") == (3136, 200704)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 256, "max_pixels": 2116800}))

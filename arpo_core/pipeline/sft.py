@@ -14,7 +14,7 @@ from typing import Any
 from arpo_core.config import Params
 from arpo_core.offline import sft
 from arpo_core.pipeline.common import POINTER, resolve_policy, setup_torch
-from arpo_core.policy.model import load_policy
+from arpo_core.policy.model import grow_depth, load_policy
 from arpo_core.trajectory import read_trajectories
 
 __all__ = ["run"]
@@ -37,6 +37,8 @@ def run(
         return {"sft/steps": 0.0}
     setup_torch(p)
     policy = load_policy(resolve_policy(policy_dir))
+    if p.sft.grow_after:  # more depth for the replies' text, same function until trained
+        policy = grow_depth(policy, p.sft.grow_after, seed=p.sft.seed)
     history = sft(
         policy,
         demos,
@@ -47,4 +49,9 @@ def run(
         history_images=p.policy.history_images,
     )
     policy.save(out_dir)
-    return {"sft/loss_first": history[0], "sft/loss_last": history[-1], "sft/steps": float(len(history))}
+    return {
+        "sft/loss_first": history[0],
+        "sft/loss_last": history[-1],
+        "sft/steps": float(len(history)),
+        "sft/layers": float(policy.model.config.text_config.num_hidden_layers),
+    }
