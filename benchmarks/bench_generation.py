@@ -8,6 +8,10 @@ forced to the full `max_new_tokens` (the stop token is masked out) so each batch
 batch x max_new_tokens tokens and batches are comparable. "one at a time" generates the same prompts
 sequentially with batch size 1. Medians of `--repeats` runs; torch uses one thread (params.yaml
 project.torch_threads) unless --threads says otherwise.
+
+Profile (issue 19 item 4): each batch size is also timed with ONE new token (`prefill_s`: encoding,
+vision tower, M-RoPE positions and the prompt forward) so the decode part is `(batched_s - prefill_s)`
+over `tokens - 1` steps; `finding` in the results file says which part limits the batched speedup.
 """
 
 from __future__ import annotations
@@ -15,6 +19,7 @@ from __future__ import annotations
 import argparse
 import datetime as dt
 import json
+import os
 import platform
 import statistics
 import sys
@@ -67,6 +72,21 @@ class NoStop(HFGenerator):
             model.forward = orig
 
 
+def finding(rows: list[dict]) -> str:
+    """The profile's conclusion at batch 8 (issue 19 item 4), from the measured split."""
+    r = next((x for x in rows if x["batch"] == 8), rows[-1])
+    return (
+        f"batch {r['batch']}: {r['speedup']:.2f}x over one at a time. The prompt forward (prefill) is "
+        f"{100 * r['prefill_frac_of_batched']:.0f}% of the batched call and batches only "
+        f"{r['prefill_speedup']:.2f}x (per-prompt work on a CPU: encoding, image processing, the vision "
+        f"tower and the prompt's forward grow with the number of prompts), while decoding batches "
+        f"{r['decode_speedup']:.2f}x. With one screenshot per prompt there is no history to reuse, "
+        f"so KV-cache reuse across an episode's steps cannot change this benchmark; the bound on the "
+        f"speedup is one_at_a_time_s / prefill_s = {r['one_at_a_time_s'] / r['prefill_s']:.2f}x even "
+        f"with free decoding. 4x at batch 8 is not reachable on this CPU with this model."
+    )
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", default="s")
@@ -84,7 +104,7 @@ def main() -> None:
 
     rows = []
     for bs in (1, 2, 4, 8, 16):
-        batched, single = [], []
+        batched, single, prefill, prefill_single = [], [], [], []
         for r in range(args.repeats):
             t0 = time.perf_counter()
             seeds = [1000 * r + i for i in range(bs)]
@@ -97,7 +117,15 @@ def main() -> None:
                     prompts[i : i + 1], max_new_tokens=args.tokens, seeds=seeds[i : i + 1], **sampled
                 )
             single.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            gen.generate(prompts[:bs], max_new_tokens=1, seeds=seeds, **sampled)
+            prefill.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            for i in range(bs):
+                gen.generate(prompts[i : i + 1], max_new_tokens=1, seeds=seeds[i : i + 1], **sampled)
+            prefill_single.append(time.perf_counter() - t0)
         tb, ts = statistics.median(batched), statistics.median(single)
+        tp, tps = statistics.median(prefill), statistics.median(prefill_single)
         n = bs * args.tokens
         rows.append(
             {
@@ -107,6 +135,12 @@ def main() -> None:
                 "batched_tokens_per_s": n / tb,
                 "one_at_a_time_tokens_per_s": n / ts,
                 "speedup": ts / tb,
+                "prefill_s": tp,
+                "prefill_one_at_a_time_s": tps,
+                "prefill_speedup": tps / tp,
+                "prefill_frac_of_batched": tp / tb,
+                "decode_ms_per_step_batched": 1000 * (tb - tp) / max(1, args.tokens - 1),
+                "decode_speedup": (ts - tps) / max(1e-9, tb - tp),
             }
         )
         print(rows[-1], flush=True)
@@ -117,8 +151,11 @@ def main() -> None:
         "machine": f"{platform.machine()}, torch {torch.__version__}, {args.threads} thread(s)",
         "model": {"size": args.size, "parameters": sum(p.numel() for p in policy.model.parameters())},
         "tokens_per_reply": args.tokens,
+        "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         "results": rows,
+        "finding": finding(rows),
     }
+    print(out["finding"])
     (ROOT / "benchmarks" / "results" / "generation.json").write_text(json.dumps(out, indent=2) + "\n")
 
 

@@ -1,12 +1,12 @@
-"""Rollout throughput: env steps/s and episodes/s of `run_episodes` with 1, 2, 4, 8 parallel MiniWoB envs,
-batched inference on a real tiny policy, process and Ray backends; wall time split into env / inference
-/ overhead; and a one-prompt-at-a-time generation baseline so the gain of batching shows.
+"""Rollout throughput, step-synchronous vs asynchronous: env steps/s, episodes/s and env utilization of
+`run_episodes` with 4, 8, 16 parallel MiniWoB envs in `sync` and `async` mode (rollout.py decision 1),
+batched inference on a real tiny policy; wall time split into env / inference / overhead.
 
 Run from the repository root:
 
     .venv/bin/python benchmarks/bench_rollout.py            # writes benchmarks/results/rollout.json
-    .venv/bin/python benchmarks/bench_rollout.py --envs 1,2 --backends process --episodes 8 \\
-        --repeats 1 --out /tmp/rollout.json                # a short check
+    .venv/bin/python benchmarks/bench_rollout.py --envs 2 --episodes 4 --repeats 1 \\
+        --out /tmp/rollout.json                             # a short check
 
 Decisions:
 1. The policy is a real tiny Qwen2.5-VL (`build_tiny_policy(size='xs', rope_theta=5.0, mrope=[2,7,7])`
@@ -15,21 +15,20 @@ Decisions:
    (no env step at all), so the generator wrapper keeps the sampled tokens and their cost but replaces
    the reply TEXT with a random `click(start_box=...)` inside the model image, drawn from the reply's
    own sampling seed (rollout.py decision 5: the same job list gives the same clicks in every mode and
-   pool size). Episodes therefore run to `--max-steps` or to the task's own end, as a trained policy's
-   would.
+   pool size; the record checks that both modes produced the same trajectories). Episodes therefore run
+   to `--max-steps` or to the task's own end, as a trained policy's would.
 2. Every reply has exactly `--reply-tokens` tokens (the stop tokens, and all other special tokens, are
    masked out as in bench_generation.py), so inference cost does not depend on when a random model
    happens to stop.
-3. Modes: `batched` is `run_episodes` as the trainer calls it (one generate call per round for every
-   live episode); `one_at_a_time` is the same loop with the generator splitting each batch into
-   batch-1 calls (the non-batched baseline). Same jobs, same pool.
-4. Timings come from `run_episodes` metrics: `time/env_wait_s` (waiting on resets/steps/evaluations),
-   `time/inference_s` (generate calls), `time/other_s` (parsing, PNG encoding of screenshots, prompt
-   building, bookkeeping). A pool proxy (`TimedPool`) adds the latency of each reset / step / evaluate
-   call and the time the loop sat blocked in `result()` per kind (`reset_blocked_s`: the loop waits
-   for every pending reset before generating, see benchmarks/README.md). One warm-up episode per env
-   runs before the timed repeats (Chromium and the page cache warm up); pool start time is reported
-   separately. Medians over `--repeats`.
+3. Modes: `sync` and `async` are `run_episodes`' two schedules on the same pool and the same jobs, one
+   after the other for each pool size (so both see the same machine load); `--batch-wait` is async's
+   `batch_wait_s`. `--one-at-a-time` splits every batch into batch-1 calls (a non-batched baseline).
+4. Timings come from `run_episodes` metrics: `time/env_wait_s` (the loop blocked on env calls),
+   `time/inference_s` (generate calls), `time/other_s` (parsing, PNG encoding, prompts, bookkeeping),
+   `rollout/env_utilization` (each env's busy time in resets/steps/evaluations, i.e. the pool's
+   `EnvResult.elapsed_s`, over n_envs x wall time). A pool proxy (`TimedPool`) adds the latency of each
+   reset / step / evaluate call. One warm-up episode per env runs before the timed repeats (Chromium
+   and the page cache warm up); pool start time is reported separately. Medians over `--repeats`.
 5. torch uses one thread (params.yaml project.torch_threads; on a busy 2-core machine more threads spin),
    and the load average before/after is recorded because other jobs lower the numbers.
 """
@@ -37,6 +36,7 @@ Decisions:
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime as dt
 import functools
 import json
@@ -65,7 +65,7 @@ from arpo_core.envs.pool import EnvPool  # noqa: E402
 from arpo_core.fileio import atomic_write_json  # noqa: E402
 from arpo_core.policy.generate import Generation  # noqa: E402
 from arpo_core.policy.prompt import PromptInput  # noqa: E402
-from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
+from arpo_core.rollout import ROLLOUT_MODES, EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
 
 TASKS = ("click-test", "click-button", "click-link", "click-dialog")
 """In-domain click tasks (data/suites/miniwob_in_domain.yaml)."""
@@ -114,20 +114,18 @@ class ClickingGenerator:
 
 
 class TimedPool:
-    """EnvPool proxy that records each call's latency (submit -> result ready) by kind, to see where
-    `time/env_wait_s` goes (a reset costs far more than a step)."""
+    """EnvPool proxy that records each call's latency (submit -> result ready) by kind. It returns the
+    pool's own futures (the loop waits on them with concurrent.futures.wait)."""
 
     def __init__(self, pool: EnvPool):
         self.pool = pool
         self.n = pool.n
         self.latency: dict[str, list[float]] = {"reset": [], "step": [], "evaluate": []}
-        self.blocked_s: dict[str, float] = {"reset": 0.0, "step": 0.0, "evaluate": 0.0}
-        """Time the rollout loop spent inside `result()` of each kind of call."""
 
     def _timed(self, kind: str, fut):
         t0 = time.monotonic()
         fut.add_done_callback(lambda _f: self.latency[kind].append(time.monotonic() - t0))
-        return _BlockTimer(fut, kind, self.blocked_s)
+        return fut
 
     def submit_reset(self, *a):
         return self._timed("reset", self.pool.submit_reset(*a))
@@ -138,22 +136,11 @@ class TimedPool:
     def submit_evaluate(self, *a):
         return self._timed("evaluate", self.pool.submit_evaluate(*a))
 
+    def fault_counts(self):
+        return self.pool.fault_counts()
 
-class _BlockTimer:
-    """Future proxy adding the time spent waiting in `result()` to `blocked_s[kind]`."""
-
-    def __init__(self, fut, kind: str, blocked_s: dict[str, float]):
-        self.fut, self.kind, self.blocked_s = fut, kind, blocked_s
-
-    def done(self) -> bool:
-        return self.fut.done()
-
-    def result(self, timeout=None):
-        t0 = time.monotonic()
-        try:
-            return self.fut.result(timeout)
-        finally:
-            self.blocked_s[self.kind] += time.monotonic() - t0
+    def task_fault_counts(self):
+        return self.pool.task_fault_counts()
 
 
 def make_jobs(tasks: Sequence[str], episodes: int, first_seed: int) -> list[EpisodeJob]:
@@ -181,6 +168,9 @@ def summarize(metrics: dict[str, float], n_steps: int, n_episodes: int) -> dict[
         "env_frac": metrics["time/env_wait_s"] / wall,
         "inference_frac": metrics["time/inference_s"] / wall,
         "other_frac": metrics["time/other_s"] / wall,
+        "env_utilization": metrics["rollout/env_utilization"],
+        "mean_batch": metrics["rollout/mean_batch"],
+        "generate_calls": metrics["rollout/generate_calls"],
     }
 
 
@@ -189,42 +179,50 @@ def median_summary(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
 
 
-def bench_config(policy, backend: str, n: int, mode: str, args, cfg: RolloutConfig) -> dict:
+def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig) -> list[dict]:
+    """Every mode of `args.modes` on one pool of `n` envs, the same jobs each (decision 3)."""
     gen = ClickingGenerator(
         FixedLengthGenerator(policy, system="compact", history_images=None),
         cfg.min_pixels,
         cfg.max_pixels,
-        one_at_a_time=mode == "one_at_a_time",
+        one_at_a_time=args.one_at_a_time,
     )
     kw = {"ray_resources": {"env_node": 0.01}} if backend == "ray" else {}
     t0 = time.perf_counter()
     pool = EnvPool(functools.partial(make_miniwob_env), n, backend=backend, **kw)
     start_s = time.perf_counter() - t0
+    out = []
     try:
         warm = run_episodes(pool, gen, make_jobs(args.tasks, n, 10_000), cfg)  # decision 4
         assert not warm.failed, warm.failed
-        runs, faults = [], 0
+        per_mode: dict[str, list[dict]] = {m: [] for m in args.modes}
+        sigs: dict[str, list] = {m: [] for m in args.modes}
+        faults = dict.fromkeys(args.modes, 0)
         for rep in range(args.repeats):
-            gen.batch_sizes.clear()
-            timed = TimedPool(pool)
             jobs = make_jobs(args.tasks, args.episodes, 1000 * rep)
-            res = run_episodes(timed, gen, jobs, cfg, epoch=rep)
-            faults += len(res.failed) + int(res.metrics["rollout/env_faults"])
-            steps = sum(len(t.steps) for t in res.trajectories)
-            s = summarize(res.metrics, steps, len(res.trajectories))
-            s["mean_batch"] = statistics.mean(gen.batch_sizes)
-            s["generate_calls"] = len(gen.batch_sizes)
-            for kind, lat in timed.latency.items():
-                s[f"{kind}_calls"] = len(lat)
-                s[f"{kind}_ms_mean"] = 1000 * statistics.mean(lat) if lat else 0.0
-                s[f"{kind}_blocked_s"] = timed.blocked_s[kind]
-            runs.append(s)
+            for mode in args.modes:  # interleaved, so both modes see the same load
+                mcfg = dataclasses.replace(cfg, mode=mode, batch_wait_s=args.batch_wait)
+                timed = TimedPool(pool)
+                res = run_episodes(timed, gen, jobs, mcfg, epoch=rep)
+                faults[mode] += len(res.failed) + int(res.metrics["rollout/env_faults"])
+                sigs[mode].append([[st.response_text for st in t.steps] for t in res.trajectories])
+                steps = sum(len(t.steps) for t in res.trajectories)
+                s = summarize(res.metrics, steps, len(res.trajectories))
+                for kind, lat in timed.latency.items():
+                    s[f"{kind}_calls"] = len(lat)
+                    s[f"{kind}_ms_mean"] = 1000 * statistics.mean(lat) if lat else 0.0
+                per_mode[mode].append(s)
     finally:
         pool.close()
-    out = {"backend": backend, "n_envs": n, "mode": mode, "pool_start_s": round(start_s, 2)}
-    out.update(median_summary(runs))
-    out["env_steps_per_s_runs"] = [round(r["env_steps_per_s"], 3) for r in runs]
-    out["env_faults"] = faults
+    for mode, runs in per_mode.items():
+        row = {"backend": backend, "n_envs": n, "mode": mode, "pool_start_s": round(start_s, 2)}
+        if mode == "async":
+            row["batch_wait_s"] = args.batch_wait
+        row.update(median_summary(runs))
+        row["env_steps_per_s_runs"] = [round(r["env_steps_per_s"], 3) for r in runs]
+        row["env_faults"] = faults[mode]
+        row["same_trajectories_as_first_mode"] = sigs[mode] == sigs[args.modes[0]]
+        out.append(row)
     return out
 
 
@@ -232,11 +230,13 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     strs = lambda s: [x for x in s.split(",") if x]  # noqa: E731
-    ap.add_argument("--envs", type=ints, default=[1, 2, 4, 8], help="pool sizes, comma-separated")
-    ap.add_argument("--backends", type=strs, default=["process", "ray"])
-    ap.add_argument("--modes", type=strs, default=["batched", "one_at_a_time"])
+    ap.add_argument("--envs", type=ints, default=[4, 8, 16], help="pool sizes, comma-separated")
+    ap.add_argument("--backends", type=strs, default=["process"])
+    ap.add_argument("--modes", type=strs, default=["sync", "async"], help="rollout modes (decision 3)")
+    ap.add_argument("--batch-wait", type=float, default=0.0, help="async batch_wait_s")
+    ap.add_argument("--one-at-a-time", action="store_true", help="batch-1 generate calls (decision 3)")
     ap.add_argument("--episodes", type=int, default=16, help="episodes per timed run")
-    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-steps", type=int, default=5)
     ap.add_argument("--reply-tokens", type=int, default=32, help="tokens per reply (forced)")
     ap.add_argument("--tasks", type=strs, default=list(TASKS))
@@ -248,23 +248,24 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if b not in ("process", "ray"):
             ap.error(f"unknown backend {b!r}")
     for m in args.modes:
-        if m not in ("batched", "one_at_a_time"):
-            ap.error(f"unknown mode {m!r}")
+        if m not in ROLLOUT_MODES:
+            ap.error(f"unknown mode {m!r} (expected one of {', '.join(ROLLOUT_MODES)})")
     return args
 
 
-def ratios(results: list[dict]) -> list[dict]:
-    """Per (backend, n): batched / one_at_a_time steps/s, and each config's steps/s relative to n=1."""
-    by = {(r["backend"], r["n_envs"], r["mode"]): r["env_steps_per_s"] for r in results}
-    out = []
-    for (b, n, m), v in by.items():
-        row = {"backend": b, "n_envs": n, "mode": m}
-        ref = by.get((b, 1, m), by.get((b, 1, "batched")))  # one env: both modes are the same loop
-        if ref:
-            row["speedup_vs_1_env"] = round(v / ref, 3)
-        if m == "batched" and (b, n, "one_at_a_time") in by:
-            row["batched_over_one_at_a_time"] = round(v / by[(b, n, "one_at_a_time")], 3)
-        out.append(row)
+def ratios(results: list[dict]) -> dict[str, float]:
+    """async / sync env steps/s and env utilization per (backend, n); `async_over_sync_<n>` for the
+    process backend (the issue's headline: n = 8)."""
+    by = {(r["backend"], r["n_envs"], r["mode"]): r for r in results}
+    out: dict[str, float] = {}
+    for (b, n, m), r in sorted(by.items()):
+        if m != "async" or (b, n, "sync") not in by:
+            continue
+        sync = by[(b, n, "sync")]
+        prefix = "" if b == "process" else f"{b}_"
+        out[f"{prefix}async_over_sync_{n}"] = round(r["env_steps_per_s"] / sync["env_steps_per_s"], 3)
+        out[f"{prefix}utilization_async_{n}"] = r["env_utilization"]
+        out[f"{prefix}utilization_sync_{n}"] = sync["env_utilization"]
     return out
 
 
@@ -306,10 +307,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 )
             try:
                 for n in args.envs:
-                    for mode in args.modes:
-                        if n == 1 and mode == "one_at_a_time" and "batched" in args.modes:
-                            continue  # identical to batched with one env (every batch has size 1)
-                        r = bench_config(policy, backend, n, mode, args, cfg)
+                    for r in bench_pool(policy, backend, n, args, cfg):
                         print(json.dumps(r), flush=True)
                         results.append(r)
             finally:
@@ -326,6 +324,8 @@ def main(argv: Sequence[str] | None = None) -> None:
                 ",".join(args.backends),
                 "--modes",
                 ",".join(args.modes),
+                "--batch-wait",
+                str(args.batch_wait),
                 "--episodes",
                 str(args.episodes),
                 "--repeats",
@@ -340,6 +340,7 @@ def main(argv: Sequence[str] | None = None) -> None:
                 str(args.threads),
             ]
             + (["--policy", str(args.policy)] if args.policy else [])
+            + (["--one-at-a-time"] if args.one_at_a_time else [])
         ),
         "date_utc": dt.datetime.now(dt.UTC).isoformat(timespec="seconds"),
         "machine": {

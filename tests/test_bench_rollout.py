@@ -78,48 +78,54 @@ def test_timed_pool_records_latency_by_kind():
     assert not f1.done()
     pool.pending[0].set_result("r")
     pool.pending[1].set_result("s")
+    assert f1 is pool.pending[0]  # the pool's own futures: the loop waits on them with cf.wait
     assert f1.done() and f1.result() == "r" and f2.result() == "s"
     assert len(timed.latency["reset"]) == 1 and len(timed.latency["step"]) == 1
     assert timed.latency["evaluate"] == [] and timed.latency["reset"][0] >= 0
 
 
-def test_block_timer_counts_time_spent_waiting():
-    import threading
-
-    fut, blocked = Future(), {"reset": 0.0}
-    proxy = br._BlockTimer(fut, "reset", blocked)
-    threading.Timer(0.2, fut.set_result, args=(1,)).start()
-    assert proxy.result() == 1
-    assert 0.15 < blocked["reset"] < 2.0  # waited for the timer, not for nothing
-
-
 def test_summarize_and_median():
-    m = {"time/rollout_s": 10.0, "time/env_wait_s": 4.0, "time/inference_s": 5.0, "time/other_s": 1.0}
+    m = {
+        "time/rollout_s": 10.0,
+        "time/env_wait_s": 4.0,
+        "time/inference_s": 5.0,
+        "time/other_s": 1.0,
+        "rollout/env_utilization": 0.7,
+        "rollout/mean_batch": 3.5,
+        "rollout/generate_calls": 9.0,
+    }
     s = br.summarize(m, n_steps=30, n_episodes=8)
     assert s["env_steps_per_s"] == 3.0 and s["episodes_per_s"] == 0.8
     assert (s["env_frac"], s["inference_frac"], s["other_frac"]) == (0.4, 0.5, 0.1)
+    assert (s["env_utilization"], s["mean_batch"], s["generate_calls"]) == (0.7, 3.5, 9.0)
     med = br.median_summary([{"x": 1.0}, {"x": 5.0}, {"x": 2.0}])
     assert med == {"x": 2.0}
 
 
 def test_ratios():
     res = [
-        {"backend": "process", "n_envs": 1, "mode": "batched", "env_steps_per_s": 4.0},
-        {"backend": "process", "n_envs": 4, "mode": "batched", "env_steps_per_s": 10.0},
-        {"backend": "process", "n_envs": 4, "mode": "one_at_a_time", "env_steps_per_s": 8.0},
+        {"backend": "process", "n_envs": 8, "mode": "sync", "env_steps_per_s": 10.0, "env_utilization": 0.4},
+        {"backend": "process", "n_envs": 8, "mode": "async", "env_steps_per_s": 13.0, "env_utilization": 0.6},
+        {"backend": "process", "n_envs": 4, "mode": "sync", "env_steps_per_s": 8.0, "env_utilization": 0.5},
+        {"backend": "ray", "n_envs": 8, "mode": "sync", "env_steps_per_s": 5.0, "env_utilization": 0.3},
+        {"backend": "ray", "n_envs": 8, "mode": "async", "env_steps_per_s": 6.0, "env_utilization": 0.5},
     ]
-    rows = {(r["n_envs"], r["mode"]): r for r in br.ratios(res)}
-    assert rows[(4, "batched")]["speedup_vs_1_env"] == 2.5
-    assert rows[(4, "batched")]["batched_over_one_at_a_time"] == 1.25
-    assert rows[(4, "one_at_a_time")]["speedup_vs_1_env"] == 2.0  # against batched n=1 (same loop)
-    assert "batched_over_one_at_a_time" not in rows[(1, "batched")]
+    assert br.ratios(res) == {
+        "async_over_sync_8": 1.3,
+        "utilization_async_8": 0.6,
+        "utilization_sync_8": 0.4,
+        "ray_async_over_sync_8": 1.2,
+        "ray_utilization_async_8": 0.5,
+        "ray_utilization_sync_8": 0.3,
+    }  # n=4 has no async run: no ratio
 
 
 def test_parse_args():
-    a = br.parse_args(["--envs", "1,2", "--backends", "ray", "--episodes", "8"])
-    assert a.envs == [1, 2] and a.backends == ["ray"] and a.episodes == 8
-    assert br.parse_args([]).modes == ["batched", "one_at_a_time"]
+    a = br.parse_args(["--envs", "1,2", "--backends", "ray", "--episodes", "8", "--batch-wait", "0.05"])
+    assert a.envs == [1, 2] and a.backends == ["ray"] and a.episodes == 8 and a.batch_wait == 0.05
+    d = br.parse_args([])
+    assert d.modes == ["sync", "async"] and d.envs == [4, 8, 16] and not d.one_at_a_time
     with pytest.raises(SystemExit):
         br.parse_args(["--backends", "thread"])
     with pytest.raises(SystemExit):
-        br.parse_args(["--modes", "serial"])
+        br.parse_args(["--modes", "batched"])
