@@ -270,10 +270,9 @@ def test_episode_labels_policy_and_source(tmp_path):
 
 def test_stage_viewer_pages_are_replaced_on_rerun(tmp_path, monkeypatch):
     """runner decision 9: a stage that re-runs leaves no page of an earlier configuration."""
+    from arpo_core.config import load_params
     from arpo_core.trajectory import write_trajectories
     from flows.runner import VIEWER_DIR, StageRun
-
-    from arpo_core.config import load_params
 
     p = load_params(ROOT / "params.yaml")  # suite paths resolve in the project
     monkeypatch.chdir(tmp_path)
