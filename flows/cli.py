@@ -122,7 +122,13 @@ def _exit_on_signal(signum: int, frame: object) -> None:
 
 
 def _stop_services() -> None:
-    """Stop Prefect's temporary API server and Ray if this run started them (only if imported)."""
+    """Stop Prefect's temporary API server and Ray if this run started them (only if imported). The
+    run's last log records still queued for the API are sent first: stopped before them, the server
+    left Prefect's log worker retrying at exit (~2 min, then 'Error logging to API')."""
+    handlers = sys.modules.get("prefect.logging.handlers")
+    if handlers is not None:
+        with contextlib.suppress(Exception):
+            handlers.APILogWorker.drain_all(timeout=10)
     server = sys.modules.get("prefect.server.api.server")
     if server is not None:
         for instance in list(server.SubprocessASGIServer._instances.values()):

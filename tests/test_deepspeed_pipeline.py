@@ -59,6 +59,8 @@ def test_quick_pipeline_deepspeed_ray_checkpoint_and_resume(tmp_path):
 
     # 1. the whole quick pipeline: several stages in one process each open and close a Ray env pool
     _run([arpo, "run", *OVERRIDES, "-S", "train.epochs=2"], project, env, tmp_path / "run.log", 420)
+    # the run's last log records reached the temporary API server before it was stopped
+    assert "Error logging to API" not in (tmp_path / "run.log").read_text()
     name, state = _state(project)
     assert name == "epoch-0002" and state["epoch"] == 2 and len(state["history"]) == 2
     for e in (1, 2):  # DeepSpeed's own checkpoint under its fixed tag, no `latest` file of its own
