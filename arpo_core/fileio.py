@@ -113,6 +113,16 @@ def check_space(path: str | os.PathLike, needed: int, what: str, margin: float =
         )
 
 
+def _read_umask() -> int:
+    """The process umask, read once at import (os.umask can only be read by setting it)."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    return mask
+
+
+_UMASK = _read_umask()
+
+
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
     """Open a temp file beside `path` for writing; on a clean exit it replaces `path` (decision 1)."""
@@ -128,6 +138,7 @@ def atomic_open(path: str | os.PathLike, mode: str = "wb") -> Iterator[IO[Any]]:
             raise
         raise err from e
     try:
+        os.fchmod(fd, 0o666 & ~_UMASK)  # a plain file's mode (mkstemp's is 0600), e.g. 0644 for DVC outputs
         with os.fdopen(fd, mode, **({"encoding": "utf-8", "newline": ""} if mode == "w" else {})) as f:
             yield f
             f.flush()

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import os
+import stat
 
 import pytest
 
@@ -37,7 +39,6 @@ def test_binary_mode_and_bad_mode(tmp_path):
 # ---- disk full and unwritable outputs (issue 18): a clear message, no temp file, the old file intact
 
 import errno  # noqa: E402
-import os  # noqa: E402
 
 import arpo_core.fileio as fileio  # noqa: E402
 from arpo_core.fileio import OutputError, check_space, write_error  # noqa: E402
@@ -157,3 +158,11 @@ def test_select_on_a_full_disk_keeps_the_previous_selection(tmp_path, monkeypatc
         write_selection(out, sel)
     assert out.read_text() == '{"old": true}\n'
     assert [c.name for c in tmp_path.iterdir()] == ["selected_tasks.json"]
+
+
+def test_atomic_writes_get_a_plain_files_mode_not_the_temp_files_0600(tmp_path):
+    """mkstemp creates 0600 files; outputs (metrics, viewer pages, Parquet) must be readable like any file."""
+    mask = os.umask(0o022)
+    os.umask(mask)
+    for f in (atomic_write_text(tmp_path / "a.txt", "x"), atomic_write_json(tmp_path / "m.json", {"a": 1})):
+        assert stat.S_IMODE(f.stat().st_mode) == 0o666 & ~mask, oct(f.stat().st_mode)
