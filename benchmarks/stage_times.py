@@ -1,6 +1,7 @@
 """Wall time of each pipeline stage (issue 9, item 5), collected from a finished run's metrics files.
 
-Every stage writes `time/<stage>_s` into `metrics/<stage>.json` (flows/runner.py); this script gathers
+Every stage writes `time/<stage>_s` into `metrics/details/<stage>.json` (flows/runner.py; older runs: into
+`metrics/<stage>.json`, read too); this script gathers
 them, in pipeline order, into one results file with the params that sized the run. Run it after a
 pipeline run in the project directory, e.g.
 
@@ -34,8 +35,11 @@ def collect(metrics_dir: Path) -> tuple[dict[str, float], list[str]]:
     times: dict[str, float] = {}
     missing: list[str] = []
     for name in STAGE_NAMES:
-        path = metrics_dir / f"{name}.json"
-        value = json.loads(path.read_text()).get(f"time/{name}_s") if path.exists() else None
+        # the summary file, or its breakdown beside it (metrics/details/, where runs put timings now)
+        value = None
+        for path in (metrics_dir / f"{name}.json", metrics_dir / "details" / f"{name}.json"):
+            if value is None and path.exists():
+                value = json.loads(path.read_text()).get(f"time/{name}_s")
         if value is None:
             missing.append(name)
         else:
