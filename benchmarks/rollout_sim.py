@@ -60,17 +60,17 @@ ASSUMPTIONS: dict[str, Any] = {
         "OSWorld's run.py passes --sleep_after_execution, default 0.0, its Claude runner 0.5)",
         "step_action_s_median": 0.3,
         "step_action_source": "this project's local OSWorld-protocol desktop: a pyautogui command "
-        "through a python -c subprocess ~265 ms (REFERENCE.md section 6), rounded up for a VM",
+        "through a python -c subprocess ~265 ms (docs/method.md §6), rounded up for a VM",
         "step_screenshot_s_median": 0.2,
         "step_screenshot_source": "assumption: a 1920x1080 PNG over HTTP from the VM (a 1280x800 "
-        "screenshot takes ~32 ms locally, REFERENCE.md section 6; network and PNG encoding added)",
+        "screenshot takes ~32 ms locally, docs/method.md §6; network and PNG encoding added)",
         "step_spread_sigma": 0.35,
         "step_spread_source": "assumption: lognormal factor on the action + screenshot part "
         "(sigma 0.35: 90% of steps within x0.56..x1.8 of the median)",
         "slow_tail_p": 0.03,
         "slow_tail_factor": [3.0, 8.0],
         "slow_tail_source": "assumption: 3% of calls take 3-8x longer (VMs that stall; OSWorld users "
-        "report VMs that hang after a while, REFERENCE.md section 5)",
+        "report VMs that hang after a while, docs/method.md §5)",
         "reset_s_median": 20.0,
         "reset_sigma": 0.5,
         "reset_source": "assumption: snapshot revert + the task's setup steps (launch apps, downloads) "
@@ -82,7 +82,7 @@ ASSUMPTIONS: dict[str, Any] = {
     "generation": {
         "model": "Qwen2.5-VL-7B / UI-TARS-1.5-7B, bf16",
         "new_tokens_per_prompt": 2691 + 150,
-        "new_tokens_source": "one 1920x1080 screenshot = 2,691 visual tokens (REFERENCE.md section 2) "
+        "new_tokens_source": "one 1920x1080 screenshot = 2,691 visual tokens (docs/method.md §2) "
         "plus ~150 tokens of the previous reply and chat markup; the history before it comes from "
         "vLLM's prefix cache",
         "prefill_tokens_per_s": 20_000.0,

@@ -4,8 +4,13 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 .venv/bin/ruff check . || exit 1
 .venv/bin/ruff format --check . || exit 1
-.venv/bin/python -m pytest -q -rfE "$@"
+# A temp folder of this run's own: pytest's default /tmp/pytest-of-$USER/pytest-N keeps the newest 3
+# sessions' folders, so other pytest sessions started meanwhile on the machine deleted a long run's
+# tmp_path folders under its running tests. Removed after a green run, kept (and named) after a red one.
+base=$(mktemp -d "${TMPDIR:-/tmp}/arpo-tests.XXXXXX")
+.venv/bin/python -m pytest -q -rfE --basetemp="$base/t" "$@"
 rc=$?
+if [ $rc -eq 0 ] || [ $rc -eq 5 ]; then rm -rf "$base"; else echo "test temp files kept in $base"; fi
 # pytest exits 5 when no test was collected (e.g. a -k filter that matches nothing): not a failure of
 # the code under test, but say so loudly.
 if [ $rc -eq 5 ]; then echo "no tests collected"; exit 0; fi
