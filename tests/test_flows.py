@@ -4,6 +4,8 @@ Prefect server with a process worker (slow)."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 import subprocess
 import time
 from pathlib import Path
@@ -410,6 +412,10 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         wide = {**cli_env, "COLUMNS": "400"}  # rich tables would cut the names
         flow_runs = oh.run(["prefect", "flow-run", "ls", "--limit", "60"], project, wide, timeout=120)
         artifacts = oh.run(["prefect", "artifact", "ls"], project, wide, timeout=120)
+        # one Ctrl-C (SIGINT to the script's process group, as a terminal sends it) stops the worker
+        os.killpg(worker.pid, signal.SIGINT)
+        worker.wait(timeout=40)
+        assert "worker stopped" in (tmp_path / "worker.log").read_text()[-2000:]
     finally:
         if worker is not None:
             oh.stop(worker)
