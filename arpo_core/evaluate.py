@@ -264,7 +264,7 @@ def summarize(
 @dataclass
 class EvalResult:
     metrics: dict[str, float]
-    """`summarize` output plus `{prefix}/all/failed_jobs` and the rollout's time/ metrics."""
+    """`summarize` output plus `{prefix}/all/failed_jobs` and the rollout's time/ and env-fault metrics."""
     trajectories: list[Trajectory]
     failed: list[tuple[EpisodeJob, str]]
     """(EpisodeJob, error) of jobs lost to env faults (decision 6)."""
@@ -279,6 +279,16 @@ def eval_jobs(tasks: Sequence[TaskSpec], episodes_per_task: int, seed: int) -> l
         for g, task in enumerate(tasks)
         for k in range(episodes_per_task)
     ]
+
+
+def _kept_rollout_metric(key: str) -> bool:
+    """The rollout metrics an evaluation passes on under its prefix: timings and env faults (every
+    kind, and per task), so faults during evaluation are counted like those during training."""
+    return (
+        key.startswith(("time/", "rollout/faults/"))
+        or key == "rollout/env_faults"
+        or (key.startswith("task/") and key.endswith("/env_faults"))
+    )
 
 
 def evaluate_policy(
@@ -323,5 +333,5 @@ def evaluate_policy(
         res.trajectories, split_map(tasks), scoring=scoring, max_steps=rollout.max_steps, prefix=prefix
     )
     metrics[f"{prefix}/all/failed_jobs"] = float(len(res.failed))
-    metrics.update({f"{prefix}/{k}": v for k, v in res.metrics.items() if k.startswith("time/")})
+    metrics.update({f"{prefix}/{k}": v for k, v in res.metrics.items() if _kept_rollout_metric(k)})
     return EvalResult(metrics, list(res.trajectories), list(res.failed))

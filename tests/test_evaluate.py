@@ -309,3 +309,45 @@ def test_evaluate_policy_with_fake_pool_and_generator():
     assert "eval/time/rollout_s" in m
     assert len(res.trajectories) == 8 and res.failed == []
     assert math.isclose(Z95, 1.959964, abs_tol=1e-6)
+
+
+class CountingPool(FakePool):
+    """FakePool whose fault counters (pool.py decision 7) grow by one timeout per reset of 'good'."""
+
+    def __init__(self, n: int):
+        super().__init__(n)
+        self.timeouts = 0
+
+    def submit_reset(self, env_idx, task, seed=None):
+        self.timeouts += task.task_id == "good"
+        return super().submit_reset(env_idx, task, seed)
+
+    def fault_counts(self):
+        return {"timeouts": self.timeouts, "browser_crashes": 0}
+
+    def task_fault_counts(self):
+        return {("miniwob", "good"): {"timeouts": self.timeouts}} if self.timeouts else {}
+
+
+def test_evaluation_reports_the_env_faults_of_its_call_under_its_prefix():
+    pool = CountingPool(3)
+    pool.timeouts = 5  # faults before the call are not this evaluation's
+    tasks = [TaskSpec("miniwob", "good"), TaskSpec("miniwob", "other")]
+    rollout = RolloutConfig(
+        max_steps=5,
+        temperature=0.0,
+        top_p=1.0,
+        max_new_tokens=64,
+        format_penalty=-1.0,
+        min_pixels=3136,
+        max_pixels=1003520,
+        coord_mode="absolute",
+        seed=10,
+    )
+    m = evaluate_policy(
+        pool, FakeGenerator(), tasks, 3, rollout, first_seed=10, prefix="eval/base/greedy"
+    ).metrics
+    assert m["eval/base/greedy/rollout/faults/timeouts"] == 3.0
+    assert m["eval/base/greedy/rollout/faults/browser_crashes"] == 0.0
+    assert m["eval/base/greedy/task/miniwob/good/env_faults"] == 3.0
+    assert "eval/base/greedy/task/miniwob/other/env_faults" not in m

@@ -126,6 +126,29 @@ def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
         sft.run(p, workdir / "init", tmp_path / "some", tmp_path / "base3")
 
 
+def test_demos_stage_reports_the_env_faults_of_its_pool(tmp_path, monkeypatch):
+    """Faults while the oracles play become demos/faults/<kind> (as rollouts' rollout/faults/<kind>)."""
+    from arpo_core.demos import DemoResult
+
+    class Pool:
+        def __enter__(self):
+            return self
+
+        def __exit__(self, *exc):
+            return False
+
+        def fault_counts(self):
+            return {"browser_crashes": 2, "timeouts": 0}
+
+    monkeypatch.setattr(demos, "make_pool", lambda _p: Pool())
+    monkeypatch.setattr(
+        demos, "play_oracle_episodes", lambda *a, **k: DemoResult([traj("click-test", 0, 1.0, 20)], 0, [])
+    )
+    m = demos.run(params(), tmp_path / "demos")
+    assert m["demos/episodes"] == 1.0
+    assert m["demos/faults/browser_crashes"] == 2.0 and m["demos/faults/timeouts"] == 0.0
+
+
 def test_sft_grows_the_policy_before_cloning_and_rft_refuses_to(workdir, tmp_path):
     """sft.grow_after: the base has a layer more per index and was trained; rft.sft.grow_after is an error."""
     write_trajectories(

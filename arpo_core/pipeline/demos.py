@@ -54,6 +54,7 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
             progress=bar,
         )
         bar.close()
+        faults = pool.fault_counts()  # env faults while the oracles played (pool.py decision 7)
     if not res.trajectories:
         raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")
     write_trajectories(Path(out_dir) / "demos.parquet", res.trajectories)
@@ -65,4 +66,4 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
         "demos/steps": float(sum(len(t.steps) for t in res.trajectories)),
         "demos/recovery_episodes": float(sum(m > 0 for m in misses)),
         "demos/miss_steps": float(sum(misses)),
-    }
+    } | {f"demos/faults/{kind}": float(n) for kind, n in faults.items()}
