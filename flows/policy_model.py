@@ -17,9 +17,11 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import warnings
+from collections.abc import Iterator
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -97,7 +99,37 @@ def log_policy_model(
 ) -> str:
     """Log the checkpoint at `policy_dir` as run `run_id`'s model `name` (decisions 1-3); returns its
     model id. The run's metrics at `step` are linked to it, so log them first."""
-    mlflow.set_tracking_uri(tracking_uri)
+    with _tracking_uri(tracking_uri):
+        return _log_policy_model(tracking_uri, run_id, policy_dir, name, config, step)
+
+
+@contextlib.contextmanager
+def _tracking_uri(uri: str) -> Iterator[None]:
+    """MLflow's global tracking URI set to `uri` for the block (Model.log resolves the run's artifact
+    store through it), then put back, environment included: `mlflow.set_tracking_uri` also exports
+    MLFLOW_TRACKING_URI, which then sent every later client of the process (and its children) to this
+    store - test stores included."""
+    from mlflow.tracking._tracking_service.utils import _use_tracking_uri
+
+    before = os.environ.get("MLFLOW_TRACKING_URI")
+    try:
+        with _use_tracking_uri(uri):
+            yield
+    finally:
+        if before is None:
+            os.environ.pop("MLFLOW_TRACKING_URI", None)
+        else:
+            os.environ["MLFLOW_TRACKING_URI"] = before
+
+
+def _log_policy_model(
+    tracking_uri: str,
+    run_id: str,
+    policy_dir: str | os.PathLike,
+    name: str,
+    config: dict[str, Any],
+    step: int,
+) -> str:
     c = mlflow.MlflowClient(tracking_uri)
     run = c.get_run(run_id)
     model = c.create_logged_model(

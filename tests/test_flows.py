@@ -236,6 +236,10 @@ def test_logged_policy_model_loads_back_and_answers(tmp_path, monkeypatch, one_t
     model_id = log_policy_model(
         tracking.tracking_uri("."), run_id, ROOT / "assets/checkpoints/grounded-xs", "base", config
     )
+    # MLflow's set_tracking_uri exports MLFLOW_TRACKING_URI: it must not outlive the call (it sent the
+    # later tests' clients, and the stage processes' children, to this store)
+    assert "MLFLOW_TRACKING_URI" not in os.environ
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", tracking.tracking_uri("."))  # for the lookup by model id
     model = mlflow.pyfunc.load_model(f"models:/{model_id}")
     png = io.BytesIO()
     Image.new("RGB", (160, 210), "white").save(png, format="PNG")
