@@ -100,7 +100,31 @@ def log_policy_model(
     """Log the checkpoint at `policy_dir` as run `run_id`'s model `name` (decisions 1-3); returns its
     model id. The run's metrics at `step` are linked to it, so log them first."""
     with _tracking_uri(tracking_uri):
-        return _log_policy_model(tracking_uri, run_id, policy_dir, name, config, step)
+        c = mlflow.MlflowClient(tracking_uri)
+        run = c.get_run(run_id)
+        model = c.create_logged_model(
+            experiment_id=run.info.experiment_id,
+            name=name,
+            source_run_id=run_id,
+            params=dict(run.data.params),
+            model_type="policy",
+        )
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "consider an input example" advice, per model
+            info = mlflow.models.Model.log(
+                artifact_path=None,
+                name=name,
+                flavor=mlflow.pyfunc,
+                run_id=run_id,
+                python_model=PolicyModel(),
+                artifacts={"policy": str(Path(policy_dir).resolve())},
+                model_config=dict(config),
+                pip_requirements=_requirements(),
+                signature=SIGNATURE,
+                step=step,
+                model_id=model.model_id,
+            )
+        return info.model_id
 
 
 @contextlib.contextmanager
@@ -120,38 +144,3 @@ def _tracking_uri(uri: str) -> Iterator[None]:
             os.environ.pop("MLFLOW_TRACKING_URI", None)
         else:
             os.environ["MLFLOW_TRACKING_URI"] = before
-
-
-def _log_policy_model(
-    tracking_uri: str,
-    run_id: str,
-    policy_dir: str | os.PathLike,
-    name: str,
-    config: dict[str, Any],
-    step: int,
-) -> str:
-    c = mlflow.MlflowClient(tracking_uri)
-    run = c.get_run(run_id)
-    model = c.create_logged_model(
-        experiment_id=run.info.experiment_id,
-        name=name,
-        source_run_id=run_id,
-        params=dict(run.data.params),
-        model_type="policy",
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)  # "consider an input example" advice, per model
-        info = mlflow.models.Model.log(
-            artifact_path=None,
-            name=name,
-            flavor=mlflow.pyfunc,
-            run_id=run_id,
-            python_model=PolicyModel(),
-            artifacts={"policy": str(Path(policy_dir).resolve())},
-            model_config=dict(config),
-            pip_requirements=_requirements(),
-            signature=SIGNATURE,
-            step=step,
-            model_id=model.model_id,
-        )
-    return info.model_id

@@ -263,6 +263,21 @@ class FakeGenerator:
         return out
 
 
+def greedy_rollout() -> RolloutConfig:
+    """Greedy rollouts of at most 5 steps with a -1 format penalty (the evaluations below)."""
+    return RolloutConfig(
+        max_steps=5,
+        temperature=0.0,
+        top_p=1.0,
+        max_new_tokens=64,
+        format_penalty=-1.0,
+        min_pixels=3136,
+        max_pixels=1003520,
+        coord_mode="absolute",
+        seed=10,
+    )
+
+
 def test_eval_jobs_use_a_different_env_seed_per_episode():
     tasks = [TaskSpec("miniwob", "a"), TaskSpec("miniwob", "b")]
     jobs = eval_jobs(tasks, 3, seed=100)
@@ -284,17 +299,7 @@ def test_evaluate_policy_with_fake_pool_and_generator():
         TaskSpec("miniwob", "bad", split="out_of_domain"),
     ]
     pool, gen = FakePool(3), FakeGenerator()
-    rollout = RolloutConfig(
-        max_steps=5,
-        temperature=0.0,
-        top_p=1.0,
-        max_new_tokens=64,
-        format_penalty=-1.0,
-        min_pixels=3136,
-        max_pixels=1003520,
-        coord_mode="absolute",
-        seed=10,
-    )
+    rollout = greedy_rollout()
     res = evaluate_policy(pool, gen, tasks, 4, rollout, first_seed=10)
     assert sorted(pool.seeds) == sorted([(t, 10 + k) for t in ("good", "bad") for k in range(4)])
     assert set(gen.temperatures) == {0.0}  # greedy
@@ -333,17 +338,7 @@ def test_evaluation_reports_the_env_faults_of_its_call_under_its_prefix():
     pool = CountingPool(3)
     pool.timeouts = 5  # faults before the call are not this evaluation's
     tasks = [TaskSpec("miniwob", "good"), TaskSpec("miniwob", "other")]
-    rollout = RolloutConfig(
-        max_steps=5,
-        temperature=0.0,
-        top_p=1.0,
-        max_new_tokens=64,
-        format_penalty=-1.0,
-        min_pixels=3136,
-        max_pixels=1003520,
-        coord_mode="absolute",
-        seed=10,
-    )
+    rollout = greedy_rollout()
     m = evaluate_policy(
         pool, FakeGenerator(), tasks, 3, rollout, first_seed=10, prefix="eval/base/greedy"
     ).metrics
