@@ -82,7 +82,14 @@ def gather(
         runs.append(ArmRun(arm, seed, evaluations, history))
     baseline_run, evaluate_run = _newest(c, experiment, "baseline"), _newest(c, experiment, "evaluate")
     if baseline_run is None or evaluate_run is None:
-        raise FileNotFoundError(f"experiment {experiment!r} has no finished baseline or evaluate run")
+        missing = " and ".join(
+            n for n, r in (("baseline", baseline_run), ("evaluate", evaluate_run)) if r is None
+        )
+        raise FileNotFoundError(
+            f"experiment {experiment!r} has no finished {missing} run: the study reads the hard/control split "
+            "from baseline's rollouts and the base's episodes from evaluate's (run the pipeline through "
+            "`evaluate` once, e.g. `dvc repro` before queueing the arms, or `dvc exp run evaluate`)"
+        )
     baseline = read_trajectories(_download(c, baseline_run.info.run_id, "trajectories", tmp / "baseline"))
     base_file = _download(c, evaluate_run.info.run_id, "trajectories/base.parquet", tmp / "evaluate")
     provenance = {

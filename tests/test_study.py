@@ -123,3 +123,17 @@ def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
     assert {"arpo", "grpo", "base", "arpo_minus_grpo"} <= set(doc)
     assert (project / "study" / "replay_effect.png").exists()
     assert "ARPO - GRPO on the hard tasks" in (project / "study" / "replay_effect.md").read_text()
+
+
+def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, monkeypatch):
+    """A study needs the baseline's rollouts and the base's evaluation: the error says which run is
+    missing and how to make it (the arms queued with target `train` alone have neither evaluate run)."""
+    from flows import tracking
+    from flows.study import gather
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    c = tracking.client(tmp_path)
+    exp = tracking.ensure_experiment(c, "study", tmp_path)
+    tracking.finish_run(c, tracking.start_run(c, exp, "baseline", tags={"arpo.stage": "baseline"}), ok=True)
+    with pytest.raises(FileNotFoundError, match=r"no finished evaluate run: .*dvc exp run evaluate"):
+        gather("study", root=str(tmp_path))
