@@ -9,6 +9,7 @@ from concurrent.futures import Future
 
 import pytest
 from PIL import Image
+from rollout_configs import rollout_cfg
 
 from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvResult
@@ -265,17 +266,7 @@ class FakeGenerator:
 
 def greedy_rollout() -> RolloutConfig:
     """Greedy rollouts of at most 5 steps with a -1 format penalty (the evaluations below)."""
-    return RolloutConfig(
-        max_steps=5,
-        temperature=0.0,
-        top_p=1.0,
-        max_new_tokens=64,
-        format_penalty=-1.0,
-        min_pixels=3136,
-        max_pixels=1003520,
-        coord_mode="absolute",
-        seed=10,
-    )
+    return rollout_cfg(temperature=0.0, seed=10)
 
 
 def test_eval_jobs_use_a_different_env_seed_per_episode():

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
+from rollout_configs import rollout_cfg
 
 from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvResult
@@ -25,22 +26,6 @@ SCREEN = (160, 210)
 MODES = ["sync", "async"]
 ROOT = Path(__file__).resolve().parents[1]
 GROUNDED = ROOT / "assets" / "checkpoints" / "grounded-xs"
-
-
-def rollout_cfg(**over) -> RolloutConfig:
-    """A RolloutConfig as a stage builds it from params (train section values, the tiny policy's pixels)."""
-    base = RolloutConfig(
-        max_steps=5,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=64,
-        format_penalty=-1.0,
-        min_pixels=3136,
-        max_pixels=1003520,
-        coord_mode="absolute",
-        seed=0,
-    )
-    return replace(base, **over)
 
 
 def done_future(value) -> Future:

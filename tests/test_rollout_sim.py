@@ -13,9 +13,10 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import rollout_sim as rs  # noqa: E402
+from rollout_configs import rollout_cfg  # noqa: E402
 
 from arpo_core.envs.base import TaskSpec  # noqa: E402
-from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes  # noqa: E402
+from arpo_core.rollout import make_group_jobs, run_episodes  # noqa: E402
 
 
 class FixedPool(rs.SimPool):
@@ -40,16 +41,11 @@ class FixedCostGenerator(rs.SimGenerator):
 
 
 def cfg(mode, batch_wait_s=0.0, max_steps=5):
-    return RolloutConfig(
+    return rollout_cfg(
         max_steps=max_steps,
-        temperature=1.0,
-        top_p=1.0,
         max_new_tokens=8,
-        format_penalty=-1.0,
         min_pixels=256,
         max_pixels=2_116_800,
-        coord_mode="absolute",
-        seed=0,
         mode=mode,
         batch_wait_s=batch_wait_s,
     )
