@@ -148,7 +148,9 @@ def test_sigkilled_worker_takes_its_browser_along_and_is_replaced(backend):
         )
 
 
-def test_every_fault_is_one_warning_line_and_a_dead_worker_is_counted_at_close(caplog):
+@pytest.mark.parametrize("wait_for_death", [True, False], ids=["dead", "dying"])
+def test_every_fault_is_one_warning_line_and_a_dead_worker_is_counted_at_close(caplog, wait_for_death):
+    """`dying`: close() runs while the killed worker may still be exiting (not yet reapable by poll())."""
     import logging
 
     with caplog.at_level(logging.WARNING, logger="arpo.envs"):
@@ -156,7 +158,8 @@ def test_every_fault_is_one_warning_line_and_a_dead_worker_is_counted_at_close(c
         pool.reset([(0, task("click-test"), 0)])
         worker = pool.worker_pids()[0]
         os.kill(worker, signal.SIGKILL)  # dies between calls: only close() can notice
-        assert wait_gone([worker]) == []
+        if wait_for_death:
+            assert wait_gone([worker]) == []
         pool.close()
     assert pool.fault_counts()["worker_crashes"] == 1
     lines = [r.getMessage() for r in caplog.records if r.name == "arpo.envs"]

@@ -270,14 +270,27 @@ class ProcessWorker:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
 
-    def close(self, timeout_s: float = 10.0) -> None:
-        """Ask the env to close (quits the browser cleanly), then kill the group regardless."""
-        if self.conn is not None and self.proc is not None and self.proc.poll() is None:
-            with contextlib.suppress(Exception):
+    def close(self, timeout_s: float = 10.0) -> str | None:
+        """Ask the env to close (quits the browser cleanly), then kill the group regardless.
+
+        Returns None when the worker answered the close request, else why it did not (it had died, or the
+        request timed out): the pool counts that as a fault. Asking is the test rather than `poll()`: a
+        SIGKILLed worker whose threads are still exiting is not yet reapable, and polling would miss it.
+        """
+        err = None
+        if self.proc is not None:
+            try:
+                if self.conn is None:
+                    raise WorkerFailure("worker has no connection")
                 self.conn.send(("close", ()))
                 self._recv(timeout_s, "close")
+            except WorkerFailure as e:
+                err = str(e)
+            except Exception as e:  # the send failed: the worker's end of the socket is gone
+                err = f"worker {self.proc.pid} found dead ({type(e).__name__}: {e})"
         self.kill()
         self.proc = None
+        return err
 
 
 class EnvCallError(RuntimeError):
@@ -306,8 +319,8 @@ class _EnvHost:
         except WorkerFailure as e:
             return "fail", str(e)
 
-    def close(self) -> None:
-        self.worker.close()
+    def close(self) -> str | None:
+        return self.worker.close()
 
     def kill(self) -> None:
         self.worker.kill()
@@ -414,13 +427,18 @@ class RayWorker:
                 ray.kill(self.actor, no_restart=True)
         self.actor = None
 
-    def close(self, timeout_s: float = 10.0) -> None:
+    def close(self, timeout_s: float = 10.0) -> str | None:
+        """As ProcessWorker.close: None when the worker answered, else why not."""
         import ray
 
+        err = None
         if self.actor is not None:
-            with contextlib.suppress(Exception):
-                ray.get(self.actor.close.remote(), timeout=timeout_s)
+            try:
+                err = ray.get(self.actor.close.remote(), timeout=timeout_s)
+            except Exception as e:
+                err = f"actor close failed: {type(e).__name__}: {e}"
         self.kill()
+        return err
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -665,14 +683,18 @@ class EnvPool:
         self._closed = True
         for s in self._slots:
             s.executor.shutdown(wait=True, cancel_futures=True)
-        for s in self._slots:  # decision 7: a worker that died since its last call is a fault too
-            proc = getattr(s.worker, "proc", None)
-            if proc is not None and not s.broken and proc.poll() is not None:
-                self._fault(s, "worker_crashes", f"worker {proc.pid} found dead when the pool closed")
         closers = ThreadPoolExecutor(max_workers=max(1, self.n))
-        for f in [closers.submit(s.worker.close) for s in self._slots if s.worker is not None]:
-            with contextlib.suppress(Exception):
-                f.result()
+        jobs = [(s, closers.submit(s.worker.close)) for s in self._slots if s.worker is not None]
+        for s, f in jobs:
+            try:
+                err = f.result()
+            except Exception as e:
+                err = f"{type(e).__name__}: {e}"
+            # Decision 7: a worker that died (or hung) since its last call is a fault too; a broken slot's
+            # worker was counted when it broke.
+            if err is not None and not s.broken:
+                kind = "timeouts" if "timed out" in err else "worker_crashes"
+                self._fault(s, kind, f"found when the pool closed: {err}")
         closers.shutdown()
 
     def __enter__(self) -> EnvPool:
