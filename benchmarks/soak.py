@@ -1,22 +1,34 @@
-"""Soak (issue 18 item 8): MiniWoB rollouts over a real EnvPool while a background thread kills a random
-browser or pool worker every few seconds. Checks that no episode is lost (every job ends as a stored
-trajectory; none given up) and that every kill is counted (each kill of a live worker or browser makes
-the pool replace that worker once: kills noticed = worker_restarts, plus workers found dead at close).
+"""Soak of the whole quick pipeline (issue 18 item 8): `arpo run --preset quick` in a copy of the project
+while a background thread SIGKILLs a random env-pool worker or its browser every few seconds.
 
-The policy is a scripted generator (a click at a seeded random point, then `finished()`), so the soak
-measures the env system, not a model. Writes benchmarks/results/soak.json.
+Two runs of the same params in two fresh copies: a reference run with no kills, then the soaked run.
+Rollouts are reproducible (an episode's seed comes from the run seed, epoch, job and step, never from
+timing), so every episode the reference stored must be stored by the soaked run too, once:
+- episodes lost = reference episodes missing from the soaked run's Parquet files (keyed by file, stage,
+  epoch, task, group and sample), extra = the other way round;
+- every kill must be counted: each kill of a live worker or its browser makes the pool replace that
+  worker once (`env fault worker_restarts`) or, when no call came after the kill, the pool finds it dead
+  when it closes (`env fault worker_crashes ... found when the pool closed`). The counts are read from
+  the run's own warning lines (one per fault, pool.py decision 7), the way a user sees them.
 
-    .venv/bin/python benchmarks/soak.py --episodes 60 --envs 2 --kill-every 4
+Only pool processes are killed: env workers (their own process group, a private `arpo-envworker-` temp
+dir) and the Chromium/chromedriver processes of their group, found among the descendants of the `arpo
+run` process this script started; one kill per worker life. Writes benchmarks/results/soak.json.
+
+    .venv/bin/python benchmarks/soak.py --kill-every 5
 """
 
 from __future__ import annotations
 
 import argparse
-import functools
+import collections
 import json
 import os
 import random
+import re
+import shutil
 import signal
+import subprocess
 import sys
 import threading
 import time
@@ -25,150 +37,202 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from arpo_core.envs.base import TaskSpec  # noqa: E402
-from arpo_core.envs.miniwob import make_miniwob_env  # noqa: E402
-from arpo_core.envs.pool import EnvPool  # noqa: E402
 from arpo_core.fileio import atomic_write_json  # noqa: E402
-from arpo_core.policy.generate import Generation  # noqa: E402
-from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
-from arpo_core.trajectory import read_trajectories, write_trajectories  # noqa: E402
+from arpo_core.trajectory import read_trajectories  # noqa: E402
 
-TASKS = ("click-test", "click-button", "click-link", "focus-text")
-
-
-class ScriptedGenerator:
-    """Step 0: a click at a point drawn from the step's seed; then finished()."""
-
-    def generate(self, prompts, *, temperature, top_p, max_new_tokens, seeds=None):
-        out = []
-        for p, seed in zip(prompts, seeds, strict=True):
-            rng = random.Random(seed)
-            if p.replies:
-                text = "Thought: done\nAction: finished(content='')"
-            else:
-                text = f"Thought: try\nAction: click(start_box='({rng.randrange(160)},{50 + rng.randrange(160)})')"
-            out.append(Generation(text=text, token_ids=(), logprobs=(), finish_reason="stop"))
-        return out
+VENV_BIN = Path(sys.executable).parent
+FAULT_LINE = re.compile(r"env fault (\w+): env (\d+), task (\S+): (.*)")
 
 
-def _children(pid: int) -> list[int]:
-    out = []
+# ------------------------------------------------------------------------------------------- processes
+def _proc_table() -> dict[int, tuple[int, int, bytes]]:
+    """pid -> (ppid, pgrp, cmdline) of every live (non-zombie) process."""
+    out = {}
     for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and stat[0] != "Z":
-                out.append(int(e))
-    return out
-
-
-def _browser_pids(worker: int) -> list[int]:
-    """Chromium/chromedriver processes in the worker's process group."""
-    out = []
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                stat = Path(f"/proc/{e}/stat").read_text()
-                cmd = Path(f"/proc/{e}/cmdline").read_bytes()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == worker and int(e) != worker and b"chrom" in cmd and fields[0] != "Z":
-                out.append(int(e))
-    return out
-
-
-def killer(pool: EnvPool, stop: threading.Event, every_s: float, seed: int, log: list) -> None:
-    rng = random.Random(seed)
-    hit: set[int] = set()  # workers already killed or with a killed browser: one kill per worker life
-    while not stop.wait(every_s):
-        pids = [p for p in pool.worker_pids() if p and p not in hit]
-        if not pids:
+        if not e.isdigit():
             continue
-        worker = rng.choice(pids)
-        browsers = _browser_pids(worker)
-        what, target = ("worker", worker) if rng.random() < 0.5 or not browsers else ("browser", browsers)
         try:
-            if what == "worker":
-                os.kill(worker, signal.SIGKILL)
-            else:
-                for b in target:
-                    os.kill(b, signal.SIGKILL)
+            fields = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
+            cmd = Path(f"/proc/{e}/cmdline").read_bytes()
+        except OSError:
+            continue
+        if fields[0] != "Z":
+            out[int(e)] = (int(fields[1]), int(fields[2]), cmd)
+    return out
+
+
+def pool_targets(root: int, table: dict[int, tuple[int, int, bytes]] | None = None) -> dict[int, list[int]]:
+    """{env worker pid: its browser pids} among the descendants of `root`.
+
+    A worker leads its own process group and names its private `arpo-envworker-` temp dir on its command
+    line (pool.py ProcessWorker.start); its browsers are the chrom* processes of that group. Nothing
+    else (the Prefect server, the trainer, the worker's reaper) is ever a target.
+    """
+    table = _proc_table() if table is None else table
+    children = collections.defaultdict(list)
+    for pid, (ppid, _, _) in table.items():
+        children[ppid].append(pid)
+    desc, todo = set(), [root]
+    while todo:
+        for c in children.get(todo.pop(), []):
+            if c not in desc:
+                desc.add(c)
+                todo.append(c)
+    workers = [p for p in desc if table[p][1] == p and b"arpo-envworker-" in table[p][2]]
+    return {
+        w: sorted(p for p in desc if p != w and table[p][1] == w and b"chrom" in table[p][2]) for w in workers
+    }
+
+
+def killer(root: int, stop: threading.Event, every_s: float, seed: int, log: list) -> None:
+    """Every `every_s`: SIGKILL a random live worker, or all browser processes of one (one kill per worker)."""
+    rng = random.Random(seed)
+    hit: set[int] = set()
+    while not stop.wait(every_s):
+        targets = {w: b for w, b in pool_targets(root).items() if w not in hit}
+        if not targets:
+            continue
+        worker = rng.choice(sorted(targets))
+        browsers = targets[worker]
+        what = "worker" if rng.random() < 0.5 or not browsers else "browser"
+        try:
+            for pid in [worker] if what == "worker" else browsers:
+                os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             continue
         hit.add(worker)
-        log.append({"t": time.monotonic(), "what": what, "worker": worker})
+        log.append({"t": round(time.monotonic(), 1), "what": what, "worker": worker})
+
+
+# ------------------------------------------------------------------------------------------------ runs
+def copy_project(dst: Path) -> Path:
+    """The files git knows (tracked or not ignored) copied into `dst`: a project with no outputs."""
+    files = subprocess.run(
+        ["git", "ls-files", "-z", "--cached", "--others", "--exclude-standard"],
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+    ).stdout.split(b"\0")
+    for rel in filter(None, (f.decode() for f in files)):
+        src = ROOT / rel
+        if src.is_file():
+            (dst / rel).parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy2(src, dst / rel)
+    return dst
+
+
+def run_pipeline(project: Path, preset: str, kill_every: float | None, seed: int, timeout_s: float) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
+    env.update(
+        PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        PREFECT_HOME=str(project / ".prefect"),
+        PREFECT_SERVER_ANALYTICS_ENABLED="false",
+        MLFLOW_DISABLE_TELEMETRY="true",
+        PYTHONUNBUFFERED="1",
+    )
+    log_path = project / "soak_run.log"
+    kills: list = []
+    stop = threading.Event()
+    t0 = time.monotonic()
+    with log_path.open("w") as fh:
+        proc = subprocess.Popen(
+            [str(VENV_BIN / "arpo"), "run", "--preset", preset],
+            cwd=project,
+            env=env,
+            stdout=fh,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        th = None
+        if kill_every:
+            th = threading.Thread(target=killer, args=(proc.pid, stop, kill_every, seed, kills), daemon=True)
+            th.start()
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGINT)
+            rc = proc.wait(timeout=60)
+        finally:
+            stop.set()
+            if th is not None:
+                th.join()
+    text = log_path.read_text(errors="replace")
+    faults = [m.groups() for m in map(FAULT_LINE.search, text.splitlines()) if m]
+    return {
+        "rc": rc,
+        "wall_s": round(time.monotonic() - t0, 1),
+        "kills": kills,
+        "faults": faults,
+        "episodes": stored_episodes(project),
+        "log_tail": text[-2000:] if rc else "",
+    }
+
+
+def stored_episodes(project: Path) -> dict[tuple, str]:
+    """(file, stage, epoch, domain, task, group, sample, replayed) -> the episode's replies, for every
+    trajectory in every Parquet file the run wrote."""
+    out = {}
+    for f in sorted(project.rglob("*.parquet")):
+        rel = str(f.relative_to(project))
+        for t in read_trajectories(f):
+            key = (rel, t.stage, t.epoch, t.task_domain, t.task_id, t.group_id, t.sample_idx, t.replayed)
+            out[key] = "\n".join(s.response_text for s in t.steps)
+    return out
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--episodes", type=int, default=60)
-    ap.add_argument("--envs", type=int, default=2)
-    ap.add_argument("--kill-every", type=float, default=4.0)
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="quick")
+    ap.add_argument("--kill-every", type=float, default=5.0)
     ap.add_argument("--seed", type=int, default=18)
+    ap.add_argument("--timeout", type=float, default=3600)
+    ap.add_argument("--workdir", default="/tmp/arpo-soak")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "soak.json"))
-    ap.add_argument("--trajectories", default="/tmp/arpo-soak/soak.parquet")
     a = ap.parse_args()
 
-    jobs = [
-        EpisodeJob(TaskSpec("miniwob", TASKS[i % len(TASKS)]), seed=i, group_id=i, sample_idx=0)
-        for i in range(a.episodes)
-    ]
-    cfg = RolloutConfig(
-        max_steps=3,
-        temperature=1.0,
-        top_p=1.0,
-        max_new_tokens=64,
-        format_penalty=-1.0,
-        min_pixels=3136,
-        max_pixels=160 * 210,
-        coord_mode="absolute",
-        seed=a.seed,
-        env_retries=10,  # a job may be hit by several kills in a row; giving up would lose it
+    work = Path(a.workdir)
+    shutil.rmtree(work, ignore_errors=True)
+    ref = run_pipeline(copy_project(work / "reference"), a.preset, None, a.seed, a.timeout)
+    soak = run_pipeline(copy_project(work / "soaked"), a.preset, a.kill_every, a.seed, a.timeout)
+
+    kinds = collections.Counter(f[0] for f in soak["faults"])
+    closed_dead = sum(
+        f[0] == "worker_crashes" and "found when the pool closed" in f[3] for f in soak["faults"]
     )
-    t0 = time.monotonic()
-    kills: list = []
-    stop = threading.Event()
-    pool = EnvPool(functools.partial(make_miniwob_env, episode_time_limit_s=60), a.envs, reset_retries=8)
-    try:
-        th = threading.Thread(target=killer, args=(pool, stop, a.kill_every, a.seed, kills), daemon=True)
-        th.start()
-        res = run_episodes(pool, ScriptedGenerator(), jobs, cfg, run_id="soak", stage="soak")
-        stop.set()
-        th.join()
-        before_close = pool.fault_counts()
-    finally:
-        stop.set()
-        pool.close()
-    counts = pool.fault_counts()
-    dead_at_close = counts["worker_crashes"] - before_close["worker_crashes"]
-    write_trajectories(a.trajectories, res.trajectories)
-    stored = read_trajectories(a.trajectories)
-    keys = {(t.group_id, t.task_id) for t in stored}
+    noticed = kinds["worker_restarts"] + closed_dead
+    ref_keys, soak_keys = set(ref["episodes"]), set(soak["episodes"])
+    same = sum(ref["episodes"][k] == soak["episodes"][k] for k in ref_keys & soak_keys)
+    per_file = collections.Counter(k[0] for k in ref_keys)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
     doc = {
+        "benchmark": "soak of the whole pipeline (arpo run --preset quick)",
         "command": "python benchmarks/soak.py " + " ".join(sys.argv[1:]),
+        "commit": commit.stdout.strip(),
         "date": time.strftime("%Y-%m-%d %H:%M:%S"),
-        "wall_s": round(time.monotonic() - t0, 1),
-        "envs": a.envs,
+        "machine": f"{os.cpu_count()} cores",
         "kill_every_s": a.kill_every,
-        "kills": len(kills),
-        "kills_by_kind": {k: sum(x["what"] == k for x in kills) for k in ("worker", "browser")},
-        "faults_counted": counts,
-        "worker_replacements_counted": counts["worker_restarts"],
-        "rollout_env_faults": res.metrics["rollout/env_faults"],
-        "episodes_expected": len(jobs),
-        "episodes_stored": len(stored),
-        "distinct_jobs_stored": len(keys),
-        "jobs_given_up": len(res.failed),
-        "episodes_lost": len(jobs) - len(keys) - len(res.failed),
-        "workers_found_dead_at_close": dead_at_close,
-        "kills_noticed": counts["worker_restarts"] + dead_at_close,
-        "kills_equal_kills_noticed": len(kills) == counts["worker_restarts"] + dead_at_close,
+        "reference_run": {"rc": ref["rc"], "wall_s": ref["wall_s"], "faults": len(ref["faults"])},
+        "soaked_run": {"rc": soak["rc"], "wall_s": soak["wall_s"]},
+        "kills": len(soak["kills"]),
+        "kills_by_kind": dict(collections.Counter(k["what"] for k in soak["kills"])),
+        "faults_counted": dict(kinds),
+        "fault_lines_by_task": dict(collections.Counter(f[2] for f in soak["faults"])),
+        "workers_found_dead_at_close": closed_dead,
+        "kills_noticed": noticed,
+        "kills_equal_kills_noticed": noticed == len(soak["kills"]),
+        "episodes_expected": len(ref_keys),
+        "episodes_expected_by_file": dict(sorted(per_file.items())),
+        "episodes_stored": len(soak_keys),
+        "episodes_lost": len(ref_keys - soak_keys),
+        "episodes_extra": len(soak_keys - ref_keys),
+        "episodes_identical_to_reference": same,
+        "lost_examples": [list(k) for k in sorted(ref_keys - soak_keys)[:5]],
     }
+    if ref["rc"] or soak["rc"]:
+        doc["log_tails"] = {"reference": ref["log_tail"], "soaked": soak["log_tail"]}
     atomic_write_json(a.out, doc, indent=1)
     print(json.dumps(doc, indent=1))
+    sys.exit(0 if not (ref["rc"] or soak["rc"]) else 1)
 
 
 if __name__ == "__main__":

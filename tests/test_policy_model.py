@@ -103,12 +103,19 @@ def test_build_is_deterministic_in_seed(tmp_path):
 
 
 def test_loads_stock_uitars_layout(built, tmp_path):
-    """A checkpoint laid out like UI-TARS-1.5-7B (preprocessor_config.json with min/max_pixels and the
-    stock Qwen2_5_VLProcessor class, no processor_config.json) loads with our processor."""
+    """A checkpoint laid out like UI-TARS-1.5-7B on the Hub (weights in several safetensors shards with
+    their index, preprocessor_config.json with min/max_pixels and the stock Qwen2_5_VLProcessor class, no
+    processor_config.json) loads with our processor, every weight intact."""
     policy, path = built
     stock = tmp_path / "stock"
     shutil.copytree(path, stock)
     (stock / "processor_config.json").unlink()
+    (stock / "model.safetensors").unlink()
+    policy.model.save_pretrained(stock, max_shard_size="1MB")  # the 7B's 4 shards, at this model's scale
+    shards = sorted(p.name for p in stock.glob("model-*-of-*.safetensors"))
+    index = json.loads((stock / "model.safetensors.index.json").read_text())
+    assert len(shards) >= 2 and set(index["weight_map"].values()) == set(shards)
+    assert not (stock / "model.safetensors").exists()
     (stock / "preprocessor_config.json").write_text(
         json.dumps(
             {
@@ -130,7 +137,8 @@ def test_loads_stock_uitars_layout(built, tmp_path):
     grid = loaded.image_processor(images=[big], return_tensors="pt")["image_grid_thw"]
     assert grid.tolist() == [[1, 1092 // 14, 1932 // 14]]  # docs/method.md §2: 1932x1092, 2,691 tokens
     assert int(grid.prod()) // 4 == 2691
-    assert torch.equal(loaded.model.lm_head.weight, policy.model.lm_head.weight)
+    want, got = policy.model.state_dict(), loaded.model.state_dict()
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
     smaller = load_policy(stock, max_pixels=28 * 28 * 100)  # override wins over the stored max_pixels
     assert (smaller.min_pixels, smaller.max_pixels) == (3136, 78400)
     assert int(smaller.image_processor(images=[big], return_tensors="pt")["image_grid_thw"].prod()) <= 400
