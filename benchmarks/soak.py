@@ -6,10 +6,10 @@ Rollouts are reproducible (an episode's seed comes from the run seed, epoch, job
 timing), so every episode the reference stored must be stored by the soaked run too, once:
 - episodes lost = reference episodes missing from the soaked run's Parquet files (keyed by file, stage,
   epoch, task, group and sample), extra = the other way round;
-- every kill must be counted: each kill of a live worker or its browser makes the pool replace that
-  worker once (`env fault worker_restarts`) or, when no call came after the kill, the pool finds it dead
-  when it closes (`env fault worker_crashes ... found when the pool closed`). The counts are read from
-  the run's own warning lines (one per fault, pool.py decision 7), the way a user sees them.
+- every kill must be counted: at least one of the run's own warning lines (one per fault, pool.py
+  decision 7; the way a user sees them) names the killed worker: a killed worker is found by its next
+  call, a failed start or the pool's close, and replaced; a killed browser is found by the next step
+  (fatal), by the reset that replaces it, or by the env when the pool closes it.
 
 Only pool processes are killed: env workers (their own process group, a private `arpo-envworker-` temp
 dir) and the Chromium/chromedriver processes of their group, found among the descendants of the `arpo
@@ -41,7 +41,10 @@ from arpo_core.fileio import atomic_write_json  # noqa: E402
 from arpo_core.trajectory import read_trajectories  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent
-FAULT_LINE = re.compile(r"env fault (\w+): env (\d+), task (\S+): (.*)")
+FAULT_LINE = re.compile(
+    r"(?:(\d\d:\d\d:\d\d\.\d{3}) .*?)?env fault (\w+): env (\d+), task (\S+), worker (\S+): (.*)"
+)
+"""A pool fault line (pool.py decision 7) in the run log: time, kind, env, task, worker pid, message."""
 
 
 # ------------------------------------------------------------------------------------------- processes
@@ -61,6 +64,13 @@ def _proc_table() -> dict[int, tuple[int, int, bytes]]:
     return out
 
 
+def _is_worker(cmdline: bytes) -> bool:
+    """`python -c <boot> FD PARENT_PID TMPDIR` (pool.py ProcessWorker.start). Not a Chromium process that
+    leads a group of its own (its zygote) and names the worker's temp dir in its profile path."""
+    args = cmdline.split(b"\0")
+    return len(args) >= 5 and args[1] == b"-c" and b"/arpo-envworker-" in args[-1] + args[-2]
+
+
 def pool_targets(root: int, table: dict[int, tuple[int, int, bytes]] | None = None) -> dict[int, list[int]]:
     """{env worker pid: its browser pids} among the descendants of `root`.
 
@@ -78,7 +88,7 @@ def pool_targets(root: int, table: dict[int, tuple[int, int, bytes]] | None = No
             if c not in desc:
                 desc.add(c)
                 todo.append(c)
-    workers = [p for p in desc if table[p][1] == p and b"arpo-envworker-" in table[p][2]]
+    workers = [p for p in desc if table[p][1] == p and _is_worker(table[p][2])]
     return {
         w: sorted(p for p in desc if p != w and table[p][1] == w and b"chrom" in table[p][2]) for w in workers
     }
@@ -101,7 +111,9 @@ def killer(root: int, stop: threading.Event, every_s: float, seed: int, log: lis
         except ProcessLookupError:
             continue
         hit.add(worker)
-        log.append({"t": round(time.monotonic(), 1), "what": what, "worker": worker})
+        now = time.time()
+        at = time.strftime("%H:%M:%S", time.localtime(now)) + f".{int(now % 1 * 1000):03d}"
+        log.append({"at": at, "what": what, "worker": worker})
 
 
 # ------------------------------------------------------------------------------------------------ runs
@@ -170,10 +182,13 @@ def run_pipeline(project: Path, preset: str, kill_every: float | None, seed: int
 
 def stored_episodes(project: Path) -> dict[tuple, str]:
     """(file, stage, epoch, domain, task, group, sample, replayed) -> the episode's replies, for every
-    trajectory in every Parquet file the run wrote."""
+    trajectory in every Parquet file the run wrote (outside MLflow's artifact store, which holds copies)."""
     out = {}
     for f in sorted(project.rglob("*.parquet")):
-        rel = str(f.relative_to(project))
+        # Replay items files are named by a hash that includes the run's id: compare them by folder.
+        rel = re.sub(r"items-[0-9a-f]+\.parquet$", "items-*.parquet", str(f.relative_to(project)))
+        if rel.startswith("mlruns/"):  # MLflow's copies of the same files, under per-run ids
+            continue
         for t in read_trajectories(f):
             key = (rel, t.stage, t.epoch, t.task_domain, t.task_id, t.group_id, t.sample_idx, t.replayed)
             out[key] = "\n".join(s.response_text for s in t.steps)
@@ -195,11 +210,14 @@ def main() -> None:
     ref = run_pipeline(copy_project(work / "reference"), a.preset, None, a.seed, a.timeout)
     soak = run_pipeline(copy_project(work / "soaked"), a.preset, a.kill_every, a.seed, a.timeout)
 
-    kinds = collections.Counter(f[0] for f in soak["faults"])
-    closed_dead = sum(
-        f[0] == "worker_crashes" and "found when the pool closed" in f[3] for f in soak["faults"]
-    )
-    noticed = kinds["worker_restarts"] + closed_dead
+    faults = soak["faults"]
+    kinds = collections.Counter(f[1] for f in faults)
+    closed_dead = sum(f[1] == "worker_crashes" and "found when the pool closed" in f[5] for f in faults)
+    # A kill is noticed when a fault line names the killed worker: its replacement, or its death found by a
+    # call, a failed start or the pool's close.
+    named = {f[4] for f in faults}
+    unnoticed = [k for k in soak["kills"] if str(k["worker"]) not in named]
+    noticed = len(soak["kills"]) - len(unnoticed)
     ref_keys, soak_keys = set(ref["episodes"]), set(soak["episodes"])
     same = sum(ref["episodes"][k] == soak["episodes"][k] for k in ref_keys & soak_keys)
     per_file = collections.Counter(k[0] for k in ref_keys)
@@ -216,10 +234,12 @@ def main() -> None:
         "kills": len(soak["kills"]),
         "kills_by_kind": dict(collections.Counter(k["what"] for k in soak["kills"])),
         "faults_counted": dict(kinds),
-        "fault_lines_by_task": dict(collections.Counter(f[2] for f in soak["faults"])),
+        "fault_lines_by_task": dict(collections.Counter(f[3] for f in faults)),
         "workers_found_dead_at_close": closed_dead,
         "kills_noticed": noticed,
-        "kills_equal_kills_noticed": noticed == len(soak["kills"]),
+        "kills_equal_kills_noticed": not unnoticed,
+        "kills_unnoticed": unnoticed,
+        "kill_log": soak["kills"],
         "episodes_expected": len(ref_keys),
         "episodes_expected_by_file": dict(sorted(per_file.items())),
         "episodes_stored": len(soak_keys),

@@ -148,6 +148,34 @@ def test_sigkilled_worker_takes_its_browser_along_and_is_replaced(backend):
         )
 
 
+@pytest.mark.parametrize("when", ["before_reset", "before_close"])
+def test_a_browser_killed_between_calls_is_counted_once(backend, when, caplog):
+    """The env replaces a browser that died before a reset by itself, and finds one that died after the
+    last call when it closes: both are one `browser_crashes` fault (issue 18), in the same warning line."""
+    import logging
+
+    with caplog.at_level(logging.WARNING, logger="arpo.envs"):
+        pool = make_pool(FACTORY, 1, backend=backend)
+        try:
+            pool.reset([(0, task("click-test"), 0)])
+            worker = pool.worker_pids()[0]
+            browser, _ = env_processes(pool, 0)
+            for p in browser:
+                os.kill(p, signal.SIGKILL)
+            assert wait_gone(browser) == []
+            if when == "before_reset":
+                again = pool.reset([(0, task("click-test"), 1)])[0]
+                assert again.error is None and again.observation.instruction == "Click the button."
+                assert pool.worker_pids()[0] == worker  # the env healed itself: no worker replaced
+                assert env_processes(pool, 0)[0]  # a new browser
+        finally:
+            pool.close()
+    faults = pool.fault_counts()
+    assert (faults["browser_crashes"], sum(faults.values())) == (1, 1), faults
+    lines = [r.getMessage() for r in caplog.records if r.name == "arpo.envs"]
+    assert len(lines) == 1 and "browser_crashes" in lines[0] and f"worker {worker}" in lines[0], lines
+
+
 @pytest.mark.parametrize("wait_for_death", [True, False], ids=["dead", "dying"])
 def test_every_fault_is_one_warning_line_and_a_dead_worker_is_counted_at_close(caplog, wait_for_death):
     """`dying`: close() runs while the killed worker may still be exiting (not yet reapable by poll())."""

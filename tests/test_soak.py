@@ -10,20 +10,25 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import soak  # noqa: E402
 
-W = b"python\0-c\0boot\0011\0100\0/tmp/arpo-envworker-abc\0"
+W = b"python\0-c\0boot\011\0100\0/tmp/arpo-envworker-abc\0"  # python -c BOOT FD PPID TMPDIR
 
 
 def table() -> dict[int, tuple[int, int, bytes]]:
     """pid -> (ppid, pgrp, cmdline): an `arpo run` (100) with a Prefect server, a trainer, two env workers
-    (their reapers, chromedriver and Chromium), and an env worker of another run (900)."""
+    (their reapers, which lead groups of their own to outlive a group kill; chromedriver; Chromium), and an env worker of another run (900)."""
     return {
         100: (1, 100, b"arpo\0run\0"),
         101: (100, 100, b"python\0-m\0uvicorn\0prefect.server.api.server:app\0"),
         102: (100, 100, b"python\0train\0"),
         200: (102, 200, W),
-        201: (200, 200, b"python\0-S\0-c\0reaper\0200\0200\0/tmp/arpo-envworker-abc\0"),
+        201: (200, 201, b"python\0-S\0-c\0reaper\0200\0200\0/tmp/arpo-envworker-abc\0"),
         202: (200, 200, b"/usr/bin/chromedriver\0--port=1\0"),
         203: (202, 200, b"/usr/lib/chromium/chromium\0--user-data-dir=/tmp/arpo-envworker-abc/p\0"),
+        204: (
+            203,
+            204,
+            b"/usr/lib/chromium/chromium\0--type=zygote\0--user-data-dir=/tmp/arpo-envworker-abc/p\0",
+        ),
         300: (102, 300, W.replace(b"abc", b"def")),
         900: (1, 900, W.replace(b"abc", b"zzz")),
         901: (900, 900, b"/usr/lib/chromium/chromium\0"),
@@ -49,12 +54,15 @@ def test_fault_lines_parse_the_pools_own_warning_lines(caplog):
     pool._slots[0].task = ("miniwob", "click-test")
     with caplog.at_level(logging.WARNING, logger="arpo.envs"):
         pool._fault(pool._slots[0], "worker_crashes", "found when the pool closed: worker 7 found dead")
+    pid = str(pool._slots[0].worker.pid)  # the worker whose start failed (its process had started)
     pool.close()
     lines = [
         r.getMessage() for r in caplog.records if r.name == "arpo.envs" and "click-test" in r.getMessage()
     ]
     assert len(lines) == 1, lines
     line = lines[0]
-    kind, env, task, msg = soak.FAULT_LINE.search(f"12:00:01 WARNING {line}").groups()
-    assert (kind, env, task) == ("worker_crashes", "0", "miniwob/click-test")
+    at, kind, env, task, pid, msg = soak.FAULT_LINE.search(
+        f"bar 1/6 [00:03]12:00:01.250 | WARNING | {line}"
+    ).groups()
+    assert (at, kind, env, task, pid) == ("12:00:01.250", "worker_crashes", "0", "miniwob/click-test", pid)
     assert msg.startswith("found when the pool closed")

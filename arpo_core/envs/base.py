@@ -64,6 +64,9 @@ class Observation:
     """The task instruction (MiniWoB: this episode's utterance)."""
     screen_size: tuple[int, int]
     """(width, height) of the screen in pixels; actions are given in this frame."""
+    faults: tuple[str, ...] = ()
+    """Env faults the env recovered from on its own while producing this observation (e.g. a dead
+    browser replaced during a reset): the pool counts each one (pool.py decision 7)."""
 
 
 @dataclass
@@ -94,8 +97,9 @@ class GuiEnv(Protocol):
         """Task success in [0, 1]; called once after the episode ends."""
         ...
 
-    def close(self) -> None:
-        """Release the browser / desktop; idempotent."""
+    def close(self) -> str | None:
+        """Release the browser / desktop; idempotent. Returns a note when a fault is found while closing
+        (e.g. the browser had died since the last call), which the pool counts; else None."""
         ...
 
 

@@ -266,6 +266,13 @@ class ChromiumInstance(SeleniumInstance):
         proc = getattr(getattr(driver, "service", None), "process", None)
         return proc.pid if proc is not None else None
 
+    def alive(self) -> bool:
+        """chromedriver and at least one Chromium process below it are running (not zombies)."""
+        pid = self.driver_pid()
+        if not pid or not _running(pid):
+            return False
+        return any(_running(p) for p in _descendants(pid) if p != pid)
+
     def close(self) -> None:
         """Quit the driver, kill any leftover of its process tree, remove the profile dir."""
         pid = self.driver_pid()
@@ -281,6 +288,14 @@ class ChromiumInstance(SeleniumInstance):
             shutil.rmtree(self.user_data_dir, ignore_errors=True)
             self.user_data_dir = None
         self.died = True
+
+
+def _running(pid: int) -> bool:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
 
 
 def _descendants(pid: int) -> list[int]:
@@ -372,19 +387,25 @@ class MiniWoBEnv:
         self.instance = self._start(subdomain)
 
     def reset(self, task: TaskSpec, seed: int | None = None) -> Observation:
-        """Start an episode of `task`; a dead browser is replaced once before giving up."""
+        """Start an episode of `task`; a dead browser is replaced once before giving up, and reported in
+        the observation's `faults` (the pool counts it)."""
         if task.backend != "miniwob":
             raise ValueError(f"MiniWoBEnv cannot run backend {task.backend!r}")
+        faults: list[str] = []
         for attempt in range(2):
             try:
                 if self.instance is None or self.instance.died:
                     self._restart(task.task_id)
                 else:
                     self.instance.load_task(task.task_id)
-                return self._begin(task, seed)
-            except BROWSER_ERRORS:
+                obs = self._begin(task, seed)
+                obs.faults = tuple(faults)
+                return obs
+            except BROWSER_ERRORS as e:
                 if attempt == 1:
                     raise
+                first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
+                faults.append(f"browser failed during reset ({type(e).__name__}: {first}); replaced")
                 self._restart(task.task_id)
         raise AssertionError("unreachable")
 
@@ -408,10 +429,16 @@ class MiniWoBEnv:
         self._t0 = time.monotonic()
         return self._observe()
 
-    def close(self) -> None:
+    def close(self) -> str | None:
+        """Quit the browser. Returns a note when it had died since the last call (a fault the pool
+        counts: nothing else would notice a browser killed after the last step)."""
+        note = None
         if self.instance is not None:
+            if not self.instance.died and not self.instance.alive():
+                note = "browser found dead when the env closed"
             self.instance.close()
             self.instance = None
+        return note
 
     def browser_pids(self) -> list[int]:
         """chromedriver and the Chromium processes below it (for tests and crash handling)."""

@@ -70,7 +70,8 @@ FAULT_KINDS = (
 )
 """Decision 7: worker_restarts (a worker replaced after a fault), worker_crashes (a worker died or could
 not start), timeouts (a call past its limit), browser_crashes (a step reported a fatal env fault, e.g. a
-dead browser), env_errors (the env raised or a step reported an error), reset_retries (a reset tried
+dead browser; or the env replaced a dead browser during a reset, or found it dead when closing),
+env_errors (the env raised or a step reported an error), reset_retries (a reset tried
 again), reset_failures (a reset given up after all its tries)."""
 log = logging.getLogger("arpo.envs")
 _WORKER_BOOT = (
@@ -165,9 +166,9 @@ def worker_main(fd: int, parent_pid: int, tmpdir: str = "") -> None:
             except (EOFError, OSError):
                 break
             if method == "close":
-                env.close()
+                note = env.close()
                 env = None
-                conn.send(("ok", None))
+                conn.send(("ok", note if isinstance(note, str) else None))
                 break
             try:
                 result = getattr(env, method)(*args)
@@ -270,27 +271,30 @@ class ProcessWorker:
             shutil.rmtree(self.tmpdir, ignore_errors=True)
             self.tmpdir = None
 
-    def close(self, timeout_s: float = 10.0) -> str | None:
+    def close(self, timeout_s: float = 10.0) -> tuple[str, str] | None:
         """Ask the env to close (quits the browser cleanly), then kill the group regardless.
 
-        Returns None when the worker answered the close request, else why it did not (it had died, or the
-        request timed out): the pool counts that as a fault. Asking is the test rather than `poll()`: a
+        Returns None when the worker answered the close request and its env found nothing wrong, else
+        (fault kind, message): the worker had died or did not answer in time, or the env found its
+        browser dead. The pool counts that as a fault. Asking is the test rather than `poll()`: a
         SIGKILLed worker whose threads are still exiting is not yet reapable, and polling would miss it.
         """
-        err = None
+        fault = None
         if self.proc is not None:
             try:
                 if self.conn is None:
                     raise WorkerFailure("worker has no connection")
                 self.conn.send(("close", ()))
-                self._recv(timeout_s, "close")
+                note = self._recv(timeout_s, "close")
+                if note:
+                    fault = ("browser_crashes", str(note))
             except WorkerFailure as e:
-                err = str(e)
+                fault = ("timeouts" if "timed out" in str(e) else "worker_crashes", str(e))
             except Exception as e:  # the send failed: the worker's end of the socket is gone
-                err = f"worker {self.proc.pid} found dead ({type(e).__name__}: {e})"
+                fault = ("worker_crashes", f"worker {self.proc.pid} found dead ({type(e).__name__}: {e})")
         self.kill()
         self.proc = None
-        return err
+        return fault
 
 
 class EnvCallError(RuntimeError):
@@ -319,7 +323,7 @@ class _EnvHost:
         except WorkerFailure as e:
             return "fail", str(e)
 
-    def close(self) -> str | None:
+    def close(self) -> tuple[str, str] | None:
         return self.worker.close()
 
     def kill(self) -> None:
@@ -427,18 +431,18 @@ class RayWorker:
                 ray.kill(self.actor, no_restart=True)
         self.actor = None
 
-    def close(self, timeout_s: float = 10.0) -> str | None:
-        """As ProcessWorker.close: None when the worker answered, else why not."""
+    def close(self, timeout_s: float = 10.0) -> tuple[str, str] | None:
+        """As ProcessWorker.close: None when all was well, else (fault kind, message)."""
         import ray
 
-        err = None
+        fault = None
         if self.actor is not None:
             try:
-                err = ray.get(self.actor.close.remote(), timeout=timeout_s)
+                fault = ray.get(self.actor.close.remote(), timeout=timeout_s)
             except Exception as e:
-                err = f"actor close failed: {type(e).__name__}: {e}"
+                fault = ("worker_crashes", f"actor close failed: {type(e).__name__}: {e}")
         self.kill()
-        return err
+        return fault
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -517,8 +521,11 @@ class EnvPool:
             return RayWorker(self.env_factory, self.start_timeout_s, self.ray_resources)
         return ProcessWorker(self.env_factory, self.start_timeout_s)
 
-    def _fault(self, slot: _Slot, kind: str, message: str) -> None:
-        """Decision 7: count one fault of `kind` for the pool and the slot's task; one warning line."""
+    def _fault(self, slot: _Slot, kind: str, message: str, worker_pid: int | None = None) -> None:
+        """Decision 7: count one fault of `kind` for the pool and the slot's task; one warning line, naming
+        the worker process it concerns (`worker_pid`, default the slot's current worker)."""
+        if worker_pid is None and slot.worker is not None:
+            worker_pid = slot.worker.pid
         with self._fault_lock:
             self._faults[kind] += 1
             if slot.task is not None:
@@ -526,7 +533,7 @@ class EnvPool:
                 per[kind] += 1
         task = "/".join(slot.task) if slot.task else "-"
         first = message.strip().splitlines()[0][:300] if message.strip() else ""
-        log.warning("env fault %s: env %d, task %s: %s", kind, slot.idx, task, first)
+        log.warning("env fault %s: env %d, task %s, worker %s: %s", kind, slot.idx, task, worker_pid, first)
 
     def fault_counts(self) -> dict[str, int]:
         """Decision 7: faults of each kind so far (all of `FAULT_KINDS`)."""
@@ -540,14 +547,15 @@ class EnvPool:
 
     def _restart(self, slot: _Slot) -> str | None:
         """Kill the slot's worker (whole group) and start a fresh one; returns an error or None."""
+        old_pid = None
         if slot.worker is not None:
+            old_pid = slot.worker.pid
             slot.worker.kill()
         slot.worker = self._new_worker()
         slot.restarts += 1
-        if slot.restarts > 0:
-            self._fault(
-                slot, "worker_restarts", f"worker replaced (restart {slot.restarts} of env {slot.idx})"
-            )
+        if slot.restarts > 0:  # the line names the worker replaced, not its successor (not started yet)
+            msg = f"worker replaced (restart {slot.restarts} of env {slot.idx})"
+            self._fault(slot, "worker_restarts", msg, worker_pid=old_pid)
         try:
             slot.worker.start()
         except WorkerFailure as e:
@@ -581,6 +589,8 @@ class EnvPool:
         for attempt in range(self.reset_retries):
             obs, err = self._call(slot, "reset", (task, seed), self.reset_timeout_s)
             if err is None:
+                for note in getattr(obs, "faults", ()):  # faults the env recovered from by itself
+                    self._fault(slot, "browser_crashes", f"reset: {note}")
                 return EnvResult(slot.idx, observation=obs, elapsed_s=time.monotonic() - t0)
             errors.append(err)
             slot.broken = True
@@ -684,17 +694,18 @@ class EnvPool:
         for s in self._slots:
             s.executor.shutdown(wait=True, cancel_futures=True)
         closers = ThreadPoolExecutor(max_workers=max(1, self.n))
-        jobs = [(s, closers.submit(s.worker.close)) for s in self._slots if s.worker is not None]
-        for s, f in jobs:
+        jobs = [
+            (s, s.worker.pid, closers.submit(s.worker.close)) for s in self._slots if s.worker is not None
+        ]
+        for s, pid, f in jobs:
             try:
-                err = f.result()
+                fault = f.result()
             except Exception as e:
-                err = f"{type(e).__name__}: {e}"
-            # Decision 7: a worker that died (or hung) since its last call is a fault too; a broken slot's
-            # worker was counted when it broke.
-            if err is not None and not s.broken:
-                kind = "timeouts" if "timed out" in err else "worker_crashes"
-                self._fault(s, kind, f"found when the pool closed: {err}")
+                fault = ("worker_crashes", f"{type(e).__name__}: {e}")
+            # Decision 7: a worker (or browser) that died or hung since its last call is a fault too; a
+            # broken slot's worker was counted when it broke.
+            if fault is not None and not s.broken:
+                self._fault(s, fault[0], f"found when the pool closed: {fault[1]}", worker_pid=pid)
         closers.shutdown()
 
     def __enter__(self) -> EnvPool:
