@@ -37,6 +37,11 @@ Decisions:
    the misses against the limit (8) instead failed 57 of the default 840 episodes with up to 6 misses,
    against 5 without misses: the long tasks' recovery demos with many misses were dropped, and with
    them deep-history contexts of the tasks that need them most.
+8. A demo hit by an env fault (a reset, call, step or evaluation that failed: a crashed browser or
+   worker) is played again from the start, up to `ENV_RETRIES` times, with the same seed and the same
+   misses, so it is the demo an undisturbed run records (the soak, benchmarks/soak.py, found demos lost
+   to kills). A demo that fails by itself (the oracle's reply does not parse, a miss ended the episode)
+   is not played again.
 """
 
 from __future__ import annotations
@@ -50,11 +55,14 @@ from concurrent.futures import ThreadPoolExecutor
 from arpo_core.actions import ActionParseError, parse_response, smart_resize, to_screen
 from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, miss_step, render_reply
 from arpo_core.envs.pool import EnvPool
-from arpo_core.rollout import EpisodeJob
+from arpo_core.rollout import EpisodeJob, RolloutConfig
 from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
-__all__ = ["DemoResult", "miss_rng", "planned_misses", "play_oracle_episodes"]
+__all__ = ["ENV_RETRIES", "DemoResult", "miss_rng", "planned_misses", "play_oracle_episodes"]
+
+ENV_RETRIES = RolloutConfig.env_retries
+"""Decision 8: plays of a demo hit by an env fault before it is given up (the rollouts' default)."""
 
 
 @dataclasses.dataclass
@@ -82,6 +90,10 @@ def planned_misses(rng: random.Random, recovery_rate: float, max_misses: int) ->
     return rng.randint(1, max_misses)
 
 
+class _EnvFault(Exception):
+    """An env call failed while planning a miss (decision 8)."""
+
+
 def _miss_reply(
     pool: EnvPool,
     env_idx: int,
@@ -92,9 +104,12 @@ def _miss_reply(
     min_pixels: int | None,
     max_pixels: int | None,
 ) -> str | None:
-    """A deliberate miss for the env's current state in model-image pixels, or None (decision 6)."""
+    """A deliberate miss for the env's current state in model-image pixels, or None (decision 6).
+    Raises _EnvFault when the env could not give its DOM (decision 8: the demo is played again)."""
     dom = pool.submit_call(env_idx, "dom_elements").result()
-    if dom.error or not dom.value:
+    if dom.error:
+        raise _EnvFault(f"{job.task.task_id} seed {job.seed}: dom_elements: {dom.error}")
+    if not dom.value:
         return None
     step = miss_step(job.task.task_id, utterance, dom.value, rng)
     if step is None:
@@ -112,30 +127,36 @@ def _play(
     misses: int,
     rng: random.Random,
 ):
+    """One oracle episode: (trajectory, None), or (None, error, env_fault) - env_fault True when the env
+    failed (the episode may be played again), False when the episode itself failed."""
     res = pool.submit_reset(env_idx, job.task, job.seed).result()
     if res.error or res.observation is None:
-        return None, f"{job.task.task_id} seed {job.seed}: reset: {res.error}"
+        return None, f"{job.task.task_id} seed {job.seed}: reset: {res.error}", True
     obs = res.observation
     instruction = obs.instruction or job.task.instruction
     steps: list[Step] = []
     for k in range(max_steps + misses):  # decision 7
         text = None
         if k < misses:  # decision 4: misses first, while the page offers empty space
-            text = _miss_reply(
-                pool, env_idx, job, obs.instruction, obs.screen_size, rng, min_pixels, max_pixels
-            )
+            try:
+                text = _miss_reply(
+                    pool, env_idx, job, obs.instruction, obs.screen_size, rng, min_pixels, max_pixels
+                )
+            except _EnvFault as e:
+                return None, str(e), True
             if text is None:
                 misses = k
         is_miss = text is not None
         if text is None:
             reply = pool.submit_call(env_idx, "oracle_reply", min_pixels, max_pixels).result()
             if reply.error or not reply.value:
-                return None, f"{job.task.task_id} seed {job.seed}: no oracle reply ({reply.error})"
+                msg = f"{job.task.task_id} seed {job.seed}: no oracle reply ({reply.error})"
+                return None, msg, bool(reply.error)
             text = reply.value
         try:
             parsed = parse_response(text)
         except ActionParseError as e:
-            return None, f"{job.task.task_id}: oracle reply does not parse: {e}"
+            return None, f"{job.task.task_id}: oracle reply does not parse: {e}", False
         w, h = obs.screen_size
         mh, mw = smart_resize(
             h, w, min_pixels=min_pixels or MODEL_MIN_PIXELS, max_pixels=max_pixels or MODEL_MAX_PIXELS
@@ -153,16 +174,17 @@ def _play(
         steps.append(step)
         out = pool.submit_step(env_idx, actions).result()
         if out.error:
-            return None, f"{job.task.task_id} seed {job.seed}: step: {out.error}"
+            return None, f"{job.task.task_id} seed {job.seed}: step: {out.error}", True
         if out.done:
             if is_miss:
-                return None, f"{job.task.task_id} seed {job.seed}: the miss at step {k} ended the episode"
+                msg = f"{job.task.task_id} seed {job.seed}: the miss at step {k} ended the episode"
+                return None, msg, False
             step.done = True
             break
         obs = out.observation
     score = pool.submit_evaluate(env_idx).result()
     if score.error:
-        return None, f"{job.task.task_id} seed {job.seed}: evaluate: {score.error}"
+        return None, f"{job.task.task_id} seed {job.seed}: evaluate: {score.error}", True
     traj = Trajectory(
         run_id="demos",
         stage="demos",
@@ -176,7 +198,7 @@ def _play(
         success=float(score.score or 0.0),
         reward=float(score.score or 0.0),
     )
-    return traj, None
+    return traj, None, False
 
 
 def play_oracle_episodes(
@@ -208,9 +230,14 @@ def play_oracle_episodes(
     def work(env_idx: int) -> None:
         nonlocal n_failed
         for i, job in queues[env_idx]:
-            rng = miss_rng(job)
-            misses = planned_misses(rng, recovery_rate, max_misses)
-            traj, err = _play(pool, env_idx, job, max_steps, min_pixels, max_pixels, misses, rng)
+            for _ in range(ENV_RETRIES + 1):  # decision 8: an env fault plays the same episode again
+                rng = miss_rng(job)
+                misses = planned_misses(rng, recovery_rate, max_misses)
+                traj, err, env_fault = _play(
+                    pool, env_idx, job, max_steps, min_pixels, max_pixels, misses, rng
+                )
+                if not env_fault:
+                    break
             if err:
                 errors.append(err)
             elif traj.success > 0:

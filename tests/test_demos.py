@@ -183,6 +183,48 @@ def check_bc_sequences(trajs, tmp_path):
             assert text[:p].count("<|vision_start|>") == k + 1
 
 
+class FaultyPool:
+    """The real pool, except that the calls named in `faults` (method -> how many) fail once each with an
+    env error, as a killed worker or browser makes them fail."""
+
+    def __init__(self, pool, faults: dict[str, int]):
+        self._pool, self.faults = pool, dict(faults)
+
+    def __getattr__(self, name):
+        real = getattr(self._pool, name)
+        if not name.startswith("submit_") or not self.faults.get(name):
+            return real
+
+        def failing(env_idx, *args):
+            from concurrent.futures import Future
+
+            from arpo_core.envs.pool import EnvResult
+
+            self.faults[name] -= 1
+            real(env_idx, *args).result()  # the env really moves on: the retry must start from scratch
+            f = Future()
+            f.set_result(EnvResult(env_idx, done=True, error=f"injected fault in {name}"))
+            return f
+
+        return failing
+
+
+@pytest.mark.parametrize("method", ["submit_reset", "submit_step", "submit_call", "submit_evaluate"])
+def test_a_demo_hit_by_an_env_fault_is_played_again_identically(pool, method):
+    """Decision 8: no demo is lost to an env fault, and the one played again is the undisturbed one."""
+    jobs = jobs_for(["click-test-2", "enter-text"], [7])
+    clean = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
+    faulty = FaultyPool(pool, {method: 2})
+    hit = play_oracle_episodes(faulty, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
+    assert faulty.faults[method] == 0  # both faults happened
+    assert hit.errors == [] and hit.n_failed == 0
+    assert signature(hit.trajectories) == signature(clean.trajectories)
+    given_up = play_oracle_episodes(
+        FaultyPool(pool, {"submit_reset": 99}), jobs[:1], max_steps=MAX_STEPS, recovery_rate=0.0, max_misses=1
+    )
+    assert given_up.trajectories == [] and len(given_up.errors) == 1 and "injected" in given_up.errors[0]
+
+
 def test_misses_do_not_count_against_the_step_limit(pool):
     """Decision 7: a long task (login-user: 5 oracle steps) still succeeds after many misses; the demo
     then has more than max_steps steps, max_steps of them the oracle's."""

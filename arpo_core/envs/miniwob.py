@@ -273,13 +273,17 @@ class ChromiumInstance(SeleniumInstance):
             return False
         return any(_running(p) for p in _descendants(pid) if p != pid)
 
-    def close(self) -> None:
-        """Quit the driver, kill any leftover of its process tree, remove the profile dir."""
+    def close(self) -> bool:
+        """Quit the driver, kill any leftover of its process tree, remove the profile dir. Returns whether
+        the driver quit cleanly (False: the browser or chromedriver had died or failed on the way)."""
         pid = self.driver_pid()
         leftovers = _descendants(pid) if pid else []
+        clean = True
         if hasattr(self, "driver"):
-            with contextlib.suppress(Exception):
+            try:
                 self.driver.quit()
+            except Exception:
+                clean = False
             del self.driver
         for p in leftovers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -288,6 +292,7 @@ class ChromiumInstance(SeleniumInstance):
             shutil.rmtree(self.user_data_dir, ignore_errors=True)
             self.user_data_dir = None
         self.died = True
+        return clean
 
 
 def _running(pid: int) -> bool:
@@ -434,9 +439,11 @@ class MiniWoBEnv:
         counts: nothing else would notice a browser killed after the last step)."""
         note = None
         if self.instance is not None:
-            if not self.instance.died and not self.instance.alive():
+            was_up = not self.instance.died
+            if was_up and not self.instance.alive():
                 note = "browser found dead when the env closed"
-            self.instance.close()
+            if not self.instance.close() and was_up and note is None:
+                note = "browser failed while the env closed it"
             self.instance = None
         return note
 
