@@ -12,8 +12,8 @@ timing), so every episode the reference stored must be stored by the soaked run 
   (fatal), by the reset that replaces it, or by the env when the pool closes it.
 
 Only pool processes are killed: env workers (their own process group, a private `arpo-envworker-` temp
-dir) and the Chromium/chromedriver processes of their group, found among the descendants of the `arpo
-run` process this script started; one kill per worker life. Writes benchmarks/results/soak.json.
+dir) and their browsers (chromedriver and the main Chromium process), found among the descendants of
+the `arpo run` process this script started; one kill per worker life. Writes benchmarks/results/soak.json.
 
     .venv/bin/python benchmarks/soak.py --kill-every 5
 """
@@ -75,8 +75,10 @@ def pool_targets(root: int, table: dict[int, tuple[int, int, bytes]] | None = No
     """{env worker pid: its browser pids} among the descendants of `root`.
 
     A worker leads its own process group and names its private `arpo-envworker-` temp dir on its command
-    line (pool.py ProcessWorker.start); its browsers are the chrom* processes of that group. Nothing
-    else (the Prefect server, the trainer, the worker's reaper) is ever a target.
+    line (pool.py ProcessWorker.start); its browser is its chromedriver and the main Chromium process
+    below it (killing both is a browser crash), listed only while that main process runs: a browser the
+    env has already quit is no target. Nothing else (the Prefect server, the trainer, the worker's
+    reaper, Chromium's zygotes and crash handlers) is ever a target.
     """
     table = _proc_table() if table is None else table
     children = collections.defaultdict(list)
@@ -89,9 +91,16 @@ def pool_targets(root: int, table: dict[int, tuple[int, int, bytes]] | None = No
                 desc.add(c)
                 todo.append(c)
     workers = [p for p in desc if table[p][1] == p and _is_worker(table[p][2])]
-    return {
-        w: sorted(p for p in desc if p != w and table[p][1] == w and b"chrom" in table[p][2]) for w in workers
-    }
+    out = {}
+    for w in workers:
+        drivers = [p for p in desc if table[p][1] == w and b"chromedriver" in table[p][2].split(b"\0")[0]]
+        mains = [
+            p
+            for p in desc
+            if table[p][0] in drivers and b"chrom" in table[p][2] and b"--type=" not in table[p][2]
+        ]
+        out[w] = sorted(drivers + mains) if mains else []
+    return out
 
 
 def killer(root: int, stop: threading.Event, every_s: float, seed: int, log: list) -> None:

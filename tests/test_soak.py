@@ -24,12 +24,13 @@ def table() -> dict[int, tuple[int, int, bytes]]:
         201: (200, 201, b"python\0-S\0-c\0reaper\0200\0200\0/tmp/arpo-envworker-abc\0"),
         202: (200, 200, b"/usr/bin/chromedriver\0--port=1\0"),
         203: (202, 200, b"/usr/lib/chromium/chromium\0--user-data-dir=/tmp/arpo-envworker-abc/p\0"),
-        204: (
+        204: (  # a zygote: in the worker's group, not the browser's main process
             203,
-            204,
+            200,
             b"/usr/lib/chromium/chromium\0--type=zygote\0--user-data-dir=/tmp/arpo-envworker-abc/p\0",
         ),
         300: (102, 300, W.replace(b"abc", b"def")),
+        301: (300, 300, b"/usr/bin/chromedriver\0--port=2\0"),  # its browser has quit: no target
         900: (1, 900, W.replace(b"abc", b"zzz")),
         901: (900, 900, b"/usr/lib/chromium/chromium\0"),
     }
