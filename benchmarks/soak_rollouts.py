@@ -33,6 +33,7 @@ from arpo_core.fileio import atomic_write_json  # noqa: E402
 from arpo_core.policy.generate import Generation  # noqa: E402
 from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
 from arpo_core.trajectory import read_trajectories, write_trajectories  # noqa: E402
+from benchmarks.soak import pool_targets  # noqa: E402
 
 TASKS = ("click-test", "click-button", "click-link", "focus-text")
 
@@ -52,35 +53,6 @@ class ScriptedGenerator:
         return out
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                stat = Path(f"/proc/{e}/stat").read_text().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            if int(stat[1]) == pid and stat[0] != "Z":
-                out.append(int(e))
-    return out
-
-
-def _browser_pids(worker: int) -> list[int]:
-    """Chromium/chromedriver processes in the worker's process group."""
-    out = []
-    for e in os.listdir("/proc"):
-        if e.isdigit():
-            try:
-                stat = Path(f"/proc/{e}/stat").read_text()
-                cmd = Path(f"/proc/{e}/cmdline").read_bytes()
-            except OSError:
-                continue
-            fields = stat.rsplit(")", 1)[1].split()
-            if int(fields[2]) == worker and int(e) != worker and b"chrom" in cmd and fields[0] != "Z":
-                out.append(int(e))
-    return out
-
-
 def killer(pool: EnvPool, stop: threading.Event, every_s: float, seed: int, log: list) -> None:
     rng = random.Random(seed)
     hit: set[int] = set()  # workers already killed or with a killed browser: one kill per worker life
@@ -89,7 +61,7 @@ def killer(pool: EnvPool, stop: threading.Event, every_s: float, seed: int, log:
         if not pids:
             continue
         worker = rng.choice(pids)
-        browsers = _browser_pids(worker)
+        browsers = pool_targets(os.getpid()).get(worker, [])  # chromedriver + main Chromium
         what, target = ("worker", worker) if rng.random() < 0.5 or not browsers else ("browser", browsers)
         try:
             if what == "worker":
