@@ -3,6 +3,14 @@
 # all runs share this working tree's outputs). It runs deployment flow runs as subprocesses in the
 # project root. Needs the server (scripts/prefect_server.sh). Stop with Ctrl-C.
 set -euo pipefail
+# A shell cannot trap a signal that was ignored when it started (POSIX), and a background job of a
+# non-interactive shell (nohup, a supervisor, a CI harness) starts with SIGINT ignored: start this script
+# again with SIGINT at its default, so that the Ctrl-C trap below runs wherever it was started from.
+if [ -z "${_ARPO_WORKER_SIGINT_RESET:-}" ]; then
+  export _ARPO_WORKER_SIGINT_RESET=1
+  exec python3 -c 'import os, signal, sys; signal.signal(signal.SIGINT, signal.SIG_DFL); os.execvp(sys.argv[1], sys.argv[1:])' \
+    bash "$0" "$@"
+fi
 cd "$(dirname "$0")/.."
 source scripts/prefect_env.sh
 POOL="${1:-arpo-local}"

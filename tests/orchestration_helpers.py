@@ -87,11 +87,15 @@ def base_env(project: Path) -> dict[str, str]:
     return env
 
 
-def start(cmd: list[str], cwd: Path, env: dict[str, str], log: Path) -> subprocess.Popen:
-    """Start `cmd` in a new session, output to `log`."""
+def start(
+    cmd: list[str], cwd: Path, env: dict[str, str], log: Path, sigint_ignored: bool = False
+) -> subprocess.Popen:
+    """Start `cmd` in a new session, output to `log`. `sigint_ignored`: start it with SIGINT ignored, as
+    a background job of a non-interactive shell (nohup, a supervisor) starts."""
     fh = log.open("w")
+    ignore = (lambda: signal.signal(signal.SIGINT, signal.SIG_IGN)) if sigint_ignored else None
     return subprocess.Popen(
-        cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True
+        cmd, cwd=cwd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True, preexec_fn=ignore
     )
 
 

@@ -376,7 +376,10 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
     worker = None
     try:
         oh.wait_http(f"http://127.0.0.1:{port}/api/health", 120, server, tmp_path / "server.log")
-        worker = oh.start(["bash", "scripts/prefect_worker.sh"], project, env, tmp_path / "worker.log")
+        # started with SIGINT ignored (as from nohup or a supervisor): one Ctrl-C must still stop it
+        worker = oh.start(
+            ["bash", "scripts/prefect_worker.sh"], project, env, tmp_path / "worker.log", sigint_ignored=True
+        )
         deadline = time.monotonic() + 60
         while "Worker" not in (tmp_path / "worker.log").read_text() and time.monotonic() < deadline:
             assert worker.poll() is None, (tmp_path / "worker.log").read_text()
