@@ -156,7 +156,8 @@ def bootstrap_difference(
 
 
 def _history_counts(runs: Sequence[ArmRun], tasks: Sequence[str]) -> dict[str, Any]:
-    """All-fail groups and replay fills summed over each run's epochs (per task where logged)."""
+    """All-fail groups and replay fills summed over each run's epochs (per task where logged); the replay
+    buffer's own counters are running totals, so their last value."""
     out: dict[str, Any] = {}
     for r in runs:
         total: dict[str, float] = defaultdict(float)
@@ -164,7 +165,9 @@ def _history_counts(runs: Sequence[ArmRun], tasks: Sequence[str]) -> dict[str, A
             for k, v in row.items():
                 if not isinstance(v, int | float):
                     continue
-                if k in ("replay/groups_filled", "replay/all_fail_groups", "train/replayed"):
+                if k in ("replay/groups_filled", "replay/groups_failed"):  # the buffer's running totals
+                    total[k] = max(total[k], float(v))
+                elif k in ("replay/all_fail_groups", "train/replayed"):  # per epoch
                     total[k] += float(v)
                 for task in tasks:
                     for what in ("all_fail_groups", "replay_fills"):

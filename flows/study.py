@@ -160,7 +160,55 @@ def _markdown(doc: dict[str, Any], png: str) -> str:
         "",
         f"![curves]({png})",
     ]
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines + _detail_tables(doc)) + "\n"
+
+
+def _detail_tables(doc: dict[str, Any]) -> list[str]:
+    """Per task, per seed, the replay counts and the click alignment, as far as the document has them."""
+    arms = doc["arms"]
+    tasks = [*doc["hard_tasks"], *doc["control_tasks"]]
+    out = ["", "## Per task (greedy success %, same instances for every arm)", ""]
+    out += [
+        "| task | split | sampled base | base | " + " | ".join(arms) + " |",
+        "|---|---|---|---|" + "---|" * len(arms),
+    ]
+    sampled = doc.get("baseline_sampled_success", {})
+    for t in tasks:
+        split = "hard" if t in doc["hard_tasks"] else "control"
+        row = [_pct(a.get("tasks", {}).get(t)) for a in arms.values()]
+        base = _pct(doc["base"].get("tasks", {}).get(t))
+        out.append(f"| {t} | {split} | {_pct(sampled.get(t))} | {base} | " + " | ".join(row) + " |")
+    out += ["", "## Per seed (hard / control, %)", "", "| arm | seed | hard | control |", "|---|---|---|---|"]
+    for name, a in arms.items():
+        per = a.get("per_seed", {})
+        for seed in sorted(per.get("hard", {}), key=str):
+            out.append(
+                f"| {name} | {seed} | {_pct(per['hard'][seed])} | {_pct(per.get('control', {}).get(seed))} |"
+            )
+    out += ["", "## All-fail groups and replay fills over training (per seed)", ""]
+    for name, a in arms.items():
+        for seed, counts in sorted(a.get("counts", {}).items(), key=lambda kv: str(kv[0])):
+            fails = {k.split("/")[0]: int(v) for k, v in counts.items() if k.endswith("/all_fail_groups")}
+            fills = {k.split("/")[0]: int(v) for k, v in counts.items() if k.endswith("/replay_fills")}
+            per_task = ", ".join(f"{t} {fails[t]}/{fills.get(t, 0)}" for t in sorted(fails))
+            out.append(
+                f"- {name} seed {seed}: groups replayed {int(counts.get('train/replayed', 0))}; "
+                f"per task all-fail/filled: {per_task or '-'}"
+            )
+    aligned = {n: a["click_alignment"] for n, a in arms.items() if a.get("click_alignment")}
+    if aligned:
+        out += [
+            "",
+            "## Click alignment (first click vs its DOM target, last evaluation, all tasks)",
+            "",
+            "| arm | episodes | hit rate | click-target corr | spread px |",
+            "|---|---|---|---|---|",
+        ]
+        for n, c in aligned.items():
+            corr = "-" if c.get("click_target_corr") is None else f"{c['click_target_corr']:.2f}"
+            spread = "-" if c.get("spread_px") is None else f"{c['spread_px']:.1f}"
+            out.append(f"| {n} | {c.get('episodes')} | {_pct(c.get('hit_rate'))} | {corr} | {spread} |")
+    return out
 
 
 def write_study(doc: dict[str, Any], out: Path) -> list[Path]:

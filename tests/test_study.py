@@ -86,6 +86,28 @@ def test_replay_effect_document_has_the_required_fields():
     assert doc["arms"]["arpo_g4"]["counts"]["0"]["replay/groups_filled"] == 3.0
 
 
+def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
+    from flows.study import write_study
+
+    baseline = evals({"a": 0.1, "c": 0.8}, 10)
+    counts = [  # two epochs; the buffer's counter is a running total
+        {"task/miniwob/a/all_fail_groups": 4.0, "task/miniwob/a/replay_fills": 3.0, "train/replayed": 3.0,
+         "replay/groups_filled": 3.0},
+        {"task/miniwob/a/all_fail_groups": 3.0, "task/miniwob/a/replay_fills": 3.0, "train/replayed": 3.0,
+         "replay/groups_filled": 6.0},
+    ]  # fmt: skip
+    runs = [ArmRun("arpo_g4", s, {20: evals({"a": 0.5, "c": 0.8})}, counts) for s in range(2)]
+    runs += [ArmRun("grpo_g4", s, {20: evals({"a": 0.2, "c": 0.8})}) for s in range(2)]
+    doc = replay_effect(runs, baseline, baseline, reps=50)
+    doc["arms"]["arpo_g4"]["click_alignment"] = {"episodes": 20, "hit_rate": 0.25, "click_target_corr": 0.5}
+    md = write_study(doc, tmp_path / "replay_effect.json")[1].read_text()
+    assert "| a | hard | 10.0 | 10.0 | 50.0 | 20.0 |" in md and "| c | control |" in md
+    assert "| arpo_g4 | 1 | 50.0 | 80.0 |" in md and "| grpo_g4 | 0 | 20.0 | 80.0 |" in md
+    assert "arpo_g4 seed 0: groups replayed 6; per task all-fail/filled: a 7/6" in md
+    assert doc["arms"]["arpo_g4"]["counts"]["0"]["replay/groups_filled"] == 6.0
+    assert "| arpo_g4 | 20 | 25.0 | 0.50 | - |" in md and "| grpo_g4 |" not in md.split("Click alignment")[1]
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
