@@ -127,8 +127,8 @@ def _play(
     misses: int,
     rng: random.Random,
 ):
-    """One oracle episode: (trajectory, None), or (None, error, env_fault) - env_fault True when the env
-    failed (the episode may be played again), False when the episode itself failed."""
+    """One oracle episode: (trajectory, None, False), or (None, error, env_fault) - env_fault True when
+    the env failed (decision 8: the episode is played again), False when the episode itself failed."""
     res = pool.submit_reset(env_idx, job.task, job.seed).result()
     if res.error or res.observation is None:
         return None, f"{job.task.task_id} seed {job.seed}: reset: {res.error}", True

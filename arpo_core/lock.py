@@ -32,7 +32,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_ENV", "LOCK_NAME", "RunLocked", "lock_path", "read_holder", "run_lock"]
+__all__ = ["LOCK_ENV", "LOCK_NAME", "RunLocked", "lock_path", "pid_alive", "read_holder", "run_lock"]
 
 LOCK_NAME = Path(".arpo") / "run.lock"
 """The lock file, relative to the project root."""
@@ -71,7 +71,8 @@ def describe(holder: dict[str, Any]) -> str:
     return f"pid {holder.get('pid', '?')} ({holder.get('command', '?')}){when}"
 
 
-def _pid_alive(pid: Any) -> bool:
+def pid_alive(pid: Any) -> bool:
+    """A running (non-zombie) process has this pid."""
     if not isinstance(pid, int) or pid <= 0:
         return False
     try:
@@ -107,7 +108,7 @@ def _inherited(path: Path) -> bool:
     if not token or where != str(path):
         return False
     holder = read_holder(path)
-    return bool(holder) and holder.get("token") == token and _pid_alive(holder.get("pid"))
+    return bool(holder) and holder.get("token") == token and pid_alive(holder.get("pid"))
 
 
 @contextlib.contextmanager
@@ -151,7 +152,7 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
             "taking over the run lock %s: its holder %s ended without releasing it (%s)",
             path,
             describe(previous),
-            "no longer running" if not _pid_alive(previous.get("pid")) else "it no longer holds the lock",
+            "no longer running" if not pid_alive(previous.get("pid")) else "it no longer holds the lock",
         )
     token = secrets.token_hex(8)
     holder = {

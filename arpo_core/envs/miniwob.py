@@ -68,6 +68,7 @@ from arpo_core.actions import Action
 from arpo_core.envs.base import TERMINAL_KINDS, Observation, StepResult, TaskSpec
 from arpo_core.envs.dom import SCREEN_SIZE, DomElement
 from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, oracle_reply
+from arpo_core.lock import pid_alive
 
 CHROMIUM_BINARY = "/usr/lib/chromium/chromium"
 CHROMEDRIVER = "/usr/bin/chromedriver"
@@ -269,9 +270,9 @@ class ChromiumInstance(SeleniumInstance):
     def alive(self) -> bool:
         """chromedriver and at least one Chromium process below it are running (not zombies)."""
         pid = self.driver_pid()
-        if not pid or not _running(pid):
+        if not pid or not pid_alive(pid):
             return False
-        return any(_running(p) for p in _descendants(pid) if p != pid)
+        return any(pid_alive(p) for p in _descendants(pid) if p != pid)
 
     def close(self) -> bool:
         """Quit the driver, kill any leftover of its process tree, remove the profile dir. Returns whether
@@ -293,14 +294,6 @@ class ChromiumInstance(SeleniumInstance):
             self.user_data_dir = None
         self.died = True
         return clean
-
-
-def _running(pid: int) -> bool:
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
-    except OSError:
-        return False
 
 
 def _descendants(pid: int) -> list[int]:

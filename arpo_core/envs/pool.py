@@ -289,12 +289,17 @@ class ProcessWorker:
                 if note:
                     fault = ("browser_crashes", str(note))
             except WorkerFailure as e:
-                fault = ("timeouts" if "timed out" in str(e) else "worker_crashes", str(e))
+                fault = (_failure_kind(e), str(e))
             except Exception as e:  # the send failed: the worker's end of the socket is gone
                 fault = ("worker_crashes", f"worker {self.proc.pid} found dead ({type(e).__name__}: {e})")
         self.kill()
         self.proc = None
         return fault
+
+
+def _failure_kind(e: WorkerFailure) -> str:
+    """Decision 7: the fault kind of a WorkerFailure: a call past its limit, or a worker that died."""
+    return "timeouts" if "timed out" in str(e) else "worker_crashes"
 
 
 class EnvCallError(RuntimeError):
@@ -578,7 +583,7 @@ class EnvPool:
             return None, f"env error in {method}: {e}"
         except WorkerFailure as e:
             slot.broken = True
-            self._fault(slot, "timeouts" if "timed out" in str(e) else "worker_crashes", f"{method}: {e}")
+            self._fault(slot, _failure_kind(e), f"{method}: {e}")
             return None, f"worker failure in {method}: {e}"
 
     # ------------------------------------------------------------------ single-env jobs
@@ -589,7 +594,7 @@ class EnvPool:
         for attempt in range(self.reset_retries):
             obs, err = self._call(slot, "reset", (task, seed), self.reset_timeout_s)
             if err is None:
-                for note in getattr(obs, "faults", ()):  # faults the env recovered from by itself
+                for note in obs.faults:  # faults the env recovered from by itself
                     self._fault(slot, "browser_crashes", f"reset: {note}")
                 return EnvResult(slot.idx, observation=obs, elapsed_s=time.monotonic() - t0)
             errors.append(err)
