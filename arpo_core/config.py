@@ -183,9 +183,11 @@ class EnvConfig:
     """Parallel envs (reference: tasks per iteration x group size = 128)."""
     in_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_in_domain.yaml"
     """Tasks trained on (and their demos)."""
-    out_of_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_out_of_domain.yaml"
+    out_of_domain_suite: Annotated[str, ExistingPath()] | None = "data/suites/miniwob_out_of_domain.yaml"
     """Held-out tasks for generalisation. The same file as in_domain_suite: that file's tasks are divided by
-    their own `split` (in_domain there, every other one here; pipeline/common.py `suite_tasks`)."""
+    their own `split` (in_domain there, every other one here; pipeline/common.py `suite_tasks`). null: no
+    held-out suite (the paper's protocol: train and evaluate on the same tasks); every task of
+    in_domain_suite is in-domain and evaluation reports in-domain numbers only."""
     episode_time_limit_s: Annotated[float, Gt(0)] | None = 60.0
     """MiniWoB episode clock (its own default of 10 s fails slow CPU policies); null: no limit."""
     reset_timeout_s: Annotated[float, Gt(0)] = 120.0
@@ -206,6 +208,8 @@ class EnvConfig:
         """Rules across fields, checked by the loader: (field, rule, other fields involved). The suites'
         kind is read from the files when they exist (a missing file is the path check's error)."""
         for name in ("in_domain_suite", "out_of_domain_suite"):
+            if getattr(self, name) is None:
+                continue
             # a misspelt task fails when params load, not 25 s later inside a stage
             if problem := unknown_suite_task(getattr(self, name)):
                 yield (name, problem, ())

@@ -142,7 +142,9 @@ def copy_project(dst: Path) -> Path:
     return dst
 
 
-def run_pipeline(project: Path, preset: str, kill_every: float | None, seed: int, timeout_s: float) -> dict:
+def child_env(project: Path) -> dict[str, str]:
+    """The environment of an `arpo run` in project copy `project`: this venv first on PATH, Prefect's
+    home and MLflow's store inside the copy (no server of the caller's), no telemetry."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     env.update(
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
@@ -151,6 +153,11 @@ def run_pipeline(project: Path, preset: str, kill_every: float | None, seed: int
         MLFLOW_DISABLE_TELEMETRY="true",
         PYTHONUNBUFFERED="1",
     )
+    return env
+
+
+def run_pipeline(project: Path, preset: str, kill_every: float | None, seed: int, timeout_s: float) -> dict:
+    env = child_env(project)
     log_path = project / "soak_run.log"
     kills: list = []
     stop = threading.Event()

@@ -13,6 +13,8 @@ Decisions:
 5. One MLflow parent run per pipeline run, named by the variant (flows/tracking.py decision 7), with
    the variant's full effective params and the keys it changes against the params file alone (tag
    `arpo.changed`); the stage runs it executes are its children. The flow run has the same name.
+6. `targets` (e.g. ["evaluate"]) runs only those stages and the stages they need (their inputs'
+   producers, recursively; `table.upstream`), like `dvc repro TARGET`; the others are not looked at.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from arpo_core.config import to_dict
 from flows import tracking
 from flows.runner import load_params_once, variant_name
 from flows.spec import SPECS, _flatten, is_up_to_date
+from arpo_core.pipeline.table import upstream
 from flows.stages import FLOWS, run_name
 
 __all__ = ["FLOWS", "arpo_train", "headline"]
@@ -94,11 +97,13 @@ def arpo_train(
     preset: str | None = None,
     overrides: list[str] | None = None,
     force: bool = False,
+    targets: list[str] | None = None,
 ) -> dict[str, dict[str, float]]:
     """Every stage of the stage table in order (init_policy -> ground -> demos -> sft -> baseline -> select
-    -> train -> rft, dpo, kto -> evaluate -> compare), skipping up-to-date stages. Returns each executed
-    stage's metrics."""
+    -> train -> rft, dpo, kto -> evaluate -> compare), skipping up-to-date stages; with `targets`, only
+    those stages and the stages they need (decision 6). Returns each executed stage's metrics."""
     p = load_params_once(params, list(overrides or ()), preset=preset)  # fail before any stage on a bad key
+    wanted = upstream(targets) if targets else tuple(FLOWS)  # an unknown name fails here, before any stage
     ctx = FlowRunContext.get()
     pipeline_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
     print(
@@ -110,8 +115,9 @@ def arpo_train(
     c = tracking.client(".")
     ok = False
     try:
-        for i, (name, stage_flow) in enumerate(FLOWS.items(), 1):
-            tag = f"[arpo-train] {i}/{len(FLOWS)} {name}"
+        for i, name in enumerate(wanted, 1):
+            stage_flow = FLOWS[name]
+            tag = f"[arpo-train] {i}/{len(wanted)} {name}"
             if not force and is_up_to_date(p, SPECS[name], Path(".")):
                 print(f"{tag}: up to date, skipped")
                 tracking.set_tags(c, parent, {f"arpo.skipped.{name}": "up to date"})

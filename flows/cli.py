@@ -228,15 +228,24 @@ def run(
     set_: list[str] = SET_OPT,
     preset: str = PRESET_OPT,
     force: bool = typer.Option(False, "--force", help="re-run stages that are up to date"),
+    target: list[str] = typer.Option(
+        [], "--target", "-t", help=f"run only this stage and the stages it needs (repeatable): {STAGE_HELP}"
+    ),
 ) -> None:
-    """Run the pipeline (the Prefect flow `arpo-train`) here, skipping up-to-date stages. Without a
-    Prefect server configured (PREFECT_API_URL) Prefect starts a temporary local one for the run."""
+    """Run the pipeline (the Prefect flow `arpo-train`) here, skipping up-to-date stages; with --target,
+    only that stage and its upstream stages (like `dvc repro TARGET`). Without a Prefect server
+    configured (PREFECT_API_URL) Prefect starts a temporary local one for the run."""
     _load(params, set_, preset)
+    for t in target:
+        if t not in STAGE_NAMES:
+            raise typer.BadParameter(f"unknown stage {t!r}; stages: {', '.join(STAGE_NAMES)}")
     from flows.arpo_train import arpo_train
 
     t0 = time.monotonic()
     with _locked("arpo run " + " ".join(sys.argv[2:])):
-        arpo_train(params=str(params), preset=preset, overrides=list(set_), force=force)
+        arpo_train(
+            params=str(params), preset=preset, overrides=list(set_), force=force, targets=list(target) or None
+        )
     typer.secho(f"[arpo] pipeline finished in {(time.monotonic() - t0) / 60:.1f} min", fg=typer.colors.GREEN)
 
 

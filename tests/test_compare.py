@@ -79,3 +79,20 @@ def test_compare_writes_table_json_plot_with_paired_deltas(evals):
 def test_compare_names_a_missing_reference(evals):
     with pytest.raises(FileNotFoundError, match=r"compare\.reference='dpo'.*evaluated: base, arpo"):
         compare.run(params("compare.reference=dpo"), [evals / "data" / "eval"], [], evals / "report")
+
+
+def test_compare_without_a_held_out_suite(tmp_path):
+    """env.out_of_domain_suite: null (train and evaluate on the same tasks): the out-of-domain cells are
+    empty, not an error, and the table says '-' there."""
+    d = tmp_path / "data" / "eval"
+    write_trajectories(d / "base.parquet", episodes("base", {IN: [0]}))
+    write_trajectories(d / "arpo.parquet", episodes("arpo", {IN: [0, 1]}))
+    m = compare.run(params("env.out_of_domain_suite=null"), [d], [], tmp_path / "report")
+    doc = json.loads((tmp_path / "report" / "comparison.json").read_text())
+    arpo = doc["methods"]["arpo"]
+    assert arpo["in_domain"]["vs_reference"]["delta"] == pytest.approx(0.25)
+    assert arpo["out_of_domain"] == {
+        "success": None, "ci95": None, "episodes": 0, "format_error_rate": None, "tasks": {}
+    }  # fmt: skip
+    assert not any("out_of_domain" in k for k in m)
+    assert "| arpo | 50.0 |" in (tmp_path / "report" / "comparison.md").read_text()

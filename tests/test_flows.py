@@ -160,6 +160,58 @@ def test_arpo_train_flow_is_named_for_the_deployments():
     assert {name: f.name for name, f in FLOWS.items()} == {n: n for n in STAGE_NAMES}
 
 
+def test_upstream_is_what_dvc_repro_of_the_target_runs():
+    """`arpo run --target X` runs X and the stages it needs: the producers of its inputs, recursively,
+    the same set as dvc.yaml's graph (a stage's deps that are another stage's outs)."""
+    from arpo_core.pipeline.table import upstream
+
+    stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
+    producer = {out: name for name, st in stages.items() for out in st.get("outs", [])}
+
+    def ancestors(name):
+        found = {name}
+        for dep in stages[name]["deps"]:
+            if dep in producer:
+                found |= ancestors(producer[dep])
+        return found
+
+    for name in STAGE_NAMES:
+        got = upstream([name])
+        assert set(got) == ancestors(name), name
+        assert list(got) == [n for n in STAGE_NAMES if n in got]  # pipeline order
+    assert upstream(["select"]) == ("init_policy", "ground", "demos", "sft", "baseline", "select")
+    assert "rft" not in upstream(["evaluate"]) and "compare" not in upstream(["evaluate"])
+    assert upstream(["train", "select"]) == upstream(["train"])
+    with pytest.raises(KeyError, match="unknown stage 'evaluat'; stages: init_policy"):
+        upstream(["evaluat"])
+
+
+def test_arpo_train_targets_run_only_the_needed_stages(monkeypatch):
+    """The flow with `targets` calls exactly the upstream stages, in order, and skips none silently."""
+    import flows.arpo_train as at
+
+    called = []
+    monkeypatch.setattr(at, "FLOWS", {n: (lambda n=n, **kw: called.append(n) or {}) for n in STAGE_NAMES})
+    monkeypatch.setattr(at, "is_up_to_date", lambda *a, **k: False)
+    monkeypatch.setattr(at, "start_pipeline_run", lambda *a, **k: "parent")
+    monkeypatch.setattr(at.tracking, "client", lambda *a, **k: None)
+    monkeypatch.setattr(at.tracking, "finish_run", lambda *a, **k: None)
+    at.arpo_train.fn(params=str(ROOT / "params.yaml"), preset="quick", targets=["baseline"])
+    assert called == ["init_policy", "ground", "demos", "sft", "baseline"]
+    called.clear()
+    at.arpo_train.fn(params=str(ROOT / "params.yaml"), preset="quick")
+    assert called == list(STAGE_NAMES)
+
+
+def test_arpo_run_names_an_unknown_target():
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    res = CliRunner().invoke(app, ["run", "--params", str(ROOT / "params.yaml"), "--target", "evaluat"])
+    assert res.exit_code != 0 and "unknown stage 'evaluat'" in res.output
+
+
 def test_env_stages_and_only_those_are_retried():
     """tasks decision 2: retries exactly where the stage table says a stage runs envs."""
     from tasks.stages import TASKS

@@ -169,3 +169,21 @@ def test_sft_loss_covers_exactly_the_trained_replies(tmp_path, one_thread):
     only_misses = [t.with_(steps=t.steps[:1]) for t in trajs]
     with pytest.raises(ValueError, match="at least one reply to train on"):
         sft(policy, only_misses, SFTConfig(steps=1), progress=False, system="compact", history_images=None)
+
+
+def test_long_replies_counts_demo_replies_the_policy_cannot_finish(tmp_path):
+    """A demo reply longer than policy.max_new_tokens is always cut off when sampled (a format error): the
+    sft stage counts them (and warns) by the tokenizer's count plus the closing <|im_end|>."""
+    from arpo_core.pipeline.sft import long_replies
+
+    policy = build_tiny_policy(tmp_path / "p")
+    trajs = demos()
+    lengths = sorted(
+        len(policy.tokenizer.encode(s.response_text, add_special_tokens=False)) + 1
+        for t in trajs
+        for s in t.steps
+    )
+    assert long_replies(policy, trajs, lengths[-1]) == (0, 6, lengths[-1])
+    cut = lengths[-1] - 1
+    assert long_replies(policy, trajs, cut) == (sum(n > cut for n in lengths), 6, lengths[-1])
+    assert long_replies(policy, trajs, 1) == (6, 6, lengths[-1])

@@ -71,6 +71,13 @@ def test_osworld_local_preset_is_valid_and_splits_the_suite(monkeypatch):
     assert p.env.kind == "osworld" and p.env.osworld.provider == "local"
     assert (p.env.osworld.screen_width, p.env.osworld.screen_height) == (1024, 640)
     assert p.ground.eval_miniwob_seeds == 0 and p.compare.image_blind is False
+    # the paper's protocol: the 17 tasks are trained on and evaluated, no held-out suite
+    assert p.env.out_of_domain_suite is None
+    ind, ood = suite_tasks(p, "in_domain"), suite_tasks(p, "out_of_domain")
+    assert len(ind) == 17 and {t.split for t in ind} == {"in_domain"} and ood == []
+    assert {t.domain for t in ind} == {"local_desktop", "os"}
+    # named as both suites, the file is divided by its tasks' own split (the CI test below runs that way)
+    p = load_params(oh.ROOT / "params.yaml", [f"env.out_of_domain_suite={SUITE}"], preset="osworld-local")
     ind, ood = suite_tasks(p, "in_domain"), suite_tasks(p, "out_of_domain")
     assert len(ind) == 11 and {t.split for t in ind} == {"in_domain"}
     assert len(ood) == 6 and {t.split for t in ood} == {"out_of_domain"} and {t.domain for t in ood} == {"os"}

@@ -10,7 +10,9 @@ Decisions:
    `load_osworld_suite`, which loads each task's OSWorld JSON; any other through `load_suite`. One file
    named as both suites (`env.in_domain_suite == env.out_of_domain_suite`, e.g. the 17 local desktop
    tasks) is divided by its tasks' own `split`: the in-domain suite is its `in_domain` tasks, the
-   out-of-domain suite every other task, labelled `out_of_domain` (the split the metrics name).
+   out-of-domain suite every other task, labelled `out_of_domain` (the split the metrics name). With
+   `env.out_of_domain_suite: null` there is no held-out suite: every task of the in-domain file is
+   in-domain (labelled so), whatever its own split says, and the out-of-domain suite is empty.
 """
 
 from __future__ import annotations
@@ -59,12 +61,17 @@ def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
     """Tasks of the 'in_domain' or 'out_of_domain' suite named in params, loaded by their backend
     (decision 3)."""
     path = {"in_domain": p.env.in_domain_suite, "out_of_domain": p.env.out_of_domain_suite}[split]
+    if path is None:  # no held-out suite
+        return []
     tasks = load_suite(path)
     if any(t.backend == "osworld" for t in tasks):
         from arpo_core.envs.osworld import load_osworld_suite
 
         tasks = load_osworld_suite(path)
-    if Path(p.env.in_domain_suite).resolve() != Path(p.env.out_of_domain_suite).resolve():
+    ood = p.env.out_of_domain_suite
+    if ood is None:
+        return [replace(t, split="in_domain") for t in tasks]
+    if Path(p.env.in_domain_suite).resolve() != Path(ood).resolve():
         return tasks
     if split == "in_domain":
         tasks = [t for t in tasks if t.split == "in_domain"]

@@ -6,6 +6,7 @@ by file), so a pretrained checkpoint such as UI-TARS-1.5 goes from `init_policy`
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 from pathlib import Path
@@ -14,10 +15,23 @@ from typing import Any
 from arpo_core.config import Params
 from arpo_core.offline import sft
 from arpo_core.pipeline.common import POINTER, resolve_policy, setup_torch
-from arpo_core.policy.model import grow_depth, load_policy
-from arpo_core.trajectory import read_trajectories
+from arpo_core.policy.model import Policy, grow_depth, load_policy
+from arpo_core.trajectory import Trajectory, read_trajectories
 
-__all__ = ["run"]
+__all__ = ["long_replies", "run"]
+
+log = logging.getLogger("arpo.sft")
+
+
+def long_replies(policy: Policy, demos: list[Trajectory], max_new_tokens: int) -> tuple[int, int, int]:
+    """(demo replies the policy cannot finish within `max_new_tokens`, replies, the longest one's tokens):
+    a reply's tokens and its closing `<|im_end|>` (what generation must produce before it stops)."""
+    lengths = [
+        len(policy.tokenizer.encode(s.response_text, add_special_tokens=False)) + 1
+        for t in demos
+        for s in t.steps
+    ]
+    return sum(n > max_new_tokens for n in lengths), len(lengths), max(lengths, default=0)
 
 
 def run(
@@ -39,6 +53,17 @@ def run(
     policy = load_policy(resolve_policy(policy_dir))
     if p.sft.grow_after:  # more depth for the replies' text, same function until trained
         policy = grow_depth(policy, p.sft.grow_after, seed=p.sft.seed)
+    n_long, n_replies, longest = long_replies(policy, demos, p.policy.max_new_tokens)
+    if n_long:  # cloned, but every rollout of such a step ends cut off: a format error
+        log.warning(
+            "sft: %d of %d demo replies are longer than policy.max_new_tokens=%d (the longest: %d tokens with "
+            "its <|im_end|>); the policy cannot finish them and every such step will be a format error. "
+            "Raise policy.max_new_tokens.",
+            n_long,
+            n_replies,
+            p.policy.max_new_tokens,
+            longest,
+        )
     history = sft(
         policy,
         demos,
@@ -54,4 +79,6 @@ def run(
         "sft/loss_last": history[-1],
         "sft/steps": float(len(history)),
         "sft/layers": float(policy.model.config.text_config.num_hidden_layers),
+        "sft/replies_over_max_new_tokens": float(n_long),
+        "sft/longest_reply_tokens": float(longest),
     }

@@ -29,7 +29,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-__all__ = ["ROOT", "STAGES", "STAGE_NAMES", "Stage", "code_deps", "import_closure", "stage"]
+__all__ = ["ROOT", "STAGES", "STAGE_NAMES", "Stage", "code_deps", "import_closure", "stage", "upstream"]
 
 ROOT = Path(__file__).resolve().parents[2]
 """The project root (arpo_core's parent)."""
@@ -238,6 +238,21 @@ def stage(name: str) -> Stage:
         return _BY_NAME[name]
     except KeyError:
         raise KeyError(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}") from None
+
+
+def upstream(targets: Iterable[str]) -> tuple[str, ...]:
+    """The stages `targets` need, themselves included, in pipeline order: every stage that writes one of
+    their inputs, recursively (what `dvc repro TARGET` runs). An unknown name is an error."""
+    producer = {out: s.name for s in STAGES for out in s.outs}
+    need: set[str] = set()
+    todo = [stage(t).name for t in targets]
+    while todo:
+        name = todo.pop()
+        if name in need:
+            continue
+        need.add(name)
+        todo += [producer[path] for path in stage(name).input_paths if path in producer]
+    return tuple(n for n in STAGE_NAMES if n in need)
 
 
 # ------------------------------------------------------------------------------------------------

@@ -1,0 +1,141 @@
+"""The osworld-local preset measured (issue 16 item 3): the whole pipeline on the project's own Xvfb
+desktops, through its front door, in a fresh copy of the project:
+
+    arpo run --preset osworld-local --target evaluate
+
+(init_policy -> ground -> demos -> sft -> baseline -> select -> train -> evaluate; the offline baselines
+and the comparison table are not needed for these numbers). Then the greedy evaluation episodes of the
+base and the trained policy (`data/eval/{base,arpo}.parquet`, the same tasks and episode count) are
+summarised: success (with a Wilson 95% interval), episode format-error rate (an episode with any reply
+that did not parse), per task, plus each stage's wall time from the run's progress lines.
+
+    .venv/bin/python benchmarks/osworld_local.py [--work /tmp/osworld-local] [-S key=value ...]
+    # writes benchmarks/results/osworld_local.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import platform
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+from soak import VENV_BIN, child_env, copy_project  # noqa: E402
+
+from arpo_core.config import load_params  # noqa: E402
+from arpo_core.evaluate import wilson_interval  # noqa: E402
+from arpo_core.trajectory import Trajectory, read_trajectories  # noqa: E402
+
+STAGE_DONE = re.compile(r"\[arpo-train\] \d+/\d+ (\w+): done in (\d+) s")
+
+
+def summary(trajs: list[Trajectory]) -> dict:
+    """Success, its Wilson 95% interval, format-error rate and episodes, overall and per task."""
+
+    def cell(ts: list[Trajectory]) -> dict:
+        n = len(ts)
+        k = sum(t.success for t in ts)
+        return {
+            "success": k / n,
+            "ci95": list(wilson_interval(k, n)),
+            "format_error_rate": sum(t.format_error for t in ts) / n,
+            "mean_steps": sum(len(t.steps) for t in ts) / n,
+            "episodes": n,
+        }
+
+    by_task: dict[str, list[Trajectory]] = {}
+    for t in trajs:
+        by_task.setdefault(f"{t.task_domain}/{t.task_id}", []).append(t)
+    out = cell(trajs)
+    out["by_domain"] = {
+        d: cell([t for t in trajs if t.task_domain == d]) for d in sorted({t.task_domain for t in trajs})
+    }
+    out["per_task"] = {k: cell(v) for k, v in sorted(by_task.items())}
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="osworld-local")
+    ap.add_argument("--work", type=Path, default=Path("/tmp/osworld-local"), help="the project copy (wiped)")
+    ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], help="params override")
+    ap.add_argument("--timeout", type=float, default=3 * 3600)
+    ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "osworld_local.json")
+    a = ap.parse_args()
+
+    p = load_params(ROOT / "params.yaml", a.overrides, preset=a.preset)  # a bad override fails here
+    shutil.rmtree(a.work, ignore_errors=True)
+    project = copy_project(a.work)
+    cmd = [str(VENV_BIN / "arpo"), "run", "--preset", a.preset, "--target", "evaluate"]
+    for o in a.overrides:
+        cmd += ["-S", o]
+    t0 = time.monotonic()
+    log = project / "run.log"
+    with log.open("w") as fh:
+        rc = subprocess.run(
+            cmd, cwd=project, env=child_env(project), stdout=fh, stderr=subprocess.STDOUT, timeout=a.timeout
+        ).returncode
+    wall = time.monotonic() - t0
+    text = log.read_text(errors="replace")
+    if rc:
+        sys.exit(f"{' '.join(cmd)} failed (rc {rc}) in {project}; log tail:\n{text[-3000:]}")
+
+    base = read_trajectories(project / "data" / "eval" / "base.parquet")
+    method = "arpo" if p.train.replay.enabled else "grpo"
+    trained = read_trajectories(project / "data" / "eval" / f"{method}.parquet")
+    demos = read_trajectories(project / "data" / "demos")
+    baseline = read_trajectories(project / "data" / "baseline")
+    select = json.loads((project / "metrics" / "select.json").read_text())
+    train = json.loads((project / "metrics" / "train.json").read_text())
+    sft = json.loads((project / "metrics" / "sft.json").read_text())
+    doc = {
+        "benchmark": "osworld_local_pipeline",
+        "command": "python benchmarks/osworld_local.py"
+        + "".join(f" -S {o}" for o in a.overrides)
+        + f"  (runs: arpo run --preset {a.preset} --target evaluate, in a fresh project copy)",
+        "date": dt.date.today().isoformat(),
+        "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, "
+        f"torch {__import__('torch').__version__}",
+        "preset": f"presets/{a.preset}.yaml (env.kind {p.env.kind}, provider {p.env.osworld.provider}, "
+        f"{p.env.osworld.screen_width}x{p.env.osworld.screen_height}, {p.env.n_envs} envs)",
+        "suite": {
+            "in_domain": p.env.in_domain_suite,
+            "out_of_domain": p.env.out_of_domain_suite,
+            "tasks": len({(t.task_domain, t.task_id) for t in base}),
+        },
+        "episodes_per_task": p.evaluate.episodes_per_task,
+        "scoring": f"greedy (evaluate.temperature {p.evaluate.temperature}), evaluate.max_steps "
+        f"{p.evaluate.max_steps}, OSWorld scoring; format error = an episode with a reply that did not parse",
+        "base": summary(base),
+        method: summary(trained),
+        "pipeline": {
+            "wall_s": round(wall),
+            "stage_wall_s": {m.group(1): int(m.group(2)) for m in STAGE_DONE.finditer(text)},
+            "demos_episodes": len(demos),
+            "sft": {k: sft[k] for k in sorted(sft)},
+            "baseline_episodes": len(baseline),
+            "baseline_success_rate": sum(t.success for t in baseline) / max(1, len(baseline)),
+            "select": select,
+            "train": {k: v for k, v in sorted(train.items()) if k.startswith(("rollout/", "replay/"))},
+        },
+    }
+    a.out.write_text(json.dumps(doc, indent=1) + "\n")
+    b, m = doc["base"], doc[method]
+    print(
+        f"base: success {b['success']:.3f}, format errors {b['format_error_rate']:.3f}; {method}: success "
+        f"{m['success']:.3f}, format errors {m['format_error_rate']:.3f}  ({wall / 60:.0f} min) -> {a.out}"
+    )
+
+
+if __name__ == "__main__":
+    main()
