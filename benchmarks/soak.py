@@ -143,11 +143,14 @@ def copy_project(dst: Path) -> Path:
 
 
 def child_env(project: Path) -> dict[str, str]:
-    """The environment of an `arpo run` in project copy `project`: this venv first on PATH, Prefect's
-    home and MLflow's store inside the copy (no server of the caller's), no telemetry."""
+    """The environment of an `arpo run` in project copy `project`: this venv first on PATH, the copy's
+    own code first on the import path (the venv's editable install points at this checkout, which may
+    change while the run goes on), Prefect's home and MLflow's store inside the copy (no server of the
+    caller's), no telemetry."""
     env = {k: v for k, v in os.environ.items() if k not in ("PREFECT_API_URL", "MLFLOW_TRACKING_URI")}
     env.update(
         PATH=f"{VENV_BIN}{os.pathsep}{env.get('PATH', '')}",
+        PYTHONPATH=str(project),
         PREFECT_HOME=str(project / ".prefect"),
         PREFECT_SERVER_ANALYTICS_ENABLED="false",
         MLFLOW_DISABLE_TELEMETRY="true",

@@ -50,9 +50,24 @@ def test_top_p_filter_hand_computed():
 
 def test_sample_next_greedy_and_top_p_tiny():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.9]])
-    assert sample_next(logits, 0.0, 1.0, []).tolist() == [1, 0]
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    assert sample_next(logits, 1.0, 1e-6, gens).tolist() == [1, 0]  # top_p -> only the argmax is left
+    assert sample_next(logits, 0.0, 1.0, None).tolist() == [1, 0]
+    for u in (1e-9, 0.5, 1.0):  # top_p -> only the argmax is left, whatever the draw
+        assert sample_next(logits, 1.0, 1e-6, torch.tensor([u, u])).tolist() == [1, 0]
+    with pytest.raises(ValueError, match="one uniform draw per row"):
+        sample_next(logits, 1.0, 1.0, None)
+
+
+def test_sample_next_inverse_cdf_matches_the_distribution():
+    """Row b takes the first token whose cumulative probability reaches u_b: the boundaries are exact,
+    zero-probability tokens are never taken, and uniform draws give the softmax frequencies."""
+    logits = torch.log(torch.tensor([[0.2, 0.0, 0.5, 0.3, 0.0]]))
+    at = lambda u: int(sample_next(logits, 1.0, 1.0, torch.tensor([u]))[0])  # noqa: E731
+    assert [at(u) for u in (1e-9, 0.1999, 0.2001, 0.6999, 0.7001, 1.0)] == [0, 0, 2, 2, 3, 3]
+    probs = torch.tensor([0.1, 0.6, 0.3])
+    u = 1.0 - torch.rand(40000, generator=torch.Generator().manual_seed(0))
+    drawn = sample_next(torch.log(probs).expand(40000, 3), 1.0, 1.0, u)
+    freq = torch.bincount(drawn, minlength=3).float() / 40000
+    assert torch.allclose(freq, probs, atol=0.01), freq  # 0.01 is > 4 standard errors at n = 40000
 
 
 @pytest.mark.parametrize("system", ["compact", "uitars"])
@@ -195,9 +210,12 @@ def test_vllm_backend_prompt_tokens(policy):
 def test_sample_next_never_draws_banned_ids():
     logits = torch.tensor([[0.0, 3.0, 1.0], [2.0, 0.0, 1.9]])
     banned = torch.tensor([1, 0])
-    assert sample_next(logits, 0.0, 1.0, [], banned).tolist() == [2, 2]
-    gens = [torch.Generator().manual_seed(i) for i in range(2)]
-    assert all(sample_next(logits, 5.0, 1.0, gens, banned).tolist() == [2, 2] for _ in range(20))
+    assert sample_next(logits, 0.0, 1.0, None, banned).tolist() == [2, 2]
+    g = torch.Generator().manual_seed(0)
+    assert all(
+        sample_next(logits, 5.0, 1.0, 1.0 - torch.rand(2, generator=g), banned).tolist() == [2, 2]
+        for _ in range(20)
+    )
 
 
 def test_vision_tokens_never_generated_and_logps_stay_raw(tmp_path):

@@ -183,3 +183,31 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
     assert grown.model.model.language_model.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="must name layers"):
         grow_depth(policy, [2])
+
+
+def test_linear_patch_embed_is_the_conv3d_it_replaces(built):
+    """model.py decision 7: the patch embedding as a matrix product gives the stock Conv3d's output and
+    gradient, keeps the state dict, and survives deepcopy (grow_depth)."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
+
+    from arpo_core.policy.model import LinearPatchEmbed
+
+    policy, _ = built
+    pe = policy.model.model.visual.patch_embed
+    assert type(pe) is LinearPatchEmbed
+    stock = Qwen2_5_VisionPatchEmbed(pe.patch_size, pe.temporal_patch_size, pe.in_channels, pe.embed_dim)
+    stock.load_state_dict(pe.state_dict())
+    x = torch.randn(
+        37,
+        pe.in_channels * pe.temporal_patch_size * pe.patch_size**2,
+        generator=torch.Generator().manual_seed(0),
+    )
+    torch.testing.assert_close(pe(x), stock(x), rtol=1e-4, atol=1e-5)
+    pe(x).square().sum().backward()
+    stock(x).square().sum().backward()
+    g = stock.proj.weight.grad  # sums over 37 patches: float32 rounding of another summation order
+    torch.testing.assert_close(pe.proj.weight.grad, g, rtol=1e-3, atol=1e-5 * float(g.abs().max()))
+    pe.proj.weight.grad = None
+    assert set(pe.state_dict()) == {"proj.weight"}
+    grown = grow_depth(policy, [0])
+    assert type(grown.model.model.visual.patch_embed) is LinearPatchEmbed

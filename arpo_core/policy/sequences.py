@@ -133,7 +133,7 @@ def encode_segments(
     img = 0
     for s in segments:
         if s.kind == "text":
-            part = policy.tokenizer.encode(s.text, add_special_tokens=False)
+            part = policy.text_ids(s.text)
             part_mask = [False] * len(part)
         elif s.kind == "image":
             part = [policy.image_token_id] * n_tokens[img]
