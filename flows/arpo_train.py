@@ -15,10 +15,15 @@ Decisions:
    `arpo.changed`); the stage runs it executes are its children. The flow run has the same name.
 6. `targets` (e.g. ["evaluate"]) runs only those stages and the stages they need (their inputs'
    producers, recursively; `table.upstream`), like `dvc repro TARGET`; the others are not looked at.
+7. Ctrl-C is never lost. CPython drops an exception raised while a finalizer or weakref callback runs
+   ("Exception ignored in ..."), so a KeyboardInterrupt that lands there vanished and the run went on
+   (seen: Ctrl-C during `select`, the pipeline finished). `arpo run` installs `on_interrupt`, which
+   records the interrupt before raising; the flow checks the record before every stage and stops there.
 """
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from pathlib import Path
@@ -33,7 +38,16 @@ from flows.spec import SPECS, _flatten, is_up_to_date
 from arpo_core.pipeline.table import upstream
 from flows.stages import FLOWS, run_name
 
-__all__ = ["FLOWS", "arpo_train", "headline"]
+__all__ = ["FLOWS", "INTERRUPTED", "arpo_train", "headline", "on_interrupt"]
+
+INTERRUPTED = threading.Event()
+"""Set by `on_interrupt` (decision 7)."""
+
+
+def on_interrupt(signum: int, frame: object) -> None:
+    """SIGINT handler of `arpo run`: remember the interrupt, then raise it as Python's own would."""
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
 
 HEADLINE_KEYS = (
     "init_policy/parameters",
@@ -118,6 +132,9 @@ def arpo_train(
         for i, name in enumerate(wanted, 1):
             stage_flow = FLOWS[name]
             tag = f"[arpo-train] {i}/{len(wanted)} {name}"
+            if INTERRUPTED.is_set():  # decision 7: an interrupt the interpreter swallowed
+                print(f"{tag}: not started (interrupted)")
+                raise KeyboardInterrupt(f"interrupted before stage {name}")
             if not force and is_up_to_date(p, SPECS[name], Path(".")):
                 print(f"{tag}: up to date, skipped")
                 tracking.set_tags(c, parent, {f"arpo.skipped.{name}": "up to date"})

@@ -105,6 +105,11 @@ def _locked(command: str) -> Iterator[None]:
             _guardians.append(start_guardian())
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, _exit_on_signal)
+            if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup)
+                from flows.arpo_train import INTERRUPTED, on_interrupt
+
+                INTERRUPTED.clear()
+                signal.signal(signal.SIGINT, on_interrupt)
             try:
                 yield
             finally:

@@ -203,6 +203,42 @@ def test_arpo_train_targets_run_only_the_needed_stages(monkeypatch):
     assert called == list(STAGE_NAMES)
 
 
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed interrupt
+def test_an_interrupt_the_interpreter_swallowed_stops_the_run_before_the_next_stage(monkeypatch):
+    """arpo_train decision 7: a Ctrl-C raised inside a finalizer is dropped by CPython ('Exception ignored
+    in ...'); the handler's record still stops the flow before the next stage."""
+    import gc
+    import signal
+    import weakref
+
+    import flows.arpo_train as at
+
+    class Obj:
+        pass
+
+    def swallowed_ctrl_c(**kw):
+        called.append("ground")
+        ref = weakref.ref(Obj(), lambda _: at.on_interrupt(signal.SIGINT, None))  # noqa: F841
+        gc.collect()  # the callback ran and its KeyboardInterrupt was ignored; we are still here
+
+    called = []
+    flows = {n: (lambda n=n, **kw: called.append(n) or {}) for n in STAGE_NAMES}
+    flows["ground"] = lambda **kw: swallowed_ctrl_c(**kw) or {}
+    monkeypatch.setattr(at, "FLOWS", flows)
+    monkeypatch.setattr(at, "is_up_to_date", lambda *a, **k: False)
+    monkeypatch.setattr(at, "start_pipeline_run", lambda *a, **k: "parent")
+    monkeypatch.setattr(at.tracking, "client", lambda *a, **k: None)
+    finished = []
+    monkeypatch.setattr(at.tracking, "finish_run", lambda c, run, ok: finished.append(ok))
+    at.INTERRUPTED.clear()
+    try:
+        with pytest.raises(KeyboardInterrupt, match="interrupted before stage demos"):
+            at.arpo_train.fn(params=str(ROOT / "params.yaml"), preset="quick")
+    finally:
+        at.INTERRUPTED.clear()
+    assert called == ["init_policy", "ground"] and finished == [False]
+
+
 def test_arpo_run_names_an_unknown_target():
     from typer.testing import CliRunner
 
