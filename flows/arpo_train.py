@@ -32,10 +32,10 @@ from prefect import flow
 from prefect.context import FlowRunContext
 
 from arpo_core.config import to_dict
+from arpo_core.pipeline.table import upstream
 from flows import tracking
 from flows.runner import load_params_once, variant_name
 from flows.spec import SPECS, _flatten, is_up_to_date
-from arpo_core.pipeline.table import upstream
 from flows.stages import FLOWS, run_name
 
 __all__ = ["FLOWS", "INTERRUPTED", "arpo_train", "headline", "on_interrupt"]

@@ -80,6 +80,9 @@ SET_OPT = typer.Option([], "--set", "-S", help="override, e.g. train.replay.enab
 PRESET_OPT = typer.Option(None, "--preset", help="partial params file merged over --params, e.g. quick")
 
 STAGE_HELP = " | ".join(STAGE_NAMES)
+TARGET_OPT = typer.Option(
+    [], "--target", "-t", help=f"run only this stage and the stages it needs (repeatable): {STAGE_HELP}"
+)
 METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)")
 VIEW_PATHS_ARG = typer.Argument(..., help="trajectory Parquet files or directories of them")
 PARAMS_OUT_OPT = typer.Option(None, "--out", "-o", help="write the merged params to this file")
@@ -233,9 +236,7 @@ def run(
     set_: list[str] = SET_OPT,
     preset: str = PRESET_OPT,
     force: bool = typer.Option(False, "--force", help="re-run stages that are up to date"),
-    target: list[str] = typer.Option(
-        [], "--target", "-t", help=f"run only this stage and the stages it needs (repeatable): {STAGE_HELP}"
-    ),
+    target: list[str] = TARGET_OPT,
 ) -> None:
     """Run the pipeline (the Prefect flow `arpo-train`) here, skipping up-to-date stages; with --target,
     only that stage and its upstream stages (like `dvc repro TARGET`). Without a Prefect server
