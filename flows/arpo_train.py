@@ -49,6 +49,7 @@ def on_interrupt(signum: int, frame: object) -> None:
     INTERRUPTED.set()
     raise KeyboardInterrupt
 
+
 HEADLINE_KEYS = (
     "init_policy/parameters",
     "ground/box1h/hit_rate",
