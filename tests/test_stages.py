@@ -127,18 +127,22 @@ def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
 
 
 def test_demos_stage_reports_the_env_faults_of_its_pool(tmp_path, monkeypatch):
-    """Faults while the oracles play become demos/faults/<kind> (as rollouts' rollout/faults/<kind>)."""
+    """Faults while the oracles play become demos/faults/<kind> (as rollouts' rollout/faults/<kind>), the
+    ones the pool finds when it closes included (rollouts.py decision 5)."""
     from arpo_core.demos import DemoResult
 
     class Pool:
+        closed = False
+
         def __enter__(self):
             return self
 
         def __exit__(self, *exc):
+            self.closed = True  # a browser that died after its last call: found by the close
             return False
 
         def fault_counts(self):
-            return {"browser_crashes": 2, "timeouts": 0}
+            return {"browser_crashes": 1 + self.closed, "timeouts": 0}
 
     monkeypatch.setattr(demos, "make_pool", lambda _p: Pool())
     monkeypatch.setattr(
@@ -147,6 +151,23 @@ def test_demos_stage_reports_the_env_faults_of_its_pool(tmp_path, monkeypatch):
     m = demos.run(params(), tmp_path / "demos")
     assert m["demos/episodes"] == 1.0
     assert m["demos/faults/browser_crashes"] == 2.0 and m["demos/faults/timeouts"] == 0.0
+
+
+def test_a_worker_that_dies_after_its_last_call_is_in_the_stage_faults():
+    """rollouts.py decision 5 on a real pool: a worker killed between calls is found only by the close,
+    and `pool_faults` read after the `with make_pool(...)` block counts it."""
+    import os
+    import signal
+
+    from arpo_core.envs.base import TaskSpec
+    from arpo_core.pipeline.rollouts import make_pool, pool_faults
+
+    with make_pool(params("env.n_envs=1")) as pool:
+        pool.reset([(0, TaskSpec("miniwob", "click-test"), 0)])
+        inside = pool_faults(pool, "x")
+        os.kill(pool.worker_pids()[0], signal.SIGKILL)
+    assert inside["x/worker_crashes"] == 0.0
+    assert pool_faults(pool, "x")["x/worker_crashes"] == 1.0
 
 
 def test_sft_grows_the_policy_before_cloning_and_rft_refuses_to(workdir, tmp_path):

@@ -9,7 +9,7 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.pipeline.common import progress_bar, resolve_policy, setup_torch, suite_tasks
-from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
+from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 from arpo_core.rollout import EpisodeJob, run_episodes
 from arpo_core.trajectory import write_trajectories
 
@@ -35,4 +35,5 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
         res = run_episodes(pool, gen, jobs, cfg, run_id="baseline", stage="baseline", progress=bar)
         bar.close()
     write_trajectories(Path(out_dir) / "in_domain.parquet", res.trajectories)
-    return {k.replace("rollout/", "baseline/"): v for k, v in res.metrics.items()}
+    metrics = {k.replace("rollout/", "baseline/"): v for k, v in res.metrics.items()}
+    return metrics | pool_faults(pool, "baseline/faults")  # the close's too (rollouts.py decision 5)

@@ -15,7 +15,7 @@ from typing import Any
 from arpo_core.config import Params
 from arpo_core.demos import play_oracle_episodes
 from arpo_core.pipeline.common import pixel_budget, progress_bar, resolve_policy, suite_tasks
-from arpo_core.pipeline.rollouts import make_pool
+from arpo_core.pipeline.rollouts import make_pool, pool_faults
 from arpo_core.rollout import EpisodeJob
 from arpo_core.trajectory import write_trajectories
 
@@ -54,7 +54,7 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
             progress=bar,
         )
         bar.close()
-        faults = pool.fault_counts()  # env faults while the oracles played (pool.py decision 7)
+    faults = pool_faults(pool, "demos/faults")  # read after the close (rollouts.py decision 5)
     if not res.trajectories:
         raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")
     write_trajectories(Path(out_dir) / "demos.parquet", res.trajectories)
@@ -66,4 +66,4 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
         "demos/steps": float(sum(len(t.steps) for t in res.trajectories)),
         "demos/recovery_episodes": float(sum(m > 0 for m in misses)),
         "demos/miss_steps": float(sum(misses)),
-    } | {f"demos/faults/{kind}": float(n) for kind, n in faults.items()}
+    } | faults

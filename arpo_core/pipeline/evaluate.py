@@ -25,7 +25,7 @@ from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_json
 from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
-from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
+from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 from arpo_core.trajectory import write_trajectories
 
 __all__ = ["MODEL_INPUTS", "evaluate_loaded", "evaluate_policies", "run", "tracked_params", "trajectory_file"]
@@ -121,7 +121,7 @@ def evaluate_policies(
                 metrics.update(res.metrics)
                 if res.trajectories:
                     write_trajectories(trajectory_file(out_dir, name, mode), res.trajectories)
-    return metrics
+    return metrics | pool_faults(pool, "evaluate/env_faults")  # close included (rollouts.py decision 5)
 
 
 def run(

@@ -17,6 +17,9 @@ Decisions:
    health-checked before the pool starts, so a dead URL is one clear error naming it, not eight reset
    retries per worker. The pool (process or Ray backend, `env.ray_resources`, timeouts) is the same for
    every kind.
+5. A stage's env faults are metrics over the pool's whole life, its close included (`pool_faults`, read
+   after the `with make_pool(...)` block): a worker or browser that died after its last call is found
+   only when the pool closes, after the last rollout's own `rollout/faults/*` were taken.
 """
 
 from __future__ import annotations
@@ -33,7 +36,15 @@ from arpo_core.envs.pool import EnvFactory, EnvPool
 from arpo_core.pipeline.common import pixel_budget
 from arpo_core.rollout import RolloutConfig
 
-__all__ = ["ENV_FACTORIES", "generator", "make_pool", "miniwob_factory", "osworld_factory", "rollout_config"]
+__all__ = [
+    "ENV_FACTORIES",
+    "generator",
+    "make_pool",
+    "miniwob_factory",
+    "osworld_factory",
+    "pool_faults",
+    "rollout_config",
+]
 
 
 def miniwob_factory(p: Params) -> EnvFactory:
@@ -107,6 +118,11 @@ def make_pool(p: Params, n: int | None = None):
             logging.getLogger("arpo.envs").warning(
                 "env faults in this stage: %s", ", ".join(f"{k}={v}" for k, v in faults.items())
             )
+
+
+def pool_faults(pool: EnvPool, prefix: str) -> dict[str, float]:
+    """Decision 5: `{prefix}/<kind>` for every fault kind the pool counted (0 included)."""
+    return {f"{prefix}/{kind}": float(n) for kind, n in pool.fault_counts().items()}
 
 
 def rollout_config(

@@ -31,7 +31,7 @@ from typing import Any
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
-from arpo_core.pipeline.rollouts import generator, make_pool, rollout_config
+from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 from arpo_core.selection import read_selection
 
 __all__ = ["artifacts", "epoch_history", "run", "tracked_params", "training_tasks"]
@@ -150,7 +150,11 @@ def run(
     final = Path(out_dir) / "policy"
     load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)
     last = state.history[-1] if state.history else {}
-    return {"train/epochs": float(state.epoch), **{k: v for k, v in last.items() if isinstance(v, float)}}
+    return {
+        "train/epochs": float(state.epoch),
+        **{k: v for k, v in last.items() if isinstance(v, float)},
+        **pool_faults(pool, "train/env_faults"),  # this process's whole pool, close included (decision 5)
+    }
 
 
 def tracked_params(p: Params) -> dict[str, str]:
