@@ -9,8 +9,13 @@ base and the trained policy (`data/eval/{base,arpo}.parquet`, the same tasks and
 summarised: success (with a Wilson 95% interval), episode format-error rate (an episode with any reply
 that did not parse), per task, plus each stage's wall time from the run's progress lines.
 
+With `evaluate.sampled_temperature` set (the preset sets 1.0) the sampled episodes are summarised too,
+and base and trained policy are compared episode by episode on both (paired difference, 95% interval).
+
     .venv/bin/python benchmarks/osworld_local.py [--work /tmp/osworld-local] [-S key=value ...]
     # writes benchmarks/results/osworld_local.json
+    # --reuse: keep an existing copy (its code and outputs; only the preset file is refreshed), so only
+    #          the stages whose params changed run again (e.g. a larger evaluation)
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from soak import VENV_BIN, child_env, copy_project  # noqa: E402
 
 from arpo_core.config import load_params  # noqa: E402
 from arpo_core.evaluate import wilson_interval  # noqa: E402
+from arpo_core.probe import paired_difference  # noqa: E402
 from arpo_core.trajectory import Trajectory, read_trajectories  # noqa: E402
 
 STAGE_DONE = re.compile(r"\[arpo-train\] \d+/\d+ (\w+): done in (\d+) s")
@@ -71,11 +77,17 @@ def main() -> None:
     ap.add_argument("-S", "--set", dest="overrides", action="append", default=[], help="params override")
     ap.add_argument("--timeout", type=float, default=3 * 3600)
     ap.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results" / "osworld_local.json")
+    ap.add_argument("--reuse", action="store_true", help="keep an existing copy (see the module docstring)")
     a = ap.parse_args()
 
     p = load_params(ROOT / "params.yaml", a.overrides, preset=a.preset)  # a bad override fails here
-    shutil.rmtree(a.work, ignore_errors=True)
-    project = copy_project(a.work)
+    preset_file = Path("presets") / f"{a.preset}.yaml"
+    if a.reuse and (a.work / "params.yaml").is_file():
+        project = a.work
+        shutil.copyfile(ROOT / preset_file, project / preset_file)
+    else:
+        shutil.rmtree(a.work, ignore_errors=True)
+        project = copy_project(a.work)
     cmd = [str(VENV_BIN / "arpo"), "run", "--preset", a.preset, "--target", "evaluate"]
     for o in a.overrides:
         cmd += ["-S", o]
@@ -90,9 +102,16 @@ def main() -> None:
     if rc:
         sys.exit(f"{' '.join(cmd)} failed (rc {rc}) in {project}; log tail:\n{text[-3000:]}")
 
-    base = read_trajectories(project / "data" / "eval" / "base.parquet")
     method = "arpo" if p.train.replay.enabled else "grpo"
-    trained = read_trajectories(project / "data" / "eval" / f"{method}.parquet")
+    modes = ["greedy"] + (["sampled"] if p.evaluate.sampled_temperature else [])
+    episodes = {
+        (name, mode): read_trajectories(
+            project / "data" / "eval" / (name + ("" if mode == "greedy" else f"-{mode}") + ".parquet")
+        )
+        for name in ("base", method)
+        for mode in modes
+    }
+    base, trained = episodes["base", "greedy"], episodes[method, "greedy"]
     demos = read_trajectories(project / "data" / "demos")
     baseline = read_trajectories(project / "data" / "baseline")
     select = json.loads((project / "metrics" / "select.json").read_text())
@@ -118,6 +137,16 @@ def main() -> None:
         f"{p.evaluate.max_steps}, OSWorld scoring; format error = an episode with a reply that did not parse",
         "base": summary(base),
         method: summary(trained),
+        f"{method}_minus_base": {
+            mode: paired_difference(episodes["base", mode], episodes[method, mode]) for mode in modes
+        },
+        "sampled": {
+            "temperature": p.evaluate.sampled_temperature,
+            "base": summary(episodes["base", "sampled"]),
+            method: summary(episodes[method, "sampled"]),
+        }
+        if "sampled" in modes
+        else None,
         "pipeline": {
             "wall_s": round(wall),
             "stage_wall_s": {m.group(1): int(m.group(2)) for m in STAGE_DONE.finditer(text)},
