@@ -24,7 +24,6 @@ import argparse
 import datetime as dt
 import json
 import platform
-import re
 import shutil
 import subprocess
 import sys
@@ -35,14 +34,29 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
-from soak import VENV_BIN, child_env, copy_project  # noqa: E402
+from soak import SOURCE, VENV_BIN, child_env, copy_project, source_state  # noqa: E402
 
 from arpo_core.config import load_params  # noqa: E402
 from arpo_core.evaluate import wilson_interval  # noqa: E402
+from arpo_core.pipeline.table import upstream  # noqa: E402
 from arpo_core.probe import paired_difference  # noqa: E402
 from arpo_core.trajectory import Trajectory, read_trajectories  # noqa: E402
 
-STAGE_DONE = re.compile(r"\[arpo-train\] \d+/\d+ (\w+): done in (\d+) s")
+
+def stage_times(project: Path, experiment: str) -> dict[str, int]:
+    """Seconds of each stage's newest finished MLflow run in the copy (a stage an `--reuse` run skipped
+    keeps the time of the run that produced its outputs)."""
+    from flows import tracking
+
+    out: dict[str, int] = {}
+    for row in tracking.run_rows(tracking.client(project), experiment):  # newest first
+        if (
+            row["status"] == "FINISHED"
+            and row["minutes"] is not None
+            and row["stage"] in upstream(["evaluate"])
+        ):
+            out.setdefault(row["stage"], round(60 * row["minutes"]))
+    return {k: out[k] for k in upstream(["evaluate"]) if k in out}
 
 
 def summary(trajs: list[Trajectory]) -> dict:
@@ -82,9 +96,11 @@ def main() -> None:
 
     p = load_params(ROOT / "params.yaml", a.overrides, preset=a.preset)  # a bad override fails here
     preset_file = Path("presets") / f"{a.preset}.yaml"
+    code: dict = {}
     if a.reuse and (a.work / "params.yaml").is_file():
         project = a.work
         shutil.copyfile(ROOT / preset_file, project / preset_file)
+        code["preset_refreshed_from"] = source_state()
     else:
         shutil.rmtree(a.work, ignore_errors=True)
         project = copy_project(a.work)
@@ -99,6 +115,8 @@ def main() -> None:
         ).returncode
     wall = time.monotonic() - t0
     text = log.read_text(errors="replace")
+    source = project / SOURCE
+    code = {"copy_of": json.loads(source.read_text()) if source.is_file() else None, **code}
     if rc:
         sys.exit(f"{' '.join(cmd)} failed (rc {rc}) in {project}; log tail:\n{text[-3000:]}")
 
@@ -121,7 +139,9 @@ def main() -> None:
         "benchmark": "osworld_local_pipeline",
         "command": "python benchmarks/osworld_local.py"
         + "".join(f" -S {o}" for o in a.overrides)
-        + f"  (runs: arpo run --preset {a.preset} --target evaluate, in a fresh project copy)",
+        + (" --reuse" if a.reuse else "")
+        + f"  (runs: arpo run --preset {a.preset} --target evaluate in a project copy)",
+        "code": code,
         "date": dt.date.today().isoformat(),
         "machine": f"{platform.machine()}, {len(__import__('os').sched_getaffinity(0))} cores, "
         f"torch {__import__('torch').__version__}",
@@ -149,7 +169,7 @@ def main() -> None:
         else None,
         "pipeline": {
             "wall_s": round(wall),
-            "stage_wall_s": {m.group(1): int(m.group(2)) for m in STAGE_DONE.finditer(text)},
+            "stage_wall_s": stage_times(project, p.project.name),
             "demos_episodes": len(demos),
             "sft": {k: sft[k] for k in sorted(sft)},
             "baseline_episodes": len(baseline),

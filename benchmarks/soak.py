@@ -139,7 +139,22 @@ def copy_project(dst: Path) -> Path:
         if src.is_file():
             (dst / rel).parent.mkdir(parents=True, exist_ok=True)
             shutil.copy2(src, dst / rel)
+    atomic_write_json(dst / SOURCE, source_state(), indent=1)
     return dst
+
+
+SOURCE = ".arpo/source.json"
+"""Where `copy_project` records the code a copy was made from (`source_state`)."""
+
+
+def source_state() -> dict:
+    """The checkout's commit and the paths that differed from it (uncommitted or untracked)."""
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+
+    dirty = [line[3:] for line in git("status", "--porcelain").splitlines()]
+    return {"commit": git("rev-parse", "HEAD").strip(), "dirty": dirty}
 
 
 def child_env(project: Path) -> dict[str, str]:
