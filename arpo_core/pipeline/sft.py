@@ -16,6 +16,8 @@ from arpo_core.config import Params
 from arpo_core.offline import sft
 from arpo_core.pipeline.common import POINTER, resolve_policy, setup_torch
 from arpo_core.policy.model import Policy, grow_depth, load_policy
+from arpo_core.policy.prompt import Reply
+from arpo_core.policy.sequences import reply_ids
 from arpo_core.trajectory import Trajectory, read_trajectories
 
 __all__ = ["long_replies", "run"]
@@ -27,7 +29,7 @@ def long_replies(policy: Policy, demos: list[Trajectory], max_new_tokens: int) -
     """(demo replies the policy cannot finish within `max_new_tokens`, replies, the longest one's tokens):
     a reply's tokens and its closing `<|im_end|>` (what generation must produce before it stops)."""
     lengths = [
-        len(policy.tokenizer.encode(s.response_text, add_special_tokens=False)) + 1
+        len(reply_ids(policy, Reply(s.response_text, tuple(s.response_token_ids or ())))[0])
         for t in demos
         for s in t.steps
     ]

@@ -50,6 +50,7 @@ __all__ = [
     "encode_trajectory",
     "forward_logits",
     "gather_logprobs",
+    "reply_ids",
     "reply_logprob_sums",
     "sequence_logprobs",
 ]
@@ -92,7 +93,9 @@ class SequenceBatch:
         return SequenceBatch(*(mv(getattr(self, f)) for f in self.__dataclass_fields__))
 
 
-def _reply_ids(policy: Policy, reply: Reply) -> tuple[list[int], list[bool]]:
+def reply_ids(policy: Policy, reply: Reply) -> tuple[list[int], list[bool]]:
+    """A reply's token ids as trained on, its closing `<|im_end|>` included, and which of them are
+    targets (decision 1): sampled ids verbatim, otherwise the tokenised text."""
     im_end = policy.im_end_id
     if reply.token_ids:
         ids = list(reply.token_ids)
@@ -140,7 +143,7 @@ def encode_segments(
             part_mask = [False] * len(part)
             img += 1
         else:
-            part, part_mask = _reply_ids(policy, s.reply)
+            part, part_mask = reply_ids(policy, s.reply)
             if s.step in context_replies:
                 part_mask = [False] * len(part)
         ids += part
