@@ -6,8 +6,9 @@ desktops, through its front door, in a fresh copy of the project:
 (init_policy -> ground -> demos -> sft -> baseline -> select -> train -> evaluate; the offline baselines
 and the comparison table are not needed for these numbers). Then the greedy evaluation episodes of the
 base and the trained policy (`data/eval/{base,arpo}.parquet`, the same tasks and episode count) are
-summarised: success (with a Wilson 95% interval), episode format-error rate (an episode with any reply
-that did not parse), per task, plus each stage's wall time from the run's progress lines.
+summarised with the evaluate stage's own statistics (`evaluate.summarize`: success with its 95% interval,
+the episode format-error rate - an episode with any reply that did not parse -, mean steps), for the
+suite, per domain and per task, plus each stage's wall time (its MLflow run in the copy).
 
 With `evaluate.sampled_temperature` set (the preset sets 1.0) the sampled episodes are summarised too,
 and base and trained policy are compared episode by episode on both (paired difference, 95% interval).
@@ -37,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from soak import SOURCE, VENV_BIN, child_env, copy_project, source_state  # noqa: E402
 
 from arpo_core.config import load_params  # noqa: E402
-from arpo_core.evaluate import wilson_interval  # noqa: E402
+from arpo_core.evaluate import summarize  # noqa: E402
 from arpo_core.pipeline.table import upstream  # noqa: E402
 from arpo_core.probe import paired_difference  # noqa: E402
 from arpo_core.trajectory import Trajectory, read_trajectories  # noqa: E402
@@ -48,39 +49,31 @@ def stage_times(project: Path, experiment: str) -> dict[str, int]:
     keeps the time of the run that produced its outputs)."""
     from flows import tracking
 
+    stages = upstream(["evaluate"])
     out: dict[str, int] = {}
     for row in tracking.run_rows(tracking.client(project), experiment):  # newest first
-        if (
-            row["status"] == "FINISHED"
-            and row["minutes"] is not None
-            and row["stage"] in upstream(["evaluate"])
-        ):
+        if row["status"] == "FINISHED" and row["minutes"] is not None and row["stage"] in stages:
             out.setdefault(row["stage"], round(60 * row["minutes"]))
-    return {k: out[k] for k in upstream(["evaluate"]) if k in out}
+    return {k: out[k] for k in stages if k in out}
 
 
-def summary(trajs: list[Trajectory]) -> dict:
-    """Success, its Wilson 95% interval, format-error rate and episodes, overall and per task."""
+def summary(trajs: list[Trajectory], max_steps: int) -> dict:
+    """The evaluate stage's own statistics (`evaluate.summarize`: success with its 95% interval, format
+    errors, mean steps, episodes), for the whole suite, per domain and per task."""
+    stats = summarize(trajs, {t.key: "suite" for t in trajs}, max_steps=max_steps, prefix="m")
 
-    def cell(ts: list[Trajectory]) -> dict:
-        n = len(ts)
-        k = sum(t.success for t in ts)
+    def cell(name: str) -> dict:
         return {
-            "success": k / n,
-            "ci95": list(wilson_interval(k, n)),
-            "format_error_rate": sum(t.format_error for t in ts) / n,
-            "mean_steps": sum(len(t.steps) for t in ts) / n,
-            "episodes": n,
+            "success": stats[f"m/{name}/success_rate"],
+            "ci95": [stats[f"m/{name}/success_ci_low"], stats[f"m/{name}/success_ci_high"]],
+            "format_error_rate": stats[f"m/{name}/format_error_rate"],
+            "mean_steps": stats[f"m/{name}/mean_steps"],
+            "episodes": int(stats[f"m/{name}/episodes"]),
         }
 
-    by_task: dict[str, list[Trajectory]] = {}
-    for t in trajs:
-        by_task.setdefault(f"{t.task_domain}/{t.task_id}", []).append(t)
-    out = cell(trajs)
-    out["by_domain"] = {
-        d: cell([t for t in trajs if t.task_domain == d]) for d in sorted({t.task_domain for t in trajs})
-    }
-    out["per_task"] = {k: cell(v) for k, v in sorted(by_task.items())}
+    out = cell("suite")
+    out["by_domain"] = {d: cell(f"domain/{d}") for d in sorted({t.task_domain for t in trajs})}
+    out["per_task"] = {f"{d}/{i}": cell(f"task/{d}/{i}") for d, i in sorted({t.key for t in trajs})}
     return out
 
 
@@ -155,15 +148,15 @@ def main() -> None:
         "episodes_per_task": p.evaluate.episodes_per_task,
         "scoring": f"greedy (evaluate.temperature {p.evaluate.temperature}), evaluate.max_steps "
         f"{p.evaluate.max_steps}, OSWorld scoring; format error = an episode with a reply that did not parse",
-        "base": summary(base),
-        method: summary(trained),
+        "base": summary(base, p.evaluate.max_steps),
+        method: summary(trained, p.evaluate.max_steps),
         f"{method}_minus_base": {
             mode: paired_difference(episodes["base", mode], episodes[method, mode]) for mode in modes
         },
         "sampled": {
             "temperature": p.evaluate.sampled_temperature,
-            "base": summary(episodes["base", "sampled"]),
-            method: summary(episodes[method, "sampled"]),
+            "base": summary(episodes["base", "sampled"], p.evaluate.max_steps),
+            method: summary(episodes[method, "sampled"], p.evaluate.max_steps),
         }
         if "sampled" in modes
         else None,
