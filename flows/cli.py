@@ -178,6 +178,12 @@ def params(
     typer.echo(f"wrote {out}")
 
 
+def _known_stage(name: str) -> None:
+    """A stage name from the command line that the stage table lacks is a one-line usage error."""
+    if name not in STAGE_NAMES:
+        raise typer.BadParameter(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
+
+
 def run_stage(
     name: str,
     params: Path = Path("params.yaml"),
@@ -186,8 +192,7 @@ def run_stage(
 ) -> dict[str, float]:
     """Run one stage outside Prefect (what `arpo stage` and so each DVC stage does), tracked in MLflow
     like the stage's flow: the flow's own function, whose task calls then run as plain functions."""
-    if name not in STAGE_NAMES:
-        raise typer.BadParameter(f"unknown stage {name!r}; stages: {', '.join(STAGE_NAMES)}")
+    _known_stage(name)
     from flows.stages import FLOWS
 
     return FLOWS[name].fn(params=str(params), preset=preset, overrides=list(overrides or ()))
@@ -243,8 +248,7 @@ def run(
     configured (PREFECT_API_URL) Prefect starts a temporary local one for the run."""
     _load(params, set_, preset)
     for t in target:
-        if t not in STAGE_NAMES:
-            raise typer.BadParameter(f"unknown stage {t!r}; stages: {', '.join(STAGE_NAMES)}")
+        _known_stage(t)
     from flows.arpo_train import arpo_train
 
     t0 = time.monotonic()
