@@ -31,6 +31,10 @@ Decisions:
    and the page cache warm up); pool start time is reported separately. Medians over `--repeats`.
 5. torch uses one thread (params.yaml project.torch_threads; on a busy 2-core machine more threads spin),
    and the load average before/after is recorded because other jobs lower the numbers.
+6. `machine_cpu_busy`: the fraction of all cores' time that was busy during the run (/proc/stat),
+   whoever used it (Chromium, the workers, the generator). Async can only win the CPU time that sync
+   leaves idle (its envs waiting for the generator, the generator waiting for the slowest env): on a
+   machine whose cores are already busy under sync, async cannot be much faster, whatever its schedule.
 """
 
 from __future__ import annotations
@@ -76,7 +80,7 @@ class FixedLengthGenerator(NoStop):
     special token: a random policy samples `<|image_pad|>` now and then, and that id fed back as reply
     history breaks the next prompt's image-token count (get_rope_index raises StopIteration)."""
 
-    def masked_ids(self) -> list[int]:
+    def banned_ids(self) -> list[int]:
         return sorted(self.policy.tokenizer.added_tokens_decoder)  # every special/added token id
 
 
@@ -179,6 +183,24 @@ def median_summary(runs: list[dict[str, float]]) -> dict[str, float]:
     return {k: round(statistics.median(r[k] for r in runs), 4) for k in runs[0]}
 
 
+def cpu_times() -> tuple[int, int] | None:
+    """(busy, total) jiffies of all CPUs from /proc/stat; None where there is no /proc/stat."""
+    try:
+        fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    except OSError:
+        return None
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    total = sum(fields[:8])  # user nice system idle iowait irq softirq steal (guest is inside user)
+    return total - idle, total
+
+
+def cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
+    """Fraction of the machine's CPU time (all cores) that was busy between two `cpu_times` (decision 6)."""
+    if before is None or after is None or after[1] == before[1]:
+        return float("nan")
+    return round((after[0] - before[0]) / (after[1] - before[1]), 4)
+
+
 def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig) -> list[dict]:
     """Every mode of `args.modes` on one pool of `n` envs, the same jobs each (decision 3)."""
     gen = ClickingGenerator(
@@ -203,11 +225,14 @@ def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig) -> list[d
             for mode in args.modes:  # interleaved, so both modes see the same load
                 mcfg = dataclasses.replace(cfg, mode=mode, batch_wait_s=args.batch_wait)
                 timed = TimedPool(pool)
+                cpu0 = cpu_times()
                 res = run_episodes(timed, gen, jobs, mcfg, epoch=rep)
+                cpu1 = cpu_times()
                 faults[mode] += len(res.failed) + int(res.metrics["rollout/env_faults"])
                 sigs[mode].append([[st.response_text for st in t.steps] for t in res.trajectories])
                 steps = sum(len(t.steps) for t in res.trajectories)
                 s = summarize(res.metrics, steps, len(res.trajectories))
+                s["machine_cpu_busy"] = cpu_busy(cpu0, cpu1)
                 for kind, lat in timed.latency.items():
                     s[f"{kind}_calls"] = len(lat)
                     s[f"{kind}_ms_mean"] = 1000 * statistics.mean(lat) if lat else 0.0

@@ -239,3 +239,60 @@ def test_vision_tokens_never_generated_and_logps_stay_raw(tmp_path):
     # and the reply can go back into a prompt as history without breaking the next step
     nxt = PromptInput("Click.", (screen(0), screen(1)), (Reply(outs[0].text, outs[0].token_ids),))
     assert len(gen.generate([nxt], temperature=0.0, top_p=1.0, max_new_tokens=3)) == 1
+
+
+@pytest.mark.parametrize("size", ["xs", "s"])
+def test_lean_decoder_equals_the_stock_forward(tmp_path, size):
+    """decode.py decision 3: decode steps through `LeanDecoder` give the stock forward's tokens, and
+    log-probs within float rounding, greedy and sampled, over a left-padded batch with history."""
+    from arpo_core.policy.decode import LeanDecoder
+
+    pol = build_tiny_policy(tmp_path / size, size=size, seed=1)
+    lean = HFGenerator(pol, system="compact", history_images=None)
+    stock = HFGenerator(pol, system="compact", history_images=None)
+    stock.lean_decode = False
+    assert lean.use_lean_decoder(pol.model) and not stock.use_lean_decoder(pol.model)
+    calls = []
+    orig_step = LeanDecoder.step
+
+    def counted(self, ids):
+        calls.append(ids.shape[0])
+        return orig_step(self, ids)
+
+    LeanDecoder.step = counted
+    try:
+        for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)):
+            kw = {"temperature": temperature, "top_p": top_p, "max_new_tokens": 40, "seeds": [3, 4, 5]}
+            a = stock.generate(prompts(), **kw)
+            n = len(calls)
+            b = lean.generate(prompts(), **kw)
+            assert len(calls) > n  # the lean path ran
+            for x, y in zip(a, b, strict=True):
+                assert x.token_ids == y.token_ids and x.text == y.text and x.finish_reason == y.finish_reason
+                torch.testing.assert_close(
+                    torch.tensor(y.logprobs), torch.tensor(x.logprobs), rtol=0, atol=1e-5
+                )
+    finally:
+        LeanDecoder.step = orig_step
+
+
+def test_lean_decoder_only_where_it_applies(policy):
+    """decode.py decision 4: a model in training mode or with a non-stock attention kernel takes the
+    stock forward."""
+    from arpo_core.policy.decode import LeanDecoder
+
+    model = policy.model
+    assert LeanDecoder.supports(model)
+    model.train()
+    try:
+        assert not LeanDecoder.supports(model)
+    finally:
+        model.eval()
+    cfg = model.model.language_model.config
+    impl = cfg._attn_implementation
+    try:
+        cfg._attn_implementation = "flash_attention_2"
+        assert not LeanDecoder.supports(model)
+    finally:
+        cfg._attn_implementation = impl
+    assert LeanDecoder.supports(model)

@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import numpy as np
 import pytest
 import torch
 from PIL import Image, ImageDraw
@@ -11,6 +12,8 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 from arpo_core.policy.model import (
     QWEN_SPECIAL_TOKENS,
     SIZES,
+    TINY_MAX_PIXELS,
+    TINY_MIN_PIXELS,
     Policy,
     PolicyProcessor,
     build_tiny_policy,
@@ -211,3 +214,40 @@ def test_linear_patch_embed_is_the_conv3d_it_replaces(built):
     assert set(pe.state_dict()) == {"proj.weight"}
     grown = grow_depth(policy, [0])
     assert type(grown.model.model.visual.patch_embed) is LinearPatchEmbed
+
+
+@pytest.mark.parametrize(
+    ("budget", "sizes"),
+    [
+        # the tiny budget: MiniWoB's screen (resized 160x210 -> 168x224), an exact fit, odd shapes
+        ((TINY_MIN_PIXELS, TINY_MAX_PIXELS), [(160, 210), (168, 224), (50, 30), (333, 777), (28, 28)]),
+        # UI-TARS's budget in the reference: a desktop screenshot is scaled to 1932x1092
+        ((3136, 2116800), [(1920, 1080), (1280, 720)]),
+    ],
+)
+def test_image_inputs_equal_the_stock_processor(budget, sizes):
+    """model.py decision 8: the direct computation is the stock processor's, bit for bit (RGB and RGBA
+    inputs, several images in one call), and a processor configured otherwise takes the stock call."""
+    from transformers import Qwen2VLImageProcessorPil
+
+    from arpo_core.policy.model import image_inputs
+
+    rng = np.random.default_rng(0)
+    proc = Qwen2VLImageProcessorPil(size={"shortest_edge": budget[0], "longest_edge": budget[1]})
+    for w, h in sizes:
+        images = [
+            Image.fromarray(rng.integers(0, 256, (h, w, 3), dtype=np.uint8)),
+            Image.fromarray(rng.integers(0, 256, (h, w, 4), dtype=np.uint8), "RGBA"),
+        ]
+        stock = proc(images=[im.convert("RGB") for im in images], return_tensors="pt")
+        pixels, grid = image_inputs(proc, images)
+        assert torch.equal(grid, stock["image_grid_thw"]), (w, h)
+        assert pixels.dtype == stock["pixel_values"].dtype and torch.equal(pixels, stock["pixel_values"]), (
+            w,
+            h,
+        )
+    other = Qwen2VLImageProcessorPil(
+        size={"shortest_edge": budget[0], "longest_edge": budget[1]}, do_normalize=False
+    )
+    im = Image.fromarray(rng.integers(0, 256, (210, 160, 3), dtype=np.uint8))
+    assert torch.equal(image_inputs(other, [im])[0], other(images=[im], return_tensors="pt")["pixel_values"])

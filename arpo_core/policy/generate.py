@@ -51,6 +51,13 @@ Decisions:
 10. One vLLM engine per process (`make_generator` keeps it): vLLM does not give its GPU memory back
     reliably, so a second policy of the same architecture (evaluate's base and trained policies, the
     train stage's evaluations) reuses the engine and only loads its weights.
+11. The HF backend's decode steps after the prefill go through `LeanDecoder` (decode.py): the same
+    layers' arithmetic without the stock forward's per-call machinery, over a KV cache allocated once
+    per call. On this machine's CPU it makes a decode step of the xs policy ~2x cheaper (1.8 -> 0.8 ms at
+    batch 1) with the same tokens (tests/test_generate.py). The prefill (images, M-RoPE positions)
+    stays the stock forward. `lean_decode = False`, or a model the lean path does not cover
+    (`LeanDecoder.supports`: training mode, ZeRO-3 shards, another attention kernel or rotary type),
+    takes the stock forward for every step.
 """
 
 from __future__ import annotations
@@ -63,6 +70,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
 
+from arpo_core.policy.decode import LeanDecoder
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, build_segments
 from arpo_core.policy.sequences import collate, encode_prompt
@@ -168,10 +176,20 @@ def sample_next(
 class HFGenerator:
     """Batched generation with the transformers model (decision 1)."""
 
+    lean_decode: bool = True
+    """Decision 11: decode steps through `LeanDecoder` where it supports the model."""
+
     def __init__(self, policy: Policy, *, system: str, history_images: int | None):
         self.policy = policy
         self.system = system
         self.history_images = history_images
+
+    def banned_ids(self) -> list[int]:
+        """Token ids never drawn (decision 6); a subclass may ban more (the benchmarks ban the stop ids)."""
+        return self.policy.vision_token_ids
+
+    def use_lean_decoder(self, model: torch.nn.Module) -> bool:
+        return self.lean_decode and LeanDecoder.supports(model)
 
     @torch.no_grad()
     def generate(
@@ -200,7 +218,7 @@ class HFGenerator:
                 [torch.rand(max_new_tokens, generator=g, device=device) for g in gens]
             )
         stop_ids = torch.tensor([policy.im_end_id, policy.pad_id], device=device)
-        banned = torch.tensor(policy.vision_token_ids, dtype=torch.long, device=device)
+        banned = torch.tensor(self.banned_ids(), dtype=torch.long, device=device)
 
         # Prefill with explicit 3-D positions (decision 3).
         if enc.image_grid_thw is not None:
@@ -226,6 +244,9 @@ class HFGenerator:
         cache = out.cache
         logits = out.logits[:, -1]  # (B, V)
         attention = enc.attention_mask
+        lean = None
+        if self.use_lean_decoder(model):
+            lean = LeanDecoder(model, cache, attention, next_pos, max_new_tokens)
 
         drawn: list[torch.Tensor] = []  # per step (B,) token ids; rows are cut at their stop below
         drawn_lp: list[torch.Tensor] = []
@@ -239,18 +260,21 @@ class HFGenerator:
             done |= torch.isin(nxt, stop_ids)
             if bool(done.all()):
                 break
-            attention = torch.cat(
-                [attention, torch.ones((B, 1), dtype=attention.dtype, device=device)], dim=1
-            )
-            out = model(
-                input_ids=nxt[:, None],
-                attention_mask=attention,
-                position_ids=next_pos.view(1, B, 1).expand(3, B, 1),
-                cache=cache,
-                use_cache=True,
-            )
-            cache = out.cache
-            logits = out.logits[:, -1]
+            if lean is not None:  # decision 11
+                logits = lean.step(nxt)
+            else:
+                attention = torch.cat(
+                    [attention, torch.ones((B, 1), dtype=attention.dtype, device=device)], dim=1
+                )
+                out = model(
+                    input_ids=nxt[:, None],
+                    attention_mask=attention,
+                    position_ids=next_pos.view(1, B, 1).expand(3, B, 1),
+                    cache=cache,
+                    use_cache=True,
+                )
+                cache = out.cache
+                logits = out.logits[:, -1]
             next_pos = next_pos + 1
 
         stops = {policy.im_end_id, policy.pad_id}

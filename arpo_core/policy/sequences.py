@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 from PIL import Image
 
-from arpo_core.policy.model import Policy
+from arpo_core.policy.model import Policy, image_inputs
 from arpo_core.policy.prompt import PromptInput, Reply, Segment, build_segments
 from arpo_core.trajectory import Trajectory
 
@@ -125,10 +125,7 @@ def encode_segments(
     pixel_values = grid = None
     n_tokens: list[int] = []
     if steps:
-        out = policy.image_processor(
-            images=[screenshots[i].convert("RGB") for i in steps], return_tensors="pt"
-        )
-        pixel_values, grid = out["pixel_values"], out["image_grid_thw"]
+        pixel_values, grid = image_inputs(policy.image_processor, [screenshots[i] for i in steps])
         merge = policy.image_processor.merge_size
         n_tokens = (grid.prod(-1) // (merge * merge)).tolist()
     ids: list[int] = []
