@@ -296,3 +296,29 @@ def test_lean_decoder_only_where_it_applies(policy):
     finally:
         cfg._attn_implementation = impl
     assert LeanDecoder.supports(model)
+
+
+def test_generates_in_eval_mode_and_restores_the_mode(policy):
+    """After an update the trainer leaves the model in train mode: generation still runs in eval mode
+    (the lean decoder applies) and hands the model back in the mode it found it."""
+    from arpo_core.policy.decode import LeanDecoder
+
+    gen = HFGenerator(policy, system="compact", history_images=None)
+    seen = []
+    orig = LeanDecoder.__init__
+
+    def spy(self, model, *a, **k):
+        seen.append(model.training)
+        orig(self, model, *a, **k)
+
+    LeanDecoder.__init__ = spy
+    try:
+        policy.model.train()
+        gen.generate(prompts()[:1], temperature=0.0, top_p=1.0, max_new_tokens=4)
+        assert seen == [False] and policy.model.training
+        policy.model.eval()
+        gen.generate(prompts()[:1], temperature=0.0, top_p=1.0, max_new_tokens=4)
+        assert seen == [False, False] and not policy.model.training
+    finally:
+        LeanDecoder.__init__ = orig
+        policy.model.eval()

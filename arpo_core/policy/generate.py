@@ -191,7 +191,6 @@ class HFGenerator:
     def use_lean_decoder(self, model: torch.nn.Module) -> bool:
         return self.lean_decode and LeanDecoder.supports(model)
 
-    @torch.no_grad()
     def generate(
         self,
         batch: list[PromptInput],
@@ -200,6 +199,29 @@ class HFGenerator:
         top_p: float,
         max_new_tokens: int,
         seeds: Sequence[int] | None = None,
+    ) -> list[Generation]:
+        """One reply per prompt. The model generates in eval mode (no dropout, the lean decoder
+        applies) and is put back in the mode it was in: the trainer leaves it in train mode after an
+        update."""
+        model = self.policy.model
+        was_training = model.training
+        model.eval()
+        try:
+            return self._generate(
+                batch, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
+            )
+        finally:
+            model.train(was_training)
+
+    @torch.no_grad()
+    def _generate(
+        self,
+        batch: list[PromptInput],
+        *,
+        temperature: float,
+        top_p: float,
+        max_new_tokens: int,
+        seeds: Sequence[int] | None,
     ) -> list[Generation]:
         seeds = _check_seeds(batch, temperature, seeds)
         if not batch:
