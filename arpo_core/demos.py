@@ -42,6 +42,12 @@ Decisions:
    misses, so it is the demo an undisturbed run records (the soak, benchmarks/soak.py, found demos lost
    to kills). A demo that fails by itself (the oracle's reply does not parse, a miss ended the episode)
    is not played again.
+9. `thoughts="brief"` (params' `demos.thoughts`) rewrites every demo reply, misses included, as
+   `format_response(BRIEF_THOUGHT, actions)` with the oracle's parsed actions: the same actions (the
+   reply goes through the parser again), one fixed Thought. A tiny policy garbles the oracles' free-text
+   thoughts (target names copied from the instruction) and the garbling spills into the action; with a
+   fixed thought the reply is a fixed prefix plus the action. `oracle` keeps the oracles' replies as
+   they are.
 """
 
 from __future__ import annotations
@@ -52,17 +58,28 @@ import random
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from arpo_core.actions import ActionParseError, parse_response, smart_resize, to_screen
+from arpo_core.actions import ActionParseError, format_response, parse_response, smart_resize, to_screen
 from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, miss_step, render_reply
 from arpo_core.envs.pool import EnvPool
 from arpo_core.rollout import EpisodeJob, RolloutConfig
 from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
-__all__ = ["ENV_RETRIES", "DemoResult", "miss_rng", "planned_misses", "play_oracle_episodes"]
+__all__ = [
+    "BRIEF_THOUGHT",
+    "ENV_RETRIES",
+    "THOUGHT_STYLES",
+    "DemoResult",
+    "miss_rng",
+    "planned_misses",
+    "play_oracle_episodes",
+]
 
 ENV_RETRIES = RolloutConfig.env_retries
 """Decision 8: plays of a demo hit by an env fault before it is given up (the rollouts' default)."""
+THOUGHT_STYLES = ("oracle", "brief")
+BRIEF_THOUGHT = "I act on the screen."
+"""Decision 9: the one Thought of every demo reply with `thoughts="brief"`."""
 
 
 @dataclasses.dataclass
@@ -126,6 +143,7 @@ def _play(
     max_pixels: int | None,
     misses: int,
     rng: random.Random,
+    thoughts: str = "oracle",
 ):
     """One oracle episode: (trajectory, None, False), or (None, error, env_fault) - env_fault True when
     the env failed (decision 8: the episode is played again), False when the episode itself failed."""
@@ -157,6 +175,8 @@ def _play(
             parsed = parse_response(text)
         except ActionParseError as e:
             return None, f"{job.task.task_id}: oracle reply does not parse: {e}", False
+        if thoughts == "brief":  # decision 9
+            text = format_response(BRIEF_THOUGHT, parsed.actions)
         w, h = obs.screen_size
         mh, mw = smart_resize(
             h, w, min_pixels=min_pixels or MODEL_MIN_PIXELS, max_pixels=max_pixels or MODEL_MAX_PIXELS
@@ -210,6 +230,7 @@ def play_oracle_episodes(
     max_misses: int,
     min_pixels: int | None = None,
     max_pixels: int | None = None,
+    thoughts: str = "oracle",
     progress=None,
 ) -> DemoResult:
     """Play every job with the oracle, at most `max_steps` oracle steps each (params own the limit); keep
@@ -220,6 +241,8 @@ def play_oracle_episodes(
         raise ValueError(f"recovery_rate must be in [0, 1], got {recovery_rate}")
     if max_misses < 1:
         raise ValueError(f"max_misses must be >= 1, got {max_misses}")
+    if thoughts not in THOUGHT_STYLES:
+        raise ValueError(f"thoughts must be one of {', '.join(THOUGHT_STYLES)}, got {thoughts!r}")
     queues: list[list[tuple[int, EpisodeJob]]] = [[] for _ in range(pool.n)]
     for i, job in enumerate(jobs):
         queues[i % pool.n].append((i, job))
@@ -234,7 +257,7 @@ def play_oracle_episodes(
                 rng = miss_rng(job)
                 misses = planned_misses(rng, recovery_rate, max_misses)
                 traj, err, env_fault = _play(
-                    pool, env_idx, job, max_steps, min_pixels, max_pixels, misses, rng
+                    pool, env_idx, job, max_steps, min_pixels, max_pixels, misses, rng, thoughts
                 )
                 if not env_fault:
                     break

@@ -271,3 +271,25 @@ def test_every_oracle_task_recovers_from_misses(pool):
     assert n_recovery >= 0.9 * len(jobs)  # click-tab's long tab texts can fill the whole task area
     assert {t.task_id for t in res.trajectories if not t.steps[0].train_reply} == set(ORACLES)
     print("steps per task:", json.dumps({t.task_id: len(t.steps) for t in res.trajectories}))
+
+
+def test_brief_thoughts_keep_the_oracles_actions(pool, tmp_path):
+    """demos.py decision 9: with thoughts="brief" every reply, misses included, is the fixed Thought with
+    exactly the actions (and misses) of the oracle's own demo of the same job; a bad style is refused."""
+    from arpo_core.demos import BRIEF_THOUGHT
+
+    jobs = jobs_for(["click-test-2", "enter-text"], [7, 8])
+    kw = {"max_steps": MAX_STEPS, "recovery_rate": 0.5, "max_misses": 2}
+    own = play_oracle_episodes(pool, jobs, **kw)
+    brief = play_oracle_episodes(pool, jobs, thoughts="brief", **kw)
+    assert brief.errors == [] and len(brief.trajectories) == len(own.trajectories) == len(jobs)
+    for a, b in zip(own.trajectories, brief.trajectories, strict=True):
+        assert [s.train_reply for s in a.steps] == [s.train_reply for s in b.steps]
+        for sa, sb in zip(a.steps, b.steps, strict=True):
+            assert sb.response_text.startswith(f"Thought: {BRIEF_THOUGHT}\nAction: ")
+            assert parse_response(sb.response_text).actions == parse_response(sa.response_text).actions
+            assert sb.actions_json == sa.actions_json and sa.response_text != sb.response_text
+    assert any(len(t.steps) > 1 for t in brief.trajectories)
+    check_bc_sequences(brief.trajectories, tmp_path)
+    with pytest.raises(ValueError, match="thoughts must be one of oracle, brief"):
+        play_oracle_episodes(pool, jobs, thoughts="long", **kw)

@@ -49,6 +49,7 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
             max_steps=p.baseline.max_steps,
             recovery_rate=p.demos.recovery_rate,
             max_misses=p.demos.max_misses,
+            thoughts=p.demos.thoughts,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
             progress=bar,
