@@ -87,8 +87,9 @@ def time_batch(gen, prompts, bs: int, repeats: int, tokens: int, sampled: dict) 
     for r in range(repeats):
         seeds = [1000 * r + i for i in range(bs)]
         t0 = time.perf_counter()
-        gen.generate(prompts[:bs], max_new_tokens=tokens, seeds=seeds, **sampled)
+        out = gen.generate(prompts[:bs], max_new_tokens=tokens, seeds=seeds, **sampled)
         batched.append(time.perf_counter() - t0)
+        assert all(len(g.token_ids) == tokens for g in out), "a reply stopped before the fixed length"
         t0 = time.perf_counter()
         for i in range(bs):
             gen.generate(prompts[i : i + 1], max_new_tokens=tokens, seeds=seeds[i : i + 1], **sampled)
@@ -118,28 +119,8 @@ def main() -> None:
 
     rows = []
     for bs in (1, 2, 4, 8, 16):
-        batched, single, prefill, prefill_single = [], [], [], []
-        for r in range(args.repeats):
-            t0 = time.perf_counter()
-            seeds = [1000 * r + i for i in range(bs)]
-            out = gen.generate(prompts[:bs], max_new_tokens=args.tokens, seeds=seeds, **sampled)
-            batched.append(time.perf_counter() - t0)
-            assert all(len(g.token_ids) == args.tokens for g in out)
-            t0 = time.perf_counter()
-            for i in range(bs):
-                gen.generate(
-                    prompts[i : i + 1], max_new_tokens=args.tokens, seeds=seeds[i : i + 1], **sampled
-                )
-            single.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            gen.generate(prompts[:bs], max_new_tokens=1, seeds=seeds, **sampled)
-            prefill.append(time.perf_counter() - t0)
-            t0 = time.perf_counter()
-            for i in range(bs):
-                gen.generate(prompts[i : i + 1], max_new_tokens=1, seeds=seeds[i : i + 1], **sampled)
-            prefill_single.append(time.perf_counter() - t0)
-        tb, ts = statistics.median(batched), statistics.median(single)
-        tp, tps = statistics.median(prefill), statistics.median(prefill_single)
+        tb, ts = time_batch(gen, prompts, bs, args.repeats, args.tokens, sampled)
+        tp, tps = time_batch(gen, prompts, bs, args.repeats, 1, sampled)  # the prefill alone
         n = bs * args.tokens
         rows.append(
             {
