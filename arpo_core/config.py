@@ -365,7 +365,7 @@ class DemosConfig:
     space, then solves the task: recovery demos teach replies after a history (arpo_core/demos.py)."""
     max_misses: Annotated[int, Ge(1)] = 2
     """A recovery episode starts with 1..max_misses misses (uniform); the misses are context, not trained."""
-    thoughts: Literal["oracle", "brief"] = "oracle"
+    thoughts: Literal["oracle", "brief"] = "brief"
     """The Thought of each demo reply: `oracle` keeps the oracle's own (it names the target, e.g. `The link
     "cioi" is in the text; I click it.`), `brief` replaces it with one fixed sentence (arpo_core/demos.py
     decision 9), leaving the policy fewer free-text tokens to reproduce."""
