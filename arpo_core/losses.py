@@ -152,15 +152,25 @@ AGGREGATIONS: dict[str, Callable[[Tensor, Tensor, float | None], Tensor]] = {
 }
 
 
-def aggregate(loss: Tensor, mask: Tensor, agg: str, sum_norm: float | None) -> Tensor:
+def aggregate(
+    loss: Tensor, mask: Tensor, agg: str, sum_norm: float | None, row_weights: Tensor | None = None
+) -> Tensor:
     """Reduce a per-token loss (B, T) to a scalar over masked tokens with a mode from `AGGREGATIONS`.
 
     `sum_norm` is the divisor of "seq-mean-token-sum-norm" (None: T = mask.shape[-1], as verl).
+    `row_weights` (B,) scale each row's contribution in the `seq-mean-*` modes (a trajectory split into
+    several rows, update.py decision 8); "token-mean" takes none, its unit is the token.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown agg {agg!r}; valid: {sorted(AGGREGATIONS)}")
     if sum_norm is not None and sum_norm <= 0:
         raise ValueError(f"sum_norm must be > 0, got {sum_norm}")
+    if row_weights is not None:
+        if agg == "token-mean":
+            raise ValueError("row_weights apply to the seq-mean-* aggregations; token-mean weighs tokens")
+        if row_weights.shape != loss.shape[:1]:
+            raise ValueError(f"row_weights must be ({loss.shape[0]},), got {tuple(row_weights.shape)}")
+        loss = loss * row_weights.to(loss.dtype).unsqueeze(-1)
     return AGGREGATIONS[agg](loss, (mask != 0).to(loss.dtype), sum_norm)
 
 
@@ -195,6 +205,7 @@ def policy_loss(
     sum_norm: float | None,
     ref_logps: Tensor | None = None,
     entropy: Tensor | None = None,
+    row_weights: Tensor | None = None,
 ) -> LossOutput:
     """Clipped (asymmetric + dual-clip) surrogate loss over assistant tokens, plus optional KL to ref.
 
@@ -212,6 +223,7 @@ def policy_loss(
         sum_norm: divisor of "seq-mean-token-sum-norm" (None: T).
         ref_logps: (B, T) reference-policy log-probs; required when kl_coef != 0.
         entropy: (B, T) optional per-token entropy, reported as a masked token-mean.
+        row_weights: (B,) optional weight of each row in the `seq-mean-*` aggregations (`aggregate`).
 
     Returns:
         LossOutput; `loss` is a 0-dim float32 tensor with grad, the rest detached.
@@ -263,10 +275,10 @@ def policy_loss(
         dual = (adv < 0) & (r > clip_dual) if clip_dual is not None else torch.zeros_like(on)
         approx_kl = masked_mean((r - 1.0) - log_ratio.detach(), m)
         ent = masked_mean(entropy.detach().float(), m) if entropy is not None else None
-        pg_loss = aggregate(pg.detach(), m, agg, sum_norm)
+        pg_loss = aggregate(pg.detach(), m, agg, sum_norm, row_weights)
 
     return LossOutput(
-        loss=aggregate(per_token, m, agg, sum_norm),
+        loss=aggregate(per_token, m, agg, sum_norm, row_weights),
         pg_loss=pg_loss,
         kl=kl_metric,
         clip_low_frac=masked_mean(low.float(), m),

@@ -14,8 +14,9 @@ Decisions:
    checkpoint is a normal policy directory loadable by `load_policy`.
 5. The function returns the loss history; it logs nothing (arpo_core is a library). A tqdm bar shows
    progress unless disabled.
-6. What is cloned: every reply of a trajectory is in its one sequence, each conditioned on all earlier
-   screenshots and replies (the same context the policy has at that step of a rollout), and the loss
+6. What is cloned: every reply of a trajectory, each conditioned on exactly the context the policy has
+   at that step of a rollout (the earlier replies and the screenshots of the history window; one
+   sequence per window when the episode is longer than the window, `sequences.py` decision 3), and the loss
    covers the replies of the steps with `train_reply` set. The steps without it are a recovery demo's
    deliberate misses (arpo_core/demos.py decisions 4-5): context the policy must learn to answer after,
    never a behaviour to imitate. A trajectory set with no trainable reply at all is an error.
@@ -36,7 +37,7 @@ from tqdm.auto import tqdm
 from arpo_core.fileio import atomic_write_json
 from arpo_core.offline_config import SFTConfig
 from arpo_core.policy.model import Policy
-from arpo_core.policy.sequences import collate, encode_trajectory, sequence_logprobs
+from arpo_core.policy.sequences import collate, encode_trajectory_windows, sequence_logprobs
 from arpo_core.trajectory import Trajectory
 
 __all__ = ["SFTConfig", "lr_factor", "masked_mean_nll", "sft"]
@@ -111,8 +112,11 @@ def sft(
                 idx.append(order.pop())
             # Encoded per batch, not up front: pixel tensors of a few thousand demos would take GBs.
             seqs = [
-                encode_trajectory(policy, trajectories[i], system=system, history_images=history_images)
+                seq
                 for i in idx
+                for seq in encode_trajectory_windows(
+                    policy, trajectories[i], system=system, history_images=history_images
+                )
             ]
             micro.append(collate(seqs, policy.pad_id, policy.image_token_id).to(device))
         n_total = sum(int((b.assistant_mask & b.attention_mask.bool())[:, 1:].sum()) for b in micro)

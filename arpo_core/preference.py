@@ -4,7 +4,8 @@ The ARPO paper compares online RL with these offline methods trained on the base
 (docs/method.md §4: rejection sampling 21.8, DPO 22.4, KTO 24.6, GRPO 26.0, ARPO 27.3 on OSWorld).
 
 Decisions:
-1. Same sequences as RL: one multi-turn trajectory = one token sequence with its screenshots, and a
+1. Same sequences as RL: one multi-turn trajectory = one token sequence with its screenshots (or its
+   windows, when it is longer than the history window: `policy/sequences.py` decision 3), and a
    trajectory's log-probability is the SUM of its per-token log-probs over the assistant mask
    (`policy.sequences.sequence_logprobs`; replies + `<|im_end|>`), the quantity DPO and KTO are defined
    on (TRL's `get_batch_logps(average_log_prob=False)`).
@@ -65,7 +66,12 @@ from arpo_core.fileio import atomic_write_json
 from arpo_core.offline import sft
 from arpo_core.offline_config import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.policy.model import Policy
-from arpo_core.policy.sequences import EncodedSequence, collate, encode_trajectory, sequence_logprobs
+from arpo_core.policy.sequences import (
+    EncodedSequence,
+    collate,
+    encode_trajectory_windows,
+    sequence_logprobs,
+)
 from arpo_core.trajectory import Step, Trajectory
 from arpo_core.update import Engine
 
@@ -300,13 +306,17 @@ def _autocast(enabled: bool, device: torch.device):
 
 
 def _logp_sums(
-    policy: Policy, module: torch.nn.Module, seqs: Sequence[EncodedSequence], bf16: bool
+    policy: Policy, module: torch.nn.Module, trajs: Sequence[Sequence[EncodedSequence]], bf16: bool
 ) -> torch.Tensor:
-    """Sequence log-prob sums (B,) of one padded forward through `module` (with grad if enabled)."""
+    """Trajectory log-prob sums (B,) of one padded forward through `module` (with grad if enabled); each
+    trajectory is its sequences (one, or its windows: decision 1)."""
+    seqs = [s for windows in trajs for s in windows]
+    owner = torch.tensor([b for b, windows in enumerate(trajs) for _ in windows], device=policy.device)
     batch = collate(seqs, policy.pad_id, policy.image_token_id, padding_side="right").to(policy.device)
     with _autocast(bf16, policy.device):
-        logps, mask = sequence_logprobs(module, batch)  # (B, T), (B, T)
-    return sequence_logp_sums(logps.float(), mask)
+        logps, mask = sequence_logprobs(module, batch)  # (S, T), (S, T)
+    rows = sequence_logp_sums(logps.float(), mask)  # (S,)
+    return torch.zeros(len(trajs), dtype=rows.dtype, device=rows.device).index_add(0, owner, rows)
 
 
 @torch.no_grad()
@@ -314,7 +324,7 @@ def _reference_sums(
     policy: Policy,
     module: torch.nn.Module,
     trajs: Sequence[Trajectory],
-    encode: Callable[[Trajectory], EncodedSequence],
+    encode: Callable[[Trajectory], list[EncodedSequence]],
     bf16: bool,
     chunk: int,
 ) -> torch.Tensor:
@@ -333,8 +343,8 @@ def _reference_sums(
 
 def _encoder(
     policy: Policy, system: str, history_images: int | None
-) -> Callable[[Trajectory], EncodedSequence]:
-    return lambda t: encode_trajectory(policy, t, system=system, history_images=history_images)
+) -> Callable[[Trajectory], list[EncodedSequence]]:
+    return lambda t: encode_trajectory_windows(policy, t, system=system, history_images=history_images)
 
 
 def _batches(n: int, size: int, seed: int) -> Callable[[], list[int]]:

@@ -340,12 +340,9 @@ def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, f
     cfg, pc = run.cfg, run.policy_cfg
     adv = batch.advantages
     keep = [i for i in range(len(batch.trajectories)) if not (cfg.skip_zero_advantage and adv[i] == 0)]
-    seqs = encode_trajectories(
-        run.policy,
-        [batch.trajectories[i] for i in keep],
-        system=pc.system_prompt,
-        history_images=pc.history_images,
-    )
+    kept = [batch.trajectories[i] for i in keep]
+    seqs = encode_trajectories(run.policy, kept, system=pc.system_prompt, history_images=pc.history_images)
+    seq_adv = adv[keep][[s.source for s in seqs]]  # a trajectory's windows share its advantage
     t0 = time.monotonic()
     ref_logps = (
         compute_logps(run.reference, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16)
@@ -359,12 +356,12 @@ def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, f
         old_logps = compute_logps(
             run.policy, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, module=run.engine.module
         )
-        extra = logprob_gap([batch.trajectories[i] for i in keep], seqs, old_logps)
+        extra = logprob_gap(kept, seqs, old_logps)
     stats = ppo_update(
         run.policy,
         run.engine,
         seqs,
-        adv[keep],
+        seq_adv,
         cfg,
         seed=derive_seed("minibatch", run.seed, epoch, it),
         old_logps=old_logps,
@@ -389,14 +386,20 @@ def logprob_gap(
     trajectories: Sequence[Trajectory], seqs: Sequence[Any], logps: Sequence[torch.Tensor]
 ) -> dict[str, float]:
     """Decision 12's diagnostic: the generator's summed log-prob of each fresh reply (`gen_logprob_sum`)
-    against the trainer's recomputation (`logps`, one (L_i,) tensor per sequence of `seqs`). Replayed
-    trajectories (an older policy's) and replies without sampled tokens are left out."""
+    against the trainer's recomputation (`logps`, one (L_i,) tensor per sequence of `seqs`; a
+    trajectory's windows, update.py decision 8, in step order). Replayed trajectories (an older
+    policy's) and replies without sampled tokens are left out."""
+    per_traj: dict[int, list[tuple[float, int]]] = {}
+    for k, (seq, lp) in enumerate(zip(seqs, logps, strict=True)):
+        src = k if seq.source is None else seq.source
+        per_traj.setdefault(src, []).extend(reply_logprob_sums(seq.assistant_mask, lp))
+    if len(per_traj) != len(trajectories):
+        raise ValueError(f"{len(per_traj)} trajectories in the sequences, {len(trajectories)} given")
     diffs: list[tuple[float, int]] = []
-    for traj, seq, lp in zip(trajectories, seqs, logps, strict=True):
+    for traj, sums in zip(trajectories, per_traj.values(), strict=True):
         if traj.replayed:
             continue
         steps = [s for s in traj.steps if s.train_reply]
-        sums = reply_logprob_sums(seq.assistant_mask, lp)
         if len(sums) != len(steps):
             continue
         diffs += [

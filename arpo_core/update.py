@@ -1,9 +1,9 @@
 """The GRPO/ARPO policy update: trajectories + advantages -> clipped policy-gradient optimizer steps.
 
 Decisions:
-1. One trajectory = one sequence (docs/method.md §1); its advantage is given to every assistant token.
-   Sequences are encoded once per update (images processed once) and reused for the old-log-prob pass
-   and every PPO epoch.
+1. One trajectory = one sequence (docs/method.md §1), or several when its screenshots exceed the history
+   window (decision 8); its advantage is given to every assistant token. Sequences are encoded once per
+   update (images processed once) and reused for the old-log-prob pass and every PPO epoch.
 2. Old log-probs are recomputed by the trainer under the current weights before the update, in eval
    mode and without grad, not taken from the inference engine (docs/method.md §1). For a replayed
    trajectory this is the current policy too: ARPO applies no staleness correction. When the update is
@@ -26,6 +26,14 @@ Decisions:
    loss) and the caller logs them.
 7. The settings are read from params' `train` section as it is (`TrainConfig`: micro/mini batch sizes,
    ppo_epochs, bf16, and `train.loss` for the clips, KL and aggregation); no copy of its fields here.
+8. A trajectory longer than the history window is encoded as several windows (sequences.py decision 3),
+   each sequence carrying its trajectory's index (`source`). The trajectory stays the unit of the
+   update: mini-batches are drawn over trajectories and take all their windows (`mini_batch_size`
+   counts trajectories, so windows never add optimizer steps), and the `seq-mean-*` aggregations
+   average over trajectories (a row of seq-mean-token-mean weighs its share of its trajectory's
+   tokens, a row of the token-sum modes weighs 1). Micro-batches count sequences (they bound memory).
+   With every trajectory in one sequence all of this reduces to the former per-sequence loop, draw
+   for draw.
 """
 
 from __future__ import annotations
@@ -39,7 +47,12 @@ import torch
 from arpo_core.config import TrainConfig
 from arpo_core.losses import policy_loss
 from arpo_core.policy.model import Policy
-from arpo_core.policy.sequences import EncodedSequence, collate, encode_trajectory, sequence_logprobs
+from arpo_core.policy.sequences import (
+    EncodedSequence,
+    collate,
+    encode_trajectory_windows,
+    sequence_logprobs,
+)
 from arpo_core.trajectory import Trajectory
 
 __all__ = [
@@ -83,6 +96,8 @@ class UpdateStats(NamedTuple):
     n_optimizer_steps: int
     ref_kl: float | None = None
     """Token-mean KL estimate to the reference policy (None without one)."""
+    n_trajectories: int | None = None
+    """Trajectories the sequences came from (decision 8; None: one sequence each)."""
 
     def as_metrics(self) -> dict[str, float]:
         extra = {"loss/ref_kl": self.ref_kl} if self.ref_kl is not None else {}
@@ -95,6 +110,7 @@ class UpdateStats(NamedTuple):
             "loss/approx_kl": self.approx_kl,
             "optim/grad_norm": self.grad_norm,
             "update/sequences": float(self.n_sequences),
+            "update/trajectories": float(self.n_trajectories or self.n_sequences),
             "update/tokens": float(self.n_tokens),
             "update/optimizer_steps": float(self.n_optimizer_steps),
         }
@@ -103,8 +119,22 @@ class UpdateStats(NamedTuple):
 def encode_trajectories(
     policy: Policy, trajs: Sequence[Trajectory], *, system: str, history_images: int | None
 ) -> list[EncodedSequence]:
-    """Each trajectory as one training sequence (decision 1)."""
-    return [encode_trajectory(policy, t, system=system, history_images=history_images) for t in trajs]
+    """The training sequences of `trajs` in order: one per trajectory, or its windows (decision 8), each
+    with `source` = the index of its trajectory in `trajs`."""
+    out: list[EncodedSequence] = []
+    for i, t in enumerate(trajs):
+        for seq in encode_trajectory_windows(policy, t, system=system, history_images=history_images):
+            seq.source = i
+            out.append(seq)
+    return out
+
+
+def _units(seqs: Sequence[EncodedSequence]) -> list[list[int]]:
+    """The sequence indices of each trajectory, in order of first appearance (decision 8)."""
+    units: dict[object, list[int]] = {}
+    for i, s in enumerate(seqs):
+        units.setdefault(("own", i) if s.source is None else s.source, []).append(i)
+    return list(units.values())
 
 
 def _autocast(enabled: bool, device: torch.device):
@@ -161,8 +191,9 @@ def ppo_update(
     old_logps: Sequence[torch.Tensor] | None = None,
     ref_logps: Sequence[torch.Tensor] | None = None,
 ) -> UpdateStats:
-    """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,), with params' `train`
-    settings `cfg` (decision 7); `seed` orders the mini-batches (decision 4).
+    """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,) (the windows of one
+    trajectory carry its advantage), with params' `train` settings `cfg` (decision 7); `seed` orders the
+    mini-batches (decision 4), which are drawn over trajectories (decision 8).
 
     Sequences whose advantage is exactly 0 still count in the token-mean denominator (as in verl: they
     dilute the batch) but contribute no gradient; callers that want to skip them filter first.
@@ -172,7 +203,8 @@ def ppo_update(
         raise ValueError(f"advantages must have shape ({n},), got {tuple(advantages.shape)}")
     if n == 0:
         return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
-    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= n  # decision 2
+    units = _units(seqs)
+    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(units)  # dec. 2
     if old_logps is None and not on_policy:
         old_logps = compute_logps(
             policy, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, module=engine.module
@@ -187,16 +219,23 @@ def ppo_update(
         raise ValueError("kl_coef > 0 needs ref_logps (log-probs of a reference policy)")
     n_masked = [sum(s.assistant_mask[1:]) for s in seqs]
     seq_weighted = loss_cfg.agg != "token-mean"
+    row_w = torch.ones(n)  # decision 8: a row's weight in the seq-mean-* modes
+    if loss_cfg.agg == "seq-mean-token-mean":
+        for members in units:
+            total = max(1, sum(n_masked[i] for i in members))
+            for i in members:
+                row_w[i] = n_masked[i] / total if len(members) > 1 else 1.0
 
     policy.model.train()
     gen = torch.Generator().manual_seed(seed)
     sums = dict.fromkeys(("loss", "pg", "low", "high", "dual", "kl", "ref_kl"), 0.0)
     grad_norms: list[float] = []
     for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(n, generator=gen).tolist()
-        for m0 in range(0, n, cfg.mini_batch_size):
-            mini = order[m0 : m0 + cfg.mini_batch_size]
-            denom = len(mini) if seq_weighted else max(1, sum(n_masked[i] for i in mini))
+        order = torch.randperm(len(units), generator=gen).tolist()
+        for m0 in range(0, len(units), cfg.mini_batch_size):
+            picked = order[m0 : m0 + cfg.mini_batch_size]
+            mini = [i for u in picked for i in units[u]]
+            denom = len(picked) if seq_weighted else max(1, sum(n_masked[i] for i in mini))
             for u0 in range(0, len(mini), cfg.micro_batch_size):
                 micro = mini[u0 : u0 + cfg.micro_batch_size]
                 logps, mask = _forward(policy, [seqs[i] for i in micro], cfg.bf16, engine.module)  # (B, T)
@@ -216,6 +255,7 @@ def ppo_update(
                     agg=loss_cfg.agg,
                     sum_norm=loss_cfg.sum_norm,
                     ref_logps=ref,
+                    row_weights=row_w[micro] if seq_weighted else None,
                 )
                 w = (len(micro) if seq_weighted else sum(n_masked[i] for i in micro)) / denom
                 engine.backward(out.loss * w, boundary=u0 + cfg.micro_batch_size >= len(mini))
@@ -241,4 +281,5 @@ def ppo_update(
         n_tokens=sum(n_masked),
         n_optimizer_steps=steps,
         ref_kl=sums["ref_kl"] / steps if ref_logps is not None else None,
+        n_trajectories=len(units),
     )

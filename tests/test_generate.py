@@ -9,7 +9,13 @@ from PIL import Image, ImageDraw
 from arpo_core.policy.generate import Generation, HFGenerator, VLLMGenerator, sample_next, top_p_filter
 from arpo_core.policy.model import Policy, build_tiny_policy
 from arpo_core.policy.prompt import PromptInput, Reply
-from arpo_core.policy.sequences import collate, encode_prompt, encode_trajectory, sequence_logprobs
+from arpo_core.policy.sequences import (
+    collate,
+    encode_prompt,
+    encode_trajectory,
+    encode_trajectory_windows,
+    sequence_logprobs,
+)
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 
@@ -183,6 +189,32 @@ def test_generation_logprobs_match_recomputed(policy, system, temperature, top_p
         max_diff = max(max_diff, float((rec - torch.tensor(gen_logps[b])).abs().max()))
     print(f"max |gen logp - recomputed logp| ({system}, T={temperature}, top_p={top_p}): {max_diff:.2e}")
     assert max_diff < 1e-4
+
+
+@pytest.mark.parametrize("k", [1, 2])
+def test_history_window_logprobs_match_recomputed(policy, k):
+    """sequences.py decision 3: with a history window K shorter than the episode, every reply recomputed
+    over the trajectory's windows (as training encodes it) has the log-probs it was sampled with; one
+    sequence of the whole episode gives the earlier replies other contexts (checked to differ)."""
+    gen = HFGenerator(policy, system="compact", history_images=k)
+    trajs, gen_logps = _rollout(gen, ["Click the red box.", "Enter the text."], [3, 2], 1.0, 1.0)
+    for traj, expected in zip(trajs, gen_logps, strict=True):
+        windows = encode_trajectory_windows(policy, traj, system="compact", history_images=k)
+        assert len(windows) == max(1, len(traj.steps) - k + 1)
+        with torch.no_grad():
+            logps, mask = sequence_logprobs(
+                policy.model, collate(windows, policy.pad_id, policy.image_token_id)
+            )
+        rec = torch.cat([logps[b][mask[b]] for b in range(len(windows))])
+        assert rec.shape[0] == len(expected)
+        assert float((rec - torch.tensor(expected)).abs().max()) < 1e-4
+        if len(traj.steps) > k:
+            one = encode_trajectory(policy, traj, system="compact", history_images=k)
+            with torch.no_grad():
+                lp1, m1 = sequence_logprobs(
+                    policy.model, collate([one], policy.pad_id, policy.image_token_id)
+                )
+            assert float((lp1[0][m1[0]] - torch.tensor(expected)).abs().max()) > 1e-3
 
 
 def test_vllm_backend_import_guard(policy, monkeypatch):

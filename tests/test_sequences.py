@@ -13,8 +13,10 @@ from arpo_core.policy.sequences import (
     collate,
     encode_prompt,
     encode_trajectory,
+    encode_trajectory_windows,
     forward_logits,
     gather_logprobs,
+    reply_ids,
     sequence_logprobs,
 )
 from arpo_core.trajectory import Step, Trajectory, png_bytes
@@ -113,6 +115,35 @@ def test_history_window_in_training_sequence(policy):
     assert full.input_ids.count(policy.image_token_id) == 3 * 48
     assert last1.input_ids.count(policy.image_token_id) == 48
     assert sum(full.assistant_mask) == sum(last1.assistant_mask)
+
+
+@pytest.mark.parametrize("k", [1, 2, 3, None])
+def test_history_windows_train_each_reply_once_in_its_generation_context(policy, k):
+    """Decision 3: each window is the generation prompt of its last step plus that reply (token for
+    token); every trained reply is a target in exactly one window; untrained steps (a recovery demo's
+    misses) are context only and a window with nothing to train is left out."""
+    replies = ["Thought: a.\nAction: click(start_box='(1,2)')", "b", "c", "Thought: d.\nAction: wait()"]
+    traj = trajectory(replies)
+    traj.steps[0].train_reply = traj.steps[1].train_reply = False
+    windows = encode_trajectory_windows(policy, traj, system="compact", history_images=k)
+    trained = [tok for w in windows for tok, m in zip(w.input_ids, w.assistant_mask, strict=True) if m]
+    rid = [reply_ids(policy, Reply(r))[0] for r in replies]
+    assert trained == rid[2] + rid[3]
+    if k is None:
+        assert len(windows) == 1
+        return
+    assert len(windows) == 2  # the windows ending at steps 0 and 1 would train nothing
+    shots = tuple(st.image() for st in traj.steps)
+    for w, end in zip(windows, (2, 3), strict=True):
+        prompt = encode_prompt(
+            policy,
+            PromptInput(traj.instruction, shots[: end + 1], tuple(Reply(r) for r in replies[:end])),
+            system="compact",
+            history_images=k,
+        )
+        assert w.input_ids[: len(prompt.input_ids)] == prompt.input_ids
+        assert w.input_ids[len(prompt.input_ids) :][: len(rid[end])] == rid[end]
+        assert w.input_ids.count(policy.image_token_id) == 48 * min(k, end + 1)
 
 
 def test_prompt_is_prefix_of_trajectory_tokens(policy):

@@ -222,3 +222,32 @@ def test_deepspeed_zero3_update_matches_torch(policy_dir):
     assert s1.grad_norm == pytest.approx(s2.grad_norm, rel=1e-3)
     for a, b in zip(l1, l2, strict=True):
         torch.testing.assert_close(a, b, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
+def test_windows_keep_the_trajectory_as_the_unit(policy_dir, agg):
+    """update.py decision 8: trajectories longer than the history window (K = 1) are encoded as one
+    sequence per step; mini-batches still count trajectories, and the loss at ratio 1 is the per-trajectory
+    aggregate: token-mean sum(-A_j N_j) / sum N_j, seq-mean-token-mean mean_j(-A_j), seq-mean-token-sum
+    mean_j(-A_j N_j), for any micro-batch size."""
+    policy = load_policy(policy_dir)
+    trajs = [traj(POS, n_steps=3), traj(NEG, n_steps=1), traj(POS, n_steps=2), traj(NEG, n_steps=3)]
+    seqs = encode_trajectories(policy, trajs, system="compact", history_images=1)
+    assert [s.source for s in seqs] == [0, 0, 0, 1, 2, 2, 3, 3, 3]
+    adv_traj = torch.tensor([1.0, -0.5, 0.25, -2.0])
+    adv = adv_traj[[s.source for s in seqs]]
+    tokens = torch.zeros(4)
+    for s in seqs:
+        tokens[s.source] += sum(s.assistant_mask[1:])
+    expected = {
+        "token-mean": float((-adv_traj * tokens).sum() / tokens.sum()),
+        "seq-mean-token-mean": float((-adv_traj).mean()),
+        "seq-mean-token-sum": float((-adv_traj * tokens).mean()),
+    }[agg]
+    for micro in (1, 4, 16):
+        engine = RecordingEngine(policy.model)
+        stats = ppo_update(policy, engine, seqs, adv, cfg_of(micro=micro, mini=4, agg=agg), seed=0)
+        assert stats.n_optimizer_steps == 1 and stats.n_trajectories == 4 and stats.n_sequences == 9
+        assert stats.loss == pytest.approx(expected, rel=1e-5, abs=1e-6)
+    two = ppo_update(policy, RecordingEngine(policy.model), seqs, adv, cfg_of(mini=2, agg=agg), seed=0)
+    assert two.n_optimizer_steps == 2  # 2 trajectories per mini-batch, whatever their windows

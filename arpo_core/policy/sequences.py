@@ -12,13 +12,17 @@ Decisions:
    A reply with known `response_token_ids` (sampled) is used verbatim; otherwise its text is tokenised
    and `<|im_end|>` appended. A sampled reply cut at max_new_tokens gets `<|im_end|>` appended to close
    the turn, but that token is outside the mask: it was never sampled, so it has no behaviour log-prob.
-3. History window K (`history_images`): default None = every screenshot, which the ARPO reference uses
-   (all, up to 15) and under which one sequence reproduces every step's context exactly, so recomputed
-   log-probs equal the generator's. With K < n steps a single sequence cannot do that (step t saw the
-   screenshots t-K+1..t, the sequence holds the last K of the episode); we then build the sequence with
-   the final step's window (the last K screenshots as images, all replies as text) and accept that the
-   earlier replies are scored in a slightly different context than they were sampled in. Exact per-step
-   sequences would cost one forward per step.
+3. History window K (`history_images`): None = every screenshot, which the ARPO reference uses (all, up
+   to 15) and under which one sequence reproduces every step's context exactly. With K < n steps one
+   sequence cannot: step t saw the screenshots t-K+1..t, a sequence of the whole episode holds the last
+   K, so with K = 1 every earlier reply would be scored and trained with no screenshot at all (an
+   image-blind update of the clicks that were chosen looking at one). `encode_trajectory_windows` then
+   encodes the episode as n - K + 1 sequences: the first ends at step K-1 (its replies all have their
+   exact context), each later one ends at step t and trains only reply t, the earlier replies being
+   context; so every trained reply is scored in the context it was generated in, token for token the
+   generation prompt plus the reply. The cost is one forward per window instead of one per episode.
+   The loss treats a trajectory's windows as that trajectory (update.py decision 8; offline.py
+   decision 1 needs nothing: a token-mean over windows is the token-mean over the trajectory).
 4. `mm_token_type_ids = (input_ids == image_token_id)` goes into every hand-built forward: transformers
    5.x builds Qwen2.5-VL's 3-D (t, h, w) M-RoPE positions only when it is given; without it training
    silently uses 1-D positions while generation uses 3-D ones (docs/method.md §7).
@@ -48,6 +52,7 @@ __all__ = [
     "encode_prompt",
     "encode_segments",
     "encode_trajectory",
+    "encode_trajectory_windows",
     "forward_logits",
     "gather_logprobs",
     "reply_ids",
@@ -67,6 +72,9 @@ class EncodedSequence:
     """(P, C*2*14*14) flattened patches of this sequence's images, in order; None without images."""
     image_grid_thw: torch.Tensor | None
     """(N_images, 3) patch grid (t, h, w) per image."""
+    source: int | None = None
+    """The trajectory this sequence belongs to, as an index into the list `update.encode_trajectories`
+    was given (a trajectory split into windows, decision 3, has several sequences); None: its own."""
 
 
 @dataclass
@@ -165,14 +173,41 @@ def encode_prompt(
 def encode_trajectory(
     policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
 ) -> EncodedSequence:
-    """A whole trajectory as one training sequence (decision 1; K as in decision 3): every reply is in
-    it, and the assistant mask covers those of the steps with `train_reply` set."""
+    """A whole trajectory as one sequence (decision 1): every reply is in it, and the assistant mask covers
+    those of the steps with `train_reply` set. Each reply has its exact context only when every
+    screenshot fits the window (K None or n <= K); training encodes with `encode_trajectory_windows`."""
     replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
     segs = build_segments(
         traj.instruction, len(traj.steps), replies, system=system, history_images=history_images
     )
     context = {k for k, s in enumerate(traj.steps) if not s.train_reply}
     return encode_segments(policy, segs, [s.image() for s in traj.steps], context_replies=context)
+
+
+def encode_trajectory_windows(
+    policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
+) -> list[EncodedSequence]:
+    """The trajectory as training sequences in which every trained reply has the exact context it was
+    generated in (decision 3): one sequence when all its screenshots fit the window (K None or n <= K),
+    otherwise one for steps 0..K-1 and one per later step; windows with no trained reply are left out.
+    Every trained reply is a target in exactly one window."""
+    n = len(traj.steps)
+    if history_images is None or n <= history_images:
+        return [encode_trajectory(policy, traj, system=system, history_images=history_images)]
+    replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
+    shots = [s.image() for s in traj.steps]
+    untrained = {k for k, s in enumerate(traj.steps) if not s.train_reply}
+    out: list[EncodedSequence] = []
+    for end in range(history_images - 1, n):
+        targets = set(range(end + 1)) if end == history_images - 1 else {end}
+        if not targets - untrained:
+            continue
+        segs = build_segments(
+            traj.instruction, end + 1, replies[: end + 1], system=system, history_images=history_images
+        )
+        context = set(range(end + 1)) - (targets - untrained)
+        out.append(encode_segments(policy, segs, shots[: end + 1], context_replies=context))
+    return out
 
 
 def collate(
