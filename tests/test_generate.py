@@ -217,6 +217,33 @@ def test_history_window_logprobs_match_recomputed(policy, k):
             assert float((lp1[0][m1[0]] - torch.tensor(expected)).abs().max()) > 1e-3
 
 
+def test_logprob_gap_over_history_windows(policy):
+    """The trainer's generator-vs-trainer diagnostic pairs each reply with its own window's sums (update.py
+    decision 8): on episodes sampled at K = 1 every reply is compared and the gap is float noise."""
+    import dataclasses
+
+    from arpo_core.trainer import logprob_gap
+    from arpo_core.update import compute_logps, encode_trajectories
+
+    gen = HFGenerator(policy, system="compact", history_images=1)
+    trajs, gen_logps = _rollout(
+        gen, ["Click the red box.", "Enter the text.", "Select alpha."], [3, 1, 2], 1.0, 1.0
+    )
+    stamped = []
+    for t, lps in zip(trajs, gen_logps, strict=True):
+        steps, k = [], 0
+        for st in t.steps:
+            n = len(st.response_token_ids)
+            steps.append(dataclasses.replace(st, gen_logprob_sum=float(sum(lps[k : k + n]))))
+            k += n
+        stamped.append(dataclasses.replace(t, steps=steps))
+    seqs = encode_trajectories(policy, stamped, system="compact", history_images=1)
+    assert len(seqs) == 6
+    gap = logprob_gap(stamped, seqs, compute_logps(policy, seqs, micro_batch_size=4, bf16=False))
+    assert gap["logprob/replies_compared"] == 6
+    assert gap["logprob/gen_vs_train_max_abs_per_token"] < 1e-4
+
+
 def test_vllm_backend_import_guard(policy, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as on this CPU machine: vLLM is not installed
     with pytest.raises(ImportError, match="separate GPU environment"):
