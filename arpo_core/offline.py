@@ -20,10 +20,16 @@ Decisions:
    covers the replies of the steps with `train_reply` set. The steps without it are a recovery demo's
    deliberate misses (arpo_core/demos.py decisions 4-5): context the policy must learn to answer after,
    never a behaviour to imitate. A trajectory set with no trainable reply at all is an error.
+7. A batch of `batch_size` trajectories can hold more sequences than that (their windows, decision 6).
+   Its sequences are sorted by length and cut into equal parts of at most `batch_size` rows, one
+   forward each: a forward never holds more rows than before windows (peak memory), and rows of similar
+   length pad less (measured on the main job's demos at K = 1: 72 % of the padded tokens real in one
+   forward, 85 % in two sorted ones). The loss stays the token-mean of the step (decision 1).
 """
 
 from __future__ import annotations
 
+import itertools
 import math
 import random
 from collections.abc import Sequence
@@ -118,7 +124,14 @@ def sft(
                     policy, trajectories[i], system=system, history_images=history_images
                 )
             ]
-            micro.append(collate(seqs, policy.pad_id, policy.image_token_id).to(device))
+            # Decision 7: at most batch_size rows per forward, rows of similar length together.
+            seqs.sort(key=lambda q: len(q.input_ids))
+            parts = math.ceil(len(seqs) / config.batch_size)
+            cuts = [k * len(seqs) // parts for k in range(parts + 1)]
+            micro += [
+                collate(seqs[a:b], policy.pad_id, policy.image_token_id).to(device)
+                for a, b in itertools.pairwise(cuts)
+            ]
         n_total = sum(int((b.assistant_mask & b.attention_mask.bool())[:, 1:].sum()) for b in micro)
         optimizer.zero_grad(set_to_none=True)
         loss_sum = 0.0

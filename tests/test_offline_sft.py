@@ -171,6 +171,31 @@ def test_sft_loss_covers_exactly_the_trained_replies(tmp_path, one_thread):
         sft(policy, only_misses, SFTConfig(steps=1), progress=False, system="compact", history_images=None)
 
 
+def test_sft_over_history_windows_is_the_token_mean_of_every_window(tmp_path, one_thread):
+    """offline.py decisions 6-7 at K = 1: the first step's loss is the token-mean NLL over every trained
+    reply, each in its own window, although the windows are sorted and cut into several forwards; and it
+    differs from the one-sequence encoding (earlier replies without their screenshot)."""
+    from arpo_core.policy.sequences import encode_trajectory_windows
+
+    policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
+    trajs = recovery_demos()
+    seqs = [
+        w for t in trajs for w in encode_trajectory_windows(policy, t, system="compact", history_images=1)
+    ]
+    assert len(seqs) > 4  # more rows than batch_size: several forwards
+    with torch.no_grad():
+        logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
+    expected = float(masked_mean_nll(logps, mask))
+    one = [encode_trajectory(policy, t, system="compact", history_images=1) for t in trajs]
+    with torch.no_grad():
+        lp1, m1 = sequence_logprobs(policy.model, collate(one, policy.pad_id, policy.image_token_id))
+    assert float(masked_mean_nll(lp1, m1)) != pytest.approx(expected, abs=1e-4)
+    history = sft(
+        policy, trajs, SFTConfig(steps=1, batch_size=4), progress=False, system="compact", history_images=1
+    )
+    assert history[0] == pytest.approx(expected, rel=1e-4)
+
+
 def test_long_replies_counts_demo_replies_the_policy_cannot_finish(tmp_path):
     """A demo reply longer than policy.max_new_tokens is always cut off when sampled (a format error): the
     sft stage counts them (and warns) by the tokenizer's count plus the closing <|im_end|>."""
