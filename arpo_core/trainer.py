@@ -100,7 +100,7 @@ from arpo_core.replay import FILLED, NOT_FAILED, FillResult, ReplayBuffer
 from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes
 from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Trajectory, write_trajectories
-from arpo_core.update import compute_logps, encode_trajectories, ppo_update
+from arpo_core.update import compute_logps, encode_trajectories, ppo_update, trajectory_units
 
 __all__ = [
     "PreparedBatch",
@@ -389,14 +389,14 @@ def logprob_gap(
     against the trainer's recomputation (`logps`, one (L_i,) tensor per sequence of `seqs`; a
     trajectory's windows, update.py decision 8, in step order). Replayed trajectories (an older
     policy's) and replies without sampled tokens are left out."""
-    per_traj: dict[int, list[tuple[float, int]]] = {}
-    for k, (seq, lp) in enumerate(zip(seqs, logps, strict=True)):
-        src = k if seq.source is None else seq.source
-        per_traj.setdefault(src, []).extend(reply_logprob_sums(seq.assistant_mask, lp))
-    if len(per_traj) != len(trajectories):
-        raise ValueError(f"{len(per_traj)} trajectories in the sequences, {len(trajectories)} given")
+    if len(logps) != len(seqs):
+        raise ValueError(f"{len(logps)} log-prob rows for {len(seqs)} sequences")
+    units = trajectory_units(seqs)
+    if len(units) != len(trajectories):
+        raise ValueError(f"{len(units)} trajectories in the sequences, {len(trajectories)} given")
     diffs: list[tuple[float, int]] = []
-    for traj, sums in zip(trajectories, per_traj.values(), strict=True):
+    for traj, members in zip(trajectories, units, strict=True):
+        sums = [r for i in members for r in reply_logprob_sums(seqs[i].assistant_mask, logps[i])]
         if traj.replayed:
             continue
         steps = [s for s in traj.steps if s.train_reply]

@@ -61,6 +61,7 @@ __all__ = [
     "compute_logps",
     "encode_trajectories",
     "ppo_update",
+    "trajectory_units",
 ]
 
 
@@ -129,7 +130,7 @@ def encode_trajectories(
     return out
 
 
-def _units(seqs: Sequence[EncodedSequence]) -> list[list[int]]:
+def trajectory_units(seqs: Sequence[EncodedSequence]) -> list[list[int]]:
     """The sequence indices of each trajectory, in order of first appearance (decision 8)."""
     units: dict[object, list[int]] = {}
     for i, s in enumerate(seqs):
@@ -203,7 +204,7 @@ def ppo_update(
         raise ValueError(f"advantages must have shape ({n},), got {tuple(advantages.shape)}")
     if n == 0:
         return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
-    units = _units(seqs)
+    units = trajectory_units(seqs)
     on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(units)  # dec. 2
     if old_logps is None and not on_policy:
         old_logps = compute_logps(
@@ -224,7 +225,7 @@ def ppo_update(
         for members in units:
             total = max(1, sum(n_masked[i] for i in members))
             for i in members:
-                row_w[i] = n_masked[i] / total if len(members) > 1 else 1.0
+                row_w[i] = n_masked[i] / total
 
     policy.model.train()
     gen = torch.Generator().manual_seed(seed)
