@@ -9,7 +9,11 @@ MLflow and writes the files).
 Decisions:
 1. The hard suite is defined by the data, as the question asks: the in-domain tasks whose SAMPLED base
    success in the baseline stage's rollouts is at most `hard_max` (default 0.25: all-fail groups, the
-   case replay exists for, are common there); the other trained tasks are controls.
+   case replay exists for, are common there); the other trained tasks are controls. Only tasks the runs
+   trained on count (a task whose per-task training metrics appear in their history): one the task
+   selection dropped (no baseline success at all) gets no gradient of its own in any arm, so it would
+   only dilute the comparison; it is reported apart, as `untrained_tasks` with each arm's success there.
+   Runs with no per-task history (older ones) keep every evaluated task.
 2. An arm's success on a set of tasks: for each seed, the episode mean over the evaluations of the
    second half of training (epochs > half the last evaluated epoch) per task, averaged over tasks (every
    task weighs the same, as `evaluate.pooled_rate`), then the mean over seeds.
@@ -35,7 +39,15 @@ from typing import Any
 from arpo_core.evaluate import episode_score
 from arpo_core.trajectory import Trajectory
 
-__all__ = ["ArmRun", "arm_success", "bootstrap_difference", "hard_split", "replay_effect", "second_half"]
+__all__ = [
+    "ArmRun",
+    "arm_success",
+    "bootstrap_difference",
+    "hard_split",
+    "replay_effect",
+    "second_half",
+    "trained_tasks",
+]
 
 Instance = tuple[str, int]
 """(task_id, episode index): one evaluation instance (env seed first_seed + index)."""
@@ -63,6 +75,19 @@ def hard_split(baseline: Sequence[Trajectory], hard_max: float = 0.25) -> tuple[
     rates = {task: sum(v) / len(v) for task, v in sorted(by_task.items())}
     hard = [t for t, r in rates.items() if r <= hard_max]
     return hard, [t for t in rates if t not in hard], rates
+
+
+def trained_tasks(runs: Sequence[ArmRun]) -> set[str] | None:
+    """Decision 1: the task ids with training episodes in any run's history (`task/<domain>/<id>/episodes`),
+    or None when no run logged per-task metrics."""
+    found: set[str] = set()
+    for r in runs:
+        for row in r.history:
+            for k, v in row.items():
+                parts = k.split("/")
+                if len(parts) == 4 and parts[0] == "task" and parts[3] == "episodes" and v:
+                    found.add(parts[2])
+    return found or None
 
 
 def second_half(runs: Sequence[ArmRun]) -> list[int]:
@@ -203,6 +228,9 @@ def replay_effect(
     the ARPO arm with the smallest group size and the GRPO arm with the same group size (equal rollouts
     per group: ARPO G=4 vs GRPO G=4 when the study also has GRPO G=16)."""
     hard, control, base_rates = hard_split(baseline, hard_max)
+    trained = trained_tasks(runs)
+    untrained = [t for t in hard + control if trained is not None and t not in trained]
+    hard, control = [t for t in hard if t not in untrained], [t for t in control if t not in untrained]
     epochs = second_half(runs)
     arms: dict[str, list[ArmRun]] = defaultdict(list)
     for r in runs:
@@ -213,24 +241,28 @@ def replay_effect(
     doc: dict[str, Any] = {
         "hard_tasks": hard,
         "control_tasks": control,
+        "untrained_tasks": untrained,
         "baseline_sampled_success": base_rates,
         "hard_max": hard_max,
         "epochs_averaged": epochs,
         "base": {
             "hard": arm_success([base_run], hard, [0])["success"],
             "control": arm_success([base_run], control, [0])["success"],
-            "tasks": arm_success([base_run], hard + control, [0])["tasks"],
+            "untrained": arm_success([base_run], untrained, [0])["success"],
+            "tasks": arm_success([base_run], hard + control + untrained, [0])["tasks"],
         },
         "arms": {},
     }
     for name, rs in sorted(arms.items()):
         hard_s, ctrl_s = arm_success(rs, hard, epochs), arm_success(rs, control, epochs)
+        untr_s = arm_success(rs, untrained, epochs)
         entry = {
             "hard": hard_s["success"],
             "control": ctrl_s["success"],
+            "untrained": untr_s["success"],
             "seeds": hard_s["n_seeds"],
             "per_seed": {"hard": hard_s["seeds"], "control": ctrl_s["seeds"]},
-            "tasks": {**hard_s["tasks"], **ctrl_s["tasks"]},
+            "tasks": {**hard_s["tasks"], **ctrl_s["tasks"], **untr_s["tasks"]},
             "curve": {
                 str(e): arm_success(rs, hard, [e])["success"]
                 for e in sorted({e for r in rs for e in r.evaluations})
@@ -260,9 +292,12 @@ def replay_effect(
             arms.get(arpo or "", []), arms.get(grpo or "", []), control, epochs, reps
         ),
     }
-    doc["arpo_minus_base"] = {
-        "hard": bootstrap_difference(arms.get(arpo or "", []), [base_run], hard, [*epochs, 0], reps)
-        if arms.get(arpo or "")
-        else {"mean": None, "ci95": None, "reps": 0}
-    }
+    for key, name in (("arpo_minus_base", arpo), ("grpo_minus_base", grpo)):
+        rs = arms.get(name or "", [])
+        doc[key] = {
+            split: bootstrap_difference(rs, [base_run], tasks, [*epochs, 0], reps)
+            if rs
+            else {"mean": None, "ci95": None, "reps": 0}
+            for split, tasks in (("hard", hard), ("control", control))
+        }
     return doc

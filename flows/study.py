@@ -136,15 +136,27 @@ def _pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.1f}"
 
 
+def _delta(d: dict[str, Any] | None) -> str:
+    """'+1.2 points [-0.4, +2.9]' from a bootstrap_difference result."""
+    if not d or d.get("mean") is None:
+        return "-"
+    ci = "" if not d.get("ci95") else f" [{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}]"
+    return f"{100 * d['mean']:+.1f} points{ci}"
+
+
 def _markdown(doc: dict[str, Any], png: str) -> str:
-    d = doc["arpo_minus_grpo"]["hard"]
-    ci = "-" if not d.get("ci95") else f"[{100 * d['ci95'][0]:+.1f}, {100 * d['ci95'][1]:+.1f}]"
+    untrained = doc.get("untrained_tasks") or []
     lines = [
         "# Replay effect",
         "",
         f"Hard tasks (sampled base success <= {doc['hard_max']:.0%}): {', '.join(doc['hard_tasks']) or 'none'}; "
-        f"controls: {', '.join(doc['control_tasks']) or 'none'}. Success = greedy, averaged over the "
-        f"evaluations at epochs {doc['epochs_averaged']} and over seeds.",
+        f"controls: {', '.join(doc['control_tasks']) or 'none'}"
+        + (
+            f"; not trained by any arm (dropped by the task selection), reported apart: {', '.join(untrained)}"
+            if untrained
+            else ""
+        )
+        + f". Success = greedy, averaged over the evaluations at epochs {doc['epochs_averaged']} and over seeds.",
         "",
         "| arm | seeds | hard | control |",
         "|---|---|---|---|",
@@ -153,10 +165,23 @@ def _markdown(doc: dict[str, Any], png: str) -> str:
     lines += [
         f"| {n} | {a['seeds']} | {_pct(a['hard'])} | {_pct(a['control'])} |" for n, a in doc["arms"].items()
     ]
-    mean = "-" if d.get("mean") is None else f"{100 * d['mean']:+.1f}"
     lines += [
         "",
-        f"ARPO - GRPO on the hard tasks: {mean} points, 95% interval {ci} (bootstrap over seeds and instances).",
+        "95% intervals: bootstrap over training seeds and evaluation instances (paired: every arm and the base",
+        "played the same instances).",
+        "",
+        "| comparison | hard | control |",
+        "|---|---|---|",
+    ]
+    arms = {"arpo": (doc.get("arpo") or {}).get("arm"), "grpo": (doc.get("grpo") or {}).get("arm")}
+    for key, label in (
+        ("arpo_minus_grpo", f"{arms['arpo']} - {arms['grpo']}"),
+        ("arpo_minus_base", f"{arms['arpo']} - base"),
+        ("grpo_minus_base", f"{arms['grpo']} - base"),
+    ):
+        d = doc.get(key) or {}
+        lines.append(f"| {label} | {_delta(d.get('hard'))} | {_delta(d.get('control'))} |")
+    lines += [
         "",
         f"![curves]({png})",
     ]
@@ -166,7 +191,8 @@ def _markdown(doc: dict[str, Any], png: str) -> str:
 def _detail_tables(doc: dict[str, Any]) -> list[str]:
     """Per task, per seed, the replay counts and the click alignment, as far as the document has them."""
     arms = doc["arms"]
-    tasks = [*doc["hard_tasks"], *doc["control_tasks"]]
+    untrained = doc.get("untrained_tasks") or []
+    tasks = [*doc["hard_tasks"], *doc["control_tasks"], *untrained]
     out = ["", "## Per task (greedy success %, same instances for every arm)", ""]
     out += [
         "| task | split | sampled base | base | " + " | ".join(arms) + " |",
@@ -174,7 +200,7 @@ def _detail_tables(doc: dict[str, Any]) -> list[str]:
     ]
     sampled = doc.get("baseline_sampled_success", {})
     for t in tasks:
-        split = "hard" if t in doc["hard_tasks"] else "control"
+        split = "hard" if t in doc["hard_tasks"] else "untrained" if t in untrained else "control"
         row = [_pct(a.get("tasks", {}).get(t)) for a in arms.values()]
         base = _pct(doc["base"].get("tasks", {}).get(t))
         out.append(f"| {t} | {split} | {_pct(sampled.get(t))} | {base} | " + " | ".join(row) + " |")

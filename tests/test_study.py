@@ -86,6 +86,31 @@ def test_replay_effect_document_has_the_required_fields():
     assert doc["arms"]["arpo_g4"]["counts"]["0"]["replay/groups_filled"] == 3.0
 
 
+def test_tasks_no_arm_trained_are_reported_apart_not_in_the_hard_suite(tmp_path):
+    """A task the selection dropped (no baseline success) gets no training in any arm: it must not dilute
+    the hard suite (it would add the same near-zero to both arms), and is reported apart."""
+    from flows.study import write_study
+
+    baseline = evals({"a": 0.1, "b": 0.0, "c": 0.8}, 10)
+    history = [
+        {"task/miniwob/a/episodes": 16.0, "task/miniwob/c/episodes": 16.0, "task/miniwob/b/episodes": 0.0}
+    ]
+    scores = {"arpo_g4": {"a": 0.5, "b": 0.1, "c": 0.8}, "grpo_g4": {"a": 0.3, "b": 0.0, "c": 0.9}}
+    runs = [ArmRun(arm, s, {20: evals(r)}, history) for arm, r in scores.items() for s in range(2)]
+    doc = replay_effect(runs, baseline, evals({"a": 0.1, "b": 0.0, "c": 0.8}), reps=100)
+    assert doc["hard_tasks"] == ["a"] and doc["control_tasks"] == ["c"] and doc["untrained_tasks"] == ["b"]
+    assert doc["arpo"]["hard"] == pytest.approx(0.5)  # not (0.5 + 0.1) / 2
+    assert doc["arms"]["arpo_g4"]["untrained"] == pytest.approx(0.1) and doc["base"]["untrained"] == 0.0
+    assert doc["arpo_minus_grpo"]["hard"]["mean"] == pytest.approx(0.2)
+    assert doc["arpo_minus_base"]["hard"]["mean"] == pytest.approx(0.4)
+    assert doc["grpo_minus_base"]["hard"]["mean"] == pytest.approx(0.2)
+    assert doc["grpo_minus_base"]["control"]["mean"] == pytest.approx(0.1)
+    md = write_study(doc, tmp_path / "replay_effect.json")[1].read_text()
+    assert "| b | untrained | 0.0 | 0.0 | 10.0 | 0.0 |" in md
+    assert "| arpo_g4 - grpo_g4 | +20.0 points [" in md and "| grpo_g4 - base | +20.0 points [" in md
+    assert "reported apart: b." in md
+
+
 def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
     from flows.study import write_study
 
@@ -144,7 +169,8 @@ def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
     assert set(doc["provenance"]["train_runs"]) == {"arpo_g2/seed0", "grpo_g2/seed1"}
     assert {"arpo", "grpo", "base", "arpo_minus_grpo"} <= set(doc)
     assert (project / "study" / "replay_effect.png").exists()
-    assert "ARPO - GRPO on the hard tasks" in (project / "study" / "replay_effect.md").read_text()
+    md = (project / "study" / "replay_effect.md").read_text()
+    assert "| arpo_g2 - grpo_g2 | " in md and "| grpo_g2 - base | " in md
 
 
 def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, monkeypatch):
