@@ -25,7 +25,9 @@ Decisions:
    and the result says so (`seeds`).
 4. Everything the claim needs is reported beside it: per arm, per task and per seed success; the
    base's success on the same instances; all-fail groups and replay fills from the training history;
-   and (when targets are given) click alignment, so a gain can be told apart from a better constant click.
+   and (when targets are given) click alignment of every arm and of the base, and the image-blind
+   ceiling (the best constant first click per task, `probe.blind_ceiling`) of the hard and control
+   tasks, so a gain can be told apart from a better constant click.
 """
 
 from __future__ import annotations
@@ -278,6 +280,20 @@ def replay_effect(
                 click_alignment(trajs, targets, first_seed)["pooled"] if trajs else None
             )
         doc["arms"][name] = entry
+    if targets:
+        from arpo_core.probe import blind_ceiling, click_alignment
+
+        doc["base"]["click_alignment"] = click_alignment(base_eval, targets, first_seed)["pooled"]
+        ceilings = {
+            split: blind_ceiling([r for r in targets if r.task_id in set(tasks)])
+            for split, tasks in (("hard", hard), ("control", control))
+        }
+        doc["image_blind"] = {
+            **{split: c.get("_mean") for split, c in ceilings.items()},
+            "tasks": {
+                t: v["hit_rate"] for c in ceilings.values() for t, v in c.items() if not t.startswith("_")
+            },
+        }
     for key, name in (("arpo", arpo), ("grpo", grpo)):
         a = doc["arms"].get(name or "", {})
         doc[key] = {

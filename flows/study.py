@@ -165,6 +165,10 @@ def _markdown(doc: dict[str, Any], png: str) -> str:
     lines += [
         f"| {n} | {a['seeds']} | {_pct(a['hard'])} | {_pct(a['control'])} |" for n, a in doc["arms"].items()
     ]
+    blind = doc.get("image_blind")
+    if blind:
+        hit = {k: (blind.get(k) or {}).get("hit_rate") for k in ("hard", "control")}
+        lines.append(f"| image-blind first click | - | {_pct(hit['hard'])} | {_pct(hit['control'])} |")
     lines += [
         "",
         "95% intervals: bootstrap over training seeds and evaluation instances (paired: every arm and the base",
@@ -221,11 +225,17 @@ def _detail_tables(doc: dict[str, Any]) -> list[str]:
                 f"- {name} seed {seed}: groups replayed {int(counts.get('train/replayed', 0))}; "
                 f"per task all-fail/filled: {per_task or '-'}"
             )
-    aligned = {n: a["click_alignment"] for n, a in arms.items() if a.get("click_alignment")}
+    aligned = {
+        n: a["click_alignment"] for n, a in {"base": doc["base"], **arms}.items() if a.get("click_alignment")
+    }
     if aligned:
         out += [
             "",
             "## Click alignment (first click vs its DOM target, last evaluation, all tasks)",
+            "",
+            "The image-blind row of the first table is the hit rate of the best constant first click per task:",
+            "a gain that follows the pixels raises the hit rate and the click-target correlation; one that",
+            "moves clicks towards a better constant point raises neither.",
             "",
             "| arm | episodes | hit rate | click-target corr | spread px |",
             "|---|---|---|---|---|",

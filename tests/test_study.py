@@ -111,6 +111,57 @@ def test_tasks_no_arm_trained_are_reported_apart_not_in_the_hard_suite(tmp_path)
     assert "reported apart: b." in md
 
 
+def test_click_alignment_of_base_and_arms_and_the_image_blind_ceiling(tmp_path):
+    """With DOM targets, the document holds the base's click alignment beside every arm's and the
+    image-blind ceiling of the hard and control tasks: here the base clicks one constant point (it hits
+    the half of the targets there, like the best constant click) and the arm clicks each target."""
+    import json
+
+    from arpo_core.probe import TargetRecord
+    from flows.study import write_study
+
+    def box(k: int) -> tuple[float, float, float, float]:
+        return (0.0, 0.0, 3.0, 3.0) if k % 2 == 0 else (5.0, 5.0, 8.0, 8.0)
+
+    def clicked(task: str, k: int, point: tuple[int, int]) -> Trajectory:
+        reply = f"Thought: x\nAction: click(start_box='({point[0]},{point[1]})')"
+        step = Step(
+            0, IMG, 8, 8, reply, json.dumps([{"action_type": "click", "point": list(point)}]), done=True
+        )
+        hit = float(box(k)[0] <= point[0] <= box(k)[2] and box(k)[1] <= point[1] <= box(k)[3])
+        return Trajectory("r", "train-eval", 0, "miniwob", task, f"do {k}", [step], sample_idx=k, success=hit,
+                          reward=hit)  # fmt: skip
+
+    targets = [
+        TargetRecord(
+            "miniwob",
+            task,
+            100 + k,
+            f"do {k}",
+            box(k),
+            ((box(k)[0] + box(k)[2]) / 2,) * 2,
+            ((box(k)[0] + box(k)[2]) / 2,) * 2,
+            "button",
+        )
+        for task in ("a", "c")
+        for k in range(10)
+    ]
+    base_eval = [clicked(t, k, (1, 1)) for t in ("a", "c") for k in range(10)]
+    arm_eval = [clicked(t, k, (1, 1) if k % 2 == 0 else (6, 6)) for t in ("a", "c") for k in range(10)]
+    runs = [ArmRun(arm, 0, {20: arm_eval}) for arm in ("arpo_g4", "grpo_g4")]
+    doc = replay_effect(
+        runs, evals({"a": 0.1, "c": 0.8}), base_eval, reps=50, targets=targets, first_seed=100
+    )
+    assert doc["base"]["click_alignment"]["hit_rate"] == pytest.approx(0.5)
+    assert doc["arms"]["arpo_g4"]["click_alignment"]["hit_rate"] == pytest.approx(1.0)
+    assert doc["arms"]["arpo_g4"]["click_alignment"]["click_target_corr"] == pytest.approx(1.0)
+    assert doc["image_blind"]["hard"]["hit_rate"] == pytest.approx(0.5)
+    assert doc["image_blind"]["tasks"] == {"a": pytest.approx(0.5), "c": pytest.approx(0.5)}
+    md = write_study(doc, tmp_path / "replay_effect.json")[1].read_text()
+    assert "| image-blind first click | - | 50.0 | 50.0 |" in md
+    assert "| base | 20 | 50.0 |" in md and "| arpo_g4 | 20 | 100.0 | 1.00 |" in md
+
+
 def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
     from flows.study import write_study
 
