@@ -66,6 +66,8 @@ HEADLINE_KEYS = (
     "eval/trained/greedy/out_of_domain/success_rate",
     "compare/arpo/in_domain/delta_vs_base",
     "compare/grpo/in_domain/delta_vs_base",
+    "compare/arpo/trained/delta_vs_base",
+    "compare/grpo/trained/delta_vs_base",
     "compare/image_blind/in_domain",
 )
 

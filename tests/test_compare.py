@@ -96,3 +96,32 @@ def test_compare_without_a_held_out_suite(tmp_path):
     }  # fmt: skip
     assert not any("out_of_domain" in k for k in m)
     assert "| arpo | 50.0 |" in (tmp_path / "report" / "comparison.md").read_text()
+
+
+def test_compare_reports_the_tasks_training_reached(tmp_path):
+    """Decision 6: with training rollouts on click-test only, each method also gets a `trained` cell on
+    click-test alone (rate, interval, paired delta), apart from the whole in-domain suite's."""
+    d = tmp_path / "data" / "eval"
+    write_trajectories(d / "base.parquet", episodes("base", {IN: [0], "click-button": [0, 1]}))
+    write_trajectories(d / "arpo.parquet", episodes("arpo", {IN: [0, 1, 2, 3], "click-button": [0]}))
+    train = tmp_path / "models" / "arpo"
+    write_trajectories(train / "trajectories" / "epoch-0001-iter-000.parquet", episodes("train", {IN: [0]}))
+    m = compare.run(params(), [d], [], tmp_path / "report", train_dir=train)
+    doc = json.loads((tmp_path / "report" / "comparison.json").read_text())
+    assert doc["trained_tasks"] == [IN]
+    arpo = doc["methods"]["arpo"]
+    assert arpo["in_domain"]["vs_reference"]["delta"] == pytest.approx(0.25)  # (4 + 1 - 1 - 2) / 8
+    assert arpo["trained"]["success"] == pytest.approx(1.0) and arpo["trained"]["episodes"] == 4
+    assert (
+        arpo["trained"]["vs_reference"]["delta"] == pytest.approx(0.75)
+        and arpo["trained"]["vs_reference"]["wins"] == 3
+    )
+    assert "vs_reference" not in doc["methods"]["base"]["trained"]
+    assert m["compare/arpo/trained/delta_vs_base"] == pytest.approx(0.75)
+    md = (tmp_path / "report" / "comparison.md").read_text()
+    assert "## Where training reached (1 of 2 in-domain tasks)" in md and "| arpo | 100.0 |" in md
+    # no training rollouts stored: no cell, no section
+    compare.run(params(), [d], [], tmp_path / "report2", train_dir=tmp_path / "none")
+    doc2 = json.loads((tmp_path / "report2" / "comparison.json").read_text())
+    assert doc2["trained_tasks"] == [] and "trained" not in doc2["methods"]["arpo"]
+    assert "Where training reached" not in (tmp_path / "report2" / "comparison.md").read_text()

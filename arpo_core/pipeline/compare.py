@@ -19,6 +19,12 @@ Decisions:
    reason; a method without episodes is left out of the table, never shown as 0.
 5. Outputs: `comparison.md`, `comparison.json` and `comparison.png` in the stage's output directory;
    the metrics are the headline rates and paired deltas (`compare/<method>/<split>/...`).
+6. Where learning is measurable: the train stage trains only the tasks the selection kept, and only
+   `tasks_per_iteration` of them per iteration, so a change on the whole in-domain suite is diluted by
+   tasks that got no training rollout at all. Each method therefore also gets a `trained` cell: the
+   in-domain tasks with at least one rollout in the train stage's stored trajectories (task ids read
+   from `models/arpo/trajectories`, without the screenshots), with its rate, interval and paired delta
+   against the reference on those tasks' shared instances. No training rollouts (or none stored): no cell.
 """
 
 from __future__ import annotations
@@ -37,7 +43,7 @@ from arpo_core.pipeline.common import suite_tasks
 from arpo_core.pipeline.offline import SKIPPED
 from arpo_core.trajectory import Trajectory, read_trajectories
 
-__all__ = ["ORDER", "collect_evaluations", "first_click_targets", "run"]
+__all__ = ["ORDER", "collect_evaluations", "first_click_targets", "run", "trained_task_keys"]
 
 ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo")
 SPLITS = ("in_domain", "out_of_domain")
@@ -55,6 +61,18 @@ def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, lis
             found[f.stem] = read_trajectories(f)
     rank = {m: i for i, m in enumerate(ORDER)}
     return dict(sorted(found.items(), key=lambda kv: (rank.get(kv[0], len(ORDER)), kv[0])))
+
+
+def trained_task_keys(train_dir: str | os.PathLike | None) -> set[tuple[str, str]]:
+    """Decision 6: (domain, task_id) of every task with a rollout in the train stage's trajectories."""
+    import pyarrow.parquet as pq
+
+    d = Path(train_dir) / "trajectories" if train_dir is not None else None
+    keys: set[tuple[str, str]] = set()
+    for f in sorted(d.glob("*.parquet")) if d is not None and d.is_dir() else []:
+        t = pq.read_table(f, columns=["task_domain", "task_id"])
+        keys |= set(zip(t.column("task_domain").to_pylist(), t.column("task_id").to_pylist(), strict=True))
+    return keys
 
 
 def first_click_targets(
@@ -159,6 +177,17 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
         cells.append("-" if corr is None else f"{corr:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
     ib = doc["image_blind"]
+    trained_rows = []
+    for m, row in doc["methods"].items():
+        c = row.get("trained")
+        if c:
+            vs = c.get("vs_reference")
+            delta = (
+                "-" if not vs or vs["delta"] is None else f"{100 * vs['delta']:+.1f} {_interval(vs['ci95'])}"
+            )
+            trained_rows.append(
+                f"| {m} | {_pct(c['success'])} | {_interval(c['ci95']).replace('+', '')} | {delta} | {c['episodes']} |"
+            )
     lines.append(
         f"| image-blind first click | {_pct(ib['in_domain'])} | cv {_pct(ib['in_domain_cv'])} | - | "
         f"{_pct(ib['out_of_domain'])} | cv {_pct(ib['out_of_domain_cv'])} | - | - |"
@@ -172,6 +201,22 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
         "![comparison](comparison.png)",
         "",
     ]
+    if trained_rows:
+        n_in = len(doc["methods"][doc["reference"]]["in_domain"].get("tasks") or {})
+        lines += [
+            f"## Where training reached ({len(doc['trained_tasks'])} of {n_in} in-domain tasks)",
+            "",
+            "The train stage rolled out only these tasks (the selection's, `train.tasks_per_iteration` per "
+            "iteration): "
+            + ", ".join(doc["trained_tasks"])
+            + ". On the other in-domain tasks a change can only "
+            "be a side effect, so this is where a gain from training is measurable.",
+            "",
+            f"| method | success | 95% CI | vs {doc['reference']} | episodes |",
+            "|---|---|---|---|---|",
+            *trained_rows,
+            "",
+        ]
     if ib["no_ceiling"]:
         lines.append(
             "No image-blind ceiling (mean over the other tasks): " + ", ".join(sorted(ib["no_ceiling"])) + "."
@@ -181,11 +226,34 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
     return "\n".join(lines) + "\n"
 
 
+def _trained_cell(
+    trajs: Sequence[Trajectory],
+    base: Sequence[Trajectory] | None,
+    trained: Sequence[TaskSpec],
+    max_steps: int,
+) -> dict[str, Any]:
+    """Decision 6: rate, interval and paired delta on the in-domain tasks training reached."""
+    from arpo_core.probe import paired_difference
+
+    ids = {t.key for t in trained}
+    mine = [t for t in trajs if t.key in ids]
+    stats = summarize(mine, {k: "trained" for k in ids}, max_steps=max_steps, prefix="m", per_task=False)
+    cell: dict[str, Any] = {
+        "success": stats.get("m/trained/success_rate"),
+        "ci95": [stats["m/trained/success_ci_low"], stats["m/trained/success_ci_high"]] if mine else None,
+        "episodes": len(mine),
+    }
+    if base is not None and mine:
+        cell["vs_reference"] = paired_difference([t for t in base if t.key in ids], mine)
+    return cell
+
+
 def run(
     p: Params,
     eval_dirs: Sequence[str | os.PathLike],
     offline_dirs: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
+    train_dir: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The comparison report (decision 5) from the evaluation episodes in `eval_dirs`."""
     from arpo_core.probe import blind_ceiling, click_alignment, paired_difference
@@ -203,10 +271,13 @@ def run(
     every = tasks["in_domain"] + tasks["out_of_domain"]
     records, no_ceiling = first_click_targets(p, every) if p.compare.image_blind else ([], {})
     e = p.evaluate
+    reached = trained_task_keys(train_dir)
+    trained = [t for t in tasks["in_domain"] if t.key in reached]
     doc: dict[str, Any] = {
         "episodes_per_task": e.episodes_per_task,
         "first_seed": e.seed,
         "reference": ref,
+        "trained_tasks": [t.task_id for t in trained],
         "methods": {},
     }
     metrics: dict[str, float] = {}
@@ -238,6 +309,13 @@ def run(
             if rate is not None:
                 metrics[f"compare/{m}/{split}/success_rate"] = rate
             row[split] = cell
+        if trained:
+            row["trained"] = _trained_cell(trajs, base if m != ref else None, trained, e.max_steps)
+            vs = row["trained"].get("vs_reference")
+            if row["trained"]["success"] is not None:
+                metrics[f"compare/{m}/trained/success_rate"] = row["trained"]["success"]
+            if vs and vs["delta"] is not None:
+                metrics[f"compare/{m}/trained/delta_vs_{ref}"] = vs["delta"]
         row["click_alignment"] = click_alignment(trajs, records, e.seed) if records else None
         doc["methods"][m] = row
     ceiling = {

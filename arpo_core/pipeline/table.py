@@ -220,6 +220,7 @@ STAGES: tuple[Stage, ...] = (
         inputs={
             "eval_dirs": ("data/eval", *(f"data/eval_{m}" for m in OFFLINE)),
             "offline_dirs": tuple(f"models/{m}" for m in OFFLINE),
+            "train_dir": "models/arpo",
         },
         outputs={"out_dir": "reports/comparison"},
         artifacts={"reports/comparison": "report"},
