@@ -51,6 +51,8 @@ def _inodes(project: Path, epochs: int) -> dict[str, int]:
 
 
 @pytest.mark.slow
+# hang guards below: 600 + 240 + 60 + 300 s; ~400 s in all on an idle 2-core machine
+@pytest.mark.timeout(1500)
 def test_quick_pipeline_deepspeed_ray_checkpoint_and_resume(tmp_path):
     project = copy_project(tmp_path / "p")
     # the copy's code runs (not the editable install's), with the DeepSpeed engine in one CPU process
@@ -58,7 +60,7 @@ def test_quick_pipeline_deepspeed_ray_checkpoint_and_resume(tmp_path):
     arpo = str(VENV_BIN / "arpo")
 
     # 1. the whole quick pipeline: several stages in one process each open and close a Ray env pool
-    _run([arpo, "run", *OVERRIDES, "-S", "train.epochs=2"], project, env, tmp_path / "run.log", 420)
+    _run([arpo, "run", *OVERRIDES, "-S", "train.epochs=2"], project, env, tmp_path / "run.log", 600)
     # the run's last log records reached the temporary API server before it was stopped
     assert "Error logging to API" not in (tmp_path / "run.log").read_text()
     name, state = _state(project)
