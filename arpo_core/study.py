@@ -285,8 +285,8 @@ def replay_effect(
 
         doc["base"]["click_alignment"] = click_alignment(base_eval, targets, first_seed)["pooled"]
         ceilings = {
-            split: blind_ceiling([r for r in targets if r.task_id in set(tasks)])
-            for split, tasks in (("hard", hard), ("control", control))
+            split: blind_ceiling([r for r in targets if r.task_id in wanted])
+            for split, wanted in (("hard", set(hard)), ("control", set(control)))
         }
         doc["image_blind"] = {
             **{split: c.get("_mean") for split, c in ceilings.items()},
@@ -309,11 +309,9 @@ def replay_effect(
         ),
     }
     for key, name in (("arpo_minus_base", arpo), ("grpo_minus_base", grpo)):
-        rs = arms.get(name or "", [])
+        rs = arms.get(name or "", [])  # none: bootstrap_difference returns mean None
         doc[key] = {
             split: bootstrap_difference(rs, [base_run], tasks, [*epochs, 0], reps)
-            if rs
-            else {"mean": None, "ci95": None, "reps": 0}
             for split, tasks in (("hard", hard), ("control", control))
         }
     return doc

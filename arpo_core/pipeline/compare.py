@@ -117,6 +117,11 @@ def _interval(ci: Sequence[float] | None) -> str:
     return "-" if not ci else f"[{100 * ci[0]:+.1f}, {100 * ci[1]:+.1f}]"
 
 
+def _vs(vs: dict[str, Any] | None) -> str:
+    """A paired difference as '+2.2 [-1.0, +5.5]' (points), '-' without one."""
+    return "-" if not vs or vs["delta"] is None else f"{100 * vs['delta']:+.1f} {_interval(vs['ci95'])}"
+
+
 def _plot(doc: dict[str, Any], path: Path) -> None:
     """Success per method and split with 95% intervals; the in-domain blind ceiling as a dashed line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -168,11 +173,7 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
         cells = [m]
         for split in SPLITS:
             c = row[split]
-            vs = c.get("vs_reference")
-            delta = (
-                "-" if not vs or vs["delta"] is None else f"{100 * vs['delta']:+.1f} {_interval(vs['ci95'])}"
-            )
-            cells += [_pct(c["success"]), _interval(c["ci95"]).replace("+", ""), delta]
+            cells += [_pct(c["success"]), _interval(c["ci95"]).replace("+", ""), _vs(c.get("vs_reference"))]
         corr = row["click_alignment"]["pooled"].get("click_target_corr") if row["click_alignment"] else None
         cells.append("-" if corr is None else f"{corr:.2f}")
         lines.append("| " + " | ".join(cells) + " |")
@@ -181,12 +182,9 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
     for m, row in doc["methods"].items():
         c = row.get("trained")
         if c:
-            vs = c.get("vs_reference")
-            delta = (
-                "-" if not vs or vs["delta"] is None else f"{100 * vs['delta']:+.1f} {_interval(vs['ci95'])}"
-            )
             trained_rows.append(
-                f"| {m} | {_pct(c['success'])} | {_interval(c['ci95']).replace('+', '')} | {delta} | {c['episodes']} |"
+                f"| {m} | {_pct(c['success'])} | {_interval(c['ci95']).replace('+', '')} | "
+                f"{_vs(c.get('vs_reference'))} | {c['episodes']} |"
             )
     lines.append(
         f"| image-blind first click | {_pct(ib['in_domain'])} | cv {_pct(ib['in_domain_cv'])} | - | "
