@@ -141,6 +141,17 @@ def test_click_on_empty_space_keeps_episode_open_and_finished_ends_it(env):
     assert env.step([Action("wait")]).info["error"]  # stepping a finished episode is refused
 
 
+def test_a_focused_text_field_looks_the_same_whenever_it_is_captured(env):
+    """Decision 9: the text caret blinks (about 0.5 s on, 0.5 s off), so a screenshot of a focused field
+    depended on when it was taken; the caret is hidden and every capture is the same."""
+    env.reset(task("enter-text"), seed=4)
+    shots = [np.asarray(env.step([Action("click", point=el(env, id="tt").center)]).observation.screenshot)]
+    for _ in range(6):  # 6 captures 0.3 s apart span both phases of the blink
+        time.sleep(0.3)
+        shots.append(np.asarray(env.screenshot()))
+    assert all(np.array_equal(s, shots[0]) for s in shots[1:])
+
+
 def test_typing_and_keys(env):
     env.reset(task("enter-text"), seed=4)
     field = el(env, id="tt")
