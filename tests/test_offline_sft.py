@@ -212,3 +212,26 @@ def test_long_replies_counts_demo_replies_the_policy_cannot_finish(tmp_path):
     cut = lengths[-1] - 1
     assert long_replies(policy, trajs, cut) == (sum(n > cut for n in lengths), 6, lengths[-1])
     assert long_replies(policy, trajs, 1) == (6, 6, lengths[-1])
+
+
+def test_sft_is_deterministic_given_demos_and_seed(tmp_path, one_thread):
+    """Two behaviour-cloning runs on the same demos from the same start give the same weights, bit for bit
+    (so a difference between two main-job bases comes from their demos, not from training)."""
+    cfg = SFTConfig(steps=6, batch_size=2, lr=5e-3, warmup_steps=2, seed=3)
+    weights = []
+    for run in ("a", "b"):
+        policy = build_tiny_policy(tmp_path / run, size="xs", seed=0)
+        sft(policy, demos(), cfg, progress=False, system="compact", history_images=None)
+        weights.append({k: v.clone() for k, v in policy.model.state_dict().items()})
+    assert weights[0].keys() == weights[1].keys()
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
+    policy = build_tiny_policy(tmp_path / "c", size="xs", seed=0)  # another seed orders the batches otherwise
+    sft(
+        policy,
+        demos(),
+        SFTConfig(steps=6, batch_size=2, lr=5e-3, warmup_steps=2, seed=4),
+        progress=False,
+        system="compact",
+        history_images=None,
+    )
+    assert not all(torch.equal(weights[0][k], v) for k, v in policy.model.state_dict().items())
