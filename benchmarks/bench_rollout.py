@@ -35,6 +35,14 @@ Decisions:
    whoever used it (Chromium, the workers, the generator). Async can only win the CPU time that sync
    leaves idle (its envs waiting for the generator, the generator waiting for the slowest env): on a
    machine whose cores are already busy under sync, async cannot be much faster, whatever its schedule.
+7. `--step-pauses`: each value is a run of every pool size and mode with envs that sleep that long after
+   each step's actions (MiniWoBEnv `step_pause_s`, miniwob.py decision 11), i.e. envs whose step time is
+   partly waiting, as an OSWorld VM on another host is (OSWorld's `DesktopEnv.step(pause=...)`; this
+   project's local desktop pauses `env.osworld.settle_s` = 0.5 s). With pause 0 MiniWoB's step time is
+   this machine's CPU (Chromium), which the generator competes for. Ratios of a pause p > 0 carry the
+   suffix `_pause<p>`.
+8. The generator's prompts use params.yaml's `policy.system_prompt` and `policy.history_images` (the
+   pipeline's own prompt; `--history-images all` keeps every screenshot, as presets/paper.yaml does).
 """
 
 from __future__ import annotations
@@ -63,6 +71,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import NoStop  # noqa: E402
 
 from arpo_core.actions import smart_resize  # noqa: E402
+from arpo_core.config import load_params  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
 from arpo_core.envs.miniwob import make_miniwob_env  # noqa: E402
 from arpo_core.envs.pool import EnvPool  # noqa: E402
@@ -201,17 +210,18 @@ def cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> f
     return round((after[0] - before[0]) / (after[1] - before[1]), 4)
 
 
-def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig) -> list[dict]:
-    """Every mode of `args.modes` on one pool of `n` envs, the same jobs each (decision 3)."""
+def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig, pause: float = 0.0) -> list[dict]:
+    """Every mode of `args.modes` on one pool of `n` envs, the same jobs each (decision 3); the envs
+    sleep `pause` seconds after each step's actions (decision 7)."""
     gen = ClickingGenerator(
-        FixedLengthGenerator(policy, system="compact", history_images=None),
+        FixedLengthGenerator(policy, system=args.system_prompt, history_images=args.history_images),
         cfg.min_pixels,
         cfg.max_pixels,
         one_at_a_time=args.one_at_a_time,
     )
     kw = {"ray_resources": {"env_node": 0.01}} if backend == "ray" else {}
     t0 = time.perf_counter()
-    pool = EnvPool(functools.partial(make_miniwob_env), n, backend=backend, **kw)
+    pool = EnvPool(functools.partial(make_miniwob_env, step_pause_s=pause), n, backend=backend, **kw)
     start_s = time.perf_counter() - t0
     out = []
     try:
@@ -240,7 +250,13 @@ def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig) -> list[d
     finally:
         pool.close()
     for mode, runs in per_mode.items():
-        row = {"backend": backend, "n_envs": n, "mode": mode, "pool_start_s": round(start_s, 2)}
+        row = {
+            "backend": backend,
+            "n_envs": n,
+            "mode": mode,
+            "step_pause_s": pause,
+            "pool_start_s": round(start_s, 2),
+        }
         if mode == "async":
             row["batch_wait_s"] = args.batch_wait
         row.update(median_summary(runs))
@@ -256,6 +272,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ints = lambda s: [int(x) for x in s.split(",")]  # noqa: E731
     strs = lambda s: [x for x in s.split(",") if x]  # noqa: E731
     ap.add_argument("--envs", type=ints, default=[4, 8, 16], help="pool sizes, comma-separated")
+    ap.add_argument(
+        "--step-pauses",
+        type=lambda s: [float(x) for x in s.split(",")],
+        default=[0.0],
+        help="env step_pause_s values, comma-separated (decision 7)",
+    )
     ap.add_argument("--backends", type=strs, default=["process"])
     ap.add_argument("--modes", type=strs, default=["sync", "async"], help="rollout modes (decision 3)")
     ap.add_argument("--batch-wait", type=float, default=0.0, help="async batch_wait_s")
@@ -267,6 +289,14 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--tasks", type=strs, default=list(TASKS))
     ap.add_argument("--policy", type=Path, default=None, help="policy dir (default: build tiny xs)")
     ap.add_argument("--threads", type=int, default=1, help="torch threads")
+    params = load_params(ROOT / "params.yaml").policy
+    ap.add_argument(
+        "--history-images",
+        type=lambda v: None if v == "all" else int(v),
+        default=params.history_images,
+        help="screenshots per prompt (decision 7; 'all': every step's); default: params.yaml's",
+    )
+    ap.add_argument("--system-prompt", default=params.system_prompt, help="default: params.yaml's")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout.json"))
     args = ap.parse_args(argv)
     for b in args.backends:
@@ -281,16 +311,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def ratios(results: list[dict]) -> dict[str, float]:
     """async / sync env steps/s and env utilization per (backend, n); `async_over_sync_<n>` for the
     process backend (the issue's headline: n = 8)."""
-    by = {(r["backend"], r["n_envs"], r["mode"]): r for r in results}
+    by = {(r["backend"], r.get("step_pause_s", 0.0), r["n_envs"], r["mode"]): r for r in results}
     out: dict[str, float] = {}
-    for (b, n, m), r in sorted(by.items()):
-        if m != "async" or (b, n, "sync") not in by:
+    for (b, pause, n, m), r in sorted(by.items()):
+        if m != "async" or (b, pause, n, "sync") not in by:
             continue
-        sync = by[(b, n, "sync")]
+        sync = by[(b, pause, n, "sync")]
         prefix = "" if b == "process" else f"{b}_"
-        out[f"{prefix}async_over_sync_{n}"] = round(r["env_steps_per_s"] / sync["env_steps_per_s"], 3)
-        out[f"{prefix}utilization_async_{n}"] = r["env_utilization"]
-        out[f"{prefix}utilization_sync_{n}"] = sync["env_utilization"]
+        suffix = f"_pause{pause:g}" if pause else ""
+        out[f"{prefix}async_over_sync_{n}{suffix}"] = round(r["env_steps_per_s"] / sync["env_steps_per_s"], 3)
+        out[f"{prefix}utilization_async_{n}{suffix}"] = r["env_utilization"]
+        out[f"{prefix}utilization_sync_{n}{suffix}"] = sync["env_utilization"]
     return out
 
 
@@ -331,10 +362,11 @@ def main(argv: Sequence[str] | None = None) -> None:
                     resources={"env_node": 1.0},
                 )
             try:
-                for n in args.envs:
-                    for r in bench_pool(policy, backend, n, args, cfg):
-                        print(json.dumps(r), flush=True)
-                        results.append(r)
+                for pause in args.step_pauses:
+                    for n in args.envs:
+                        for r in bench_pool(policy, backend, n, args, cfg, pause):
+                            print(json.dumps(r), flush=True)
+                            results.append(r)
             finally:
                 if backend == "ray":
                     ray.shutdown()
@@ -345,6 +377,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             [
                 "--envs",
                 ",".join(map(str, args.envs)),
+                "--step-pauses",
+                ",".join(f"{x:g}" for x in args.step_pauses),
                 "--backends",
                 ",".join(args.backends),
                 "--modes",
@@ -363,6 +397,10 @@ def main(argv: Sequence[str] | None = None) -> None:
                 ",".join(args.tasks),
                 "--threads",
                 str(args.threads),
+                "--history-images",
+                "all" if args.history_images is None else str(args.history_images),
+                "--system-prompt",
+                args.system_prompt,
             ]
             + (["--policy", str(args.policy)] if args.policy else [])
             + (["--one-at-a-time"] if args.one_at_a_time else [])
@@ -378,7 +416,13 @@ def main(argv: Sequence[str] | None = None) -> None:
             "loadavg_before": load_before,
             "loadavg_after": [round(x, 2) for x in os.getloadavg()],
         },
-        "policy": {"source": policy_desc, "parameters": n_params, "reply_tokens": args.reply_tokens},
+        "policy": {
+            "source": policy_desc,
+            "parameters": n_params,
+            "reply_tokens": args.reply_tokens,
+            "system_prompt": args.system_prompt,
+            "history_images": args.history_images,
+        },
         "tasks": args.tasks,
         "episode": f"max {args.max_steps} steps; each step a seeded random click in the model image",
         "results": results,

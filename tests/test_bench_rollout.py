@@ -16,6 +16,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_rollout as br  # noqa: E402
 
 from arpo_core.actions import parse_response  # noqa: E402
+from arpo_core.config import load_params  # noqa: E402
 from arpo_core.policy.generate import Generation  # noqa: E402
 from arpo_core.policy.prompt import PromptInput  # noqa: E402
 
@@ -109,8 +110,27 @@ def test_ratios():
         {"backend": "process", "n_envs": 4, "mode": "sync", "env_steps_per_s": 8.0, "env_utilization": 0.5},
         {"backend": "ray", "n_envs": 8, "mode": "sync", "env_steps_per_s": 5.0, "env_utilization": 0.3},
         {"backend": "ray", "n_envs": 8, "mode": "async", "env_steps_per_s": 6.0, "env_utilization": 0.5},
+        {
+            "backend": "process",
+            "n_envs": 8,
+            "mode": "sync",
+            "env_steps_per_s": 4.0,
+            "env_utilization": 0.5,
+            "step_pause_s": 0.5,
+        },
+        {
+            "backend": "process",
+            "n_envs": 8,
+            "mode": "async",
+            "env_steps_per_s": 6.0,
+            "env_utilization": 0.9,
+            "step_pause_s": 0.5,
+        },
     ]
     assert br.ratios(res) == {
+        "async_over_sync_8_pause0.5": 1.5,
+        "utilization_async_8_pause0.5": 0.9,
+        "utilization_sync_8_pause0.5": 0.5,
         "async_over_sync_8": 1.3,
         "utilization_async_8": 0.6,
         "utilization_sync_8": 0.4,
@@ -125,6 +145,13 @@ def test_parse_args():
     assert a.envs == [1, 2] and a.backends == ["ray"] and a.episodes == 8 and a.batch_wait == 0.05
     d = br.parse_args([])
     assert d.modes == ["sync", "async"] and d.envs == [4, 8, 16] and not d.one_at_a_time
+    params = load_params(ROOT / "params.yaml").policy  # the pipeline's prompt by default
+    assert d.step_pauses == [0.0] and (d.history_images, d.system_prompt) == (
+        params.history_images,
+        params.system_prompt,
+    )
+    a = br.parse_args(["--step-pauses", "0,0.5", "--history-images", "all"])
+    assert a.step_pauses == [0.0, 0.5] and a.history_images is None
     with pytest.raises(SystemExit):
         br.parse_args(["--backends", "thread"])
     with pytest.raises(SystemExit):

@@ -131,6 +131,54 @@ def test_right_click_target_scores_one_wrong_scores_zero(env):
     assert res.done and res.info["raw_reward"] == -1.0 and env.evaluate() == 0.0
 
 
+class ScriptCounter:
+    """Counts the driver's execute_script calls (decision 10: round trips per step)."""
+
+    def __init__(self, driver):
+        self.driver, self.calls = driver, 0
+        self.inner = driver.execute_script
+
+    def __call__(self, *a, **kw):
+        self.calls += 1
+        return self.inner(*a, **kw)
+
+    def __enter__(self):
+        self.driver.execute_script = self
+        return self
+
+    def __exit__(self, *exc):
+        del self.driver.execute_script  # back to the class's method
+
+
+def test_a_click_step_asks_the_page_once_and_stops_at_the_action_that_ends_the_episode(env):
+    env.reset(task("click-test"), seed=1)
+    with ScriptCounter(env.instance.driver) as counter:
+        res = env.step([Action("click", point=(150, 205))])  # empty space: no animation, no end
+    assert not res.done and counter.calls == 1  # one state script: busy check + metadata together
+
+    button = el(env, tag="button")
+    with ScriptCounter(env.instance.driver) as counter:
+        res = env.step([Action("click", point=button.center), Action("type", content="never typed")])
+    assert res.done and res.info["raw_reward"] == 1.0 and env.evaluate() == 1.0
+    assert counter.calls == 2  # "done?" between the two actions, then the state after the first
+
+
+def test_step_pause_sleeps_after_actions_only(env):
+    with pytest.raises(ValueError, match="step_pause_s"):
+        MiniWoBEnv(step_pause_s=-1.0)
+    env.step_pause_s = 0.4
+    try:
+        env.reset(task("click-button"), seed=2)
+        t0 = time.monotonic()
+        res = env.step([Action("click", point=(150, 205))])
+        assert time.monotonic() - t0 >= 0.4 and not res.done
+        t0 = time.monotonic()
+        res = env.step([Action("finished", content="")])  # no action ran: nothing to wait for
+        assert time.monotonic() - t0 < 0.4 and res.done
+    finally:
+        env.step_pause_s = 0.0
+
+
 def test_click_on_empty_space_keeps_episode_open_and_finished_ends_it(env):
     env.reset(task("click-button"), seed=2)
     res = env.step([Action("click", point=(150, 205))])

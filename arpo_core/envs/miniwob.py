@@ -42,6 +42,15 @@ Design decisions:
    it was taken: demonstrations collected twice from the same seeds differed in 9 of 1,290 enter-text
    screenshots, and behaviour cloning on them diverged. Playwright hides the caret in screenshots by
    default for the same reason. A focused field still shows Chromium's focus ring.
+10. A step costs as few WebDriver round trips as its result needs (each is Python -> chromedriver ->
+    Chromium and back, ~4 ms of three processes' CPU on this machine): after the last action one script
+    (`_STATE_JS`) answers both "is an animation still running" and MiniWoB's metadata, and is repeated
+    only while an animation runs; "did MiniWoB end the episode" is asked between actions only when
+    another action follows. A one-click step is 3 round trips (action, state, screenshot), was 5.
+11. `step_pause_s` (default 0) sleeps after a step's actions before the screenshot, as OSWorld's
+    `DesktopEnv.step(pause=...)` and this project's local desktop (`env.osworld.settle_s`) do. MiniWoB's
+    local pages need no pause; the rollout benchmark uses it to stand in for envs whose step time is
+    waiting (a VM on another host) rather than this machine's CPU (benchmarks/bench_rollout.py).
 """
 
 from __future__ import annotations
@@ -202,7 +211,12 @@ return out;
 """
 
 
-_BUSY_JS = "return !!(window.jQuery && jQuery.timers && jQuery.timers.length);"
+# Decision 10: "does a jQuery animation run" and miniwob's `get_metadata` in one round trip.
+_STATE_JS = """
+return {busy: !!(window.jQuery && jQuery.timers && jQuery.timers.length),
+        meta: {done: WOB_DONE_GLOBAL, env_reward: WOB_REWARD_GLOBAL,
+               raw_reward: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON}};
+"""
 # Decision 9: no blinking caret in any screenshot (idempotent: the style is added once per page).
 _NO_CARET_JS = """
 if (!document.getElementById('arpo-no-caret')) {
@@ -352,6 +366,7 @@ class MiniWoBEnv:
         wait_s: float = 0.2,
         drag_steps: int = 5,
         settle_timeout_s: float = 1.0,
+        step_pause_s: float = 0.0,
     ):
         """
         Args:
@@ -361,7 +376,10 @@ class MiniWoBEnv:
             drag_steps: intermediate pointer moves of a drag (jQuery UI needs movement to start one).
             settle_timeout_s: after the actions, wait up to this long for jQuery animations to end
                 (accordions, dialogs), so the observation shows where things finally are.
+            step_pause_s: sleep this long after a step's actions, before the screenshot (decision 11).
         """
+        if step_pause_s < 0:
+            raise ValueError(f"step_pause_s must be >= 0, got {step_pause_s}")
         self.episode_time_limit_s = episode_time_limit_s
         self.chromium_binary = chromium_binary
         self.chromedriver = chromedriver
@@ -370,6 +388,7 @@ class MiniWoBEnv:
         self.wait_s = wait_s
         self.drag_steps = drag_steps
         self.settle_timeout_s = settle_timeout_s
+        self.step_pause_s = step_pause_s
         self.instance: ChromiumInstance | None = None
         self.task: TaskSpec | None = None
         self.utterance = ""
@@ -529,18 +548,21 @@ class MiniWoBEnv:
         info: dict[str, Any] = {"action_errors": []}
         agent_end = None
         try:
-            for action in actions:
+            acted = False
+            for i, action in enumerate(actions):
                 if action.kind in TERMINAL_KINDS:
                     agent_end = action.kind
                     break
                 try:
                     self._perform(action)
+                    acted = True
                 except (KeyError, ValueError) as e:
                     info["action_errors"].append(f"{action.kind}: {e}")
-                if self._metadata()["done"]:
+                if i + 1 < len(actions) and self._metadata()["done"]:  # decision 10
                     break
-            self._settle()
-            meta = self._metadata()
+            if acted and self.step_pause_s > 0:  # decision 11
+                time.sleep(self.step_pause_s)
+            meta = self._settle()
             obs = self._observe()
         except BROWSER_ERRORS as e:
             self._done = True
@@ -560,12 +582,16 @@ class MiniWoBEnv:
         )
         return StepResult(obs, self._done, info)
 
-    def _settle(self) -> None:
-        """Wait (at most settle_timeout_s) until no jQuery animation runs, so the screenshot is final."""
+    def _settle(self) -> dict[str, Any]:
+        """Wait (at most settle_timeout_s) until no jQuery animation runs, so the screenshot is final;
+        MiniWoB's metadata as of the last check (decision 10)."""
         assert self.instance is not None
         deadline = time.monotonic() + self.settle_timeout_s
-        while time.monotonic() < deadline and self.instance.driver.execute_script(_BUSY_JS):
+        state = self.instance.driver.execute_script(_STATE_JS)
+        while state["busy"] and time.monotonic() < deadline:
             time.sleep(0.02)
+            state = self.instance.driver.execute_script(_STATE_JS)
+        return state["meta"]
 
     def evaluate(self) -> float:
         """1.0 when MiniWoB ended the episode with a positive raw reward, else 0.0 (decision 5)."""
