@@ -325,6 +325,24 @@ def ratios(results: list[dict]) -> dict[str, float]:
     return out
 
 
+def bounds(results: list[dict]) -> dict[str, float]:
+    """What async could win at most over each sync run (decision 6), from the sync run's own numbers:
+    `cpu_bound_<n>[_pause<p>]` = 1 / machine_cpu_busy (async doing the same CPU work per step on fully
+    busy cores) and `gen_share_<n>[_pause<p>]` = sync's inference share of the wall time (with equal
+    step times, overlapping generation with env steps is all async changes: 1 / (1 - share))."""
+    out: dict[str, float] = {}
+    for r in results:
+        if r["mode"] != "sync" or r["backend"] != "process":
+            continue
+        pause = r.get("step_pause_s", 0.0)
+        key = f"{r['n_envs']}{f'_pause{pause:g}' if pause else ''}"
+        if r.get("machine_cpu_busy") == r.get("machine_cpu_busy"):  # not NaN
+            out[f"cpu_bound_{key}"] = round(1.0 / max(r["machine_cpu_busy"], 1e-9), 3)
+        out[f"gen_share_{key}"] = round(r["inference_frac"], 3)
+        out[f"overlap_bound_{key}"] = round(1.0 / max(1e-9, 1.0 - r["inference_frac"]), 3)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -427,6 +445,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         "episode": f"max {args.max_steps} steps; each step a seeded random click in the model image",
         "results": results,
         "ratios": ratios(results),
+        "bounds": bounds(results),
     }
     atomic_write_json(args.out, record)
     print(f"wrote {args.out}")

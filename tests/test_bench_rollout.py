@@ -140,6 +140,30 @@ def test_ratios():
     }  # n=4 has no async run: no ratio
 
 
+def test_bounds_come_from_the_sync_runs():
+    res = [
+        {"backend": "process", "n_envs": 8, "mode": "sync", "machine_cpu_busy": 0.8, "inference_frac": 0.25},
+        {"backend": "process", "n_envs": 8, "mode": "async", "machine_cpu_busy": 0.95, "inference_frac": 0.9},
+        {
+            "backend": "process",
+            "n_envs": 8,
+            "mode": "sync",
+            "machine_cpu_busy": 0.5,
+            "inference_frac": 0.2,
+            "step_pause_s": 0.5,
+        },
+        {"backend": "ray", "n_envs": 8, "mode": "sync", "machine_cpu_busy": 0.1, "inference_frac": 0.1},
+    ]
+    assert br.bounds(res) == {
+        "cpu_bound_8": 1.25,
+        "gen_share_8": 0.25,
+        "overlap_bound_8": 1.333,
+        "cpu_bound_8_pause0.5": 2.0,
+        "gen_share_8_pause0.5": 0.2,
+        "overlap_bound_8_pause0.5": 1.25,
+    }
+
+
 def test_parse_args():
     a = br.parse_args(["--envs", "1,2", "--backends", "ray", "--episodes", "8", "--batch-wait", "0.05"])
     assert a.envs == [1, 2] and a.backends == ["ray"] and a.episodes == 8 and a.batch_wait == 0.05

@@ -381,3 +381,51 @@ def test_generates_in_eval_mode_and_restores_the_mode(policy):
     finally:
         LeanDecoder.__init__ = orig
         policy.model.eval()
+
+
+def test_shared_prefix_len_stops_at_the_first_difference_or_image():
+    from arpo_core.policy.generate import shared_prefix_len
+    from arpo_core.policy.sequences import EncodedSequence
+
+    def seq(ids):
+        return EncodedSequence(ids, [False] * len(ids), None, None)
+
+    assert shared_prefix_len([seq([1, 2, 3, 4]), seq([1, 2, 5])], image_token_id=9) == 2
+    assert shared_prefix_len([seq([1, 2, 9, 9]), seq([1, 2, 9, 9])], image_token_id=9) == 2  # never an image
+    assert shared_prefix_len([seq([1, 2]), seq([1, 2, 3])], image_token_id=9) == 2
+    assert shared_prefix_len([seq([7]), seq([1])], image_token_id=9) == 0
+
+
+@pytest.mark.parametrize("system", ["compact", "uitars"])
+def test_shared_prompt_head_changes_no_reply(policy, system):
+    """generate.py decision 12: the batch's shared head computed once gives the same tokens as the
+    unshared prefill, and log-probs within float rounding, greedy and sampled, over prompts of different
+    lengths (so padding sits between the head and each row's rest)."""
+    shared = HFGenerator(policy, system=system, history_images=None)
+    plain = HFGenerator(policy, system=system, history_images=None)
+    plain.share_prefix = False
+    heads = []
+    orig = policy.model.model.language_model.forward
+
+    def spy(*a, **kw):
+        if kw.get("input_ids") is not None:  # only the head's call passes token ids to the text model
+            heads.append(tuple(kw["input_ids"].shape))
+        return orig(*a, **kw)
+
+    policy.model.model.language_model.forward = spy
+    try:
+        for temperature, top_p in ((0.0, 1.0), (1.0, 1.0), (0.8, 0.9)):
+            kw = {"temperature": temperature, "top_p": top_p, "max_new_tokens": 24, "seeds": [3, 4, 5]}
+            a = plain.generate(prompts(), **kw)
+            assert not heads
+            b = shared.generate(prompts(), **kw)
+            assert len(heads) == 1 and heads.pop()[0] == 1  # one head forward, for one row
+            for x, y in zip(a, b, strict=True):
+                assert x.token_ids == y.token_ids and x.finish_reason == y.finish_reason
+                torch.testing.assert_close(
+                    torch.tensor(y.logprobs), torch.tensor(x.logprobs), rtol=0, atol=1e-5
+                )
+        shared.generate(prompts()[:1], temperature=0.0, top_p=1.0, max_new_tokens=4)
+        assert not heads  # one prompt: nothing to share
+    finally:
+        del policy.model.model.language_model.forward
