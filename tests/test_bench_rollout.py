@@ -156,11 +156,9 @@ def test_bounds_come_from_the_sync_runs():
     ]
     assert br.bounds(res) == {
         "cpu_bound_8": 1.25,
-        "gen_share_8": 0.25,
-        "overlap_bound_8": 1.333,
+        "gen_hidden_8": 1.333,
         "cpu_bound_8_pause0.5": 2.0,
-        "gen_share_8_pause0.5": 0.2,
-        "overlap_bound_8_pause0.5": 1.25,
+        "gen_hidden_8_pause0.5": 1.25,
     }
 
 
