@@ -103,29 +103,23 @@ def test_summarize_and_median():
     assert med == {"x": 2.0}
 
 
+def row(backend: str, n: int, mode: str, pause: float | None = None, **fields) -> dict:
+    """A results row as bench_pool writes it (`step_pause_s` left out like an older record's when None)."""
+    r = {"backend": backend, "n_envs": n, "mode": mode, **fields}
+    if pause is not None:
+        r["step_pause_s"] = pause
+    return r
+
+
 def test_ratios():
     res = [
-        {"backend": "process", "n_envs": 8, "mode": "sync", "env_steps_per_s": 10.0, "env_utilization": 0.4},
-        {"backend": "process", "n_envs": 8, "mode": "async", "env_steps_per_s": 13.0, "env_utilization": 0.6},
-        {"backend": "process", "n_envs": 4, "mode": "sync", "env_steps_per_s": 8.0, "env_utilization": 0.5},
-        {"backend": "ray", "n_envs": 8, "mode": "sync", "env_steps_per_s": 5.0, "env_utilization": 0.3},
-        {"backend": "ray", "n_envs": 8, "mode": "async", "env_steps_per_s": 6.0, "env_utilization": 0.5},
-        {
-            "backend": "process",
-            "n_envs": 8,
-            "mode": "sync",
-            "env_steps_per_s": 4.0,
-            "env_utilization": 0.5,
-            "step_pause_s": 0.5,
-        },
-        {
-            "backend": "process",
-            "n_envs": 8,
-            "mode": "async",
-            "env_steps_per_s": 6.0,
-            "env_utilization": 0.9,
-            "step_pause_s": 0.5,
-        },
+        row("process", 8, "sync", env_steps_per_s=10.0, env_utilization=0.4),
+        row("process", 8, "async", env_steps_per_s=13.0, env_utilization=0.6),
+        row("process", 4, "sync", env_steps_per_s=8.0, env_utilization=0.5),
+        row("ray", 8, "sync", env_steps_per_s=5.0, env_utilization=0.3),
+        row("ray", 8, "async", env_steps_per_s=6.0, env_utilization=0.5),
+        row("process", 8, "sync", 0.5, env_steps_per_s=4.0, env_utilization=0.5),
+        row("process", 8, "async", 0.5, env_steps_per_s=6.0, env_utilization=0.9),
     ]
     assert br.ratios(res) == {
         "async_over_sync_8_pause0.5": 1.5,
@@ -142,17 +136,10 @@ def test_ratios():
 
 def test_bounds_come_from_the_sync_runs():
     res = [
-        {"backend": "process", "n_envs": 8, "mode": "sync", "machine_cpu_busy": 0.8, "inference_frac": 0.25},
-        {"backend": "process", "n_envs": 8, "mode": "async", "machine_cpu_busy": 0.95, "inference_frac": 0.9},
-        {
-            "backend": "process",
-            "n_envs": 8,
-            "mode": "sync",
-            "machine_cpu_busy": 0.5,
-            "inference_frac": 0.2,
-            "step_pause_s": 0.5,
-        },
-        {"backend": "ray", "n_envs": 8, "mode": "sync", "machine_cpu_busy": 0.1, "inference_frac": 0.1},
+        row("process", 8, "sync", 0.0, machine_cpu_busy=0.8, inference_frac=0.25),
+        row("process", 8, "async", 0.0, machine_cpu_busy=0.95, inference_frac=0.9),
+        row("process", 8, "sync", 0.5, machine_cpu_busy=0.5, inference_frac=0.2),
+        row("ray", 8, "sync", machine_cpu_busy=0.1, inference_frac=0.1),
     ]
     assert br.bounds(res) == {
         "cpu_bound_8": 1.25,
