@@ -75,6 +75,20 @@ def test_collate_pads_left_and_right():
         collate([a], 0, 7, padding_side="middle")
 
 
+def test_collate_keeps_a_shared_head_left_of_the_padding():
+    a = EncodedSequence([5, 6, 8, 7], [False, False, True, True], None, None)
+    b = EncodedSequence([5, 6, 9], [False, False, True], None, None)
+    r = collate([a, b], pad_id=0, image_token_id=7, padding_side="left", shared_head=2)
+    assert r.input_ids.tolist() == [[5, 6, 8, 7], [5, 6, 0, 9]]
+    assert r.attention_mask.tolist() == [[1, 1, 1, 1], [1, 1, 0, 1]]
+    assert r.assistant_mask.tolist() == [[False, False, True, True], [False, False, False, True]]
+    assert r.mm_token_type_ids.tolist() == [[0, 0, 0, 1], [0, 0, 0, 0]]
+    with pytest.raises(ValueError, match="do not share"):
+        collate([a, b], 0, 7, padding_side="left", shared_head=3)
+    with pytest.raises(ValueError, match="left padding"):
+        collate([a, b], 0, 7, shared_head=2)
+
+
 def test_trajectory_sequence_mask_covers_replies_and_im_end(policy):
     replies = [
         "Thought: box.\nAction: click(start_box='(21,43)')",

@@ -67,8 +67,9 @@ Decisions:
     tokens as before, so every row sees exactly its own prompt at its own positions; logits agree with
     the unshared prefill to float rounding (tests/test_generate.py). It applies where the lean decoder
     does (decision 11: stock layers, SDPA or eager attention) to calls of 2 or more prompts sharing at
-    least `MIN_SHARED_PREFIX` tokens. On this machine it made the batch-8 prefill 1.6x faster
-    (benchmarks/results/generation.json). With one prompt there is nothing to share.
+    least `MIN_SHARED_PREFIX` tokens. On this machine it made the batch-8 prefill 1.10-1.12x and the
+    whole batched call 1.015-1.054x faster (A/B in three runs, benchmarks/results/generation.json,
+    `unshared_head`). With one prompt there is nothing to share.
 """
 
 from __future__ import annotations
@@ -265,29 +266,9 @@ class HFGenerator:
             head = shared_prefix_len(seqs, policy.image_token_id)
             if head < MIN_SHARED_PREFIX:
                 head = 0
-        enc = collate(
-            [
-                EncodedSequence(s.input_ids[head:], s.assistant_mask[head:], s.pixel_values, s.image_grid_thw)
-                for s in seqs
-            ]
-            if head
-            else seqs,
-            policy.pad_id,
-            policy.image_token_id,
-            padding_side="left",
+        enc = collate(seqs, policy.pad_id, policy.image_token_id, padding_side="left", shared_head=head).to(
+            device
         )
-        if head:  # [shared head | left padding | each row's rest]
-            B = len(seqs)
-            head_ids = torch.tensor(seqs[0].input_ids[:head], dtype=torch.long).expand(B, head)
-            enc.input_ids = torch.cat([head_ids, enc.input_ids], dim=1)
-            enc.attention_mask = torch.cat(
-                [torch.ones((B, head), dtype=enc.attention_mask.dtype), enc.attention_mask], dim=1
-            )
-            enc.mm_token_type_ids = torch.cat(
-                [torch.zeros((B, head), dtype=enc.mm_token_type_ids.dtype), enc.mm_token_type_ids], dim=1
-            )
-            enc.assistant_mask = torch.cat([torch.zeros((B, head), dtype=torch.bool), enc.assistant_mask], 1)
-        enc = enc.to(device)
         B = enc.input_ids.shape[0]
         uniforms = None  # (B, max_new_tokens) in (0, 1]: row b's draws from its own seed (decision 1)
         if temperature > 0:

@@ -211,22 +211,42 @@ def encode_trajectory_windows(
 
 
 def collate(
-    seqs: Sequence[EncodedSequence], pad_id: int, image_token_id: int, padding_side: str = "right"
+    seqs: Sequence[EncodedSequence],
+    pad_id: int,
+    image_token_id: int,
+    padding_side: str = "right",
+    shared_head: int = 0,
 ) -> SequenceBatch:
-    """Pad to the longest sequence (right for training, left for generation) and concatenate images."""
+    """Pad to the longest sequence (right for training, left for generation) and concatenate images.
+
+    `shared_head` > 0 (left padding only): the first `shared_head` tokens, the same in every row, stay in
+    the first columns and the padding goes between them and each row's rest, so one forward of the head
+    serves every row (generate.py decision 12)."""
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
-    T = max(len(s.input_ids) for s in seqs)
+    h = shared_head
+    if h:
+        if padding_side != "left":
+            raise ValueError("a shared head needs left padding")
+        head = seqs[0].input_ids[:h]
+        if len(head) < h or any(s.input_ids[:h] != head for s in seqs):
+            raise ValueError(f"the rows do not share their first {h} tokens")
+    T = h + max(len(s.input_ids) - h for s in seqs)
     B = len(seqs)
     input_ids = torch.full((B, T), pad_id, dtype=torch.long)
     attention = torch.zeros((B, T), dtype=torch.long)
     assistant = torch.zeros((B, T), dtype=torch.bool)
     for b, s in enumerate(seqs):
         n = len(s.input_ids)
-        sl = slice(T - n, T) if padding_side == "left" else slice(0, n)
-        input_ids[b, sl] = torch.tensor(s.input_ids, dtype=torch.long)
-        attention[b, sl] = 1
-        assistant[b, sl] = torch.tensor(s.assistant_mask, dtype=torch.bool)
+        if padding_side == "right":
+            parts = [(slice(0, n), slice(0, n))]
+        else:  # the shared head (none when h = 0) in the first columns, the rest against the right edge
+            parts = [(slice(0, h), slice(0, h)), (slice(h, n), slice(T - (n - h), T))]
+        for src, dst in parts:
+            if src.stop > src.start:
+                input_ids[b, dst] = torch.tensor(s.input_ids[src], dtype=torch.long)
+                attention[b, dst] = 1
+                assistant[b, dst] = torch.tensor(s.assistant_mask[src], dtype=torch.bool)
     pix = [s.pixel_values for s in seqs if s.pixel_values is not None]
     grids = [s.image_grid_thw for s in seqs if s.image_grid_thw is not None]
     mm = ((input_ids == image_token_id) & attention.bool()).to(torch.int)
