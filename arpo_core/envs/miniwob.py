@@ -43,7 +43,7 @@ Design decisions:
    screenshots, and behaviour cloning on them diverged. Playwright hides the caret in screenshots by
    default for the same reason. A focused field still shows Chromium's focus ring.
 10. A step costs as few WebDriver round trips as its result needs (each is Python -> chromedriver ->
-    Chromium and back, ~4 ms of three processes' CPU on this machine): after the last action one script
+    Chromium and back, ~4.3 ms of wall time on an idle machine): after the last action one script
     (`_STATE_JS`) answers both "is an animation still running" and MiniWoB's metadata, and is repeated
     only while an animation runs; "did MiniWoB end the episode" is asked between actions only when
     another action follows. A one-click step is 3 round trips (action, state, screenshot), was 5.
