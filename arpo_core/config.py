@@ -59,6 +59,7 @@ from arpo_core.config_check import (
 from arpo_core.offline_config import DPOConfig, GroundTrainConfig, KTOConfig, RFTConfig, SFTConfig
 from arpo_core.replay import ReplayConfig
 from arpo_core.selection import SelectConfig
+from arpo_core.suites import SuiteError, suite_problem
 
 __all__ = [
     "BaselineConfig",
@@ -210,7 +211,10 @@ class EnvConfig:
         for name in ("in_domain_suite", "out_of_domain_suite"):
             if getattr(self, name) is None:
                 continue
-            # a misspelt task fails when params load, not 25 s later inside a stage
+            # a broken suite or a misspelt task fails when params load, not 25 s later inside a stage
+            if problem := suite_problem(getattr(self, name)):
+                yield (name, f"is not a usable suite: {problem}", ())
+                continue
             if problem := unknown_suite_task(getattr(self, name)):
                 yield (name, problem, ())
             found = suite_backends(getattr(self, name))
@@ -390,7 +394,10 @@ class EvaluateConfig:
     temperature: Annotated[float, Ge(0)] = 0.0
     """0: greedy. The paper evaluates with 0.5-0.6; `sampled_temperature` adds that mode."""
     sampled_temperature: Annotated[float, Gt(0)] | None = None
-    """Also evaluate sampled at this temperature, > 0 (null: greedy only)."""
+    """Also evaluate sampled at this temperature, > 0 (null: greedy only; the paper's 0.5-0.6)."""
+    samples_per_instance: Annotated[int, Ge(1)] = 4
+    """Sampled episodes of each pinned instance (a greedy evaluation plays one: it is determined by the
+    instance); task families play `episodes_per_task` fresh instances instead."""
     max_steps: Annotated[int, Ge(1)] = 15
     """Episode step limit."""
     seed: Annotated[int, Ge(0)] = 900000
@@ -486,6 +493,11 @@ class TrainConfig:
     them, which also dilutes the token-mean)."""
     bf16: bool = False
     """bf16 autocast (CPU or GPU)."""
+    image_blind: bool = False
+    """The image-blind control arm: the trained policy sees a blank screenshot of the same size wherever
+    it would see one, in training rollouts, in the update and in its evaluations (the base it starts from,
+    the baseline and the selection are the other arms'): what it reaches on the training instances is
+    what memorising instructions alone buys."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     loss: LossSection = field(default_factory=LossSection)
 
@@ -549,6 +561,7 @@ class Params:
                 "kept",
                 ("baseline.episodes_per_task", "train.use_selection"),
             )
+        yield from self._instance_overlaps()
         if self.env.kind != "miniwob":  # real MiniWoB screens need MiniWoB pages
             if self.ground.eval_miniwob_seeds:
                 yield (
@@ -563,6 +576,61 @@ class Params:
                     "training screens are MiniWoB pages",
                     ("env.kind",),
                 )
+
+    def instance_roles(self) -> dict[str, dict[tuple[str, str], set[int]]]:
+        """Per role, {(domain, task family): the env seeds it plays} (pipeline/common.py decision 5):
+        `demos` (`demos.seed + k` of every in-domain family), `train` (the pinned in-domain instances),
+        `heldout` (`evaluate.seed + k` of every in-domain family, as many as the evaluate stage or the
+        evaluations during training play) and `out_of_domain` (the out-of-domain suite's, likewise)."""
+        from arpo_core.suites import load_suite, pinned_seeds
+
+        def load(path: str | None) -> list:
+            try:
+                return load_suite(path) if path is not None else []
+            except (SuiteError, OSError):  # EnvConfig's checks name the problem
+                return []
+
+        ind, ood = load(self.env.in_domain_suite), load(self.env.out_of_domain_suite)
+        same = (
+            ood and Path(self.env.in_domain_suite).resolve() == Path(self.env.out_of_domain_suite).resolve()
+        )
+        if same:  # one file for both suites: divided by the tasks' own split (pipeline/common.py)
+            ind, ood = [t for t in ind if t.split == "in_domain"], [t for t in ind if t.split != "in_domain"]
+        e, d = self.evaluate, self.demos
+        n_eval = max(e.episodes_per_task, e.during_training_episodes if e.during_training else 0)
+        fams = {(t.domain, t.family) for t in ind}
+        return {
+            "demos": {f: set(range(d.seed, d.seed + d.episodes_per_task)) for f in fams},
+            "train": pinned_seeds(ind),
+            "heldout": {f: set(range(e.seed, e.seed + n_eval)) for f in fams},
+            "out_of_domain": {
+                **{
+                    (t.domain, t.family): set(range(e.seed, e.seed + e.episodes_per_task))
+                    for t in ood
+                    if not t.pinned
+                },
+                **pinned_seeds(ood),
+            },
+        }
+
+    def _instance_overlaps(self) -> CrossChecks:
+        """Pipeline/common.py decision 5: no env seed of a task family in two roles."""
+        roles = self.instance_roles()
+        keys = {"demos": "demos.seed", "train": "env.in_domain_suite", "heldout": "evaluate.seed"}
+        names = list(roles)
+        for i, a in enumerate(names):
+            for b in names[i + 1 :]:
+                for fam in sorted(set(roles[a]) & set(roles[b])):
+                    both = roles[a][fam] & roles[b][fam]
+                    if both:
+                        yield (
+                            keys.get(a, "env.out_of_domain_suite"),
+                            f"is not usable: {fam[1]} plays env seed {min(both)} as {a} and as {b} instances "
+                            f"({len(both)} shared); demonstrations, training, held-out and out-of-domain "
+                            "instances must be disjoint",
+                            (keys.get(b, "env.out_of_domain_suite"),),
+                        )
+                        return
 
 
 # --------------------------------------------------------------------------------------------------

@@ -56,7 +56,9 @@ T = TypeVar("T")
 
 CrossChecks = Iterator[tuple[str, str, tuple[str, ...]]]
 """What a section's `cross_checks()` yields: (field it blames, rule, other fields involved); field names
-are relative to the section (dotted for `Params`, e.g. 'select.min_successes')."""
+are relative to the section (dotted for `Params`, e.g. 'select.min_successes'). A rule is a bound
+("must be <= mini_batch_size": the key "is out of range") or says its own verb ("is not a usable suite:
+...")."""
 
 
 class ConfigError(ValueError):
@@ -345,7 +347,9 @@ def build(cls: type[T], raw: Mapping[str, Any], path: KeyPath, ctx: Context) -> 
             for k in [(*path, *o.split("."))]
         )
         where = f"{ctx.origin(key)}; {others}" if others else ctx.origin(key)
-        raise ConfigError(f"{dotted(key)} = {_lookup(obj, name)!r} is out of range: {rule} ({where})")
+        # A rule that says its own verb ("is not a usable suite: ...") stands as it is.
+        verb = rule if rule.startswith("is ") else f"is out of range: {rule}"
+        raise ConfigError(f"{dotted(key)} = {_lookup(obj, name)!r} {verb} ({where})")
     return obj
 
 

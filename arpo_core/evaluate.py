@@ -270,14 +270,17 @@ class EvalResult:
     """(EpisodeJob, error) of jobs lost to env faults (decision 6)."""
 
 
-def eval_jobs(tasks: Sequence[TaskSpec], episodes_per_task: int, seed: int) -> list[EpisodeJob]:
-    """Episode k of every task runs env seed `seed + k` (decision 5); group_id = task index."""
-    if episodes_per_task < 1:
-        raise ValueError("episodes_per_task must be >= 1")
+def eval_jobs(
+    tasks: Sequence[TaskSpec], episodes_per_task: int, seed: int, instance_episodes: int = 1
+) -> list[EpisodeJob]:
+    """Episode k of every task runs env seed `seed + k` (decision 5); a pinned instance (suites.py
+    decision 3) plays `instance_episodes` episodes of itself; group_id = task index."""
+    if episodes_per_task < 1 or instance_episodes < 1:
+        raise ValueError("episodes_per_task and instance_episodes must be >= 1")
     return [
         EpisodeJob(task, seed=seed + k, group_id=g, sample_idx=k)
         for g, task in enumerate(tasks)
-        for k in range(episodes_per_task)
+        for k in range(instance_episodes if task.pinned else episodes_per_task)
     ]
 
 
@@ -306,8 +309,10 @@ def evaluate_policy(
     epoch: int = 0,
     policy_version: int = 0,
     progress=None,
+    instance_episodes: int = 1,
 ) -> EvalResult:
-    """Run `episodes_per_task` episodes of every task and summarise them.
+    """Run `episodes_per_task` episodes of every task (`instance_episodes` of a pinned instance) and
+    summarise them.
 
     Args:
         pool: an `EnvPool` (or anything with its submit_* API).
@@ -317,7 +322,7 @@ def evaluate_policy(
         first_seed: env seed of every task's first episode (decision 5).
         scoring, prefix: see `summarize`.
     """
-    jobs = eval_jobs(tasks, episodes_per_task, first_seed)
+    jobs = eval_jobs(tasks, episodes_per_task, first_seed, instance_episodes)
     res = run_episodes(
         pool,
         generator,

@@ -149,7 +149,7 @@ def first_step_targets(env: Any, tasks: Sequence[TaskSpec], seeds: Iterable[int]
         for seed in seeds:
             obs = env.reset(task, seed=seed)
             dom = env.dom_elements()
-            step = oracle_step(task.task_id, obs.instruction, dom)
+            step = oracle_step(task.family, obs.instruction, dom)
             if step is None:
                 raise ValueError(f"{task.task_id}: no DOM oracle, so no click target")
             point = next((a.point for a in step[1] if a.point is not None), None)

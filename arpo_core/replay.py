@@ -101,6 +101,11 @@ class ReplayConfig:
     """Seed of the buffer's own RNG (which stored success is drawn); saved and restored with the buffer."""
     signal: Literal["success", "reward"] = "success"
     """Value compared with the thresholds: the checker score (reference code) or the trained reward."""
+    preload: Literal["none", "baseline"] = "none"
+    """What the buffer holds before epoch 1: nothing (the reference code, whose json preload is commented
+    out), or each trained task's successes among the baseline stage's rollouts (as DART-GUI starts from
+    pre-collected successes). Stored by `add`'s rules: successes only, at most capacity_per_task, newest
+    kept."""
 
     def __post_init__(self) -> None:
         check_fields(self)  # the ranges declared above, also for a config built in code

@@ -126,9 +126,15 @@ class RolloutConfig:
 class EpisodeJob:
     task: TaskSpec
     seed: int
-    """Env seed of the episode (MiniWoB: the task instance)."""
+    """Env seed of the episode (MiniWoB: the task instance). A pinned instance's job always carries the
+    task's own seed, whatever the job builder proposed (suites.py decision 3): a training group, a
+    baseline row and an evaluation of `click-link@0017` all play that one instance."""
     group_id: int = 0
     sample_idx: int = 0
+
+    def __post_init__(self) -> None:
+        if self.task.seed is not None and self.seed != self.task.seed:
+            object.__setattr__(self, "seed", self.task.seed)
 
 
 def make_group_jobs(

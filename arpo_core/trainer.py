@@ -70,6 +70,13 @@ Decisions:
     log-probs are compared with the generator's (`logprob/gen_vs_train_max_abs`: the largest |difference|
     of one reply's sum; `..._per_token`: that difference over the reply's tokens, max and mean). With
     the HF backend the generator is the trained model itself: nothing to sync or compare.
+13. Buffer preload (`train.replay.preload`, off by default as in the reference): the caller passes the
+    baseline's rollouts; their successes of the trained tasks enter the buffer before epoch 1 by the
+    buffer's own rules, so an all-failed group can be filled from the first iteration on. A resumed run
+    takes the buffer from its checkpoint, which already holds them (or their successors).
+14. The image-blind control arm (`train.image_blind`): the policy (and the frozen reference) is marked
+    `image_blind`, so every forward of it - generation, old log-probs, the update - sees blank
+    screenshots of the same size; the stored trajectories keep the real ones.
 """
 
 from __future__ import annotations
@@ -192,6 +199,7 @@ def _load_reference(policy_dir: str | os.PathLike, policy: Policy) -> Policy:
     """Decision 8: the frozen starting policy, on the trained policy's device and in its dtype."""
     dtype = next(policy.model.parameters()).dtype
     ref = load_policy(policy_dir, dtype=dtype, device=str(policy.device))
+    ref.image_blind = policy.image_blind  # the same (blank) inputs as the trained policy's forwards
     ref.model.eval()
     ref.model.requires_grad_(False)
     return ref
@@ -301,6 +309,7 @@ def _restore_or_start(
     seed: int,
     resume: bool,
     device: str = "cpu",
+    preload: Sequence[Trajectory] = (),
 ) -> tuple[Policy, Any, ReplayBuffer, TrainState, Policy | None]:
     """The last complete epoch's policy, engine, buffer, state and RNG states (decision 5), or a fresh
     start from `policy_dir` with the global RNGs seeded from the run seed; and the frozen reference
@@ -315,6 +324,8 @@ def _restore_or_start(
         policy = load_policy(policy_dir, device=device)
         state = TrainState()
         replay = ReplayBuffer(cfg.replay)
+        replay.add(preload)  # decision 13: before epoch 1 only; a resumed buffer already holds them
+    policy.image_blind = cfg.image_blind  # decision 14
     reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
     engine = make_engine(
         cfg.engine,
@@ -502,6 +513,7 @@ def train(
     progress_factory: Callable[..., Any] | None = None,
     generator_factory: Callable[[Policy], Any] | None = None,
     device: str = "cpu",
+    preload: Sequence[Trajectory] = (),
 ) -> TrainState:
     """Train from `policy_dir` (or resume from `out_dir`'s last checkpoint) for `cfg.epochs` epochs.
 
@@ -513,14 +525,16 @@ def train(
         generator_factory: policy -> Generator; default `HFGenerator` with policy_cfg's prompt. A
             generator with `sync_weights` gets the weights after every update (decision 12).
         device: where the trained policy is loaded ("cuda" with the vLLM backend: colocated).
+        preload: trajectories whose successes of `tasks` fill the buffer before epoch 1 (decision 13).
 
     Trajectories go to `out_dir/trajectories/epoch-EEEE-iter-III.parquet` (filled groups, replayed flag
     set), checkpoints to `out_dir/checkpoints/`. Returns the final state (its history has one entry per
     epoch).
     """
     out_dir = Path(out_dir)
+    keys = {t.key for t in tasks}
     policy, engine, replay, state, reference = _restore_or_start(
-        policy_dir, out_dir, cfg, seed, resume, device
+        policy_dir, out_dir, cfg, seed, resume, device, [t for t in preload if t.key in keys]
     )
     generator = (
         generator_factory(policy)

@@ -70,7 +70,7 @@ __all__ = ["PLOT_COLUMNS", "StageRun", "call", "load_params_once", "variant_name
 
 VIEWER_DIR = Path("plots/viewer")
 """Trajectory viewer pages (issue 8), one per trajectory file of a stage, logged under `viewer/`."""
-KNOWN_POLICIES = ("base", "rft", "dpo", "kto", "grpo", "arpo")
+KNOWN_POLICIES = ("base", "rft", "dpo", "kto", "grpo", "arpo", "grpo_blind", "arpo_blind")
 """Evaluation files are named by the policy they evaluated (`data/eval/base.parquet`)."""
 VIEWER_MAX_EPISODES = 400
 """Episodes per viewer page (the first ones in file order); keeps a page a few MB."""

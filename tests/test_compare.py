@@ -82,8 +82,8 @@ def test_compare_names_a_missing_reference(evals):
 
 
 def test_compare_without_a_held_out_suite(tmp_path):
-    """env.out_of_domain_suite: null (train and evaluate on the same tasks): the out-of-domain cells are
-    empty, not an error, and the table says '-' there."""
+    """env.out_of_domain_suite: null (train and evaluate on the same tasks): no out-of-domain split in the
+    document, the metrics or the table (not an error)."""
     d = tmp_path / "data" / "eval"
     write_trajectories(d / "base.parquet", episodes("base", {IN: [0]}))
     write_trajectories(d / "arpo.parquet", episodes("arpo", {IN: [0, 1]}))
@@ -91,11 +91,10 @@ def test_compare_without_a_held_out_suite(tmp_path):
     doc = json.loads((tmp_path / "report" / "comparison.json").read_text())
     arpo = doc["methods"]["arpo"]
     assert arpo["in_domain"]["vs_reference"]["delta"] == pytest.approx(0.25)
-    assert arpo["out_of_domain"] == {
-        "success": None, "ci95": None, "episodes": 0, "format_error_rate": None, "tasks": {}
-    }  # fmt: skip
+    assert "out_of_domain" not in arpo and doc["splits"] == ["in_domain"]
     assert not any("out_of_domain" in k for k in m)
-    assert "| arpo | 50.0 |" in (tmp_path / "report" / "comparison.md").read_text()
+    md = (tmp_path / "report" / "comparison.md").read_text()
+    assert "| arpo | 50.0 |" in md and "out-of-domain" not in md
 
 
 def test_compare_reports_the_tasks_training_reached(tmp_path):

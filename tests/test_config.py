@@ -258,6 +258,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("train.loss.advantage_eps", 0, TINY, ()),
     ("train.loss.format_penalty", 0.1, 0, ()),
     ("evaluate.episodes_per_task", 0, 1, ()),
+    ("evaluate.samples_per_instance", 0, 1, ()),
     ("evaluate.temperature", -0.1, 0, ()),
     ("evaluate.sampled_temperature", 0, TINY, ()),
     ("evaluate.max_steps", 0, 1, ()),

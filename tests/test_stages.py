@@ -56,7 +56,19 @@ def workdir(tmp_path_factory):
 
 def test_select_keeps_tasks_with_a_success(workdir):
     m = select.run(params("select.min_successes=1"), workdir / "baseline", workdir / "sel.json")
-    assert m == {"select/kept": 1.0, "select/tasks": 2.0}
+    # click-test: 2 successes of 4 (kept, rate 0.5); click-button: none (dropped)
+    assert m == {
+        "select/kept": 1.0,
+        "select/tasks": 2.0,
+        "select/kept_rate_mean": 0.5,
+        "select/kept_rate_p25": 0.5,
+        "select/kept_rate_p50": 0.5,
+        "select/kept_rate_p75": 0.5,
+        "select/kept_rare_frac": 0.0,
+        "select/kept_with/02": 1.0,
+        "select/reason/kept": 1.0,
+        "select/reason/too_few_successes": 1.0,
+    }
     assert read_selection(workdir / "sel.json").kept == (("miniwob", "click-test"),)
 
 

@@ -8,50 +8,32 @@ Design decisions:
    model-image frame is the caller's job (`arpo_core.actions`), so an env never sees model output.
 3. Env faults are data, not exceptions: `StepResult.info["error"]` carries the message and the pool
    reports the episode as an env error (not a policy failure).
-4. A task is identified by `(domain, task_id)` (`TaskSpec.key`): OSWorld ids repeat across domains
-   (docs/method.md §1), so the id alone is not a key.
-5. Suites are YAML files under `data/suites/` (in git): a header with defaults and the list of tasks;
-   `load_suite` rejects unknown keys, naming the key and the file.
+4. Tasks and suites (`TaskSpec`, `load_suite`) live in `arpo_core/suites.py` (YAML only, so params can
+   validate suites without importing env code) and are re-exported here.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import yaml
 from PIL import Image
 
 from arpo_core.actions import Action
+from arpo_core.suites import SuiteError, TaskSpec, load_suite
+
+__all__ = [
+    "TERMINAL_KINDS",
+    "GuiEnv",
+    "Observation",
+    "StepResult",
+    "SuiteError",
+    "TaskSpec",
+    "load_suite",
+]
 
 # Action kinds that end an episode from the agent's side (finished -> DONE, call_user -> FAIL).
 TERMINAL_KINDS = ("finished", "call_user")
-
-
-@dataclass(frozen=True)
-class TaskSpec:
-    """One task of a suite; hashable so it can key dicts and sets."""
-
-    domain: str
-    """Task family, e.g. "miniwob" or an OSWorld domain such as "chrome"."""
-    task_id: str
-    """Task name inside the domain, e.g. "click-button"."""
-    instruction: str = ""
-    """Fixed instruction; "" when the env supplies it per episode (MiniWoB's utterance)."""
-    split: str = "in_domain"
-    """Suite split: "in_domain", "out_of_domain", ..."""
-    feasible: bool = True
-    """False for tasks whose right answer is to give up (OSWorld `infeasible`)."""
-    backend: str = "miniwob"
-    """Which env implementation runs the task ("miniwob", later "osworld")."""
-    config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
-    """Backend-specific settings (e.g. MiniWoB data_mode); not part of the identity."""
-
-    @property
-    def key(self) -> tuple[str, str]:
-        """(domain, task_id): the replay-buffer / statistics key."""
-        return (self.domain, self.task_id)
 
 
 @dataclass
@@ -101,44 +83,3 @@ class GuiEnv(Protocol):
         """Release the browser / desktop; idempotent. Returns a note when a fault is found while closing
         (e.g. the browser had died since the last call), which the pool counts; else None."""
         ...
-
-
-_SUITE_KEYS = {"domain", "backend", "split", "feasible", "rationale", "config", "tasks"}
-_TASK_KEYS = {"task_id", "instruction", "feasible", "split", "domain", "backend", "config", "note"}
-
-
-def load_suite(path: str | Path) -> list[TaskSpec]:
-    """Read a suite YAML into TaskSpecs.
-
-    The file holds defaults (`domain`, `backend`, `split`, `feasible`, `config`), a free-text
-    `rationale`, and `tasks`: a list of task ids or mappings that override the defaults per task.
-    """
-    path = Path(path)
-    doc = yaml.safe_load(path.read_text())
-    if not isinstance(doc, dict) or "tasks" not in doc:
-        raise ValueError(f"{path}: a suite is a mapping with a 'tasks' list")
-    unknown = set(doc) - _SUITE_KEYS
-    if unknown:
-        raise ValueError(f"{path}: unknown suite key(s) {sorted(unknown)}")
-    defaults = {
-        "domain": doc.get("domain", "miniwob"),
-        "backend": doc.get("backend", "miniwob"),
-        "split": doc.get("split", "in_domain"),
-        "feasible": bool(doc.get("feasible", True)),
-        "config": dict(doc.get("config") or {}),
-    }
-    specs: list[TaskSpec] = []
-    for i, item in enumerate(doc["tasks"]):
-        entry = {"task_id": item} if isinstance(item, str) else dict(item)
-        unknown = set(entry) - _TASK_KEYS
-        if unknown:
-            raise ValueError(f"{path}: task #{i}: unknown key(s) {sorted(unknown)}")
-        if "task_id" not in entry:
-            raise ValueError(f"{path}: task #{i} has no task_id")
-        entry.pop("note", None)
-        merged = {**defaults, **entry, "config": {**defaults["config"], **(entry.get("config") or {})}}
-        specs.append(TaskSpec(**merged))
-    keys = [s.key for s in specs]
-    if len(set(keys)) != len(keys):
-        raise ValueError(f"{path}: duplicate task keys")
-    return specs

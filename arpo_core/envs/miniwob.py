@@ -347,7 +347,7 @@ def _descendants(pid: int) -> list[int]:
 
 
 class MiniWoBEnv:
-    """A `GuiEnv` over one headless Chromium; tasks are MiniWoB++ task names (TaskSpec.task_id).
+    """A `GuiEnv` over one headless Chromium; tasks are MiniWoB++ task names (`TaskSpec.family`; a pinned instance plays its own seed).
 
     `TaskSpec.instruction` is not used: MiniWoB generates each episode's utterance, which becomes
     `Observation.instruction`. `TaskSpec.config["data_mode"]` ("train" by default) picks MiniWoB's
@@ -422,13 +422,15 @@ class MiniWoBEnv:
         the observation's `faults` (the pool counts it)."""
         if task.backend != "miniwob":
             raise ValueError(f"MiniWoBEnv cannot run backend {task.backend!r}")
+        if task.pinned:  # a pinned instance is its own seed (suites.py decision 3)
+            seed = task.seed
         faults: list[str] = []
         for attempt in range(2):
             try:
                 if self.instance is None or self.instance.died:
-                    self._restart(task.task_id)
+                    self._restart(task.family)
                 else:
-                    self.instance.load_task(task.task_id)
+                    self.instance.load_task(task.family)
                 obs = self._begin(task, seed)
                 obs.faults = tuple(faults)
                 return obs
@@ -437,7 +439,7 @@ class MiniWoBEnv:
                     raise
                 first = str(e).strip().splitlines()[0][:200] if str(e).strip() else ""
                 faults.append(f"browser failed during reset ({type(e).__name__}: {first}); replaced")
-                self._restart(task.task_id)
+                self._restart(task.family)
         raise AssertionError("unreachable")
 
     def _begin(self, task: TaskSpec, seed: int | None) -> Observation:
@@ -533,7 +535,7 @@ class MiniWoBEnv:
         the model-image frame of a policy with this pixel budget (default: the oracles' own)."""
         assert self.task is not None
         return oracle_reply(
-            self.task.task_id,
+            self.task.family,
             self.utterance,
             self.dom_elements(),
             min_pixels=min_pixels or MODEL_MIN_PIXELS,

@@ -1,5 +1,6 @@
 """Stage `baseline`: N sampled rollouts per in-domain task of the base policy (task selection's input,
-and the data of the offline baselines rft / dpo / kto)."""
+and the data of the offline baselines rft / dpo / kto); with a suite of pinned instances, N rollouts of
+each instance (the paper's 16 per task)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,18 @@ from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollo
 from arpo_core.rollout import EpisodeJob, run_episodes
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["run"]
+__all__ = ["baseline_jobs", "run"]
+
+
+def baseline_jobs(p: Params) -> list[EpisodeJob]:
+    """`baseline.episodes_per_task` rollouts of every in-domain task: of a family on env seeds
+    `baseline.seed + k`, of a pinned instance on itself (the paper's selection: N rollouts per instance)."""
+    b = p.baseline
+    return [
+        EpisodeJob(t, seed=b.seed + k, group_id=g, sample_idx=k)
+        for g, t in enumerate(suite_tasks(p, "in_domain"))
+        for k in range(b.episodes_per_task)
+    ]
 
 
 def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
@@ -24,11 +36,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     policy_dir = resolve_policy(policy_dir)
     b = p.baseline
     gen = generator(p, load_policy(policy_dir), policy_dir)
-    jobs = [
-        EpisodeJob(t, seed=b.seed + k, group_id=g, sample_idx=k)
-        for g, t in enumerate(suite_tasks(p, "in_domain"))
-        for k in range(b.episodes_per_task)
-    ]
+    jobs = baseline_jobs(p)
     cfg = rollout_config(p, policy_dir, b.temperature, b.max_steps, p.project.seed)
     with make_pool(p) as pool:
         bar = progress_bar(len(jobs), "baseline")

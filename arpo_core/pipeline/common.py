@@ -5,7 +5,8 @@ Decisions:
 1. A pretrained checkpoint (e.g. UI-TARS-1.5-7B) is never copied: `init_policy` writes a pointer file
    (`pretrained.json`) and `resolve_policy` follows it.
 2. The trained policy is named by its method everywhere (`method_name`): `arpo` with experience replay,
-   `grpo` without, so the two arms of an ablation never share a label.
+   `grpo` without (`arpo_blind`, `grpo_blind` for the image-blind arm), so the arms of an ablation never
+   share a label.
 3. Suites are read by their own backend (`suite_tasks`): an OSWorld suite (`backend: osworld`) through
    `load_osworld_suite`, which loads each task's OSWorld JSON; any other through `load_suite`. One file
    named as both suites (`env.in_domain_suite == env.out_of_domain_suite`, e.g. the 17 local desktop
@@ -13,6 +14,17 @@ Decisions:
    out-of-domain suite every other task, labelled `out_of_domain` (the split the metrics name). With
    `env.out_of_domain_suite: null` there is no held-out suite: every task of the in-domain file is
    in-domain (labelled so), whatever its own split says, and the out-of-domain suite is empty.
+4. Evaluation splits (`evaluation_tasks`): a suite whose tasks are families (every episode a fresh
+   instance) is evaluated as `in_domain` and `out_of_domain`, each task on `evaluate.episodes_per_task`
+   fresh instances. A suite of pinned instances (suites.py decision 3, the paper's protocol) is
+   evaluated in three splits: `train`, the instances the train stage trains on (the selection's, when
+   `train.use_selection`; the paper's in-domain numbers are these); `heldout`, the same task families
+   on fresh instances (`evaluate.seed + k`: generalisation to unseen instances); and `out_of_domain`.
+   A pinned instance plays one greedy episode (a greedy episode of a fixed instance is determined by
+   it) and `evaluate.samples_per_instance` sampled ones.
+5. Instances are disjoint by role (`instance_roles`): per task family, the env seeds of demonstrations,
+   of the pinned training instances and of held-out evaluation never meet (checked when params load,
+   `Params.cross_checks`, and by a test on every preset).
 """
 
 from __future__ import annotations
@@ -27,15 +39,21 @@ from tqdm import tqdm
 
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec, load_suite
+from arpo_core.suites import families
 
 __all__ = [
+    "HELDOUT_SPLIT",
     "POINTER",
+    "TRAIN_SPLIT",
+    "evaluation_tasks",
+    "instance_episodes",
     "method_name",
     "pixel_budget",
     "progress_bar",
     "resolve_policy",
     "setup_torch",
     "suite_tasks",
+    "training_tasks",
 ]
 
 POINTER = "pretrained.json"
@@ -85,6 +103,47 @@ def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
     return tasks
 
 
+TRAIN_SPLIT = "train"
+"""Decision 4: the pinned instances trained on."""
+HELDOUT_SPLIT = "heldout"
+"""Decision 4: fresh instances of the pinned instances' task families."""
+
+
+def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[TaskSpec]:
+    """The in-domain tasks, restricted to the selected ones when `train.use_selection`."""
+    from arpo_core.selection import read_selection
+
+    tasks = suite_tasks(p, "in_domain")
+    if p.train.use_selection and selected_path is not None:
+        keep = {tuple(k) for k in read_selection(selected_path).kept}
+        tasks = [t for t in tasks if t.key in keep]
+        if not tasks:
+            raise RuntimeError(f"task selection {selected_path} kept no task: nothing to train on")
+    return tasks
+
+
+def evaluation_tasks(
+    p: Params, trained: list[TaskSpec] | None, *, out_of_domain: bool = True
+) -> list[TaskSpec]:
+    """Decision 4: the tasks an evaluation plays, each labelled with its split. `trained`: the train
+    stage's tasks (`training_tasks`); None when there is no train stage to speak of (then every pinned
+    in-domain instance is `train`)."""
+    ind = suite_tasks(p, "in_domain")
+    pinned = [t for t in ind if t.pinned]
+    if trained is not None:
+        chosen = {t.key for t in trained}
+        pinned = [t for t in pinned if t.key in chosen]
+    out = [replace(t, split=TRAIN_SPLIT) for t in pinned]
+    out += [replace(t, split=HELDOUT_SPLIT) for t in families(t for t in ind if t.pinned)]
+    out += [t for t in ind if not t.pinned]
+    return out + (suite_tasks(p, "out_of_domain") if out_of_domain else [])
+
+
+def instance_episodes(p: Params, temperature: float) -> int:
+    """Decision 4: episodes per pinned instance in an evaluation at `temperature` (0: greedy, one)."""
+    return 1 if temperature == 0 else p.evaluate.samples_per_instance
+
+
 def progress_bar(total: int, desc: str) -> Any:
     """A tqdm bar that redraws at most every 2 s (logs stay short)."""
     return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=2.0)
@@ -107,5 +166,6 @@ def pixel_budget(policy_dir: Path) -> tuple[int, int]:
 
 
 def method_name(p: Params) -> str:
-    """Decision 2: 'arpo' with experience replay, 'grpo' without."""
-    return "arpo" if p.train.replay.enabled else "grpo"
+    """Decision 2: 'arpo' with experience replay, 'grpo' without; '_blind' appended for the image-blind
+    control arm (`train.image_blind`)."""
+    return ("arpo" if p.train.replay.enabled else "grpo") + ("_blind" if p.train.image_blind else "")

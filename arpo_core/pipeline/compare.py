@@ -25,6 +25,14 @@ Decisions:
    in-domain tasks with at least one rollout in the train stage's stored trajectories (task ids read
    from `models/arpo/trajectories`, without the screenshots), with its rate, interval and paired delta
    against the reference on those tasks' shared instances. No training rollouts (or none stored): no cell.
+   A suite of pinned instances needs no such cell: its `train` split is exactly the instances trained on.
+7. Splits are the evaluation's (common decision 4), in the order train, in_domain, heldout,
+   out_of_domain. The image-blind ceiling of a split of task families is decision 2's; of the `train`
+   split (pinned instances) it is the best constant first click per task FAMILY over its pinned
+   instances (one reset each): a policy that ignores both the screen and the instruction. A policy
+   that reads the instruction but not the screen can memorise every training instance, which no
+   ceiling bounds: that is what the image-blind control arm (`train.image_blind`) measures. Click
+   alignment is computed on the family splits (their instances are `evaluate.seed + k`).
 """
 
 from __future__ import annotations
@@ -39,14 +47,26 @@ from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.evaluate import split_map, summarize
 from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
-from arpo_core.pipeline.common import suite_tasks
+from arpo_core.pipeline.common import TRAIN_SPLIT, evaluation_tasks, training_tasks
 from arpo_core.pipeline.offline import SKIPPED
 from arpo_core.trajectory import Trajectory, read_trajectories
 
 __all__ = ["ORDER", "collect_evaluations", "first_click_targets", "run", "trained_task_keys"]
 
-ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo")
-SPLITS = ("in_domain", "out_of_domain")
+ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo", "grpo_blind", "arpo_blind")
+SPLIT_ORDER = ("train", "in_domain", "heldout", "out_of_domain")
+"""Decision 7: the order splits are shown in (any other split after these, by name)."""
+LABELS = {"train": "training instances", "in_domain": "in-domain", "heldout": "held-out instances"}
+
+
+def _label(split: str) -> str:
+    return LABELS.get(split, split.replace("_", "-"))
+
+
+def split_order(splits: Sequence[str]) -> list[str]:
+    """Decision 7: the splits present, SPLIT_ORDER first."""
+    present = set(splits)
+    return [s for s in SPLIT_ORDER if s in present] + sorted(present - set(SPLIT_ORDER))
 
 
 def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, list[Trajectory]]:
@@ -86,6 +106,8 @@ def first_click_targets(
 
     e = p.evaluate
     seeds = range(e.seed, e.seed + (episodes or e.episodes_per_task))
+    pinned = [t for t in tasks if t.pinned]
+    tasks = [t for t in tasks if not t.pinned]
     records: list[Any] = []
     missing: dict[str, str] = {}
     miniwob = [t for t in tasks if t.backend == "miniwob"]
@@ -94,16 +116,18 @@ def first_click_targets(
             missing[t.task_id] = f"{t.backend} task: no DOM targets"
         elif t.task_id not in ORACLES:
             missing[t.task_id] = "no oracle"
-    todo = [t for t in miniwob if t.task_id in ORACLES]
+    todo = [(t, seeds) for t in miniwob if t.task_id in ORACLES]
+    todo += [(t, [t.seed]) for t in pinned if t.family in ORACLES]  # decision 7: one reset an instance
+    missing |= {t.family: "no oracle" for t in pinned if t.family not in ORACLES}
     if not todo:
         return records, missing
     env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
     try:
-        for t in todo:
+        for t, task_seeds in todo:
             try:
-                records += first_step_targets(env, [t], seeds)
+                records += first_step_targets(env, [t], task_seeds)
             except ValueError as err:  # the oracle's first action is not a click
-                missing[t.task_id] = str(err)
+                missing[t.family] = str(err)
     finally:
         env.close()
     return records, missing
@@ -123,7 +147,7 @@ def _vs(vs: dict[str, Any] | None) -> str:
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
-    """Success per method and split with 95% intervals; the in-domain blind ceiling as a dashed line."""
+    """Success per method and split with 95% intervals; the first split's blind ceiling as a dashed line."""
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
 
@@ -131,21 +155,30 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
     fig = Figure(figsize=(1.4 + 1.1 * len(methods), 3.6))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot(1, 1, 1)
-    width = 0.38
-    for j, (split, colour) in enumerate(zip(SPLITS, ("#d62728", "#1f77b4"), strict=True)):
+    splits = doc["splits"]
+    width = 0.8 / max(1, len(splits))
+    colours = ("#d62728", "#ff7f0e", "#1f77b4", "#2ca02c")
+    for j, split in enumerate(splits):
+        colour = colours[j % len(colours)]
         xs, ys, err = [], [], [[], []]
         for i, m in enumerate(methods):
             cell = doc["methods"][m][split]
             if cell["success"] is None:
                 continue
-            xs.append(i + (j - 0.5) * width)
+            xs.append(i + (j - (len(splits) - 1) / 2) * width)
             ys.append(100 * cell["success"])
             err[0].append(100 * (cell["success"] - cell["ci95"][0]))
             err[1].append(100 * (cell["ci95"][1] - cell["success"]))
-        ax.bar(xs, ys, width, yerr=err, capsize=3, color=colour, label=split.replace("_", "-"))
-    blind = doc["image_blind"]["in_domain"]
+        ax.bar(xs, ys, width, yerr=err, capsize=3, color=colour, label=_label(split))
+    blind = doc["image_blind"].get(splits[0]) if splits else None
     if blind is not None:
-        ax.axhline(100 * blind, color="#444444", linestyle="--", linewidth=1, label="image-blind (in-domain)")
+        ax.axhline(
+            100 * blind,
+            color="#444444",
+            linestyle="--",
+            linewidth=1,
+            label=f"image-blind ({_label(splits[0])})",
+        )
     ax.set_xticks(range(len(methods)), methods)
     ax.set_ylabel("greedy success (%)")
     ax.set_ylim(0, 100)
@@ -157,21 +190,25 @@ def _plot(doc: dict[str, Any], path: Path) -> None:
 
 def _markdown(doc: dict[str, Any], p: Params) -> str:
     e = p.evaluate
+    splits = doc["splits"]
+    ref = doc["reference"]
+    instances = "a pinned instance plays one greedy episode of itself; " if "train" in splits else ""
     lines = [
         "# Comparison",
         "",
-        f"Greedy success (%) with 95% intervals; {e.episodes_per_task} episodes per task on env seeds "
-        f"{e.seed}..{e.seed + e.episodes_per_task - 1}, the same instances for every method. "
-        f"Paired delta: the method minus {doc['reference']}, episode by episode on the shared instances "
-        "(95% interval).",
+        f"Greedy success (%) with 95% intervals; {instances}a task family plays {e.episodes_per_task} "
+        f"instances on env seeds {e.seed}..{e.seed + e.episodes_per_task - 1}; the same instances for every "
+        f"method. Paired delta: the method minus {ref}, episode by episode on the shared instances (95% "
+        "interval).",
         "",
-        f"| method | in-domain | 95% CI | vs {doc['reference']} | out-of-domain | 95% CI | vs {doc['reference']} "
-        "| click/target corr |",
-        "|---|---|---|---|---|---|---|---|",
+        "| method | "
+        + " | ".join(f"{_label(s)} | 95% CI | vs {ref}" for s in splits)
+        + " | click/target corr |",
+        "|---|" + "---|---|---|" * len(splits) + "---|",
     ]
     for m, row in doc["methods"].items():
         cells = [m]
-        for split in SPLITS:
+        for split in splits:
             c = row[split]
             cells += [_pct(c["success"]), _interval(c["ci95"]).replace("+", ""), _vs(c.get("vs_reference"))]
         corr = row["click_alignment"]["pooled"].get("click_target_corr") if row["click_alignment"] else None
@@ -187,20 +224,25 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
                 f"{_vs(c.get('vs_reference'))} | {c['episodes']} |"
             )
     lines.append(
-        f"| image-blind first click | {_pct(ib['in_domain'])} | cv {_pct(ib['in_domain_cv'])} | - | "
-        f"{_pct(ib['out_of_domain'])} | cv {_pct(ib['out_of_domain_cv'])} | - | - |"
+        "| image-blind first click | "
+        + " | ".join(f"{_pct(ib.get(s))} | cv {_pct(ib.get(f'{s}_cv'))} | -" for s in splits)
+        + " | - |"
     )
     lines += [
         "",
         "Image-blind first click: the hit rate of the best constant first click per task (in-sample; cv: "
         "two-fold cross-validated), averaged over tasks with a click oracle. It bounds success only on tasks "
         "decided by one click; on multi-step tasks it bounds the first step alone.",
-        "",
-        "![comparison](comparison.png)",
-        "",
     ]
+    if "train" in splits:
+        lines += [
+            "On the training instances it is the best constant click per task family over its instances: a "
+            "policy that reads the instruction but not the screen can still memorise each instance, which "
+            "the image-blind control arm (`train.image_blind`) measures.",
+        ]
+    lines += ["", "![comparison](comparison.png)", ""]
     if trained_rows:
-        n_in = len(doc["methods"][doc["reference"]]["in_domain"].get("tasks") or {})
+        n_in = len(doc["methods"][ref]["in_domain"].get("tasks") or {})
         lines += [
             f"## Where training reached ({len(doc['trained_tasks'])} of {n_in} in-domain tasks)",
             "",
@@ -210,7 +252,7 @@ def _markdown(doc: dict[str, Any], p: Params) -> str:
             + ". On the other in-domain tasks a change can only "
             "be a side effect, so this is where a gain from training is measurable.",
             "",
-            f"| method | success | 95% CI | vs {doc['reference']} | episodes |",
+            f"| method | success | 95% CI | vs {ref} | episodes |",
             "|---|---|---|---|---|",
             *trained_rows,
             "",
@@ -246,12 +288,21 @@ def _trained_cell(
     return cell
 
 
+def _family_records(records: Sequence[Any]) -> list[Any]:
+    """Decision 7: pinned instances' target records under their family's name (one constant click per
+    family over its instances)."""
+    from dataclasses import replace
+
+    return [replace(r, task_id=r.task_id.split("@", 1)[0]) for r in records]
+
+
 def run(
     p: Params,
     eval_dirs: Sequence[str | os.PathLike],
     offline_dirs: Sequence[str | os.PathLike],
     out_dir: str | os.PathLike,
     train_dir: str | os.PathLike | None = None,
+    selected_path: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The comparison report (decision 5) from the evaluation episodes in `eval_dirs`."""
     from arpo_core.probe import blind_ceiling, click_alignment, paired_difference
@@ -264,17 +315,21 @@ def run(
             f"compare: no evaluation of compare.reference={ref!r} ({ref}.parquet) in {list(map(str, eval_dirs))}; "
             f"evaluated: {', '.join(evals) or 'none'}"
         )
-    tasks = {s: suite_tasks(p, s) for s in SPLITS}
-    splits = split_map(tasks["in_domain"] + tasks["out_of_domain"])
-    every = tasks["in_domain"] + tasks["out_of_domain"]
+    every = evaluation_tasks(p, training_tasks(p, selected_path))
+    splits = split_map(every)
+    order = split_order(list(splits.values()))
+    tasks = {s: [t for t in every if t.split == s] for s in order}
     records, no_ceiling = first_click_targets(p, every) if p.compare.image_blind else ([], {})
+    pinned_ids = {t.task_id for t in every if t.pinned}
+    family_records = [r for r in records if r.task_id not in pinned_ids]
     e = p.evaluate
     reached = trained_task_keys(train_dir)
-    trained = [t for t in tasks["in_domain"] if t.key in reached]
+    trained = [] if TRAIN_SPLIT in tasks else [t for t in tasks.get("in_domain", []) if t.key in reached]
     doc: dict[str, Any] = {
         "episodes_per_task": e.episodes_per_task,
         "first_seed": e.seed,
         "reference": ref,
+        "splits": order,
         "trained_tasks": [t.task_id for t in trained],
         "methods": {},
     }
@@ -283,7 +338,7 @@ def run(
     for m, trajs in evals.items():
         stats = summarize(trajs, splits, max_steps=e.max_steps, prefix="m", per_task=True)
         row: dict[str, Any] = {}
-        for split in SPLITS:
+        for split in order:
             ids = {t.key for t in tasks[split]}
             mine = [t for t in trajs if t.key in ids]
             rate = stats.get(f"m/{split}/success_rate")
@@ -295,9 +350,9 @@ def run(
                 "episodes": len(mine),
                 "format_error_rate": stats.get(f"m/{split}/format_error_rate"),
                 "tasks": {
-                    t.task_id: stats[f"m/task/{t.domain}/{t.task_id}/success_rate"]
+                    t.task_id: stats[f"m/task/{t.domain}/{_key(t.task_id)}/success_rate"]
                     for t in tasks[split]
-                    if f"m/task/{t.domain}/{t.task_id}/success_rate" in stats
+                    if f"m/task/{t.domain}/{_key(t.task_id)}/success_rate" in stats
                 },
             }
             if m != ref and mine:
@@ -314,21 +369,20 @@ def run(
                 metrics[f"compare/{m}/trained/success_rate"] = row["trained"]["success"]
             if vs and vs["delta"] is not None:
                 metrics[f"compare/{m}/trained/delta_vs_{ref}"] = vs["delta"]
-        row["click_alignment"] = click_alignment(trajs, records, e.seed) if records else None
+        row["click_alignment"] = click_alignment(trajs, family_records, e.seed) if family_records else None
         doc["methods"][m] = row
-    ceiling = {
-        s: blind_ceiling([r for r in records if (r.task_domain, r.task_id) in {t.key for t in tasks[s]}])
-        for s in SPLITS
-    }
+    ceiling = {}
+    for s in order:
+        keys = {t.key for t in tasks[s]}
+        mine = [r for r in records if (r.task_domain, r.task_id) in keys]
+        ceiling[s] = blind_ceiling(_family_records(mine) if s == TRAIN_SPLIT else mine)
     doc["image_blind"] = {
-        "in_domain": ceiling["in_domain"].get("_mean", {}).get("hit_rate"),
-        "in_domain_cv": ceiling["in_domain"].get("_mean", {}).get("cv_hit_rate"),
-        "out_of_domain": ceiling["out_of_domain"].get("_mean", {}).get("hit_rate"),
-        "out_of_domain_cv": ceiling["out_of_domain"].get("_mean", {}).get("cv_hit_rate"),
-        "tasks": {t: v for c in ceiling.values() for t, v in c.items() if not t.startswith("_")},
+        **{s: ceiling[s].get("_mean", {}).get("hit_rate") for s in order},
+        **{f"{s}_cv": ceiling[s].get("_mean", {}).get("cv_hit_rate") for s in order},
+        "tasks": {s: {t: v for t, v in ceiling[s].items() if not t.startswith("_")} for s in order},
         "no_ceiling": no_ceiling,
     }
-    for s in SPLITS:
+    for s in order:
         if doc["image_blind"][s] is not None:
             metrics[f"compare/image_blind/{s}"] = doc["image_blind"][s]
     doc["not_trained"] = {}
@@ -341,3 +395,10 @@ def run(
     _plot(doc, out_dir / "comparison.png")
     metrics["compare/methods"] = float(len(evals))
     return metrics
+
+
+def _key(task_id: str) -> str:
+    """A task id as evaluate.summarize writes it into metric keys (MLflow's alphabet)."""
+    from arpo_core.evaluate import _clean
+
+    return _clean(task_id)

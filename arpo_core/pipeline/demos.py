@@ -17,9 +17,21 @@ from arpo_core.demos import play_oracle_episodes
 from arpo_core.pipeline.common import pixel_budget, progress_bar, resolve_policy, suite_tasks
 from arpo_core.pipeline.rollouts import make_pool, pool_faults
 from arpo_core.rollout import EpisodeJob
+from arpo_core.suites import families
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["run"]
+__all__ = ["demo_jobs", "run"]
+
+
+def demo_jobs(p: Params) -> list[EpisodeJob]:
+    """Episode k of every in-domain task FAMILY on env seed `demos.seed + k`: a suite of pinned instances
+    is demonstrated on other instances of the same tasks (suites.py decision 4), never on the pinned
+    ones (common decision 5), so behaviour cloning does not see the training instances."""
+    return [
+        EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)
+        for g, t in enumerate(families(suite_tasks(p, "in_domain")))
+        for k in range(p.demos.episodes_per_task)
+    ]
 
 
 def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | None = None) -> dict[str, Any]:
@@ -34,12 +46,7 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
             "oracle replies; play the demos with provider local or remote, which serve the suite's scripted "
             "`oracle` replies"
         )
-    tasks = suite_tasks(p, "in_domain")
-    jobs = [
-        EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)
-        for g, t in enumerate(tasks)
-        for k in range(p.demos.episodes_per_task)
-    ]
+    jobs = demo_jobs(p)
     min_pixels, max_pixels = pixel_budget(resolve_policy(policy_dir)) if policy_dir else (None, None)
     with make_pool(p) as pool:
         bar = progress_bar(len(jobs), "demos")

@@ -12,6 +12,12 @@ Decisions:
    column; which method was trained is the run's param `method` (`tracked_params`).
 3. The trained policy is named by its method, `arpo` or `grpo` (`common.method_name`): its file name,
    and the `method` param.
+4. The splits are common decision 4's (`evaluation_tasks`): with a suite of pinned instances, `train`
+   (the instances the train stage trains on, read from the selection like the train stage does),
+   `heldout` and `out_of_domain`; with task families, `in_domain` and `out_of_domain`.
+5. `train.image_blind` (the image-blind control arm) blanks every screenshot the TRAINED policy sees
+   here, as it did in training; the base and the offline baselines keep their eyes, so the base's
+   episodes are the same in every arm's run.
 """
 
 from __future__ import annotations
@@ -24,7 +30,15 @@ from typing import Any
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_json
-from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
+from arpo_core.pipeline.common import (
+    evaluation_tasks,
+    instance_episodes,
+    method_name,
+    progress_bar,
+    resolve_policy,
+    setup_torch,
+    training_tasks,
+)
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 from arpo_core.trajectory import write_trajectories
 
@@ -65,7 +79,8 @@ def evaluate_loaded(
 
     e = p.evaluate
     gen = generator(p, policy, policy_dir)  # vllm: the process's engine, given these weights
-    bar = progress_bar(len(tasks) * episodes_per_task, f"{run_id} ({prefix})")
+    n = instance_episodes(p, temperature)
+    bar = progress_bar(sum(n if t.pinned else episodes_per_task for t in tasks), f"{run_id} ({prefix})")
     try:
         return evaluate_policy(
             pool,
@@ -80,6 +95,7 @@ def evaluate_loaded(
             stage=stage,
             epoch=epoch,
             progress=bar,
+            instance_episodes=instance_episodes(p, temperature),
         )
     finally:
         bar.close()
@@ -90,14 +106,18 @@ def evaluate_policies(
     policies: Mapping[str, str | os.PathLike],
     out_dir: str | os.PathLike,
     roles: Mapping[str, str] | None = None,
+    *,
+    selected_path: str | os.PathLike | None = None,
+    blind: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Evaluate each named policy on both suites (decisions 1-2); returns the metrics, keyed by each
-    policy's role (`roles[name]`, default the name)."""
+    """Evaluate each named policy on every split (decisions 1-2, 4); returns the metrics, keyed by each
+    policy's role (`roles[name]`, default the name). The policies named in `blind` see blank
+    screenshots (decision 5)."""
     from arpo_core.policy.model import load_policy
 
     setup_torch(p)
     e = p.evaluate
-    tasks = suite_tasks(p, "in_domain") + suite_tasks(p, "out_of_domain")
+    tasks = evaluation_tasks(p, training_tasks(p, selected_path))
     modes = [("greedy", e.temperature)] + (
         [("sampled", e.sampled_temperature)] if e.sampled_temperature else []
     )
@@ -106,6 +126,7 @@ def evaluate_policies(
         for name, path in policies.items():
             policy_dir = resolve_policy(path)
             policy = load_policy(policy_dir)
+            policy.image_blind = name in blind
             for mode, temperature in modes:
                 res = evaluate_loaded(
                     p,
@@ -128,10 +149,19 @@ def run(
     p: Params,
     base_dir: str | os.PathLike,
     trained_dir: str | os.PathLike,
+    selected_path: str | os.PathLike,
     out_dir: str | os.PathLike,
 ) -> dict[str, Any]:
     """Base (`base_dir`) vs the trained policy (`trained_dir/policy`); episodes to `out_dir`."""
-    policies = {"base": base_dir, method_name(p): Path(trained_dir) / "policy"}
-    metrics = evaluate_policies(p, policies, out_dir, roles={"base": "base", method_name(p): "trained"})
+    m = method_name(p)
+    policies = {"base": base_dir, m: Path(trained_dir) / "policy"}
+    metrics = evaluate_policies(
+        p,
+        policies,
+        out_dir,
+        roles={"base": "base", m: "trained"},
+        selected_path=selected_path,
+        blind=[m] if p.train.image_blind else [],
+    )
     atomic_write_json(Path(out_dir) / "policies.json", {k: str(v) for k, v in policies.items()}, indent=1)
     return metrics

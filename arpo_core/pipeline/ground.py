@@ -35,6 +35,7 @@ from arpo_core.fileio import atomic_write_json
 from arpo_core.offline_config import GroundTrainConfig
 from arpo_core.pipeline.common import POINTER, pixel_budget, resolve_policy, setup_torch, suite_tasks
 from arpo_core.policy.model import load_policy
+from arpo_core.suites import families
 
 __all__ = ["GROUND_REPORT", "ground_config", "ground_measure_keys", "run"]
 
@@ -80,7 +81,7 @@ def _miniwob_task_ids(p: Params) -> list[str]:
             f"domains {sorted({t.domain for t in tasks})}): set ground.eval_miniwob_seeds and every "
             "ground.phases[].miniwob_seeds to 0"
         )
-    return [t.task_id for t in tasks]
+    return [t.task_id for t in families(tasks)]  # MiniWoB page names (a pinned instance's family)
 
 
 def _loss_summary(losses: Sequence[float], every: int = 50) -> list[float]:

@@ -103,12 +103,18 @@ def run(
     method: str,
     policy_dir: str | os.PathLike,
     baseline_dir: str | os.PathLike,
+    selected_path: str | os.PathLike,
     out_dir: str | os.PathLike,
     eval_dir: str | os.PathLike,
 ) -> dict[str, Any]:
-    """`train_offline`, then the policy's evaluation to `eval_dir` (decision 2; none when skipped)."""
+    """`train_offline`, then the policy's evaluation to `eval_dir` (decision 2; none when skipped), on
+    the evaluate stage's splits (its `train` split: the instances the train stage trains on)."""
     metrics = train_offline(p, method, policy_dir, baseline_dir, out_dir)
     Path(eval_dir).mkdir(parents=True, exist_ok=True)
     if f"{method}/skipped" not in metrics:
-        metrics.update(evaluate_policies(p, {method: out_dir}, eval_dir, roles={method: "trained"}))
+        metrics.update(
+            evaluate_policies(
+                p, {method: out_dir}, eval_dir, roles={method: "trained"}, selected_path=selected_path
+            )
+        )
     return metrics

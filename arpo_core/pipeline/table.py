@@ -183,7 +183,11 @@ STAGES: tuple[Stage, ...] = (
         "train",
         module="train",
         params=("train", "policy", "project.seed", *SUITES, *DURING_TRAINING),
-        inputs={"policy_dir": "models/base", "selected_path": "data/selected_tasks.json"},
+        inputs={
+            "policy_dir": "models/base",
+            "selected_path": "data/selected_tasks.json",
+            "baseline_dir": "data/baseline",
+        },
         outputs={"out_dir": "models/arpo"},
         data=TASK_DATA,
         envs=True,
@@ -193,8 +197,12 @@ STAGES: tuple[Stage, ...] = (
         Stage(
             method,
             module="offline",
-            params=(method, *EVALUATION),
-            inputs={"policy_dir": "models/base", "baseline_dir": "data/baseline"},
+            params=(method, *EVALUATION, "train.use_selection"),
+            inputs={
+                "policy_dir": "models/base",
+                "baseline_dir": "data/baseline",
+                "selected_path": "data/selected_tasks.json",
+            },
             outputs={"out_dir": f"models/{method}", "eval_dir": f"data/eval_{method}"},
             artifacts={f"models/{method}": "policy", f"data/eval_{method}": "trajectories"},
             consts={"method": method},
@@ -206,8 +214,12 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "evaluate",
         module="evaluate",
-        params=(*EVALUATION, "train.replay.enabled"),
-        inputs={"base_dir": "models/base", "trained_dir": "models/arpo"},
+        params=(*EVALUATION, "train.replay.enabled", "train.image_blind", "train.use_selection"),
+        inputs={
+            "base_dir": "models/base",
+            "trained_dir": "models/arpo",
+            "selected_path": "data/selected_tasks.json",
+        },
         outputs={"out_dir": "data/eval"},
         artifacts={"data/eval": "trajectories"},
         data=TASK_DATA,
@@ -216,11 +228,12 @@ STAGES: tuple[Stage, ...] = (
     Stage(
         "compare",
         module="compare",
-        params=("compare", "evaluate", *SUITES),
+        params=("compare", "evaluate", "train.use_selection", *SUITES),
         inputs={
             "eval_dirs": ("data/eval", *(f"data/eval_{m}" for m in OFFLINE)),
             "offline_dirs": tuple(f"models/{m}" for m in OFFLINE),
             "train_dir": "models/arpo",
+            "selected_path": "data/selected_tasks.json",
         },
         outputs={"out_dir": "reports/comparison"},
         artifacts={"reports/comparison": "report"},

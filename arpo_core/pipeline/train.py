@@ -16,7 +16,12 @@ Decisions:
    `evaluate.temperature`, on the training env pool between epochs. The metrics (`eval/in_domain/...`,
    per task `eval/task/...`) go into that epoch's history row, so they are checkpointed, survive a
    resume and reach MLflow at step = epoch; the episodes go to `out_dir/eval/epoch-NNNN.parquet` for
-   paired comparisons (same instances at every evaluation and in every arm of a study).
+   paired comparisons (same instances at every evaluation and in every arm of a study). With a suite of
+   pinned instances the evaluation covers common decision 4's in-domain splits: `train` (the instances
+   trained on: the learning curve of the paper's in-domain protocol) and `heldout`.
+5. Buffer preload (trainer decision 13): `train.replay.preload: baseline` reads the baseline stage's
+   rollouts (an input of this stage either way, so the stage graph does not depend on a param) and
+   hands them to the trainer on a fresh start.
 """
 
 from __future__ import annotations
@@ -30,26 +35,21 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
-from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy, setup_torch, suite_tasks
+from arpo_core.pipeline.common import (
+    evaluation_tasks,
+    method_name,
+    progress_bar,
+    resolve_policy,
+    setup_torch,
+    training_tasks,
+)
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
-from arpo_core.selection import read_selection
 
 __all__ = ["artifacts", "epoch_history", "run", "tracked_params", "training_tasks"]
 
 
-def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[TaskSpec]:
-    """The in-domain tasks, restricted to the selected ones when `train.use_selection`."""
-    tasks = suite_tasks(p, "in_domain")
-    if p.train.use_selection and selected_path is not None:
-        keep = {tuple(k) for k in read_selection(selected_path).kept}
-        tasks = [t for t in tasks if t.key in keep]
-        if not tasks:
-            raise RuntimeError(f"task selection {selected_path} kept no task: nothing to train on")
-    return tasks
-
-
 def _evaluator(
-    p: Params, pool: Any, policy_dir: Path, out_dir: Path
+    p: Params, pool: Any, policy_dir: Path, out_dir: Path, trained: list[TaskSpec]
 ) -> Callable[[int, Any], dict[str, Any] | None] | None:
     """Decision 4: the on_epoch hook that evaluates during training, or None when it is off."""
     e = p.evaluate
@@ -58,7 +58,7 @@ def _evaluator(
     from arpo_core.pipeline.evaluate import evaluate_loaded
     from arpo_core.trajectory import write_trajectories
 
-    tasks = suite_tasks(p, "in_domain")
+    tasks = evaluation_tasks(p, trained, out_of_domain=False)
 
     def on_epoch(epoch: int, policy: Any) -> dict[str, Any] | None:
         if epoch % e.during_training and epoch != p.train.epochs:
@@ -102,14 +102,17 @@ def run(
     policy_dir: str | os.PathLike,
     selected_path: str | os.PathLike | None,
     out_dir: str | os.PathLike,
+    baseline_dir: str | os.PathLike | None = None,
     *,
     on_metrics: Callable[[int, dict[str, float]], None] | None = None,
     on_epoch: Callable[[int, Any], dict[str, Any] | None] | None = None,
     resume: bool = True,
 ) -> dict[str, Any]:
-    """Train; the final policy to `out_dir/policy`, checkpoints to `out_dir/checkpoints`."""
+    """Train; the final policy to `out_dir/policy`, checkpoints to `out_dir/checkpoints`. With
+    `train.replay.preload: baseline` the buffer starts with `baseline_dir`'s successes (decision 5)."""
     from arpo_core.policy.model import load_policy
     from arpo_core.trainer import latest_checkpoint, train
+    from arpo_core.trajectory import read_trajectories
 
     setup_torch(p)
     ckpt = latest_checkpoint(out_dir) if resume else None
@@ -122,6 +125,11 @@ def run(
     policy_dir = resolve_policy(policy_dir)
     tasks = training_tasks(p, selected_path)
     t = p.train
+    preload = []
+    if t.replay.preload == "baseline" and ckpt is None:
+        if baseline_dir is None:
+            raise ValueError("train.replay.preload is 'baseline' but no baseline rollouts were given")
+        preload = read_trajectories(baseline_dir)
     seed = p.project.seed if t.seed is None else t.seed
     per_epoch = max(1, math.ceil(len(tasks) / t.tasks_per_iteration))
     on_iteration = None
@@ -142,10 +150,11 @@ def run(
             rollout=rollout_config(p, policy_dir, t.temperature, t.max_steps, seed),
             resume=resume,
             on_iteration=on_iteration,
-            on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir)), on_epoch),
+            on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir), tasks), on_epoch),
             progress_factory=progress_bar,
             generator_factory=lambda policy: generator(p, policy, policy_dir),
             device="cuda" if p.policy.backend == "vllm" else "cpu",  # colocated with the engine
+            preload=preload,
         )
     final = Path(out_dir) / "policy"
     load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)

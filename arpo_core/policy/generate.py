@@ -552,7 +552,7 @@ class VLLMGenerator:
                 ids += tok.encode(s.text, add_special_tokens=False)
             elif s.kind == "image":
                 ids.append(self.policy.image_token_id)
-                images.append(p.screenshots[s.step].convert("RGB"))
+                images += self.policy.model_images([p.screenshots[s.step].convert("RGB")])
             else:
                 ids += list(s.reply.token_ids) or tok.encode(s.reply.text, add_special_tokens=False)
                 if ids[-1] != self.policy.im_end_id:

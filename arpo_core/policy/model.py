@@ -200,9 +200,20 @@ class Policy:
     tokenizer: Qwen2Tokenizer
 
     _text_ids: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    image_blind: bool = field(default=False, compare=False)
+    """The image-blind control arm (params `train.image_blind`): every screenshot this policy is shown -
+    in generation and in every training or log-prob forward - is replaced by a blank one of the same
+    size (`model_images`), so what it learns is what the instructions and its own replies alone buy."""
 
     def __post_init__(self) -> None:
         use_linear_patch_embed(self.model)  # decision 7
+
+    def model_images(self, images: Sequence[Image.Image]) -> list[Image.Image]:
+        """The images the model sees for `images`: themselves, or blank white ones of the same sizes
+        when `image_blind`."""
+        if not self.image_blind:
+            return list(images)
+        return [Image.new("RGB", im.size, (255, 255, 255)) for im in images]
 
     def text_ids(self, text: str) -> list[int]:
         """`tokenizer.encode(text, add_special_tokens=False)`, remembered: the prompt's fixed segments

@@ -133,7 +133,8 @@ def encode_segments(
     pixel_values = grid = None
     n_tokens: list[int] = []
     if steps:
-        pixel_values, grid = image_inputs(policy.image_processor, [screenshots[i] for i in steps])
+        shown = policy.model_images([screenshots[i] for i in steps])  # blank for the image-blind arm
+        pixel_values, grid = image_inputs(policy.image_processor, shown)
         merge = policy.image_processor.merge_size
         n_tokens = (grid.prod(-1) // (merge * merge)).tolist()
     ids: list[int] = []
