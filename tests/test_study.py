@@ -187,9 +187,10 @@ def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
-    """The study's front door end to end on the quick preset: two `arpo run`s (ARPO train.seed 0, GRPO
-    train.seed 1, both evaluating during training), then `arpo study` writes replay_effect.json/.md/.png
-    from MLflow; the second run re-runs only the stages a training seed reaches."""
+    """The study's front door end to end on the quick preset: two `arpo run`s up to the evaluate stage
+    (ARPO train.seed 0, GRPO train.seed 1, both evaluating during training; the study reads no other
+    stage), then `arpo study` writes replay_effect.json/.md/.png from MLflow; the second run re-runs only
+    the stages a training seed reaches."""
     import json
 
     import orchestration_helpers as oh
@@ -205,10 +206,11 @@ def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
         "train.epochs=2",
     ]
     for extra in (["-S", "train.seed=0"], ["-S", "train.seed=1", "-S", "train.replay.enabled=false"]):
-        out = oh.run(["arpo", "run", "--preset", "quick", *common, *extra], project, env, timeout=600)
+        cmd = ["arpo", "run", "--preset", "quick", *common, *extra, "--target", "evaluate"]
+        out = oh.run(cmd, project, env, timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "baseline: up to date, skipped" in out.stdout + out.stderr  # the second run's
-    assert "rft: up to date, skipped" in out.stdout + out.stderr
+    assert "sft: up to date, skipped" in out.stdout + out.stderr
     res = oh.run(["arpo", "study", "--out", "study/replay_effect.json", "--reps", "50", "--no-alignment"],
                  project, env, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
