@@ -28,11 +28,28 @@ Decisions:
    and (when targets are given) click alignment of every arm and of the base, and the image-blind
    ceiling (the best constant first click per task, `probe.blind_ceiling`) of the hard and control
    tasks, so a gain can be told apart from a better constant click.
+5. A study on pinned instances (the paper's protocol, suites.py decision 3; `instance_effect`) is read
+   by split: `train`, the pinned instances trained on (ids `family@...`: the paper's in-domain numbers),
+   and `heldout`, fresh instances of the same families, both from the evaluations during training. Every
+   arm trained on the same selected instances (one base, one baseline, one selection), so no task is
+   dropped or split by difficulty here: the selection already kept the instances with a success.
+6. An arm's success per split is the final evaluation's (the trained policy, as the paper reports it),
+   averaged over instances (every instance weighs the same) and over seeds; its 95% interval
+   (`bootstrap_rate`) and every paired difference (`bootstrap_difference`, decision 3) resample seeds
+   and instances. The base is paired on exactly the instances the arms played.
+7. Per training instance, all-fail groups and replay fills (the trainer's per-task counts, summed over
+   epochs, averaged over the arm's seeds), beside the instance's sampled base success: where replay had
+   something to do, and did it.
+8. The arms compared: ARPO and GRPO at the same group size (equal rollouts), ARPO with the buffer
+   preloaded from the baseline, and the image-blind ARPO arm (`train.image_blind`): on the training
+   instances it measures what memorising instructions alone reaches, so `arpo_minus_image_blind` is the
+   share of the gain that needs the pixels.
 """
 
 from __future__ import annotations
 
 import random
+import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -45,7 +62,10 @@ __all__ = [
     "ArmRun",
     "arm_success",
     "bootstrap_difference",
+    "bootstrap_rate",
+    "eval_split",
     "hard_split",
+    "instance_effect",
     "replay_effect",
     "second_half",
     "trained_tasks",
@@ -206,7 +226,7 @@ def _history_counts(runs: Sequence[ArmRun], tasks: Sequence[str]) -> dict[str, A
 
 def _default_arm(arms: Mapping[str, Any], method: str, group: str | None) -> str | None:
     """The `method` arm with group size `group`, else the one with the smallest group size."""
-    names = [a for a in arms if a.startswith(f"{method}_g")]
+    names = [a for a in arms if re.fullmatch(rf"{method}_g\d+", a)]  # not the _preload / _blind arms
     same = [a for a in names if a.split("_g")[-1] == group]
     if same:
         return same[0]
@@ -314,4 +334,159 @@ def replay_effect(
             split: bootstrap_difference(rs, [base_run], tasks, [*epochs, 0], reps)
             for split, tasks in (("hard", hard), ("control", control))
         }
+    return doc
+
+
+# --------------------------------------------------------------------------------------------------
+# The paper's protocol: pinned instances (decisions 5-8)
+
+
+def eval_split(task_id: str) -> str:
+    """Decision 5: 'train' for a pinned instance (`family@...`), 'heldout' for a family's fresh instance."""
+    return "train" if "@" in task_id else "heldout"
+
+
+def _split_tasks(trajs: Sequence[Trajectory], split: str) -> list[str]:
+    return sorted({t.task_id for t in trajs if eval_split(t.task_id) == split})
+
+
+def bootstrap_rate(
+    runs: Sequence[ArmRun], tasks: Sequence[str], epochs: Sequence[int], reps: int = 2000, seed: int = 0
+) -> dict[str, Any]:
+    """Decision 6: an arm's success (decision 2's mean over seeds of the task-mean) with a 95% interval
+    that resamples the seeds and the instances (task, episode index)."""
+    outs = [o for o in (_outcomes(r, tasks, epochs) for r in runs) if o]
+    if not outs:
+        return {"mean": None, "ci95": None, "seeds": 0}
+    instances = sorted(set().union(*outs))
+
+    def rate(sample: Sequence[dict], inst: Sequence[Instance]) -> float | None:
+        ms = [m for m in (_task_mean(o, inst) for o in sample) if m is not None]
+        return sum(ms) / len(ms) if ms else None
+
+    point = rate(outs, instances)
+    rng = random.Random(seed)
+    draws = sorted(
+        d
+        for d in (
+            rate([rng.choice(outs) for _ in outs], [rng.choice(instances) for _ in instances])
+            for _ in range(reps)
+        )
+        if d is not None
+    )
+    ci = [draws[int(0.025 * (len(draws) - 1))], draws[int(0.975 * (len(draws) - 1))]] if draws else None
+    return {"mean": point, "ci95": ci, "seeds": len(outs), "instances": len(instances)}
+
+
+def _instance_counts(runs: Sequence[ArmRun], names: Mapping[str, str]) -> dict[str, dict[str, float]]:
+    """Decision 7: per training instance, all-fail groups and replay fills summed over the epochs of a
+    run, then averaged over the arm's seeds; `names` maps metric-key task names back to task ids."""
+    acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
+    for r in runs:
+        for row in r.history:
+            for k, v in row.items():
+                parts = k.split("/")
+                counted = (
+                    len(parts) == 4 and parts[0] == "task" and parts[3] in ("all_fail_groups", "replay_fills")
+                )
+                if counted and isinstance(v, int | float):
+                    acc[names.get(parts[2], parts[2])][parts[3]] += float(v) / max(1, len(runs))
+    return {t: dict(c) for t, c in sorted(acc.items())}
+
+
+def instance_effect(
+    runs: Sequence[ArmRun],
+    baseline: Sequence[Trajectory],
+    base_eval: Sequence[Trajectory],
+    *,
+    group_size: int | None = None,
+    reps: int = 2000,
+) -> dict[str, Any]:
+    """The result document of a study on pinned instances (decisions 5-8): per arm and split success
+    with 95% intervals over seeds and instances, paired differences, learning curves on the training
+    instances, all-fail / filled counts per instance. Arms are named by `flows/study.py`: `arpo_g8`,
+    `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind` (the image-blind control)."""
+    from arpo_core.evaluate import _clean
+
+    arms: dict[str, list[ArmRun]] = defaultdict(list)
+    for r in runs:
+        arms[r.arm].append(r)
+    if group_size is None:
+        sizes = sorted({int(a.split("_g")[1].split("_")[0]) for a in arms if a.startswith("arpo_g")})
+        group_size = sizes[0] if sizes else None
+    g = f"_g{group_size}"
+    names = {
+        "arpo": f"arpo{g}",
+        "grpo": f"grpo{g}",
+        "arpo_preload": f"arpo{g}_preload",
+        "image_blind": f"arpo{g}_blind",
+    }
+    last = max((e for r in runs for e in r.evaluations), default=None)
+    epochs = [last] if last is not None else []
+    evaluated = [t for r in runs for t in r.evaluations.get(last, [])] if last is not None else []
+    splits = {s: _split_tasks(evaluated, s) for s in ("train", "heldout")}
+    # the base's episodes on exactly the instances the arms were evaluated on (its evaluate run also has
+    # out-of-domain tasks, and more held-out instances than the evaluations during training play)
+    wanted = {(t.task_id, t.sample_idx) for t in evaluated}
+    base_run = ArmRun("base", 0, {0: [t for t in base_eval if (t.task_id, t.sample_idx) in wanted]})
+    by_instance: dict[str, list[float]] = defaultdict(list)
+    for t in baseline:
+        by_instance[t.task_id].append(episode_score(t))
+    sampled = {k: sum(v) / len(v) for k, v in sorted(by_instance.items())}
+    trained = set(splits["train"])
+    doc: dict[str, Any] = {
+        "protocol": "instances",
+        "group_size": group_size,
+        "epoch_evaluated": last,
+        "splits": {s: len(ts) for s, ts in splits.items()},
+        "train_instances": splits["train"],
+        "heldout_tasks": splits["heldout"],
+        "baseline_sampled_success": {k: v for k, v in sampled.items() if k in trained},
+        "base": {s: bootstrap_rate([base_run], ts, [0], reps)["mean"] for s, ts in splits.items()},
+        "base_ci95": {s: bootstrap_rate([base_run], ts, [0], reps)["ci95"] for s, ts in splits.items()},
+        "arms": {},
+    }
+    key_names = {_clean(t): t for t in sampled} | {_clean(t): t for t in splits["train"]}
+    for name, rs in sorted(arms.items()):
+        entry: dict[str, Any] = {"seeds": len(rs)}
+        for s, ts in splits.items():
+            b = bootstrap_rate(rs, ts, epochs, reps)
+            entry[s] = b["mean"]
+            entry[f"{s}_ci95"] = b["ci95"]
+            entry[f"{s}_per_seed"] = {
+                str(r.seed): _task_mean(o, list(o)) for r in rs for o in [_outcomes(r, ts, epochs)] if o
+            }
+        entry["curve"] = {
+            s: {
+                str(e): arm_success(rs, ts, [e])["success"]
+                for e in sorted({e for r in rs for e in r.evaluations})
+            }
+            for s, ts in splits.items()
+        }
+        entry["counts"] = _instance_counts(rs, key_names)
+        entry["groups_filled"] = sum(c.get("replay_fills", 0.0) for c in entry["counts"].values())
+        entry["all_fail_groups"] = sum(c.get("all_fail_groups", 0.0) for c in entry["counts"].values())
+        doc["arms"][name] = entry
+    for key, arm in names.items():
+        a = doc["arms"].get(arm)
+        doc[key] = (
+            {"arm": arm, "seeds": a["seeds"] if a else 0}
+            | {s: (a or {}).get(s) for s in splits}
+            | {f"{s}_ci95": (a or {}).get(f"{s}_ci95") for s in splits}
+        )
+
+    def diff(a: str, b: str | None) -> dict[str, Any]:
+        ra = arms.get(names.get(a, a), [])
+        rb = [base_run] if b is None else arms.get(names[b], [])
+        return {
+            s: bootstrap_difference(ra, rb, ts, [*epochs, 0] if b is None else epochs, reps)
+            for s, ts in splits.items()
+        }
+
+    doc["arpo_minus_grpo"] = diff("arpo", "grpo")
+    doc["arpo_preload_minus_grpo"] = diff("arpo_preload", "grpo")
+    doc["arpo_preload_minus_arpo"] = diff("arpo_preload", "arpo")
+    doc["arpo_minus_image_blind"] = diff("arpo", "image_blind")
+    for key in ("arpo", "grpo", "arpo_preload", "image_blind"):
+        doc[f"{key}_minus_base"] = diff(key, None)
     return doc

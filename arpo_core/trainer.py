@@ -324,7 +324,8 @@ def _restore_or_start(
         policy = load_policy(policy_dir, device=device)
         state = TrainState()
         replay = ReplayBuffer(cfg.replay)
-        replay.add(preload)  # decision 13: before epoch 1 only; a resumed buffer already holds them
+        if cfg.replay.preload != "none":  # decision 13: before epoch 1 only; a resumed buffer holds them
+            replay.add(preload)
     policy.image_blind = cfg.image_blind  # decision 14
     reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
     engine = make_engine(
@@ -525,7 +526,8 @@ def train(
         generator_factory: policy -> Generator; default `HFGenerator` with policy_cfg's prompt. A
             generator with `sync_weights` gets the weights after every update (decision 12).
         device: where the trained policy is loaded ("cuda" with the vLLM backend: colocated).
-        preload: trajectories whose successes of `tasks` fill the buffer before epoch 1 (decision 13).
+        preload: trajectories whose successes of `tasks` fill the buffer before epoch 1 when
+            `cfg.replay.preload` is not 'none' (decision 13).
 
     Trajectories go to `out_dir/trajectories/epoch-EEEE-iter-III.parquet` (filled groups, replayed flag
     set), checkpoints to `out_dir/checkpoints/`. Returns the final state (its history has one entry per

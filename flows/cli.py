@@ -87,7 +87,11 @@ METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)
 VIEW_PATHS_ARG = typer.Argument(..., help="trajectory Parquet files or directories of them")
 PARAMS_OUT_OPT = typer.Option(None, "--out", "-o", help="write the merged params to this file")
 STUDY_OUT_OPT = typer.Option(
-    Path("benchmarks/results/replay_effect.json"), "--out", "-o", help="JSON to write"
+    None,
+    "--out",
+    "-o",
+    help="JSON to write (default benchmarks/results/replay_effect.json, or replay_instances.json for a suite "
+    "of pinned instances)",
 )
 DVC_OUT_OPT = typer.Option(Path("dvc.yaml"), "--out", "-o", help="file to write")
 DVC_CHECK_OPT = typer.Option(False, "--check", help="only check that the file equals the stage table's")
@@ -292,12 +296,28 @@ def study(
     reps: int = typer.Option(2000, help="bootstrap replicates"),
     alignment: bool = typer.Option(True, help="click alignment from DOM targets (starts one browser)"),
     params: Path = PARAMS_OPT,
+    preset: str = PRESET_OPT,
 ) -> None:
     """Replay study result files (ARPO vs GRPO over seeds) from the MLflow runs of the study's train
-    stages (each with evaluate.during_training > 0): replay_effect.json, .md and a plot."""
-    from flows.study import replay_study
+    stages (each with evaluate.during_training > 0): replay_effect.json, .md and a plot; for a suite of
+    pinned instances (e.g. --preset replay-instances, the paper's protocol) replay_instances.json, .md
+    and a plot, from the runs of that suite only."""
+    from arpo_core.suites import load_suite
+    from flows.study import instance_study, replay_study
 
-    p = _load(params, [])
+    p = _load(params, [], preset)
+    if any(t.pinned for t in load_suite(p.env.in_domain_suite)):
+        out = out or Path("benchmarks/results/replay_instances.json")
+        try:
+            doc = instance_study(experiment or p.project.name, out, p.env.in_domain_suite, variant, reps)
+        except FileNotFoundError as e:
+            typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
+            raise typer.Exit(1) from e
+        for key in ("train", "heldout"):
+            d = doc["arpo_minus_grpo"][key]
+            typer.echo(f"{out}: arpo - grpo ({key}) = {d['mean']} {d['ci95']}; arms {sorted(doc['arms'])}")
+        return
+    out = out or Path("benchmarks/results/replay_effect.json")
     targets: list = []
     if alignment:
         from arpo_core.pipeline.common import suite_tasks

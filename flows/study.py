@@ -13,6 +13,11 @@ Decisions:
    checkpoint's `state.json`), so the numbers are those of the logged run, not of whatever is in the
    working tree now. The base's episodes come from the newest `evaluate` run (`base.parquet`, the same
    instances), the hard/control split from the newest `baseline` run's rollouts (study decision 1).
+3. A study is of one in-domain suite: with `suite` (the `env.in_domain_suite` of the params `arpo study`
+   is given, e.g. `--preset replay-instances`), only runs of that suite count, so the family study and
+   the pinned-instance study can share one MLflow experiment. A suite of pinned instances gives the
+   instance document (arpo_core/study.py decisions 5-8, `replay_instances.*`), any other the replay
+   effect document (`replay_effect.*`).
 """
 
 from __future__ import annotations
@@ -24,21 +29,31 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
-from arpo_core.study import ArmRun, replay_effect
+from arpo_core.study import ArmRun, instance_effect, replay_effect
 from arpo_core.trajectory import Trajectory, read_trajectories
 from flows import tracking
 
-__all__ = ["gather", "write_study"]
+__all__ = ["gather", "instance_study", "write_instance_study", "write_study"]
 
 
 def _arm(params: dict[str, str]) -> str:
+    """Decision 1: method and group size, then `_preload` (train.replay.preload baseline) and `_blind`
+    (train.image_blind) where set: `arpo_g8`, `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind`."""
     method = "arpo" if params.get("train.replay.enabled") == "True" else "grpo"
-    return f"{method}_g{params.get('train.group_size', '?')}"
+    name = f"{method}_g{params.get('train.group_size', '?')}"
+    if params.get("train.replay.preload", "none") not in ("none", "null", "None"):
+        name += f"_{params['train.replay.preload'].replace('baseline', 'preload')}"
+    return name + ("_blind" if params.get("train.image_blind") == "True" else "")
 
 
-def _newest(c: Any, experiment: str, stage: str) -> Any | None:
-    rows = [r for r in tracking.run_rows(c, experiment, stage) if r["status"] == "FINISHED"]
-    return c.get_run(rows[0]["run"]) if rows else None
+def _newest(c: Any, experiment: str, stage: str, suite: str | None = None) -> Any | None:
+    for r in tracking.run_rows(c, experiment, stage):  # newest first
+        if r["status"] != "FINISHED":
+            continue
+        run = c.get_run(r["run"])
+        if suite is None or run.data.params.get("env.in_domain_suite") == suite:
+            return run
+    return None
 
 
 def _download(c: Any, run_id: str, path: str, dst: Path) -> Path:
@@ -46,9 +61,9 @@ def _download(c: Any, run_id: str, path: str, dst: Path) -> Path:
 
 
 def gather(
-    experiment: str, variant: str | None = None, root: str = "."
+    experiment: str, variant: str | None = None, root: str = ".", suite: str | None = None
 ) -> tuple[list[ArmRun], list[Trajectory], list[Trajectory], dict[str, Any]]:
-    """Decisions 1-2: (runs, baseline rollouts, base evaluation episodes, provenance)."""
+    """Decisions 1-3: (runs, baseline rollouts, base evaluation episodes, provenance)."""
     c = tracking.client(root)
     tmp = Path(tempfile.mkdtemp(prefix="arpo-study-"))
     chosen: dict[tuple[str, int], Any] = {}
@@ -59,6 +74,8 @@ def gather(
         if row["status"] != "FINISHED" or int(params.get("evaluate.during_training", "0")) <= 0:
             continue
         if variant and variant not in row["variant"]:
+            continue
+        if suite is not None and params.get("env.in_domain_suite") != suite:
             continue
         seed = params.get("train.seed", "null")
         unset = seed in ("null", "None")  # tracking.log_params writes None as 'null' (older runs: 'None')
@@ -80,7 +97,10 @@ def gather(
             state = _download(c, rid, f"{sorted(ckpts)[-1]}/state.json", tmp / rid)
             history = json.loads(state.read_text())["history"]
         runs.append(ArmRun(arm, seed, evaluations, history))
-    baseline_run, evaluate_run = _newest(c, experiment, "baseline"), _newest(c, experiment, "evaluate")
+    baseline_run, evaluate_run = (
+        _newest(c, experiment, "baseline", suite),
+        _newest(c, experiment, "evaluate", suite),
+    )
     if baseline_run is None or evaluate_run is None:
         missing = " and ".join(
             n for n, r in (("baseline", baseline_run), ("evaluate", evaluate_run)) if r is None
@@ -271,4 +291,123 @@ def replay_study(
     )
     doc["provenance"] = provenance
     write_study(doc, out)
+    return doc
+
+
+# --------------------------------------------------------------------------------------------------
+# The pinned-instance study (decision 3)
+
+SPLIT_LABELS = {"train": "training instances", "heldout": "held-out instances"}
+
+
+def _ci(ci: Sequence[float] | None) -> str:
+    return "" if not ci else f" [{100 * ci[0]:.1f}, {100 * ci[1]:.1f}]"
+
+
+def _instance_plot(doc: dict[str, Any], path: Path) -> None:
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+
+    fig = Figure(figsize=(9.0, 3.6))
+    FigureCanvasAgg(fig)
+    for i, split in enumerate(("train", "heldout")):
+        ax = fig.add_subplot(1, 2, i + 1)
+        for name, arm in doc["arms"].items():
+            pts = sorted((int(e), v) for e, v in arm["curve"].get(split, {}).items() if v is not None)
+            if pts:
+                ax.plot(
+                    [e for e, _ in pts],
+                    [100 * v for _, v in pts],
+                    marker="o",
+                    label=f"{name} ({arm['seeds']})",
+                )
+        if doc["base"].get(split) is not None:
+            ax.axhline(100 * doc["base"][split], color="#7f7f7f", linestyle="--", label="base")
+        ax.set_xlabel("epoch")
+        ax.set_ylabel(f"greedy success, {SPLIT_LABELS[split]} (%)")
+        ax.set_ylim(0, 100)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format="png", dpi=110)
+
+
+def _instance_markdown(doc: dict[str, Any], png: str) -> str:
+    n = doc["splits"]
+    lines = [
+        "# Replay on pinned instances (the paper's protocol)",
+        "",
+        f"{n.get('train', 0)} training instances (the selection's, every arm the same), "
+        f"{len(doc['heldout_tasks'])} task families on held-out instances; GRPO group size "
+        f"{doc['group_size']}. Greedy success of the final policy (epoch {doc['epoch_evaluated']}) with 95% "
+        "intervals over training seeds and instances; the base on the same instances.",
+        "",
+        "| arm | seeds | training instances | held-out instances |",
+        "|---|---|---|---|",
+        f"| base | - | {_pct(doc['base'].get('train'))}{_ci(doc['base_ci95'].get('train'))} | "
+        f"{_pct(doc['base'].get('heldout'))}{_ci(doc['base_ci95'].get('heldout'))} |",
+    ]
+    for name, a in doc["arms"].items():
+        lines.append(
+            f"| {name} | {a['seeds']} | {_pct(a.get('train'))}{_ci(a.get('train_ci95'))} | "
+            f"{_pct(a.get('heldout'))}{_ci(a.get('heldout_ci95'))} |"
+        )
+    lines += ["", "Paired differences (points, 95% interval over seeds and instances):", "",
+              "| comparison | training instances | held-out instances |", "|---|---|---|"]  # fmt: skip
+    for key, label in (
+        ("arpo_minus_grpo", "ARPO - GRPO"),
+        ("arpo_preload_minus_grpo", "ARPO (preload) - GRPO"),
+        ("arpo_preload_minus_arpo", "ARPO (preload) - ARPO"),
+        ("arpo_minus_base", "ARPO - base"),
+        ("grpo_minus_base", "GRPO - base"),
+        ("arpo_preload_minus_base", "ARPO (preload) - base"),
+        ("image_blind_minus_base", "image-blind ARPO - base"),
+        ("arpo_minus_image_blind", "ARPO - image-blind ARPO"),
+    ):
+        d = doc.get(key) or {}
+        lines.append(f"| {label} | {_delta(d.get('train'))} | {_delta(d.get('heldout'))} |")
+    lines += ["", f"![curves]({png})", "", "## Per training instance", "",
+              "Sampled base success (baseline, 16 rollouts) and, per arm, all-fail groups / replay fills over "
+              "training (mean over seeds).", ""]  # fmt: skip
+    arms = list(doc["arms"])
+    lines += ["| instance | sampled base | " + " | ".join(arms) + " |", "|---|---|" + "---|" * len(arms)]
+    for inst in doc["train_instances"]:
+        cells = []
+        for a in arms:
+            c = doc["arms"][a]["counts"].get(inst, {})
+            cells.append(f"{c.get('all_fail_groups', 0):.1f} / {c.get('replay_fills', 0):.1f}")
+        lines.append(
+            f"| {inst} | {_pct(doc['baseline_sampled_success'].get(inst))} | " + " | ".join(cells) + " |"
+        )
+    lines += ["", "## Per seed (greedy success %, training / held-out instances)", "", "| arm | seed | training | held-out |",
+              "|---|---|---|---|"]  # fmt: skip
+    for name, a in doc["arms"].items():
+        for seed in sorted(a["train_per_seed"], key=int):
+            lines.append(
+                f"| {name} | {seed} | {_pct(a['train_per_seed'][seed])} | {_pct(a['heldout_per_seed'].get(seed))} |"
+            )
+    return "\n".join(lines) + "\n"
+
+
+def write_instance_study(doc: dict[str, Any], out: Path) -> list[Path]:
+    """replay_instances.json, .md and .png beside it."""
+    png = out.with_suffix(".png")
+    atomic_write_json(out, doc, indent=1)
+    _instance_plot(doc, png)
+    atomic_write_text(out.with_suffix(".md"), _instance_markdown(doc, png.name))
+    return [out, out.with_suffix(".md"), png]
+
+
+def instance_study(
+    experiment: str, out: Path, suite: str, variant: str | None = None, reps: int = 2000
+) -> dict[str, Any]:
+    """Gather the runs of `suite`, compute (arpo_core.study.instance_effect) and write the files."""
+    runs, baseline, base_eval, provenance = gather(experiment, variant, suite=suite)
+    if not runs:
+        raise FileNotFoundError(
+            f"experiment {experiment!r} has no finished train run of {suite} with evaluate.during_training > 0"
+        )
+    doc = instance_effect(runs, baseline, base_eval, reps=reps)
+    doc["provenance"] = provenance | {"suite": suite}
+    write_instance_study(doc, out)
     return doc
