@@ -187,10 +187,12 @@ def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(900)
 def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
-    """The study's front door end to end on the quick preset: two `arpo run`s up to the evaluate stage
-    (ARPO train.seed 0, GRPO train.seed 1, both evaluating during training; the study reads no other
-    stage), then `arpo study` writes replay_effect.json/.md/.png from MLflow; the second run re-runs only
-    the stages a training seed reaches."""
+    """The study's front door end to end on the quick preset's pinned instances (the paper's protocol):
+    two `arpo run`s up to the evaluate stage (ARPO train.seed 0, GRPO train.seed 1, both evaluating
+    during training; the study reads no other stage), then `arpo study --preset quick-instances` writes
+    replay_instances.json/.md/.png from MLflow; the second run re-runs only the stages a training seed
+    reaches. (The family protocol's document, replay_effect, is built by the same gathering; its
+    numbers are tested above on hand-built runs.)"""
     import json
 
     import orchestration_helpers as oh
@@ -204,26 +206,32 @@ def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
         "evaluate.during_training_episodes=2",
         "-S",
         "train.epochs=2",
+        "-S",
+        "evaluate.sampled_temperature=null",  # the study reads the greedy evaluations only
     ]
-    for extra in (["-S", "train.seed=0"], ["-S", "train.seed=1", "-S", "train.replay.enabled=false"]):
-        cmd = ["arpo", "run", "--preset", "quick", *common, *extra, "--target", "evaluate"]
+    arpo = ["-S", "train.seed=0", "-S", "train.replay.preload=baseline"]  # the buffer starts with baseline's
+    for extra in (arpo, ["-S", "train.seed=1", "-S", "train.replay.enabled=false"]):
+        cmd = ["arpo", "run", "--preset", "quick-instances", *common, *extra, "--target", "evaluate"]
         out = oh.run(cmd, project, env, timeout=600)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
     assert "baseline: up to date, skipped" in out.stdout + out.stderr  # the second run's
     assert "sft: up to date, skipped" in out.stdout + out.stderr
-    res = oh.run(["arpo", "study", "--out", "study/replay_effect.json", "--reps", "50", "--no-alignment"],
-                 project, env, timeout=300)  # fmt: skip
+    res = oh.run(["arpo", "study", "--preset", "quick-instances", "--out", "study/replay_instances.json",
+                  "--reps", "50"], project, env, timeout=300)  # fmt: skip
     assert res.returncode == 0, res.stdout + res.stderr
-    doc = json.loads((project / "study" / "replay_effect.json").read_text())
-    assert set(doc["arms"]) == {"arpo_g2", "grpo_g2"}
-    assert doc["arms"]["arpo_g2"]["seeds"] == 1 and doc["arms"]["grpo_g2"]["seeds"] == 1
-    assert set(doc["arms"]["arpo_g2"]["curve"]) == {"1", "2"}
-    assert doc["epochs_averaged"] == [2]
-    assert set(doc["provenance"]["train_runs"]) == {"arpo_g2/seed0", "grpo_g2/seed1"}
-    assert {"arpo", "grpo", "base", "arpo_minus_grpo"} <= set(doc)
-    assert (project / "study" / "replay_effect.png").exists()
-    md = (project / "study" / "replay_effect.md").read_text()
-    assert "| arpo_g2 - grpo_g2 | " in md and "| grpo_g2 - base | " in md
+    doc = json.loads((project / "study" / "replay_instances.json").read_text())
+    assert set(doc["arms"]) == {"arpo_g2_preload", "grpo_g2"} and doc["protocol"] == "instances"
+    assert doc["arms"]["arpo_g2_preload"]["seeds"] == 1 and doc["arms"]["grpo_g2"]["seeds"] == 1
+    assert set(doc["arms"]["arpo_g2_preload"]["curve"]["train"]) == {"1", "2"} and doc["epoch_evaluated"] == 2
+    assert set(doc["provenance"]["train_runs"]) == {"arpo_g2_preload/seed0", "grpo_g2/seed1"}
+    kept = json.loads((project / "data" / "selected_tasks.json").read_text())["kept"]
+    assert doc["train_instances"] == sorted(k["task_id"] for k in kept)  # the selection's instances
+    assert doc["splits"]["heldout"] == 2  # the two quick families on fresh instances
+    assert {"arpo", "grpo", "base", "arpo_minus_grpo", "image_blind"} <= set(doc)
+    assert set(doc["arpo_minus_grpo"]) == {"train", "heldout"}
+    assert (project / "study" / "replay_instances.png").exists()
+    md = (project / "study" / "replay_instances.md").read_text()
+    assert "| ARPO (preload) - GRPO | " in md and "| arpo_g2_preload | 1 |" in md
 
 
 def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, monkeypatch):
