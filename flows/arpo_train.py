@@ -130,7 +130,7 @@ def arpo_train(
     t_all = time.monotonic()
     parent = start_pipeline_run(params, preset, overrides, p, pipeline_id)
     c = tracking.client(".")
-    ok = False
+    error: BaseException | None = None
     try:
         for i, name in enumerate(wanted, 1):
             stage_flow = FLOWS[name]
@@ -152,8 +152,10 @@ def arpo_train(
                 parent_run_id=parent,
             )
             print(f"{tag}: done in {time.monotonic() - t0:.0f} s  {headline(results[name])}")
-        ok = True
+    except BaseException as e:  # KILLED for an interrupt, FAILED for an error (tracking decision 9)
+        error = e
+        raise
     finally:
-        tracking.finish_run(c, parent, ok)
+        tracking.finish_run(c, parent, tracking.end_status(error))
     print(f"[arpo-train] finished in {time.monotonic() - t_all:.0f} s")
     return results

@@ -173,7 +173,7 @@ class StageRun:
         marker = self._prepare_outputs(key)
         self.run_id = tracking.start_run(self.client, exp, self.name, tags, self.parent_run_id)
         tracking.log_params(self.client, self.run_id, self.params())
-        ok = False
+        error: BaseException | None = None
         t0 = time.monotonic()
         try:
             result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration)
@@ -186,11 +186,13 @@ class StageRun:
             extra = {"mlflow_run_id": self.run_id, "mlflow_model_ids": self.model_ids}
             write_stamp(self.root, self.spec, key, extra)
             marker.unlink(missing_ok=True)
-            ok = True
             publish_artifacts(self.name, self.variant, summary, metrics, self.run_id)
             return metrics
+        except BaseException as e:  # KILLED for an interrupt, FAILED for an error (tracking decision 9)
+            error = e
+            raise
         finally:
-            tracking.finish_run(self.client, self.run_id, ok)
+            tracking.finish_run(self.client, self.run_id, tracking.end_status(error))
 
     def params(self) -> dict[str, Any]:
         """Decision 7: what this run logs as params."""

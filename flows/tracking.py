@@ -25,6 +25,9 @@ Decisions:
 8. The experiment is a model-training experiment: tag `mlflow.experimentKind=custom_model_development`
    (the tag the MLflow 3 UI reads to choose its layout; without it an experiment with no runs opens on
    the GenAI overview).
+9. A run never stays RUNNING (issue 34 items 1, 5, 6): it ends FINISHED, FAILED (an error) or KILLED (a
+   Ctrl-C, a stop signal); a run whose process died without ending it (SIGKILL) is closed KILLED by the
+   next run that takes the working tree's lock over from the dead holder (`close_runs_of`).
 """
 
 from __future__ import annotations
@@ -173,8 +176,22 @@ def log_artifacts(c: MlflowClient, run_id: str, path: str | os.PathLike, artifac
         c.log_artifact(run_id, str(path), artifact_path)
 
 
-def finish_run(c: MlflowClient, run_id: str, ok: bool) -> None:
-    c.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
+def end_status(error: BaseException | None) -> str:
+    """The MLflow status a run ends with (decision 9): FINISHED without an error, KILLED when it was
+    interrupted or told to stop (KeyboardInterrupt, SystemExit from a signal handler), FAILED otherwise."""
+    if error is None:
+        return RunStatus.to_string(RunStatus.FINISHED)
+    if isinstance(error, KeyboardInterrupt | SystemExit):
+        return RunStatus.to_string(RunStatus.KILLED)
+    return RunStatus.to_string(RunStatus.FAILED)
+
+
+def finish_run(c: MlflowClient, run_id: str, ok: bool | str) -> None:
+    """End the run FINISHED (`ok` True) or FAILED (False), or with the status `ok` names (`end_status`)."""
+    status = (
+        ok if isinstance(ok, str) else RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+    )
+    c.set_terminated(run_id, status)
 
 
 def set_tags(c: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:

@@ -236,7 +236,7 @@ def test_an_interrupt_the_interpreter_swallowed_stops_the_run_before_the_next_st
             at.arpo_train.fn(params=str(ROOT / "params.yaml"), preset="quick")
     finally:
         at.INTERRUPTED.clear()
-    assert called == ["init_policy", "ground"] and finished == [False]
+    assert called == ["init_policy", "ground"] and finished == ["KILLED"]  # tracking decision 9
 
 
 def test_arpo_run_names_an_unknown_target():
