@@ -105,8 +105,8 @@ def _locked(command: str) -> Iterator[None]:
     and a guardian process removes whatever child is left once the run has gone (also after a
     SIGKILL). Ctrl-C ends it with exit 130, after its runs are marked."""
     from arpo_core.guardian import start_guardian
-    from arpo_core.lock import RunLocked, run_lock
-    from flows.services import stop_services
+    from arpo_core.lock import RunLocked
+    from flows.services import run_lock, stop_services
 
     try:
         with run_lock(".", command=command):
@@ -240,16 +240,31 @@ def run(
     for t in target:
         _known_stage(t)
     from flows.arpo_train import arpo_train
+    from flows.runner import FRONT_DOOR_ENV
 
     t0 = time.monotonic()
     with _locked("arpo run " + " ".join(sys.argv[2:])):
         from flows.services import own_session_server
 
         own_session_server()  # services.py decision 1: Ctrl-C must not reach the temporary server
+        os.environ[FRONT_DOOR_ENV] = "arpo run"
         arpo_train(
             params=str(params), preset=preset, overrides=list(set_), force=force, targets=list(target) or None
         )
     typer.secho(f"[arpo] pipeline finished in {(time.monotonic() - t0) / 60:.1f} min", fg=typer.colors.GREEN)
+
+
+@app.command()
+def lock() -> None:
+    """Say whether a run could start in this working tree: exit 0 when free, 3 naming the live `arpo`
+    run or DVC command that holds it (`make repro` asks before `dvc repro`; arpo_core/lock.py)."""
+    from arpo_core.lock import probe
+
+    busy = probe(".")
+    if busy is not None:
+        typer.secho(f"error: {busy}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3)
+    typer.echo("no run holds this working tree")
 
 
 @app.command()

@@ -34,6 +34,10 @@ Decisions:
    metrics, MLflow run) and, where it evaluated policies, a table of success per role, mode and split.
 9. Viewer pages of a stage are rewritten as a whole: the stage's page directory is emptied first, so a
    re-run with another configuration leaves no pages of the earlier one.
+10. Every run says which front door started it (tag `arpo.front_door`: `arpo run`, `deployment
+   arpo-train/<name>`, `dvc`, `dvc exp`, `arpo stage`), and a pipeline run's name ends with it
+   (`quick · arpo run`, `quick · deployment arpo-train/quick`): a deployment run and an `arpo run` of
+   the same preset were two runs named `quick` (issue 34 item 6).
 """
 
 from __future__ import annotations
@@ -51,9 +55,9 @@ from typing import Any
 
 from arpo_core.config import Params, load_params
 from arpo_core.fileio import atomic_open, atomic_write_json
-from arpo_core.lock import run_lock
 from arpo_core.pipeline.table import Stage
 from flows import tracking
+from flows.services import run_lock
 from flows.spec import (
     SPECS,
     details_path,
@@ -66,7 +70,16 @@ from flows.spec import (
 )
 from tasks.stages import TASKS
 
-__all__ = ["PLOT_COLUMNS", "StageRun", "call", "load_params_once", "variant_name", "write_epoch_plot"]
+__all__ = [
+    "FRONT_DOOR_ENV",
+    "PLOT_COLUMNS",
+    "StageRun",
+    "call",
+    "front_door",
+    "load_params_once",
+    "variant_name",
+    "write_epoch_plot",
+]
 
 VIEWER_DIR = Path("plots/viewer")
 """Trajectory viewer pages (issue 8), one per trajectory file of a stage, logged under `viewer/`."""
@@ -93,6 +106,18 @@ def call(task: Any, *args: Any, **kwargs: Any) -> Any:
     if FlowRunContext.get() is not None:
         return task(*args, **kwargs)
     return task.fn(*args, **kwargs)
+
+
+FRONT_DOOR_ENV = "ARPO_FRONT_DOOR"
+"""Decision 10: the front door a pipeline run came through, set for its stage runs."""
+
+
+def front_door() -> str:
+    """Decision 10: 'dvc' / 'dvc exp' (a DVC stage), else what the pipeline run set ('arpo run',
+    'deployment arpo-train/quick'), else 'arpo stage'."""
+    if os.environ.get("DVC_STAGE"):
+        return "dvc exp" if os.environ.get("DVC_EXP_NAME") else "dvc"
+    return os.environ.get(FRONT_DOOR_ENV) or "arpo stage"
 
 
 def variant_name(preset: str | None, overrides: Sequence[str] | None, dvc_exp: str | None = None) -> str:
@@ -168,7 +193,12 @@ class StageRun:
         tags = tracking.run_tags(
             self.name,
             self.root,
-            {"arpo.key": key, "arpo.variant": self.variant, "arpo.pipeline_id": self.pipeline_id},
+            {
+                "arpo.key": key,
+                "arpo.variant": self.variant,
+                "arpo.pipeline_id": self.pipeline_id,
+                "arpo.front_door": front_door(),  # decision 10
+            },
         )
         marker = self._prepare_outputs(key)
         self.run_id = tracking.start_run(self.client, exp, self.name, tags, self.parent_run_id)

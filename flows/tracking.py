@@ -42,8 +42,12 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
+from arpo_core.lock import current_token
+
 __all__ = [
+    "close_runs_of",
     "comparison_table",
+    "end_status",
     "ensure_experiment",
     "finish_run",
     "git_commit",
@@ -113,12 +117,15 @@ def git_commit(root: str | os.PathLike = ".") -> str | None:
 
 
 def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Tags of a stage run (decision 4); None values are left out."""
+    """Tags of a stage run (decision 4); None values are left out. `arpo.run_token` is the working
+    tree's lock token of the run (arpo_core/lock.py decision 8), how a later run finds what a dead one
+    left RUNNING (decision 9)."""
     tags: dict[str, Any] = {
         "arpo.stage": stage,
         "mlflow.source.git.commit": git_commit(root),
         "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
         "dvc.baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+        "arpo.run_token": current_token(),
         **(extra or {}),
     }
     return {k: str(v) for k, v in tags.items() if v is not None}
@@ -177,13 +184,14 @@ def log_artifacts(c: MlflowClient, run_id: str, path: str | os.PathLike, artifac
 
 
 def end_status(error: BaseException | None) -> str:
-    """The MLflow status a run ends with (decision 9): FINISHED without an error, KILLED when it was
-    interrupted or told to stop (KeyboardInterrupt, SystemExit from a signal handler), FAILED otherwise."""
+    """The MLflow status a run ends with (decision 9): FINISHED without an error, FAILED for an error
+    (an `Exception`), KILLED when it was interrupted or told to stop (the other BaseExceptions:
+    KeyboardInterrupt, SystemExit from a signal handler, Prefect's TerminationSignal for SIGTERM)."""
     if error is None:
         return RunStatus.to_string(RunStatus.FINISHED)
-    if isinstance(error, KeyboardInterrupt | SystemExit):
-        return RunStatus.to_string(RunStatus.KILLED)
-    return RunStatus.to_string(RunStatus.FAILED)
+    if isinstance(error, Exception):
+        return RunStatus.to_string(RunStatus.FAILED)
+    return RunStatus.to_string(RunStatus.KILLED)
 
 
 def finish_run(c: MlflowClient, run_id: str, ok: bool | str) -> None:
@@ -192,6 +200,28 @@ def finish_run(c: MlflowClient, run_id: str, ok: bool | str) -> None:
         ok if isinstance(ok, str) else RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
     )
     c.set_terminated(run_id, status)
+
+
+def close_runs_of(c: MlflowClient, token: str, reason: str) -> list[dict[str, str]]:
+    """Decision 9: end KILLED every RUNNING run (any experiment of the store) whose `arpo.run_token` is
+    `token`, the lock token of a run that died, with tag `arpo.ended` = `reason`. Returns
+    {"run", "stage", "pipeline_id"} of each run closed."""
+    if not token.isalnum():  # a lock token is hex; anything else never reaches a filter string
+        return []
+    experiments = [e.experiment_id for e in c.search_experiments()]
+    if not experiments:
+        return []
+    flt = f"tags.`arpo.run_token` = '{token}' and attributes.status = 'RUNNING'"
+    closed = []
+    for run in c.search_runs(experiments, filter_string=flt, max_results=1000):
+        rid = run.info.run_id
+        set_tags(c, rid, {"arpo.ended": reason})
+        c.set_terminated(rid, RunStatus.to_string(RunStatus.KILLED))
+        tags = run.data.tags
+        closed.append(
+            {"run": rid, "stage": tags.get("arpo.stage", ""), "pipeline_id": tags.get("arpo.pipeline_id", "")}
+        )
+    return closed
 
 
 def set_tags(c: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
