@@ -327,14 +327,14 @@ def study(
 def view(
     paths: list[Path] = VIEW_PATHS_ARG,
     out: Path = VIEW_OUT_OPT,
-    title: str = typer.Option("", help="page title (default: the input names)"),
+    title: str = typer.Option("", help="page title (default: what it shows, e.g. '12 train episodes (...)')"),
     task: str = typer.Option(None, help="only episodes of this task id"),
     limit: int = typer.Option(0, help="at most N episodes (0 = all)"),
 ) -> None:
     """Write a self-contained HTML page showing each episode step by step (screenshot with the click,
     thought, action, reward, replayed flag; filters by task, success and epoch)."""
     from arpo_core.trajectory import read_trajectories
-    from arpo_core.viewer import write_viewer
+    from arpo_core.viewer import describe_episodes, write_viewer
 
     trajs, sources = [], []
     files = [f for path in paths for f in (sorted(path.glob("*.parquet")) if path.is_dir() else [path])]
@@ -354,7 +354,7 @@ def view(
     if not trajs:
         typer.secho("error: no episodes to show", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
-    page = write_viewer(trajs, out, title=title or ", ".join(p.name for p in paths), sources=sources)
+    page = write_viewer(trajs, out, title=title or describe_episodes(trajs, sources), sources=sources)
     typer.echo(f"{page} ({len(trajs)} episodes)")
 
 

@@ -38,6 +38,14 @@ Decisions:
    arpo-train/<name>`, `dvc`, `dvc exp`, `arpo stage`), and a pipeline run's name ends with it
    (`quick · arpo run`, `quick · deployment arpo-train/quick`): a deployment run and an `arpo run` of
    the same preset were two runs named `quick` (issue 34 item 6).
+11. The metric a user compares first comes first in MLflow (issue 32 item 3). MLflow's compare page
+   plots the first metric key in sort order and its chart view opens on the section of keys without a
+   `/`; a stage module's `headline(p, metrics)` (evaluate, rft / dpo / kto, train, compare) gives that
+   metric again under a key with no `/` and a leading `_`, which sorts before every `eval/...` key:
+   `_success_rate` (the trained policy's greedy in-domain success), `_delta_vs_base` (compare: the
+   trained arm's paired delta), `_rollout_success_rate` (train). A stage run whose module tracks a
+   `method` different from the stage's name is named with it, `evaluate · grpo`, `train · arpo`,
+   `compare · arpo`, so the runs list tells the arms apart (before: all named `evaluate`).
 """
 
 from __future__ import annotations
@@ -201,13 +209,16 @@ class StageRun:
             },
         )
         marker = self._prepare_outputs(key)
-        self.run_id = tracking.start_run(self.client, exp, self.name, tags, self.parent_run_id)
+        self.run_id = tracking.start_run(self.client, exp, self.run_name(), tags, self.parent_run_id)
         tracking.log_params(self.client, self.run_id, self.params())
         error: BaseException | None = None
         t0 = time.monotonic()
         try:
             result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration)
             metrics = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
+            headline = getattr(self.module, "headline", None)
+            if headline is not None:  # decision 11
+                metrics.update(headline(self.p, metrics))
             metrics[f"time/{self.name}_s"] = time.monotonic() - t0
             summary, details = split_metrics(metrics)
             atomic_write_json(self.root / self.spec.metrics, summary, sort_keys=True)
@@ -223,6 +234,11 @@ class StageRun:
             raise
         finally:
             tracking.finish_run(self.client, self.run_id, tracking.end_status(error))
+
+    def run_name(self) -> str:
+        """Decision 11: the stage, with the arm when the run tracks one (`evaluate · grpo`)."""
+        method = str(self.params().get("method") or "")
+        return f"{self.name} · {method}" if method and method != self.name else self.name
 
     def params(self) -> dict[str, Any]:
         """Decision 7: what this run logs as params."""
@@ -360,7 +376,7 @@ class StageRun:
                     write_viewer(
                         trajs,
                         page,
-                        title=f"{self.name}: {f.stem}",
+                        title=f"{self.run_name()}: {f.name}, {len(trajs)} episodes",
                         policies=[label] * len(trajs),
                         sources=[f.as_posix()] * len(trajs),
                     )

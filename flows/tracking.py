@@ -232,6 +232,9 @@ def set_tags(c: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
 # Comparison table (`arpo runs`)
 
 DEFAULT_COLUMNS = (
+    "_success_rate",
+    "_delta_vs_base",
+    "_rollout_success_rate",
     "rollout/success_rate",
     "replay/groups_filled",
     "loss/policy",
@@ -270,17 +273,19 @@ def differing_params(rows: Sequence[Mapping[str, Any]], limit: int = MAX_PARAM_C
 def comparison_table(
     rows: Sequence[Mapping[str, Any]], columns: Sequence[str], params: Sequence[str] = ()
 ) -> str:
-    """Plain-text table of runs: `rows` are dicts with 'run', 'stage', 'variant', 'status', 'minutes',
-    metric values and a 'params' dict; `columns` are the metric keys shown (headers shortened by
+    """Plain-text table of runs: `rows` are dicts with 'run', 'name' (else 'stage'), 'variant', 'status',
+    'minutes', metric values and a 'params' dict; `columns` are the metric keys shown (headers shortened by
     `short_name`), `params` the param keys shown before them (e.g. `differing_params`).
     Missing values print as '-'; numbers with 3 significant digits."""
-    head = ["run", "stage", "variant", "status", "min", *params, *[short_name(c) for c in columns]]
+    head = ["run", "name", "variant", "status", "min", *params, *[short_name(c) for c in columns]]
     body = []
     for r in rows:
         ps = r.get("params") or {}
         cells = [
             str(r.get("run", ""))[:8],
-            str(r.get("stage", "")),
+            str(
+                r.get("name") or r.get("stage", "")
+            ),  # the run's name: `evaluate · grpo` (runner decision 11)
             str(r.get("variant", "")),
             str(r.get("status", "")),
             _fmt(r.get("minutes")),
@@ -326,6 +331,7 @@ def run_rows(c: MlflowClient, experiment: str, stage: str | None = None) -> list
         rows.append(
             {
                 "run": info.run_id,
+                "name": info.run_name,
                 "stage": data.tags.get("arpo.stage", info.run_name),
                 "variant": data.tags.get("arpo.variant", ""),
                 "status": info.status,

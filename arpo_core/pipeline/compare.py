@@ -39,14 +39,35 @@ from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.evaluate import split_map, summarize
 from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
-from arpo_core.pipeline.common import suite_tasks
+from arpo_core.pipeline.common import method_name, suite_tasks
 from arpo_core.pipeline.offline import SKIPPED
 from arpo_core.trajectory import Trajectory, read_trajectories
 
-__all__ = ["ORDER", "collect_evaluations", "first_click_targets", "run", "trained_task_keys"]
+__all__ = [
+    "ORDER",
+    "collect_evaluations",
+    "first_click_targets",
+    "headline",
+    "run",
+    "tracked_params",
+    "trained_task_keys",
+]
 
 ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo")
 SPLITS = ("in_domain", "out_of_domain")
+
+
+def tracked_params(p: Params) -> dict[str, str]:
+    """The trained arm whose paired delta is the headline (`arpo` / `grpo`), a param of the run."""
+    return {"method": method_name(p)}
+
+
+def headline(p: Params, metrics: dict[str, float]) -> dict[str, float]:
+    """The metric a user compares first (flows/runner.py decision 11): the trained arm's in-domain paired
+    delta against the reference, as `_delta_vs_<reference>` (`_delta_vs_base`)."""
+    ref = p.compare.reference
+    key = f"compare/{method_name(p)}/in_domain/delta_vs_{ref}"
+    return {f"_delta_vs_{ref}": metrics[key]} if key in metrics else {}
 
 
 def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, list[Trajectory]]:

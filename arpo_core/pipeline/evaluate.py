@@ -28,7 +28,16 @@ from arpo_core.pipeline.common import method_name, progress_bar, resolve_policy,
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["MODEL_INPUTS", "evaluate_loaded", "evaluate_policies", "run", "tracked_params", "trajectory_file"]
+__all__ = [
+    "HEADLINE_KEY",
+    "MODEL_INPUTS",
+    "evaluate_loaded",
+    "evaluate_policies",
+    "headline",
+    "run",
+    "tracked_params",
+    "trajectory_file",
+]
 
 MODEL_INPUTS = {"base": "base_dir", "trained": "trained_dir"}
 """Metric role -> the `run` argument holding that policy (the tracking layer links `eval/<role>/...` to
@@ -38,6 +47,15 @@ the model the stage producing that input logged)."""
 def tracked_params(p: Params) -> dict[str, str]:
     """Decision 2: the method of the trained policy, logged as a param of the stage's run."""
     return {"method": method_name(p)}
+
+
+HEADLINE_KEY = "eval/trained/greedy/in_domain/success_rate"
+
+
+def headline(p: Params, metrics: Mapping[str, float]) -> dict[str, float]:
+    """The metric a user compares first (flows/runner.py decision 11): the trained policy's greedy
+    in-domain success, as `_success_rate`."""
+    return {"_success_rate": metrics[HEADLINE_KEY]} if HEADLINE_KEY in metrics else {}
 
 
 def trajectory_file(out_dir: str | os.PathLike, name: str, mode: str = "greedy") -> Path:
