@@ -21,5 +21,6 @@ format: setup
 	@.venv/bin/ruff format . && .venv/bin/ruff check --fix .
 
 # The DVC pipeline (dvc.yaml); its stages call `arpo stage NAME`, so the venv's bin goes first on PATH.
+# `arpo lock` first: beside a live run it names the run (DVC itself would refuse too, in its own words).
 repro: setup
-	@PATH="$(CURDIR)/.venv/bin:$$PATH" DVC_NO_ANALYTICS=1 .venv/bin/dvc repro
+	@.venv/bin/arpo lock >/dev/null && PATH="$(CURDIR)/.venv/bin:$$PATH" DVC_NO_ANALYTICS=1 .venv/bin/dvc repro

@@ -12,6 +12,8 @@ Decisions:
    both match what was recorded while it was the run's child.
 3. The guardian lives in its own process group and ignores SIGINT/SIGTERM, so a Ctrl-C or a kill of
    the run's group does not take it down before it has cleaned up; it exits right after cleaning.
+4. Once the processes are gone it removes the run's private temp folder (arpo_core/lock.py decision 7,
+   the run's TMPDIR when it is one), which a SIGKILLed run could not remove itself.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+
+from arpo_core.lock import RUN_TMP_PREFIX
 
 __all__ = ["GRACE_S", "PERIOD_S", "start_guardian"]
 
@@ -28,6 +32,7 @@ GRACE_S = 5.0
 _GUARDIAN = r"""
 import os, signal, sys, time
 run, period, grace = int(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3])
+tmpdir = sys.argv[4] if len(sys.argv) > 4 else ""
 me = os.getpid()
 os.setpgid(0, 0)
 signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -78,13 +83,18 @@ deadline = time.monotonic() + grace
 while time.monotonic() < deadline and any(same(p, st) for p, st in seen.items()):
     time.sleep(0.1)
 signal_all(signal.SIGKILL)
+if tmpdir:
+    import shutil
+    shutil.rmtree(tmpdir, ignore_errors=True)
 """
 
 
 def start_guardian(period_s: float = PERIOD_S, grace_s: float = GRACE_S) -> subprocess.Popen:
     """Decision 1: start the guardian of this process; it ends by itself after this process has."""
+    tmp = os.environ.get("TMPDIR", "")
+    tmpdir = tmp if os.path.basename(tmp).startswith(RUN_TMP_PREFIX) else ""  # decision 4
     return subprocess.Popen(
-        [sys.executable, "-S", "-c", _GUARDIAN, str(os.getpid()), str(period_s), str(grace_s)],
+        [sys.executable, "-S", "-c", _GUARDIAN, str(os.getpid()), str(period_s), str(grace_s), tmpdir],
         stdin=subprocess.DEVNULL,
         close_fds=True,
     )

@@ -15,6 +15,27 @@ Decisions:
    while the holder process lives, is inside the holder's run and proceeds without taking the lock.
 5. The lock file is opened close-on-exec (Python's default), so processes a run starts (the Prefect
    server, browsers, env workers) never hold it: when the run dies, the lock goes with it.
+6. A live run also holds DVC's repository lock, `.dvc/tmp/lock` (in a tree with `.dvc/`), with the
+   primitive DVC's default lock uses (zc.lockfile: `fcntl.flock`, exclusive, non-blocking, on that
+   file, which is never deleted; DVC's own pid format " <pid>\n" as content). Every DVC command that
+   can change the workspace (`repro`, `exp run`, `checkout`, `commit`, `add`, `gc`, `pull`, `status`,
+   ...; dvc/repo/__init__.py `locked`) takes that lock before it reads or writes anything, and fails
+   after 3 s of retries when it cannot: so a `dvc repro` beside a live run changes nothing (before,
+   it checked out cached outputs and removed others before its first `arpo stage` refused on our
+   lock, issue 34 item 2). DVC releases the lock only while a stage's command runs
+   (dvc/stage/run.py `unlocked_repo`), which is where its `arpo stage` takes it; an `arpo` run that
+   finds it held (a DVC command busy in this tree) is refused like one that finds our lock held.
+   Under `core.hardlink_lock` DVC uses flufl's protocol instead and this lock does not cover it.
+7. Each holder has a private temp folder, `<temp dir>/arpo-run-<token>`, made its TMPDIR (and
+   `tempfile.tempdir`) while it holds the lock, so everything the run and its children put in the temp
+   directory (env workers' folders, browser profiles, desktops: ~2.5 MB per env worker) lies in one
+   folder whose name the lock file records. It is removed on release; after a SIGKILL of the whole
+   process tree (the env workers' reapers included) the guardian or, failing that, the next run's
+   takeover removes it (issue 34 item 6).
+8. A takeover yields the dead holder's record as `previous`, so the front door can close what the dead
+   run left open (its MLflow runs, its Prefect flow run: flows/services.py): the library only knows
+   files. `current_token()` is the token of the run this process belongs to (held or inherited), which
+   the run's records carry to make that possible.
 """
 
 from __future__ import annotations
@@ -25,14 +46,29 @@ import json
 import logging
 import os
 import secrets
+import shutil
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["LOCK_ENV", "LOCK_NAME", "RunLocked", "lock_path", "pid_alive", "read_holder", "run_lock"]
+__all__ = [
+    "DVC_LOCK",
+    "LOCK_ENV",
+    "LOCK_NAME",
+    "RUN_TMP_PREFIX",
+    "RunLocked",
+    "current_token",
+    "lock_path",
+    "pid_alive",
+    "probe",
+    "read_holder",
+    "remove_run_tmpdir",
+    "run_lock",
+]
 
 LOCK_NAME = Path(".arpo") / "run.lock"
 """The lock file, relative to the project root."""
@@ -49,10 +85,48 @@ _guard = threading.Lock()
 class RunLocked(RuntimeError):
     """Another live run holds the working tree's lock; the message names it."""
 
-    def __init__(self, path: Path, holder: dict[str, Any] | None):
+    def __init__(self, path: Path, holder: dict[str, Any] | None, message: str | None = None):
         self.path = path
         self.holder = holder or {}
-        super().__init__(f"another arpo run is using this working tree: {describe(self.holder)} holds {path}")
+        super().__init__(
+            message or f"another arpo run is using this working tree: {describe(self.holder)} holds {path}"
+        )
+
+
+DVC_LOCK = Path(".dvc") / "tmp" / "lock"
+"""DVC's repository lock, relative to the project root (decision 6)."""
+
+
+def _dvc_pid(path: Path) -> str:
+    """The pid zc.lockfile wrote into DVC's lock (" <pid>\n"), or '?'."""
+    try:
+        text = path.read_text().split()
+    except OSError:
+        return "?"
+    return text[0] if text else "?"
+
+
+def _take_dvc_lock(root: Path) -> int | None:
+    """Decision 6: hold DVC's repository lock; returns its fd (None outside a DVC project). Raises
+    `RunLocked` naming the DVC process when a DVC command holds it."""
+    if not (root / ".dvc").is_dir():
+        return None
+    path = (root / DVC_LOCK).resolve()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise RunLocked(
+            path, None, f"a DVC command is using this working tree: pid {_dvc_pid(path)} holds {path}"
+        ) from None
+    except BaseException:
+        os.close(fd)
+        raise
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, f" {os.getpid()}\n".encode(), 0)  # zc.lockfile's content
+    return fd
 
 
 def lock_path(root: str | os.PathLike = ".") -> Path:
@@ -101,6 +175,30 @@ def read_holder(path: str | os.PathLike) -> dict[str, Any] | None:
     return data if isinstance(data, dict) and data else None
 
 
+RUN_TMP_PREFIX = "arpo-run-"
+"""Decision 7: a holder's private temp folder is `<temp dir>/arpo-run-<token>`."""
+
+
+def current_token() -> str | None:
+    """Decision 8: the lock token of the run this process belongs to (its own or inherited), or None."""
+    token = os.environ.get(LOCK_ENV, "").rpartition(":")[2]
+    return token or None
+
+
+def remove_run_tmpdir(holder: dict[str, Any] | None) -> bool:
+    """Remove a (dead) holder's private temp folder (decision 7); only a folder named for the holder's
+    token is ever removed. Returns whether one was there."""
+    holder = holder or {}
+    folder, token = holder.get("tmpdir"), holder.get("token")
+    if not isinstance(folder, str) or not isinstance(token, str) or not token:
+        return False
+    path = Path(folder)
+    if path.name != f"{RUN_TMP_PREFIX}{token}" or not path.is_dir() or path.is_symlink():
+        return False
+    shutil.rmtree(path, ignore_errors=True)
+    return True
+
+
 def _inherited(path: Path) -> bool:
     """Decision 4: this process is a child of the live holder of `path`."""
     value = os.environ.get(LOCK_ENV, "")
@@ -109,6 +207,31 @@ def _inherited(path: Path) -> bool:
         return False
     holder = read_holder(path)
     return bool(holder) and holder.get("token") == token and pid_alive(holder.get("pid"))
+
+
+def probe(root: str | os.PathLike = ".") -> RunLocked | None:
+    """Who would refuse a run in `root` now: `RunLocked` naming the live holder of the run lock or of
+    DVC's lock (decision 6), or None when a run could start. Changes neither file."""
+    for path, error in (
+        (lock_path(root), lambda p: RunLocked(p, read_holder(p))),
+        (
+            (Path(root) / DVC_LOCK).resolve(),
+            lambda p: RunLocked(
+                p, None, f"a DVC command is using this working tree: pid {_dvc_pid(p)} holds {p}"
+            ),
+        ),
+    ):
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError:
+            continue  # never made: free
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)  # shared and held for an instant only
+        except BlockingIOError:
+            return error(path)
+        finally:
+            os.close(fd)  # closing drops the probe's lock
+    return None
 
 
 @contextlib.contextmanager
@@ -146,6 +269,11 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
     except BaseException:
         os.close(fd)
         raise
+    try:
+        dvc_fd = _take_dvc_lock(Path(root))  # decision 6
+    except BaseException:
+        os.close(fd)
+        raise
     previous = read_holder(path)
     if previous and previous.get("pid") != os.getpid():
         log.warning(
@@ -154,13 +282,20 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
             describe(previous),
             "no longer running" if not pid_alive(previous.get("pid")) else "it no longer holds the lock",
         )
+        remove_run_tmpdir(previous)  # decision 7
+    else:
+        previous = None
     token = secrets.token_hex(8)
+    old_tmp, old_tempdir = os.environ.get("TMPDIR"), tempfile.tempdir
+    run_tmp = Path(tempfile.gettempdir()) / f"{RUN_TMP_PREFIX}{token}"
+    run_tmp.mkdir(mode=0o700)
     holder = {
         "pid": os.getpid(),
         "command": command or " ".join([Path(sys.argv[0]).name, *sys.argv[1:]]),
         "started": time.time(),
         "token": token,
         "cwd": str(Path(root).resolve()),
+        "tmpdir": str(run_tmp),
     }
     os.ftruncate(fd, 0)
     os.pwrite(fd, (json.dumps(holder) + "\n").encode(), 0)
@@ -168,15 +303,21 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
         _held[key] = {"fd": fd, "token": token, "depth": 1}
     old_env = os.environ.get(LOCK_ENV)
     os.environ[LOCK_ENV] = f"{path}:{token}"
+    os.environ["TMPDIR"], tempfile.tempdir = str(run_tmp), str(run_tmp)  # decision 7
     try:
-        yield holder
+        yield {**holder, "previous": previous} if previous else holder  # decision 8
     finally:
         with _guard:
             _held.pop(key, None)
-        if old_env is None:
-            os.environ.pop(LOCK_ENV, None)
-        else:
-            os.environ[LOCK_ENV] = old_env
+        for var, value in ((LOCK_ENV, old_env), ("TMPDIR", old_tmp)):
+            if value is None:
+                os.environ.pop(var, None)
+            else:
+                os.environ[var] = value
+        tempfile.tempdir = old_tempdir
+        shutil.rmtree(run_tmp, ignore_errors=True)
+        if dvc_fd is not None:
+            os.close(dvc_fd)  # DVC's lock first: our lock still keeps another arpo run out meanwhile
         with contextlib.suppress(OSError):
             os.ftruncate(fd, 0)  # released cleanly: the next holder has nothing to take over
         os.close(fd)

@@ -25,6 +25,9 @@ Decisions:
    combining several files never leaves the reader guessing which policy played an episode.
 7. Pages are readable by everyone who can read the directory (mode 0644, as any other generated
    report): the atomic temp file is created 0600, so the written page is set to 0644.
+8. A page's default title names what it shows, counted after the filters: `describe_episodes`,
+   "12 train episodes (models/arpo/trajectories), 8 evaluate episodes (data/eval)" (issue 32 item 3:
+   the title was the names of the paths given, "trajectories, eval", on a page of training episodes).
 """
 
 from __future__ import annotations
@@ -41,7 +44,7 @@ from pathlib import Path
 from arpo_core.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory
 
-__all__ = ["policy_label", "split_reply", "viewer_data", "write_viewer"]
+__all__ = ["describe_episodes", "policy_label", "split_reply", "viewer_data", "write_viewer"]
 
 _THOUGHT = re.compile(r"^\s*(?:Thought|Reflection|Action_Summary)\s*:\s*", re.IGNORECASE)
 
@@ -160,6 +163,18 @@ def viewer_data(
             }
         )
     return {"images": images, "episodes": episodes}
+
+
+def describe_episodes(trajectories: Sequence[Trajectory], sources: Sequence[str] | None = None) -> str:
+    """Decision 8: '<n> <stage> episodes (<folder of their files>)' per stage and folder, in order."""
+    groups: dict[tuple[str, str], int] = {}
+    for i, t in enumerate(trajectories):
+        where = str(Path(sources[i]).parent) if sources and sources[i] else ""
+        groups[(t.stage or "?", where)] = groups.get((t.stage or "?", where), 0) + 1
+    return ", ".join(
+        f"{n} {stage} episode{'' if n == 1 else 's'}" + (f" ({where})" if where else "")
+        for (stage, where), n in groups.items()
+    )
 
 
 def write_viewer(

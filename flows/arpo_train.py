@@ -19,10 +19,21 @@ Decisions:
    ("Exception ignored in ..."), so a KeyboardInterrupt that lands there vanished and the run went on
    (seen: Ctrl-C during `select`, the pipeline finished). `arpo run` installs `on_interrupt`, which
    records the interrupt before raising; the flow checks the record before every stage and stops there.
+8. The flow holds the working tree's lock (flows/services.py `run_lock`) from its start to its end, so a
+   deployment's flow run is one run for the lock, as an `arpo run` is (before, each stage took and
+   released it, and the pipeline's MLflow run was outside it); inside `arpo run` it is the CLI's lock,
+   re-entered. Taking it over from a dead holder closes what that run left open.
+9. A deployment's flow run stops cleanly when told to (the worker's second Ctrl-C sends it SIGINT;
+   Prefect's worker, stopping, sends SIGTERM, which Prefect's engine raises as TerminationSignal):
+   either ends the flow through its normal exit path, so the stage and pipeline runs end KILLED in
+   MLflow (tracking decision 9), Prefect records the flow run Crashed, the lock is released and the
+   env workers stopped.
 """
 
 from __future__ import annotations
 
+import os
+import signal
 import threading
 import time
 import uuid
@@ -34,7 +45,8 @@ from prefect.context import FlowRunContext
 from arpo_core.config import to_dict
 from arpo_core.pipeline.table import upstream
 from flows import tracking
-from flows.runner import load_params_once, variant_name
+from flows.runner import FRONT_DOOR_ENV, load_params_once, variant_name
+from flows.services import crash_dead_flow_runs, run_lock
 from flows.spec import SPECS, _flatten, is_up_to_date
 from flows.stages import FLOWS, run_name
 
@@ -61,13 +73,19 @@ HEADLINE_KEYS = (
     "select/kept",
     "rollout/success_rate",
     "replay/groups_filled",
+    "eval/base/greedy/train/success_rate",
+    "eval/trained/greedy/train/success_rate",
     "eval/base/greedy/in_domain/success_rate",
     "eval/trained/greedy/in_domain/success_rate",
+    "eval/trained/greedy/heldout/success_rate",
     "eval/trained/greedy/out_of_domain/success_rate",
+    "compare/arpo/train/delta_vs_base",
+    "compare/grpo/train/delta_vs_base",
     "compare/arpo/in_domain/delta_vs_base",
     "compare/grpo/in_domain/delta_vs_base",
     "compare/arpo/trained/delta_vs_base",
     "compare/grpo/trained/delta_vs_base",
+    "compare/image_blind/train",
     "compare/image_blind/in_domain",
 )
 
@@ -85,9 +103,10 @@ def changed_params(params: str, p: object) -> dict[str, object]:
 
 
 def start_pipeline_run(
-    params: str, preset: str | None, overrides: list[str] | None, p: object, pid: str
+    params: str, preset: str | None, overrides: list[str] | None, p: object, pid: str, door: str = "flow"
 ) -> str:
-    """Decision 5: the parent MLflow run of this pipeline run; returns its id."""
+    """Decision 5: the parent MLflow run of this pipeline run, named by variant and front door (runner
+    decision 10); returns its id."""
     c = tracking.client(".")
     exp = tracking.ensure_experiment(c, p.project.name, ".")
     variant = variant_name(preset, overrides)
@@ -101,9 +120,10 @@ def start_pipeline_run(
             "arpo.preset": preset,
             "arpo.overrides": " ".join(overrides or ()) or None,
             "arpo.changed": ", ".join(f"{k}={v}" for k, v in sorted(changed.items()))[:5000] or None,
+            "arpo.front_door": door,
         },
     )
-    run_id = tracking.start_run(c, exp, variant, tags)
+    run_id = tracking.start_run(c, exp, f"{variant} · {door}", tags)
     tracking.log_params(c, run_id, {k[1:]: v for k, v in _flatten(to_dict(p), "").items()})
     return run_id
 
@@ -118,19 +138,74 @@ def arpo_train(
 ) -> dict[str, dict[str, float]]:
     """Every stage of the stage table in order (init_policy -> ground -> demos -> sft -> baseline -> select
     -> train -> rft, dpo, kto -> evaluate -> compare), skipping up-to-date stages; with `targets`, only
-    those stages and the stages they need (decision 6). Returns each executed stage's metrics."""
+    those stages and the stages they need (decision 6). Returns each executed stage's metrics. Holds the
+    working tree's lock for the whole run (decision 8)."""
+    ctx = FlowRunContext.get()
+    door = pipeline_front_door(ctx)
+    old_door = os.environ.get(FRONT_DOOR_ENV)
+    os.environ[FRONT_DOOR_ENV] = door  # the stage runs' tag (runner decision 10)
+    old_sigint = _record_interrupts()
+    try:
+        with run_lock(".", command=f"arpo-train ({door})"):
+            if ctx is not None and ctx.flow_run is not None:
+                crash_dead_flow_runs()  # services.py decision 4
+            return _pipeline(params, preset, overrides, force, targets, ctx, door)
+    finally:
+        if old_sigint is not None:
+            signal.signal(signal.SIGINT, old_sigint)
+        if old_door is None:
+            os.environ.pop(FRONT_DOOR_ENV, None)
+        else:
+            os.environ[FRONT_DOOR_ENV] = old_door
+
+
+def _record_interrupts() -> object | None:
+    """Decision 7 for a deployment's flow run (where no CLI installed it): SIGINT goes through
+    `on_interrupt` while the flow runs, when it is Python's default handler and this is the main thread;
+    returns the handler to restore, or None when nothing was changed."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    current = signal.getsignal(signal.SIGINT)
+    if current is not signal.default_int_handler:
+        return None
+    INTERRUPTED.clear()
+    signal.signal(signal.SIGINT, on_interrupt)
+    return current
+
+
+def pipeline_front_door(ctx: object) -> str:
+    """Runner decision 10: `arpo run` (set by the CLI), `deployment <flow>/<name>` for a deployment's
+    flow run, else `flow` (the flow called some other way)."""
+    if os.environ.get(FRONT_DOOR_ENV):
+        return os.environ[FRONT_DOOR_ENV]
+    fr = getattr(ctx, "flow_run", None)
+    if fr is not None and fr.deployment_id is not None:
+        from prefect.runtime import deployment
+
+        return f"deployment arpo-train/{deployment.name or fr.deployment_id}"
+    return "flow"
+
+
+def _pipeline(
+    params: str,
+    preset: str | None,
+    overrides: list[str] | None,
+    force: bool,
+    targets: list[str] | None,
+    ctx: object,
+    door: str,
+) -> dict[str, dict[str, float]]:
     p = load_params_once(params, list(overrides or ()), preset=preset)  # fail before any stage on a bad key
     wanted = upstream(targets) if targets else tuple(FLOWS)  # an unknown name fails here, before any stage
-    ctx = FlowRunContext.get()
     pipeline_id = str(ctx.flow_run.id) if ctx and ctx.flow_run else uuid.uuid4().hex
     print(
         f"[arpo-train] {variant_name(preset, overrides)}: project {p.project.name!r}, seed {p.project.seed}"
     )
     results: dict[str, dict[str, float]] = {}
     t_all = time.monotonic()
-    parent = start_pipeline_run(params, preset, overrides, p, pipeline_id)
+    parent = start_pipeline_run(params, preset, overrides, p, pipeline_id, door)
     c = tracking.client(".")
-    ok = False
+    error: BaseException | None = None
     try:
         for i, name in enumerate(wanted, 1):
             stage_flow = FLOWS[name]
@@ -152,8 +227,10 @@ def arpo_train(
                 parent_run_id=parent,
             )
             print(f"{tag}: done in {time.monotonic() - t0:.0f} s  {headline(results[name])}")
-        ok = True
+    except BaseException as e:  # KILLED for an interrupt, FAILED for an error (tracking decision 9)
+        error = e
+        raise
     finally:
-        tracking.finish_run(c, parent, ok)
+        tracking.finish_run(c, parent, tracking.end_status(error))
     print(f"[arpo-train] finished in {time.monotonic() - t_all:.0f} s")
     return results

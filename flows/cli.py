@@ -1,8 +1,9 @@
 """The `arpo` command: the front door of the pipeline (it may import Prefect; arpo_core may not).
 
 Errors are one line (`error: <what went wrong>`, exit 1; bad params exit 2) unless `arpo --debug ...`
-(or ARPO_DEBUG=1) asks for the traceback: without it, Prefect's flow and task run loggers also log a
-failure as its message only, not the traceback they would print three times over.
+(or ARPO_DEBUG=1) asks for the traceback: without it, Prefect's flow and task run loggers (and
+selenium's) also log a failure as its message only, not the traceback they would print three times over.
+A Ctrl-C ends a run with exit 130 and one line, after its Prefect and MLflow runs are marked.
 """
 
 from __future__ import annotations
@@ -49,7 +50,9 @@ class OneLineErrors(typer.Typer):
     def __call__(self, *args: object, **kwargs: object) -> object:
         if _debug():
             return super().__call__(*args, **kwargs)
-        for name in ("prefect.flow_runs", "prefect.task_runs"):
+        # selenium: a Ctrl-C while chromedriver starts made it log "Error stopping service after a
+        # failed start." with a traceback (the driver had the same SIGINT); the message is enough.
+        for name in ("prefect.flow_runs", "prefect.task_runs", "selenium.webdriver.common.service"):
             logging.getLogger(name).addFilter(_OneLineRecords())
         try:
             return typer.main.get_command(self)(*args, **kwargs)
@@ -102,10 +105,12 @@ VIEW_OUT_OPT = typer.Option(Path("plots/viewer/view.html"), "--out", "-o", help=
 def _locked(command: str) -> Iterator[None]:
     """The working tree's run lock (arpo_core/lock.py) around a run; held: exit 3 naming the holder.
     Nothing the run starts outlives it (arpo_core/guardian.py): SIGTERM/SIGHUP end it through the
-    normal exit path, Prefect's temporary server and Ray are stopped on the way out, and a guardian
-    process removes whatever child is left once the run has gone (also after a SIGKILL)."""
+    normal exit path, Prefect's temporary server and Ray are stopped on the way out (flows/services.py),
+    and a guardian process removes whatever child is left once the run has gone (also after a
+    SIGKILL). Ctrl-C ends it with exit 130, after its runs are marked."""
     from arpo_core.guardian import start_guardian
-    from arpo_core.lock import RunLocked, run_lock
+    from arpo_core.lock import RunLocked
+    from flows.services import run_lock, stop_services
 
     try:
         with run_lock(".", command=command):
@@ -120,10 +125,15 @@ def _locked(command: str) -> Iterator[None]:
             try:
                 yield
             finally:
-                _stop_services()
+                stop_services()
     except RunLocked as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
         raise typer.Exit(3) from e
+    except KeyboardInterrupt:
+        # Ctrl-C: the runs are marked and the services stopped by now; exit as a shell's job does (130),
+        # with one line instead of click's "Aborted!" and exit 1.
+        typer.secho(f"[arpo] {command}: interrupted", fg=typer.colors.YELLOW, err=True)
+        raise typer.Exit(128 + signal.SIGINT) from None
 
 
 _guardians: list = []
@@ -131,26 +141,6 @@ _guardians: list = []
 
 def _exit_on_signal(signum: int, frame: object) -> None:
     raise SystemExit(128 + signum)
-
-
-def _stop_services() -> None:
-    """Stop Prefect's temporary API server and Ray if this run started them (only if imported). The
-    run's last log records still queued for the API are sent first: stopped before them, the server
-    left Prefect's log worker retrying at exit (~2 min, then 'Error logging to API')."""
-    handlers = sys.modules.get("prefect.logging.handlers")
-    if handlers is not None:
-        with contextlib.suppress(Exception):
-            handlers.APILogWorker.drain_all(timeout=10)
-    server = sys.modules.get("prefect.server.api.server")
-    if server is not None:
-        for instance in list(server.SubprocessASGIServer._instances.values()):
-            with contextlib.suppress(Exception):
-                instance.stop()
-    ray = sys.modules.get("ray")
-    if ray is not None:
-        with contextlib.suppress(Exception):
-            if ray.is_initialized():
-                ray.shutdown()
 
 
 def _load(params: Path, overrides: list[str], preset: str | None = None) -> Params:
@@ -254,13 +244,31 @@ def run(
     for t in target:
         _known_stage(t)
     from flows.arpo_train import arpo_train
+    from flows.runner import FRONT_DOOR_ENV
 
     t0 = time.monotonic()
     with _locked("arpo run " + " ".join(sys.argv[2:])):
+        from flows.services import own_session_server
+
+        own_session_server()  # services.py decision 1: Ctrl-C must not reach the temporary server
+        os.environ[FRONT_DOOR_ENV] = "arpo run"
         arpo_train(
             params=str(params), preset=preset, overrides=list(set_), force=force, targets=list(target) or None
         )
     typer.secho(f"[arpo] pipeline finished in {(time.monotonic() - t0) / 60:.1f} min", fg=typer.colors.GREEN)
+
+
+@app.command()
+def lock() -> None:
+    """Say whether a run could start in this working tree: exit 0 when free, 3 naming the live `arpo`
+    run or DVC command that holds it (`make repro` asks before `dvc repro`; arpo_core/lock.py)."""
+    from arpo_core.lock import probe
+
+    busy = probe(".")
+    if busy is not None:
+        typer.secho(f"error: {busy}", fg=typer.colors.RED, err=True)
+        raise typer.Exit(3)
+    typer.echo("no run holds this working tree")
 
 
 @app.command()
@@ -339,14 +347,14 @@ def study(
 def view(
     paths: list[Path] = VIEW_PATHS_ARG,
     out: Path = VIEW_OUT_OPT,
-    title: str = typer.Option("", help="page title (default: the input names)"),
+    title: str = typer.Option("", help="page title (default: what it shows, e.g. '12 train episodes (...)')"),
     task: str = typer.Option(None, help="only episodes of this task id"),
     limit: int = typer.Option(0, help="at most N episodes (0 = all)"),
 ) -> None:
     """Write a self-contained HTML page showing each episode step by step (screenshot with the click,
     thought, action, reward, replayed flag; filters by task, success and epoch)."""
     from arpo_core.trajectory import read_trajectories
-    from arpo_core.viewer import write_viewer
+    from arpo_core.viewer import describe_episodes, write_viewer
 
     trajs, sources = [], []
     files = [f for path in paths for f in (sorted(path.glob("*.parquet")) if path.is_dir() else [path])]
@@ -366,7 +374,7 @@ def view(
     if not trajs:
         typer.secho("error: no episodes to show", fg=typer.colors.RED, err=True)
         raise typer.Exit(1)
-    page = write_viewer(trajs, out, title=title or ", ".join(p.name for p in paths), sources=sources)
+    page = write_viewer(trajs, out, title=title or describe_episodes(trajs, sources), sources=sources)
     typer.echo(f"{page} ({len(trajs)} episodes)")
 
 

@@ -34,6 +34,18 @@ Decisions:
    metrics, MLflow run) and, where it evaluated policies, a table of success per role, mode and split.
 9. Viewer pages of a stage are rewritten as a whole: the stage's page directory is emptied first, so a
    re-run with another configuration leaves no pages of the earlier one.
+10. Every run says which front door started it (tag `arpo.front_door`: `arpo run`, `deployment
+   arpo-train/<name>`, `dvc`, `dvc exp`, `arpo stage`), and a pipeline run's name ends with it
+   (`quick · arpo run`, `quick · deployment arpo-train/quick`): a deployment run and an `arpo run` of
+   the same preset were two runs named `quick` (issue 34 item 6).
+11. The metric a user compares first comes first in MLflow (issue 32 item 3). MLflow's compare page
+   plots the first metric key in sort order and its chart view opens on the section of keys without a
+   `/`; a stage module's `headline(p, metrics)` (evaluate, rft / dpo / kto, train, compare) gives that
+   metric again under a key with no `/` and a leading `_`, which sorts before every `eval/...` key:
+   `_success_rate` (the trained policy's greedy in-domain success), `_delta_vs_base` (compare: the
+   trained arm's paired delta), `_rollout_success_rate` (train). A stage run whose module tracks a
+   `method` different from the stage's name is named with it, `evaluate · grpo`, `train · arpo`,
+   `compare · arpo`, so the runs list tells the arms apart (before: all named `evaluate`).
 """
 
 from __future__ import annotations
@@ -51,9 +63,9 @@ from typing import Any
 
 from arpo_core.config import Params, load_params
 from arpo_core.fileio import atomic_open, atomic_write_json
-from arpo_core.lock import run_lock
 from arpo_core.pipeline.table import Stage
 from flows import tracking
+from flows.services import run_lock
 from flows.spec import (
     SPECS,
     details_path,
@@ -66,7 +78,16 @@ from flows.spec import (
 )
 from tasks.stages import TASKS
 
-__all__ = ["PLOT_COLUMNS", "StageRun", "call", "load_params_once", "variant_name", "write_epoch_plot"]
+__all__ = [
+    "FRONT_DOOR_ENV",
+    "PLOT_COLUMNS",
+    "StageRun",
+    "call",
+    "front_door",
+    "load_params_once",
+    "variant_name",
+    "write_epoch_plot",
+]
 
 VIEWER_DIR = Path("plots/viewer")
 """Trajectory viewer pages (issue 8), one per trajectory file of a stage, logged under `viewer/`."""
@@ -93,6 +114,18 @@ def call(task: Any, *args: Any, **kwargs: Any) -> Any:
     if FlowRunContext.get() is not None:
         return task(*args, **kwargs)
     return task.fn(*args, **kwargs)
+
+
+FRONT_DOOR_ENV = "ARPO_FRONT_DOOR"
+"""Decision 10: the front door a pipeline run came through, set for its stage runs."""
+
+
+def front_door() -> str:
+    """Decision 10: 'dvc' / 'dvc exp' (a DVC stage), else what the pipeline run set ('arpo run',
+    'deployment arpo-train/quick'), else 'arpo stage'."""
+    if os.environ.get("DVC_STAGE"):
+        return "dvc exp" if os.environ.get("DVC_EXP_NAME") else "dvc"
+    return os.environ.get(FRONT_DOOR_ENV) or "arpo stage"
 
 
 def variant_name(preset: str | None, overrides: Sequence[str] | None, dvc_exp: str | None = None) -> str:
@@ -168,16 +201,24 @@ class StageRun:
         tags = tracking.run_tags(
             self.name,
             self.root,
-            {"arpo.key": key, "arpo.variant": self.variant, "arpo.pipeline_id": self.pipeline_id},
+            {
+                "arpo.key": key,
+                "arpo.variant": self.variant,
+                "arpo.pipeline_id": self.pipeline_id,
+                "arpo.front_door": front_door(),  # decision 10
+            },
         )
         marker = self._prepare_outputs(key)
-        self.run_id = tracking.start_run(self.client, exp, self.name, tags, self.parent_run_id)
+        self.run_id = tracking.start_run(self.client, exp, self.run_name(), tags, self.parent_run_id)
         tracking.log_params(self.client, self.run_id, self.params())
-        ok = False
+        error: BaseException | None = None
         t0 = time.monotonic()
         try:
             result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration)
             metrics = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
+            headline = getattr(self.module, "headline", None)
+            if headline is not None:  # decision 11
+                metrics.update(headline(self.p, metrics))
             metrics[f"time/{self.name}_s"] = time.monotonic() - t0
             summary, details = split_metrics(metrics)
             atomic_write_json(self.root / self.spec.metrics, summary, sort_keys=True)
@@ -186,11 +227,18 @@ class StageRun:
             extra = {"mlflow_run_id": self.run_id, "mlflow_model_ids": self.model_ids}
             write_stamp(self.root, self.spec, key, extra)
             marker.unlink(missing_ok=True)
-            ok = True
             publish_artifacts(self.name, self.variant, summary, metrics, self.run_id)
             return metrics
+        except BaseException as e:  # KILLED for an interrupt, FAILED for an error (tracking decision 9)
+            error = e
+            raise
         finally:
-            tracking.finish_run(self.client, self.run_id, ok)
+            tracking.finish_run(self.client, self.run_id, tracking.end_status(error))
+
+    def run_name(self) -> str:
+        """Decision 11: the stage, with the arm when the run tracks one (`evaluate · grpo`)."""
+        method = str(self.params().get("method") or "")
+        return f"{self.name} · {method}" if method and method != self.name else self.name
 
     def params(self) -> dict[str, Any]:
         """Decision 7: what this run logs as params."""
@@ -328,7 +376,7 @@ class StageRun:
                     write_viewer(
                         trajs,
                         page,
-                        title=f"{self.name}: {f.stem}",
+                        title=f"{self.run_name()}: {f.name}, {len(trajs)} episodes",
                         policies=[label] * len(trajs),
                         sources=[f.as_posix()] * len(trajs),
                     )

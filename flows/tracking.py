@@ -25,6 +25,9 @@ Decisions:
 8. The experiment is a model-training experiment: tag `mlflow.experimentKind=custom_model_development`
    (the tag the MLflow 3 UI reads to choose its layout; without it an experiment with no runs opens on
    the GenAI overview).
+9. A run never stays RUNNING (issue 34 items 1, 5, 6): it ends FINISHED, FAILED (an error) or KILLED (a
+   Ctrl-C, a stop signal); a run whose process died without ending it (SIGKILL) is closed KILLED by the
+   next run that takes the working tree's lock over from the dead holder (`close_runs_of`).
 """
 
 from __future__ import annotations
@@ -39,8 +42,12 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
+from arpo_core.lock import current_token
+
 __all__ = [
+    "close_runs_of",
     "comparison_table",
+    "end_status",
     "ensure_experiment",
     "finish_run",
     "git_commit",
@@ -110,12 +117,15 @@ def git_commit(root: str | os.PathLike = ".") -> str | None:
 
 
 def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Tags of a stage run (decision 4); None values are left out."""
+    """Tags of a stage run (decision 4); None values are left out. `arpo.run_token` is the working
+    tree's lock token of the run (arpo_core/lock.py decision 8), how a later run finds what a dead one
+    left RUNNING (decision 9)."""
     tags: dict[str, Any] = {
         "arpo.stage": stage,
         "mlflow.source.git.commit": git_commit(root),
         "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
         "dvc.baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
+        "arpo.run_token": current_token(),
         **(extra or {}),
     }
     return {k: str(v) for k, v in tags.items() if v is not None}
@@ -173,8 +183,45 @@ def log_artifacts(c: MlflowClient, run_id: str, path: str | os.PathLike, artifac
         c.log_artifact(run_id, str(path), artifact_path)
 
 
-def finish_run(c: MlflowClient, run_id: str, ok: bool) -> None:
-    c.set_terminated(run_id, RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED))
+def end_status(error: BaseException | None) -> str:
+    """The MLflow status a run ends with (decision 9): FINISHED without an error, FAILED for an error
+    (an `Exception`), KILLED when it was interrupted or told to stop (the other BaseExceptions:
+    KeyboardInterrupt, SystemExit from a signal handler, Prefect's TerminationSignal for SIGTERM)."""
+    if error is None:
+        return RunStatus.to_string(RunStatus.FINISHED)
+    if isinstance(error, Exception):
+        return RunStatus.to_string(RunStatus.FAILED)
+    return RunStatus.to_string(RunStatus.KILLED)
+
+
+def finish_run(c: MlflowClient, run_id: str, ok: bool | str) -> None:
+    """End the run FINISHED (`ok` True) or FAILED (False), or with the status `ok` names (`end_status`)."""
+    status = (
+        ok if isinstance(ok, str) else RunStatus.to_string(RunStatus.FINISHED if ok else RunStatus.FAILED)
+    )
+    c.set_terminated(run_id, status)
+
+
+def close_runs_of(c: MlflowClient, token: str, reason: str) -> list[dict[str, str]]:
+    """Decision 9: end KILLED every RUNNING run (any experiment of the store) whose `arpo.run_token` is
+    `token`, the lock token of a run that died, with tag `arpo.ended` = `reason`. Returns
+    {"run", "stage", "pipeline_id"} of each run closed."""
+    if not token.isalnum():  # a lock token is hex; anything else never reaches a filter string
+        return []
+    experiments = [e.experiment_id for e in c.search_experiments()]
+    if not experiments:
+        return []
+    flt = f"tags.`arpo.run_token` = '{token}' and attributes.status = 'RUNNING'"
+    closed = []
+    for run in c.search_runs(experiments, filter_string=flt, max_results=1000):
+        rid = run.info.run_id
+        set_tags(c, rid, {"arpo.ended": reason})
+        c.set_terminated(rid, RunStatus.to_string(RunStatus.KILLED))
+        tags = run.data.tags
+        closed.append(
+            {"run": rid, "stage": tags.get("arpo.stage", ""), "pipeline_id": tags.get("arpo.pipeline_id", "")}
+        )
+    return closed
 
 
 def set_tags(c: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
@@ -185,6 +232,9 @@ def set_tags(c: MlflowClient, run_id: str, tags: Mapping[str, str]) -> None:
 # Comparison table (`arpo runs`)
 
 DEFAULT_COLUMNS = (
+    "_success_rate",
+    "_delta_vs_base",
+    "_rollout_success_rate",
     "rollout/success_rate",
     "replay/groups_filled",
     "loss/policy",
@@ -223,17 +273,19 @@ def differing_params(rows: Sequence[Mapping[str, Any]], limit: int = MAX_PARAM_C
 def comparison_table(
     rows: Sequence[Mapping[str, Any]], columns: Sequence[str], params: Sequence[str] = ()
 ) -> str:
-    """Plain-text table of runs: `rows` are dicts with 'run', 'stage', 'variant', 'status', 'minutes',
-    metric values and a 'params' dict; `columns` are the metric keys shown (headers shortened by
+    """Plain-text table of runs: `rows` are dicts with 'run', 'name' (else 'stage'), 'variant', 'status',
+    'minutes', metric values and a 'params' dict; `columns` are the metric keys shown (headers shortened by
     `short_name`), `params` the param keys shown before them (e.g. `differing_params`).
     Missing values print as '-'; numbers with 3 significant digits."""
-    head = ["run", "stage", "variant", "status", "min", *params, *[short_name(c) for c in columns]]
+    head = ["run", "name", "variant", "status", "min", *params, *[short_name(c) for c in columns]]
     body = []
     for r in rows:
         ps = r.get("params") or {}
         cells = [
             str(r.get("run", ""))[:8],
-            str(r.get("stage", "")),
+            str(
+                r.get("name") or r.get("stage", "")
+            ),  # the run's name: `evaluate · grpo` (runner decision 11)
             str(r.get("variant", "")),
             str(r.get("status", "")),
             _fmt(r.get("minutes")),
@@ -279,6 +331,7 @@ def run_rows(c: MlflowClient, experiment: str, stage: str | None = None) -> list
         rows.append(
             {
                 "run": info.run_id,
+                "name": info.run_name,
                 "stage": data.tags.get("arpo.stage", info.run_name),
                 "variant": data.tags.get("arpo.variant", ""),
                 "status": info.status,

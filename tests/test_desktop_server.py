@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 from PIL import Image
-from proctools import group_pids, wait_until
+from proctools import _stat, alive, group_pids, wait_until
 
 from arpo_core.envs import desktop_server as ds
 from arpo_core.envs.osworld import DesktopClient
@@ -387,3 +387,100 @@ def test_malformed_requests_get_4xx_not_500(desktop):
         assert sock.recv(100).startswith(b"HTTP/1.0 400")
     # the server is still serving
     assert raw(f"{info.base_url}/t/{info.token}/platform") == 200
+
+
+# ------------------------------------------------------------------ nothing outlives it, nobody holds it (issue 34)
+def _pids_running(text: str) -> list[int]:
+    """Live processes whose command line contains `text` (a unique sleep duration)."""
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                cmd = Path(f"/proc/{entry}/cmdline").read_bytes().replace(b"\0", b" ").decode()
+            except OSError:
+                continue
+            if text in cmd and alive(int(entry)):
+                out.append(int(entry))
+    return out
+
+
+@pytest.mark.parametrize("how", ["setsid", "setsid_env_cleared", "server_sigkilled"])
+def test_a_process_that_left_the_session_dies_with_the_desktop(how):
+    """Decision 4: `setsid` (own session, its parent gone) does not get a command out of the desktop;
+    nor does clearing the environment while the server lives; nor a SIGKILLed server."""
+    d = ds.LocalDesktop(screen_size=(320, 240))
+    info = d.start()
+    tag = f"{time.monotonic_ns() % 10**6}.5"  # a unique duration names the test's sleep
+    try:
+        c = DesktopClient(info.base_url, info.token)
+        prefix = "env -i /usr/bin/setsid" if how == "setsid_env_cleared" else "setsid"
+        res = c.execute(f"{prefix} -f sleep {tag} </dev/null >/dev/null 2>&1", shell=True)
+        assert res["returncode"] == 0, res
+        assert wait_until(lambda: _pids_running(f"sleep {tag}"), 5)
+        (pid,) = _pids_running(f"sleep {tag}")
+        assert int(_stat(pid)[3]) == pid  # its own session: out of the desktop's group
+        if how == "server_sigkilled":
+            os.kill(info.pid, signal.SIGKILL)  # no cleanup by the server: the marker is what is left
+        d.stop()
+        assert wait_until(lambda: not _pids_running(f"sleep {tag}"), 5), _stat(pid)
+    finally:
+        d.stop()
+        for pid in _pids_running(f"sleep {tag}"):  # only if the desktop failed: the test's own sleep
+            os.kill(pid, signal.SIGKILL)
+
+
+def _threads(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/task"))
+
+
+def test_idle_and_slow_connections_time_out_and_threads_are_bounded():
+    """Decision 9: 30 idle TCP connections (no token) hold at most `max_workers` threads, and only for
+    `idle_timeout_s`; a client trickling a request is cut at `request_timeout_s`; the desktop serves
+    again once they are gone."""
+    import socket
+
+    d = ds.LocalDesktop(screen_size=(320, 240), idle_timeout_s=1.0, request_timeout_s=3.0, max_workers=4)
+    info = d.start()
+    socks: list[socket.socket] = []
+    try:
+        c = DesktopClient(info.base_url, info.token, timeout_s=30)
+        assert c.execute("true", shell=True)["returncode"] == 0
+        base = _threads(info.pid)
+        port = int(info.base_url.rsplit(":", 1)[1])
+        for _ in range(30):
+            socks.append(socket.create_connection(("127.0.0.1", port), timeout=10))
+        time.sleep(0.5)
+        assert _threads(info.pid) <= base + 4  # the pool's threads, not one per connection
+        # each idle connection is closed by the server (EOF) after about idle_timeout_s, in turns of 4
+        t0 = time.monotonic()
+        for s in socks:
+            assert s.recv(1) == b""
+        took = time.monotonic() - t0
+        assert took < 30, took
+        # a trickle never idle for 1 s is cut at the 3 s request deadline
+        slow = socket.create_connection(("127.0.0.1", port), timeout=10)
+        socks.append(slow)
+        t0 = time.monotonic()
+        closed = False
+        for ch in b"GET /platform HTTP/1.0\r\nX-Slow: " + b"a" * 100:
+            try:
+                slow.send(bytes([ch]))
+            except OSError:
+                closed = True
+                break
+            time.sleep(0.3)
+            if time.monotonic() - t0 > 10:
+                break
+        if not closed:
+            slow.settimeout(5)
+            try:
+                closed = slow.recv(1) == b""
+            except ConnectionResetError:
+                closed = True
+        assert closed and time.monotonic() - t0 < 8, time.monotonic() - t0
+        assert c.execute("echo ok", shell=True)["output"] == "ok\n"
+        assert _threads(info.pid) <= base + 4
+    finally:
+        for s in socks:
+            s.close()
+        d.stop()

@@ -236,7 +236,7 @@ def test_an_interrupt_the_interpreter_swallowed_stops_the_run_before_the_next_st
             at.arpo_train.fn(params=str(ROOT / "params.yaml"), preset="quick")
     finally:
         at.INTERRUPTED.clear()
-    assert called == ["init_policy", "ground"] and finished == [False]
+    assert called == ["init_policy", "ground"] and finished == ["KILLED"]  # tracking decision 9
 
 
 def test_arpo_run_names_an_unknown_target():
@@ -531,8 +531,10 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
     c = tracking.client(project)
     parents = tracking.run_rows(c, "arpo-embedded", "pipeline")  # newest first
     assert [c.get_run(r["run"]).info.run_name for r in parents] == [
-        "quick | train.replay.enabled=false", "quick", "quick",
-    ]  # fmt: skip
+        "quick | train.replay.enabled=false · deployment arpo-train/quick",
+        "quick · deployment arpo-train/quick",
+        "quick · deployment arpo-train/quick",
+    ]  # fmt: skip  (runner decision 10: the front door in the name)
     first = parents[-1]["run"]
     rows = [r for r in tracking.run_rows(c, "arpo-embedded") if r["parent"] == first]
     assert sorted(r["stage"] for r in rows) == sorted(STAGE_NAMES)
@@ -605,3 +607,44 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         k.startswith("trajectories/") and k.endswith(".parquet")
         for k in _dvc_dir_files(project, "models/arpo")
     )
+
+
+def test_stage_runs_name_their_arm_and_lead_with_their_headline(tmp_path, monkeypatch):
+    """runner decision 11 (issue 32 item 3): `evaluate · grpo` / `compare · grpo` in MLflow and in `arpo
+    runs`, each run's first metric in sort order (what MLflow's compare page plots first) its headline:
+    the trained policy's success for evaluate, the paired delta for compare."""
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    monkeypatch.chdir(oh.copy_project(tmp_path))
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    fake = {
+        "evaluate": {
+            "eval/base/greedy/all/click_spread_px": 12.0,  # what the compare page opened on before
+            "eval/base/greedy/in_domain/success_rate": 0.5,
+            "eval/trained/greedy/in_domain/success_rate": 0.625,
+        },
+        "compare": {
+            "compare/base/in_domain/success_rate": 0.5,
+            "compare/grpo/in_domain/delta_vs_base": 0.125,
+            "compare/rft/in_domain/delta_vs_base": -0.25,
+        },
+    }
+    for stage, metrics in fake.items():
+        monkeypatch.setattr(f"arpo_core.pipeline.{stage}.run", lambda *_, m=metrics, **__: dict(m))
+        StageRun(stage, preset="quick", overrides=["train.replay.enabled=false"]).execute()
+    c = tracking.client(".")
+    want = {"evaluate": ("_success_rate", 0.625), "compare": ("_delta_vs_base", 0.125)}
+    for stage, (key, value) in want.items():
+        (row,) = tracking.run_rows(c, "arpo-embedded", stage)
+        run = c.get_run(row["run"])
+        assert run.info.run_name == f"{stage} · grpo" and run.data.params["method"] == "grpo"
+        assert sorted(run.data.metrics)[0] == key and run.data.metrics[key] == value
+        assert json.loads(Path(f"metrics/{stage}.json").read_text())[key] == value  # DVC's too
+    res = CliRunner().invoke(app, ["runs", "-e", "arpo-embedded"])
+    assert res.exit_code == 0, res.output
+    head, _, *lines = res.output.splitlines()
+    assert head.split()[:2] == ["run", "name"] and "_success" in head and "_delta_vs_base" in head
+    assert any("evaluate · grpo" in line and "0.625" in line for line in lines), res.output
+    assert any("compare · grpo" in line and "0.125" in line for line in lines), res.output

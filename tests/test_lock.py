@@ -16,7 +16,7 @@ import orchestration_helpers as oh
 import pytest
 from proctools import alive, group_pids, wait_until
 
-from arpo_core.lock import LOCK_ENV, RunLocked, lock_path, read_holder, run_lock
+from arpo_core.lock import LOCK_ENV, RunLocked, lock_path, probe, read_holder, run_lock
 
 HOLD = textwrap.dedent(
     """
@@ -191,3 +191,105 @@ def test_guardian_removes_children_of_a_run_that_ended(how):
         ):  # only if the guardian failed: the test's own processes
             if alive(pid):
                 os.killpg(pid, signal.SIGKILL) if pid == lead else os.kill(pid, signal.SIGKILL)
+
+
+# ------------------------------------------------------------------------------------------------
+# DVC beside a live run (lock.py decision 6): real DVC, outputs byte-identical
+
+
+def _git(project: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=test@example.com", "-c", "user.name=test", *args],
+        cwd=project,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
+def _tree_bytes(project: Path) -> dict[str, bytes]:
+    """Every file DVC could touch: the outputs, dvc.lock, DVC's cache."""
+    out = {}
+    for top in ("models", "metrics", "data/demos", ".dvc/cache"):
+        for f in sorted((project / top).rglob("*")):
+            if f.is_file():
+                out[str(f.relative_to(project))] = f.read_bytes()
+    out["dvc.lock"] = (project / "dvc.lock").read_bytes()
+    return out
+
+
+@pytest.mark.timeout(300)
+def test_dvc_beside_a_live_run_changes_nothing_and_says_why(tmp_path):  # ~12 s: four DVC commands
+    project = oh.copy_project(tmp_path / "proj")
+    env = {k: v for k, v in oh.base_env(project).items() if k != LOCK_ENV}
+    _git(project, "init", "-q")
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "project")
+    # init_policy's outputs recorded by DVC (dvc.lock, cache), without running the stage
+    for rel, text in {
+        "models/init/config.json": '{"recorded": true}',
+        "metrics/init_policy.json": "{}",
+        "metrics/details/init_policy.json": "{}",
+    }.items():
+        (project / rel).parent.mkdir(parents=True, exist_ok=True)
+        (project / rel).write_text(text)
+    out = oh.run(["dvc", "commit", "-f", "init_policy"], project, env, timeout=120)
+    assert out.returncode == 0, out.stdout + out.stderr
+    # ... then a live run rewrites them and is writing ground's: what `dvc repro` used to check out
+    # (init_policy from the cache) and delete (ground's outputs, before running `arpo stage ground`)
+    (project / "models/init/config.json").write_text('{"the live run": "writing"}')
+    (project / "models/grounded").mkdir(parents=True)
+    (project / "models/grounded/model.safetensors").write_bytes(b"\0" * 1000)
+    (project / "metrics/ground.json").write_text("{}")
+    before = _tree_bytes(project)
+    holder = _holder(project)
+    try:
+        for cmd in (["dvc", "repro"], ["dvc", "exp", "run", "-S", "train.replay.enabled=false"]):
+            t0 = time.monotonic()
+            res = oh.run(cmd, project, env, timeout=120)
+            took = time.monotonic() - t0
+            assert res.returncode != 0, res.stdout + res.stderr
+            errors = [line for line in (res.stdout + res.stderr).splitlines() if line.startswith("ERROR")]
+            assert len(errors) == 1 and "Unable to acquire lock" in errors[0], res.stdout + res.stderr
+            assert "Running stage" not in res.stdout and "checking out" not in res.stdout, res.stdout
+            assert _tree_bytes(project) == before, f"{cmd} changed files"
+            print(f"{' '.join(cmd)}: refused in {took:.1f} s: {errors[0][:120]}")
+        # `make repro` asks first, in our words
+        res = oh.run([str(oh.VENV_BIN / "arpo"), "lock"], project, env, timeout=120)
+        assert res.returncode == 3 and f"pid {holder.pid}" in res.stderr, res.stdout + res.stderr
+    finally:
+        _stop(holder)
+    # the holder gone, DVC gets its lock again
+    res = oh.run(["dvc", "status"], project, env, timeout=120)
+    assert res.returncode == 0, res.stdout + res.stderr
+    assert _tree_bytes(project) == before
+
+
+def test_a_run_holds_dvcs_lock_with_dvcs_own_primitive(tmp_path):
+    """lock.py decision 6, against zc.lockfile itself (DVC's default repository lock)."""
+    import zc.lockfile
+
+    (tmp_path / ".dvc").mkdir()
+    dvc_lock = tmp_path / ".dvc" / "tmp" / "lock"
+    holder = _holder(tmp_path)
+    try:
+        with pytest.raises(zc.lockfile.LockError):  # what makes DVC say "Unable to acquire lock"
+            zc.lockfile.LockFile(str(dvc_lock))
+        assert dvc_lock.read_text().split() == [str(holder.pid)]  # zc.lockfile's content
+    finally:
+        _stop(holder)
+    # a DVC command busy in the tree: a run is refused at once, naming it; `probe` says the same
+    dvc = zc.lockfile.LockFile(str(dvc_lock))
+    try:
+        out = _try(tmp_path)
+        assert out.startswith("locked:") and "a DVC command is using this working tree" in out, out
+        assert f"pid {os.getpid()}" in out
+        assert "DVC command" in str(probe(tmp_path))
+    finally:
+        dvc.close()
+    assert probe(tmp_path) is None and _try(tmp_path) == "acquired"
+    # without .dvc/ there is no DVC lock to take
+    plain = tmp_path / "plain"
+    plain.mkdir()
+    with run_lock(plain):
+        assert not (plain / ".dvc").exists()

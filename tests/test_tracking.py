@@ -121,7 +121,7 @@ def test_comparison_table_layout():
         {"run": "fedcba9876543210", "stage": "train", "variant": "default", "status": "RUNNING", "minutes": None},
     ]  # fmt: skip
     assert tracking.comparison_table(rows, ["loss/policy"]).splitlines() == [
-        "run       stage  variant  status    min  loss/policy",
+        "run       name   variant  status    min  loss/policy",
         "--------  -----  -------  --------  ---  -----------",
         "01234567  train  grpo     FINISHED  2.5  0.123",
         "fedcba98  train  default  RUNNING   -    -",
@@ -137,7 +137,7 @@ def test_differing_params_compare_runs_of_the_same_stage():
     assert tracking.differing_params(rows) == ["method", "train.replay.enabled"]
     assert tracking.differing_params(rows[:1]) == []
     table = tracking.comparison_table(rows[:2], [], ["method"]).splitlines()
-    assert table[0].split() == ["run", "stage", "variant", "status", "min", "method"]
+    assert table[0].split() == ["run", "name", "variant", "status", "min", "method"]
     assert table[2].split()[-1] == "arpo" and table[3].split()[-1] == "grpo"
 
 

@@ -3,6 +3,7 @@ overlay position, filters, no network, hostile model text kept inert, a non-blan
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import shutil
@@ -287,3 +288,28 @@ def test_stage_viewer_pages_are_replaced_on_rerun(tmp_path, monkeypatch):
     data = json.loads(pages[0].read_text().split('id="data">')[1].split("</script>")[0])
     assert data["episodes"][0]["policy"] == "arpo"
     assert data["episodes"][0]["source"] == "data/eval/arpo.parquet"
+
+
+def test_arpo_view_default_title_names_what_the_page_shows(tmp_path):
+    """viewer decision 8 (issue 32 item 3): training episodes shown from a training folder and an
+    evaluation folder are titled as training episodes of that folder, not 'trajectories, eval'."""
+    from typer.testing import CliRunner
+
+    from arpo_core.trajectory import write_trajectories
+    from flows.cli import app
+
+    train, ev = tmp_path / "trajectories", tmp_path / "eval"
+    train.mkdir()
+    ev.mkdir()
+    write_trajectories(train / "epoch-0001.parquet", make_trajs()[:2])
+    write_trajectories(
+        ev / "base.parquet", [dataclasses.replace(t, stage="evaluate") for t in make_trajs()[2:3]]
+    )
+    out = tmp_path / "v.html"
+    res = CliRunner().invoke(app, ["view", str(train), str(ev), "--out", str(out), "--limit", "2"])
+    assert res.exit_code == 0, res.output
+    title = out.read_text().split("<title>")[1].split("</title>")[0]
+    assert title == f"2 train episodes ({train})", title
+    res = CliRunner().invoke(app, ["view", str(train), str(ev), "--out", str(out)])
+    title = out.read_text().split("<title>")[1].split("</title>")[0]
+    assert title == f"2 train episodes ({train}), 1 evaluate episode ({ev})", title

@@ -23,10 +23,19 @@ Design decisions:
    so xdotool can activate and close windows) + xterm. Ctrl+Alt+T opens a terminal titled "Terminal"
    (what OSWorld tasks press and then `activate_window` by name); `gnome-terminal` and `x-terminal-
    emulator` on the desktop's PATH start the same xterm.
-4. Everything the desktop runs lives in ONE process group: `LocalDesktop` starts the server with
-   `start_new_session=True`, and Xvfb, openbox and every executed or launched command inherit the group.
-   `LocalDesktop.stop()` signals the group (TERM, then KILL), and the server kills its own group when its
-   parent dies (a watchdog polls the parent pid), so nothing outlives the env that owns the desktop.
+4. Every process the desktop runs dies with it, also one that left the desktop's process group or
+   session (`setsid`, a double-forking daemon; issue 34 item 7). Three nets, because each alone has a
+   hole: (a) `LocalDesktop` starts the server with `start_new_session=True`, and Xvfb, openbox and every
+   executed or launched command inherit that group, which `stop()` signals (TERM, then KILL); (b) the
+   server is a child subreaper (`PR_SET_CHILD_SUBREAPER`), so a process that detaches is re-parented to
+   the server instead of init and stays in its process tree, which the server kills whole on SIGTERM and
+   when its owner dies (a watchdog polls the parent pid); it reaps the zombies of such adopted processes
+   (never those of its own subprocesses, whose exit codes it reports); (c) every process of the desktop
+   carries the environment marker `ARPO_DESKTOP_SESSION=<random id>`, and `stop()` kills every live
+   process holding it after the server is gone (what (b) cannot reach once the server itself was
+   SIGKILLed). A process that both detaches and clears its environment (`env -i setsid ...`) escapes (c)
+   but not (b) while the server lives. cgroups would be tighter still, but an unprivileged user in a
+   container usually cannot create one, so they are not relied on.
 5. A reset is a fresh desktop: new display, new home directory (with Desktop/ Documents/ Downloads/),
    no process of the previous episode left. Starting one costs well under a second (Xvfb + openbox), less
    than reverting a VM snapshot and far more certain than cleaning up an old session.
@@ -47,6 +56,14 @@ Design decisions:
    LIST_MAX_ENTRIES entries or LIST_MAX_S seconds (400 naming the bound); a body over MAX_BODY_BYTES is
    refused with 413 unread; malformed JSON, a missing field or a bad value is a 400, never a 500. (The
    command endpoints still run whatever they are sent: the token is the boundary, as in OSWorld's VM.)
+9. Connections are bounded in time and number (issue 34 item 7). The server is `http.server`, so its
+   own knobs are used: the handler's socket timeout; on top, a whole request (line, headers, body) must
+   arrive within `request_timeout_s` (a client trickling one byte at a time never resets it, unlike a
+   per-read timeout), a connection that sends nothing for `idle_timeout_s` is closed, and a response
+   must be taken within `request_timeout_s` (HTTP/1.0 as before: one request per connection). Requests are served by at most `max_workers` threads
+   (a pool instead of `ThreadingHTTPServer`'s thread per connection): while all are busy the server
+   stops accepting, so further clients wait in the listen backlog instead of each holding a thread.
+   Before, 30 idle connections without a token held 30 threads for as long as they stayed open.
 """
 
 from __future__ import annotations
@@ -71,13 +88,20 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from http import HTTPStatus
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler, HTTPServer
 from pathlib import Path
 from typing import Any
 
 TOKEN_ENV = "ARPO_DESKTOP_TOKEN"
+MARKER_ENV = "ARPO_DESKTOP_SESSION"
+"""Decision 4 (c): the environment marker every process of one desktop carries."""
+IDLE_TIMEOUT_S = 30.0
+REQUEST_TIMEOUT_S = 120.0
+MAX_WORKERS = 16
+"""Decision 9: idle keep-alive timeout, the time a whole request (or a response) may take, threads."""
 OSWORLD_HOME = "/home/user"
 """The home directory of OSWorld's VM user; paths under it are mapped into the session home."""
 TERMINAL_TITLE = "Terminal"
@@ -187,6 +211,80 @@ def split_token_path(path: str) -> tuple[str | None, str]:
     return None, path
 
 
+def _stat(pid: int | str) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name ([state, ppid, pgrp, ...]); None when gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()
+    except (OSError, IndexError):
+        return None
+
+
+def marked_pids(marker: str) -> list[int]:
+    """Decision 4 (c): live processes (of this user) whose environment holds MARKER_ENV=marker."""
+    needle = f"{MARKER_ENV}={marker}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/environ", "rb") as f:
+                env = f.read()
+        except OSError:  # gone, or another user's
+            continue
+        stat = _stat(entry)
+        if needle in env.split(b"\0") and stat is not None and stat[0] != "Z":
+            out.append(int(entry))
+    return out
+
+
+def descendants(root: int) -> list[int]:
+    """Decision 4 (b): live processes below `root` in the process tree (children, theirs, ...)."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            stat = _stat(entry)
+            if stat is not None and stat[0] != "Z":
+                children.setdefault(int(stat[1]), []).append(int(entry))
+    out, todo = [], list(children.get(root, ()))
+    while todo:
+        pid = todo.pop()
+        out.append(pid)
+        todo.extend(children.get(pid, ()))
+    return out
+
+
+def kill_desktop_processes(marker: str, root: int | None = None, rounds: int = 20) -> int:
+    """SIGKILL every process of the desktop: those carrying its marker and, with `root`, every
+    descendant of `root` (decision 4); again until none is left (a process may fork while it is being
+    killed). Never this process. Returns how many were signalled."""
+    me, killed = os.getpid(), 0
+    for _ in range(rounds):
+        pids = set(marked_pids(marker)) if marker else set()
+        if root is not None:
+            pids |= set(descendants(root))
+        pids.discard(me)
+        if not pids:
+            break
+        for pid in pids:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
+                killed += 1
+        time.sleep(0.05)
+    return killed
+
+
+def become_subreaper() -> bool:
+    """Decision 4 (b): PR_SET_CHILD_SUBREAPER for this process (Linux); False where unavailable."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        return libc.prctl(36, 1, 0, 0, 0) == 0  # PR_SET_CHILD_SUBREAPER = 36
+    except (OSError, AttributeError):
+        return False
+
+
 MAX_BODY_BYTES = 512 << 20
 """Largest request body accepted (an upload of a task file); more is refused with 413 before reading."""
 LIST_MAX_DEPTH = 16
@@ -286,6 +384,32 @@ class Session:
         self._xlock = threading.Lock()
         self._xdisplay: Any = None
         self.procs: list[subprocess.Popen] = []
+        self._own: set[int] = set()
+        """Pids of the subprocesses this server started itself (decision 4 (b): never reaped by
+        `reap_adopted`, their Popen waits for them)."""
+        self._own_lock = threading.Lock()
+
+    def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
+        """subprocess.Popen, its pid registered as the server's own before the reaper can look."""
+        with self._own_lock:
+            proc = subprocess.Popen(*args, **kwargs)
+            self._own.add(proc.pid)
+        return proc
+
+    def reap_adopted(self) -> int:
+        """Decision 4 (b): wait for the zombies of processes re-parented to this subreaper (not its own
+        subprocesses); returns how many."""
+        me, n = os.getpid(), 0
+        with self._own_lock:
+            self._own = {pid for pid in self._own if _stat(pid) is not None}
+            for entry in os.listdir("/proc"):
+                if entry.isdigit() and int(entry) not in self._own:
+                    stat = _stat(entry)
+                    if stat is not None and stat[0] == "Z" and int(stat[1]) == me:
+                        with contextlib.suppress(ChildProcessError):
+                            os.waitpid(int(entry), os.WNOHANG)
+                            n += 1
+        return n
 
     def prepare(self) -> None:
         for d in ("Desktop", "Documents", "Downloads"):
@@ -322,7 +446,7 @@ class Session:
 
     def start_x(self, timeout_s: float = 10.0) -> None:
         r, w = os.pipe()
-        xvfb = subprocess.Popen(
+        xvfb = self.popen(
             [
                 "Xvfb",
                 "-displayfd",
@@ -354,7 +478,7 @@ class Session:
         from Xlib import display as xdisplay
 
         self._xdisplay = xdisplay.Display(self.display)
-        wm = subprocess.Popen(
+        wm = self.popen(
             ["openbox", "--config-file", str(self.runtime / "openbox-rc.xml")],
             env={**self.env(), "XDG_CACHE_HOME": str(self.runtime / "cache")},  # keep home clean
             cwd=self.home,
@@ -393,36 +517,41 @@ class Session:
             command = " ".join(command)
         if not shell and isinstance(command, str):
             command = shlex.split(command)
+        timeout = timeout_s or self.command_timeout_s
         try:
-            p = subprocess.run(
+            p = self.popen(
                 command,
                 shell=shell,
                 env=self.env(),
                 cwd=cwd or self.home,
                 stdin=subprocess.DEVNULL,
-                capture_output=True,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
                 text=True,
                 errors="replace",
-                timeout=timeout_s or self.command_timeout_s,
                 executable="/bin/bash" if shell else None,
             )
-        except subprocess.TimeoutExpired as e:
+        except OSError as e:
+            return {"status": "error", "output": "", "error": str(e), "returncode": -1}
+        try:
+            out, err = p.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            p.kill()  # as subprocess.run does; what it started stays in the tree (decision 4)
+            p.communicate()
             return {
                 "status": "error",
                 "output": "",
-                "error": f"timed out after {e.timeout} s",
+                "error": f"timed out after {timeout} s",
                 "returncode": -1,
             }
-        except OSError as e:
-            return {"status": "error", "output": "", "error": str(e), "returncode": -1}
-        return {"status": "success", "output": p.stdout, "error": p.stderr, "returncode": p.returncode}
+        return {"status": "success", "output": out, "error": err, "returncode": p.returncode}
 
     def launch(self, command: Any, shell: bool) -> None:
         if not shell and isinstance(command, str):
             command = shlex.split(command)
         if shell and isinstance(command, list):
             command = " ".join(command)
-        subprocess.Popen(
+        self.popen(
             command,
             shell=shell,
             env=self.env(),
@@ -450,13 +579,78 @@ class Session:
 # ---------------------------------------------------------------------------------------------------------
 
 
+class _DeadlineReader(io.RawIOBase):
+    """Decision 9: the connection's reads, each bounded by the idle timeout and all of a request's by its
+    deadline (`handler.deadline`), so a client trickling bytes cannot hold a thread."""
+
+    def __init__(self, handler: _Handler):
+        self.handler = handler
+
+    def readable(self) -> bool:
+        return True
+
+    def readinto(self, buf: Any) -> int:
+        h = self.handler
+        left = h.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"request not received within {h.request_timeout_s:g} s")
+        h.connection.settimeout(min(h.idle_timeout_s, left))
+        return h.connection.recv_into(buf)
+
+
+class _BoundedHTTPServer(HTTPServer):
+    """Decision 9: at most `max_workers` connection threads; when all are busy the accept loop waits,
+    so new clients queue in the listen backlog instead of each getting a thread."""
+
+    request_queue_size = 64
+
+    def __init__(self, address: tuple[str, int], handler: type, max_workers: int):
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(max_workers)
+        self._pool = ThreadPoolExecutor(max_workers, thread_name_prefix="desktop-http")
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._slots.acquire()
+        try:
+            self._pool.submit(self._serve_one, request, client_address)
+        except BaseException:
+            self._slots.release()
+            raise
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # a timed-out or broken connection: nothing to report, the client is gone
+            pass
+        finally:
+            self.shutdown_request(request)
+            self._slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        pass  # never a traceback on stderr: it is a pipe nobody reads while the desktop runs
+
+
 class _Handler(BaseHTTPRequestHandler):
     server_version = "arpo-desktop/1"
     session: Session
     token: str
+    idle_timeout_s: float = IDLE_TIMEOUT_S
+    request_timeout_s: float = REQUEST_TIMEOUT_S
+    deadline: float = 0.0
 
     def log_message(self, format: str, *args: Any) -> None:  # quiet: the env records what matters
         pass
+
+    def setup(self) -> None:
+        super().setup()
+        self.rfile = io.BufferedReader(_DeadlineReader(self))  # decision 9
+
+    def handle_one_request(self) -> None:
+        self.deadline = time.monotonic() + self.request_timeout_s
+        try:
+            super().handle_one_request()
+        except TimeoutError:  # while reading the headers (the request line's timeout is handled above)
+            self.close_connection = True
 
     # ------------------------------------------------------------------ plumbing
     def _reply(self, code: int, body: bytes | str | dict | list, ctype: str | None = None) -> None:
@@ -464,6 +658,7 @@ class _Handler(BaseHTTPRequestHandler):
             body, ctype = json.dumps(body).encode(), "application/json"
         elif isinstance(body, str):
             body, ctype = body.encode(), ctype or "text/plain; charset=utf-8"
+        self.connection.settimeout(self.request_timeout_s)  # sendall: the whole reply (decision 9)
         self.send_response(code)
         self.send_header("Content-Type", ctype or "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
@@ -482,7 +677,13 @@ class _Handler(BaseHTTPRequestHandler):
         if n > MAX_BODY_BYTES:
             self.close_connection = True  # the body is not read: the connection cannot be reused
             raise HTTPError(HTTPStatus.REQUEST_ENTITY_TOO_LARGE, f"body of {n} bytes > {MAX_BODY_BYTES}")
-        return self.rfile.read(n) if n else b""
+        try:
+            return self.rfile.read(n) if n else b""
+        except TimeoutError:
+            self.close_connection = True  # the rest of the body may still come: never reuse it
+            raise HTTPError(
+                HTTPStatus.REQUEST_TIMEOUT, f"body not received within {self.request_timeout_s:g} s"
+            ) from None
 
     def _json(self, raw: bytes) -> dict:
         try:
@@ -666,17 +867,38 @@ class _Handler(BaseHTTPRequestHandler):
         self._reply(200, {"directory_tree": tree})
 
 
+def _end_desktop(code: int) -> None:
+    """Decision 4: kill everything of the desktop (tree, marker, group), then exit."""
+    kill_desktop_processes(os.environ.get(MARKER_ENV, ""), os.getpid())
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(os.getpgid(0), signal.SIGKILL)  # this process too, if it leads the group
+    os._exit(code)
+
+
 def _watch_parent(parent_pid: int, runtime_dir: str) -> None:
-    """Once the owner is gone: remove the session's files (home, logs), then kill the whole group."""
+    """Once the owner is gone: remove the session's files (home, logs), then kill the whole desktop."""
     while os.getppid() == parent_pid:
         time.sleep(_WATCHDOG_PERIOD_S)
     shutil.rmtree(runtime_dir, ignore_errors=True)
-    with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(os.getpgid(0), signal.SIGKILL)
-    os._exit(1)
+    _end_desktop(1)
 
 
-def serve(runtime_dir: str, width: int, height: int, parent_pid: int, command_timeout_s: float) -> None:
+def _reap_loop(session: Session) -> None:
+    while True:
+        session.reap_adopted()
+        time.sleep(1.0)
+
+
+def serve(
+    runtime_dir: str,
+    width: int,
+    height: int,
+    parent_pid: int,
+    command_timeout_s: float,
+    idle_timeout_s: float = IDLE_TIMEOUT_S,
+    request_timeout_s: float = REQUEST_TIMEOUT_S,
+    max_workers: int = MAX_WORKERS,
+) -> None:
     """Start the desktop and serve it on 127.0.0.1 (port chosen by the OS) until killed.
 
     Prints one line `READY <port> <display>` on stdout once the desktop is up.
@@ -684,14 +906,21 @@ def serve(runtime_dir: str, width: int, height: int, parent_pid: int, command_ti
     token = os.environ.get(TOKEN_ENV, "")
     if len(token) < 16:
         raise SystemExit(f"{TOKEN_ENV} must hold a token of at least 16 characters")
+    become_subreaper()  # decision 4 (b), before anything is started
+    signal.signal(signal.SIGTERM, lambda *_: _end_desktop(0))
     if parent_pid > 0:
         threading.Thread(target=_watch_parent, args=(parent_pid, runtime_dir), daemon=True).start()
     session = Session(runtime_dir, width, height, command_timeout_s)
+    threading.Thread(target=_reap_loop, args=(session,), daemon=True).start()
     session.prepare()
     session.start_x()
-    handler = type("Handler", (_Handler,), {"session": session, "token": token})
-    httpd = ThreadingHTTPServer(("127.0.0.1", 0), handler)
-    httpd.daemon_threads = True
+    attrs = {
+        "session": session,
+        "token": token,
+        "idle_timeout_s": idle_timeout_s,
+        "request_timeout_s": request_timeout_s,
+    }
+    httpd = _BoundedHTTPServer(("127.0.0.1", 0), type("Handler", (_Handler,), attrs), max_workers)
     print(f"READY {httpd.server_address[1]} {session.display}", flush=True)
     httpd.serve_forever()
 
@@ -719,22 +948,29 @@ class LocalDesktop:
         screen_size: tuple[int, int] = (1920, 1080),
         command_timeout_s: float = 60.0,
         python_executable: str | None = None,
+        idle_timeout_s: float = IDLE_TIMEOUT_S,
+        request_timeout_s: float = REQUEST_TIMEOUT_S,
+        max_workers: int = MAX_WORKERS,
     ):
         """python_executable: interpreter of the server, and so of `python` on the desktop (it needs
-        pyautogui, python-xlib and Pillow); default: this one."""
+        pyautogui, python-xlib and Pillow); default: this one. The timeouts and `max_workers`: decision 9."""
         self.screen_size = screen_size
         self.python_executable = python_executable or sys.executable
         self.command_timeout_s = command_timeout_s
+        self.idle_timeout_s, self.request_timeout_s = idle_timeout_s, request_timeout_s
+        self.max_workers = max_workers
         self.proc: subprocess.Popen | None = None
         self.info: DesktopInfo | None = None
         self._runtime: str | None = None
+        self._marker = ""
 
     def start(self, timeout_s: float = 20.0) -> DesktopInfo:
         """Start a fresh desktop (new display, new home); returns how to reach it."""
         self.stop()
         self._runtime = tempfile.mkdtemp(prefix="arpo-desktop-")
         token = secrets.token_urlsafe(24)
-        env = {**os.environ, TOKEN_ENV: token, "PYTHONUNBUFFERED": "1"}
+        self._marker = secrets.token_hex(12)  # decision 4 (c)
+        env = {**os.environ, TOKEN_ENV: token, MARKER_ENV: self._marker, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [
                 self.python_executable,
@@ -749,6 +985,12 @@ class LocalDesktop:
                 str(os.getpid()),
                 "--command-timeout-s",
                 str(self.command_timeout_s),
+                "--idle-timeout-s",
+                str(self.idle_timeout_s),
+                "--request-timeout-s",
+                str(self.request_timeout_s),
+                "--max-workers",
+                str(self.max_workers),
             ],
             env=env,
             stdin=subprocess.DEVNULL,
@@ -775,7 +1017,9 @@ class LocalDesktop:
         return self.proc is not None and self.proc.poll() is None
 
     def stop(self) -> None:
-        """Kill the desktop's whole process group (TERM, then KILL) and remove its files; idempotent."""
+        """Kill every process of the desktop and remove its files; idempotent. The group gets TERM (the
+        server then kills its whole tree), then KILL; then whatever still carries the desktop's marker
+        is killed (decision 4)."""
         if self.proc is not None:
             pgid = self.proc.pid
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -790,6 +1034,9 @@ class LocalDesktop:
                 if stream is not None:
                     stream.close()
             self.proc = None
+        if self._marker:
+            kill_desktop_processes(self._marker)  # decision 4 (c): what left the group and the tree
+            self._marker = ""
         self.info = None
         if self._runtime is not None:
             shutil.rmtree(self._runtime, ignore_errors=True)
@@ -819,8 +1066,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--height", type=int, default=1080)
     ap.add_argument("--parent-pid", type=int, default=0, help="kill the desktop when this process dies")
     ap.add_argument("--command-timeout-s", type=float, default=60.0)
+    ap.add_argument("--idle-timeout-s", type=float, default=IDLE_TIMEOUT_S)
+    ap.add_argument("--request-timeout-s", type=float, default=REQUEST_TIMEOUT_S)
+    ap.add_argument("--max-workers", type=int, default=MAX_WORKERS)
     a = ap.parse_args(argv)
-    serve(a.runtime_dir, a.width, a.height, a.parent_pid, a.command_timeout_s)
+    serve(
+        a.runtime_dir,
+        a.width,
+        a.height,
+        a.parent_pid,
+        a.command_timeout_s,
+        a.idle_timeout_s,
+        a.request_timeout_s,
+        a.max_workers,
+    )
 
 
 if __name__ == "__main__":

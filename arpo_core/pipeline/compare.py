@@ -47,11 +47,19 @@ from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.evaluate import split_map, summarize
 from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
-from arpo_core.pipeline.common import TRAIN_SPLIT, evaluation_tasks, training_tasks
+from arpo_core.pipeline.common import TRAIN_SPLIT, evaluation_tasks, method_name, training_tasks
 from arpo_core.pipeline.offline import SKIPPED
 from arpo_core.trajectory import Trajectory, read_trajectories
 
-__all__ = ["ORDER", "collect_evaluations", "first_click_targets", "run", "trained_task_keys"]
+__all__ = [
+    "ORDER",
+    "collect_evaluations",
+    "first_click_targets",
+    "headline",
+    "run",
+    "tracked_params",
+    "trained_task_keys",
+]
 
 ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo", "grpo_blind", "arpo_blind")
 SPLIT_ORDER = ("train", "in_domain", "heldout", "out_of_domain")
@@ -67,6 +75,23 @@ def split_order(splits: Sequence[str]) -> list[str]:
     """Decision 7: the splits present, SPLIT_ORDER first."""
     present = set(splits)
     return [s for s in SPLIT_ORDER if s in present] + sorted(present - set(SPLIT_ORDER))
+
+
+def tracked_params(p: Params) -> dict[str, str]:
+    """The trained arm whose paired delta is the headline (`arpo` / `grpo`), a param of the run."""
+    return {"method": method_name(p)}
+
+
+def headline(p: Params, metrics: dict[str, float]) -> dict[str, float]:
+    """The metric a user compares first (flows/runner.py decision 11): the trained arm's paired delta
+    against the reference on the first split (the training instances of a pinned suite, else in-domain),
+    as `_delta_vs_<reference>` (`_delta_vs_base`)."""
+    ref = p.compare.reference
+    for split in ("train", "in_domain"):
+        key = f"compare/{method_name(p)}/{split}/delta_vs_{ref}"
+        if key in metrics:
+            return {f"_delta_vs_{ref}": metrics[key]}
+    return {}
 
 
 def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, list[Trajectory]]:

@@ -42,7 +42,16 @@ from arpo_core.pipeline.common import (
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["MODEL_INPUTS", "evaluate_loaded", "evaluate_policies", "run", "tracked_params", "trajectory_file"]
+__all__ = [
+    "HEADLINE_KEYS",
+    "MODEL_INPUTS",
+    "evaluate_loaded",
+    "evaluate_policies",
+    "headline",
+    "run",
+    "tracked_params",
+    "trajectory_file",
+]
 
 MODEL_INPUTS = {"base": "base_dir", "trained": "trained_dir"}
 """Metric role -> the `run` argument holding that policy (the tracking layer links `eval/<role>/...` to
@@ -52,6 +61,18 @@ the model the stage producing that input logged)."""
 def tracked_params(p: Params) -> dict[str, str]:
     """Decision 2: the method of the trained policy, logged as a param of the stage's run."""
     return {"method": method_name(p)}
+
+
+HEADLINE_KEYS = ("eval/trained/greedy/train/success_rate", "eval/trained/greedy/in_domain/success_rate")
+"""The headline's candidates in order: the training instances of a pinned suite (decision 4), else
+in-domain."""
+
+
+def headline(p: Params, metrics: Mapping[str, float]) -> dict[str, float]:
+    """The metric a user compares first (flows/runner.py decision 11): the trained policy's greedy
+    success on the first split (`HEADLINE_KEYS`), as `_success_rate`."""
+    key = next((k for k in HEADLINE_KEYS if k in metrics), None)
+    return {"_success_rate": metrics[key]} if key else {}
 
 
 def trajectory_file(out_dir: str | os.PathLike, name: str, mode: str = "greedy") -> Path:

@@ -45,7 +45,7 @@ from arpo_core.pipeline.common import (
 )
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 
-__all__ = ["artifacts", "epoch_history", "run", "tracked_params", "training_tasks"]
+__all__ = ["artifacts", "epoch_history", "headline", "run", "tracked_params", "training_tasks"]
 
 
 def _evaluator(
@@ -169,6 +169,13 @@ def run(
 def tracked_params(p: Params) -> dict[str, str]:
     """The trained method (`arpo` with replay, `grpo` without), a param of the stage's run."""
     return {"method": method_name(p)}
+
+
+def headline(p: Params, metrics: dict[str, float]) -> dict[str, float]:
+    """The metric a user compares first (flows/runner.py decision 11): the last epoch's rollout success,
+    as `_rollout_success_rate` (not `_success_rate`: sampled training rollouts, not an evaluation)."""
+    key = "rollout/success_rate"
+    return {"_rollout_success_rate": metrics[key]} if key in metrics else {}
 
 
 def epoch_history(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
