@@ -13,15 +13,22 @@ Decisions:
    without an errno (torch's serializer, pyarrow) while the device is (nearly) full is reported as a
    full disk too. `check_space` fails before anything is written when the known need exceeds the free
    space, so the previous output is never touched by a write that cannot finish.
+5. Integrity checks are cheap and by file kind (`file_problem`): a safetensors file's size against the
+   data offsets in its own header, a torch file's zip central directory (at its end, so a truncated file
+   has none), a JSON file parses, a Parquet file's footer reads. They catch a truncated or half-written
+   file without loading it; `sha256_file` is for manifests that must catch any change of content.
 """
 
 from __future__ import annotations
 
 import errno
+import hashlib
 import json
 import os
 import shutil
+import struct
 import tempfile
+import zipfile
 from collections.abc import Iterator
 from contextlib import contextmanager, suppress
 from pathlib import Path
@@ -33,7 +40,9 @@ __all__ = [
     "atomic_write_json",
     "atomic_write_text",
     "check_space",
+    "file_problem",
     "free_bytes",
+    "sha256_file",
     "tree_size",
     "write_error",
 ]
@@ -167,3 +176,62 @@ def atomic_write_json(
     path: str | os.PathLike, data: Any, indent: int | None = 2, sort_keys: bool = False
 ) -> Path:
     return atomic_write_text(path, json.dumps(data, indent=indent, sort_keys=sort_keys) + "\n")
+
+
+# ------------------------------------------------------------------------------------------------
+# Integrity (decision 5)
+
+
+def sha256_file(path: str | os.PathLike, fsync: bool = False) -> str:
+    """sha256 of a file's content, read in 1 MB blocks; with `fsync`, the file is also flushed to disk
+    (a checkpoint's manifest is written only once the files it describes are durable)."""
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+        if fsync:
+            os.fsync(f.fileno())
+    return h.hexdigest()
+
+
+def _safetensors_problem(path: Path, size: int) -> str | None:
+    with path.open("rb") as f:
+        head = f.read(8)
+        if len(head) < 8:
+            return f"{path} is truncated ({size} bytes, not even a safetensors header)"
+        (n,) = struct.unpack("<Q", head)
+        if 8 + n > size:
+            return f"{path} is truncated ({size} bytes; its header alone is {8 + n})"
+        try:
+            header = json.loads(f.read(n))
+        except ValueError as e:
+            return f"{path} has an unreadable safetensors header ({e})"
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    want = 8 + n + max(ends, default=0)
+    if size != want:
+        return f"{path} is truncated or padded ({size} bytes; its header describes {want})"
+    return None
+
+
+def file_problem(path: str | os.PathLike) -> str | None:
+    """Decision 5: what is structurally wrong with the file at `path` (naming it), or None. Kinds checked:
+    `.safetensors`, `.pt` (torch's zip format), `.json`, `.parquet`; other files only need to exist."""
+    path = Path(path)
+    if not path.is_file():
+        return f"{path} is missing"
+    size = path.stat().st_size
+    suffix = path.suffix
+    try:
+        if suffix == ".safetensors":
+            return _safetensors_problem(path, size)
+        if suffix == ".pt" and not zipfile.is_zipfile(path):
+            return f"{path} is truncated or not a torch file ({size} bytes, no zip directory at its end)"
+        if suffix == ".json":
+            json.loads(path.read_bytes())
+        if suffix == ".parquet":
+            import pyarrow.parquet as pq
+
+            pq.read_metadata(path)
+    except (ValueError, OSError, KeyError, TypeError) as e:  # pyarrow's ArrowInvalid is a ValueError
+        return f"{path} is unreadable ({type(e).__name__}: {e})"
+    return None

@@ -17,6 +17,9 @@ Decisions:
    per task `eval/task/...`) go into that epoch's history row, so they are checkpointed, survive a
    resume and reach MLflow at step = epoch; the episodes go to `out_dir/eval/epoch-NNNN.parquet` for
    paired comparisons (same instances at every evaluation and in every arm of a study).
+5. The run says where it starts: "resuming from epoch N (checkpoint)" or "starting at epoch 1 (why)";
+   the trainer has already warned, naming the file, about any damaged checkpoint or pointer it skipped
+   (trainer decision 13), so a restart from scratch is never silent.
 """
 
 from __future__ import annotations
@@ -112,13 +115,16 @@ def run(
     from arpo_core.trainer import latest_checkpoint, train
 
     setup_torch(p)
-    ckpt = latest_checkpoint(out_dir) if resume else None
+    ckpt = latest_checkpoint(out_dir) if resume else None  # verified; a damaged one is named (trainer 13)
     if ckpt is not None:
         done = json.loads((ckpt / "state.json").read_text())["epoch"]
         print(
             f"[train] resuming from epoch {done} ({ckpt}); epochs {done + 1}..{p.train.epochs} to go",
             flush=True,
         )
+    else:  # decision 5: a start from scratch is always said
+        why = "resume off" if not resume else f"no usable checkpoint in {Path(out_dir) / 'checkpoints'}"
+        print(f"[train] starting at epoch 1 of {p.train.epochs} ({why})", flush=True)
     policy_dir = resolve_policy(policy_dir)
     tasks = training_tasks(p, selected_path)
     t = p.train
