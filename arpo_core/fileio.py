@@ -34,6 +34,8 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
+from arpo_core.errors import NotRetryable
+
 __all__ = [
     "OutputError",
     "atomic_open",
@@ -53,9 +55,9 @@ NEARLY_FULL_BYTES = 16 << 20
 """Free space under which a writer's errno-less failure (torch, pyarrow) is taken for a full disk."""
 
 
-class OutputError(OSError):
+class OutputError(NotRetryable, OSError):
     """Decision 4: an output could not be written (disk full, read-only, no permission); the message
-    says what, where and how much space."""
+    says what, where and how much space. Not retried (errors.py decision 1): a retry meets the same disk."""
 
 
 def _mb(n: int) -> str:

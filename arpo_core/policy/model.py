@@ -67,6 +67,8 @@ from transformers import (
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from arpo_core.errors import InputError
+from arpo_core.fileio import file_problem
 from arpo_core.policy.prompt import SYSTEM_PROMPTS
 
 __all__ = [
@@ -285,6 +287,10 @@ def load_policy(
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no Qwen2.5-VL checkpoint at {path} (config.json missing)")
+    for f in sorted(path.glob("*.safetensors")):  # a truncated copy: one line naming it, and no retry
+        problem = file_problem(f)
+        if problem is not None:
+            raise InputError(f"cannot load the policy at {path}: {problem}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     # Passed as min/max_pixels, which Qwen2VLImageProcessorPil applies after the stored `size` (or the
     # stock config's own min/max_pixels keys), so the override wins in both layouts.
