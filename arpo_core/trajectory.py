@@ -213,11 +213,13 @@ def trajectories_from_table(table: pa.Table, where: str = "table") -> list[Traje
 
 
 def write_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> Path:
-    """Write atomically: temp file in the target directory, fsync, rename. Returns the path."""
+    """Write atomically: temp file in the target directory, fsync, rename. Returns the path. On a full
+    disk the error says how much the table needs (its Arrow size: the PNG screenshots that dominate it
+    do not compress) and how much is free (fileio decision 4)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = trajectories_to_table(trajs)
-    with atomic_open(path) as f:
+    with atomic_open(path, needed=table.nbytes) as f:
         pq.write_table(table, f, compression="zstd")
     return path
 

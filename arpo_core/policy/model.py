@@ -68,7 +68,7 @@ from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPat
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
 from arpo_core.errors import InputError
-from arpo_core.fileio import file_problem
+from arpo_core.fileio import check_space, file_problem, write_error
 from arpo_core.policy.prompt import SYSTEM_PROMPTS
 
 __all__ = [
@@ -263,11 +263,23 @@ class Policy:
         return next(self.model.parameters()).device
 
     def save(self, out_dir: str | Path) -> Path:
-        """save_pretrained of model and processor (tokenizer + image processor) into one directory."""
+        """save_pretrained of model and processor (tokenizer + image processor) into one directory. The
+        weights' size is checked against the free space first, and a full disk or an unwritable
+        directory is one `OutputError` saying what, where and how much (fileio decision 4), not
+        safetensors' "Error while serializing"."""
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir)
-        self.processor.save_pretrained(out_dir)
+        tensors = [*self.model.parameters(), *self.model.buffers()]  # parameters(): tied weights once
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        check_space(out_dir, needed, "policy")
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out_dir)
+            self.processor.save_pretrained(out_dir)
+        except Exception as e:
+            err = write_error(e, "policy", out_dir, needed=needed or None)
+            if err is None:
+                raise
+            raise err from e
         return out_dir
 
 
