@@ -29,6 +29,7 @@ Decisions:
    the metric history. A run killed at any point resumes from the last complete epoch; the partial
    epoch is re-run from its start with the same seeds, so the replay buffer and epoch count equal an
    uninterrupted run's.
+   Every checkpoint is verified when written and when loaded (decision 13).
 6. `policy_version` counts optimizer updates (iterations); stored on each trajectory so replay
    staleness can be measured.
 7. Evaluation and metric logging are callbacks (`on_iteration`, `on_epoch`): the library does not know
@@ -70,11 +71,28 @@ Decisions:
     log-probs are compared with the generator's (`logprob/gen_vs_train_max_abs`: the largest |difference|
     of one reply's sum; `..._per_token`: that difference over the reply's tokens, max and mean). With
     the HF backend the generator is the trained model itself: nothing to sync or compare.
-13. Buffer preload (`train.replay.preload`, off by default as in the reference): the caller passes the
+13. Checkpoint integrity (issue 34). A checkpoint's last file is its manifest (`checkpoint.json`: size
+    and sha256 of every other file, computed from the bytes on disk after each is fsynced); before the
+    directory is renamed into place it is checked (`checkpoint_problem` without hashes: the manifest
+    reads back and matches the tree, and every file passes its format check, fileio decision 5, which
+    is what catches a writer that stopped short without an error). Loading checks sizes and hashes
+    against the manifest. `latest_checkpoint` returns the newest checkpoint that passes: the one the
+    `latest` pointer names, else (pointer empty, garbage, naming a missing or damaged directory) the
+    newest `epoch-NNNN` that passes, with one warning line per problem naming the file and what is
+    wrong. A run whose checkpoints directory holds something but no usable checkpoint says so before
+    it starts from epoch 1. Checkpoints written before manifests existed still load: without a manifest
+    only the format checks apply (state.json and rng.pt, the policy's config.json and the replay
+    manifest present, every safetensors/torch/JSON/Parquet file whole), which catch truncation without
+    hashing. Rotation keeps the new checkpoint and the newest older one that passes, whatever their
+    names sort to; anything else goes (damaged ones, and newer ones left by an earlier run, which would
+    otherwise shadow this run's in a fallback). Hashing costs one read of the checkpoint per write and
+    per load (about 1 s per GB); results are cached per process by the manifest's identity, so the
+    stage's later calls do not hash again.
+14. Buffer preload (`train.replay.preload`, off by default as in the reference): the caller passes the
     baseline's rollouts; their successes of the trained tasks enter the buffer before epoch 1 by the
     buffer's own rules, so an all-failed group can be filled from the first iteration on. A resumed run
     takes the buffer from its checkpoint, which already holds them (or their successors).
-14. The image-blind control arm (`train.image_blind`): the policy (and the frozen reference) is marked
+15. The image-blind control arm (`train.image_blind`): the policy (and the frozen reference) is marked
     `image_blind`, so every forward of it - generation, old log-probs, the update - sees blank
     screenshots of the same size; the stored trajectories keep the real ones.
 """
@@ -82,6 +100,7 @@ Decisions:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import random
 import re
@@ -99,7 +118,15 @@ from arpo_core.advantages import group_advantages
 from arpo_core.config import PolicyConfig, TrainConfig
 from arpo_core.engines import make_engine
 from arpo_core.envs.base import TaskSpec
-from arpo_core.fileio import atomic_write_text, check_space, tree_size, write_error
+from arpo_core.fileio import (
+    atomic_write_json,
+    atomic_write_text,
+    check_space,
+    file_problem,
+    sha256_file,
+    tree_size,
+    write_error,
+)
 from arpo_core.policy.generate import Generator, HFGenerator
 from arpo_core.policy.model import Policy, load_policy
 from arpo_core.policy.sequences import reply_logprob_sums
@@ -112,6 +139,7 @@ from arpo_core.update import compute_logps, encode_trajectories, ppo_update, tra
 __all__ = [
     "PreparedBatch",
     "TrainState",
+    "checkpoint_problem",
     "epoch_summary",
     "latest_checkpoint",
     "logprob_gap",
@@ -134,13 +162,134 @@ class TrainState:
     """One dict per completed epoch (training metrics + whatever on_epoch returned)."""
 
 
-def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """The directory of the last complete epoch checkpoint, or None."""
-    pointer = Path(out_dir) / "checkpoints" / "latest"
-    if not pointer.exists():
+CHECKPOINT_MANIFEST = "checkpoint.json"
+"""Decision 13: the last file of every checkpoint, sizes and sha256 of the others."""
+_EPOCH_DIR = re.compile(r"epoch-(\d{4,})")
+_LEGACY_REQUIRED = ("state.json", "rng.pt", "policy/config.json", "replay/manifest.json")
+"""What every checkpoint this project has written holds (decision 5), checked where no manifest is."""
+_log = logging.getLogger("arpo.train")
+_verified: dict[str, tuple[int, int, int]] = {}
+"""Checkpoint dir -> identity (inode, size, mtime) of the manifest it passed with (decision 13 cache)."""
+_warned: set[str] = set()
+
+
+def _warn_once(msg: str) -> None:
+    """One warning line per problem and process: the stage asks for the latest checkpoint several times."""
+    if msg not in _warned:
+        _warned.add(msg)
+        _log.warning(msg)
+
+
+def _epoch_dirs(ckpts: Path) -> list[Path]:
+    """The `epoch-NNNN` checkpoint directories under `ckpts`, newest epoch first."""
+    if not ckpts.is_dir():
+        return []
+    dirs = [p for p in ckpts.iterdir() if _EPOCH_DIR.fullmatch(p.name) and p.is_dir()]
+    return sorted(dirs, key=lambda p: int(p.name[6:]), reverse=True)
+
+
+def _write_manifest(ckpt: Path) -> None:
+    """Decision 13: sizes and hashes of every file under `ckpt` (each fsynced first), written last."""
+    files = {}
+    for f in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != CHECKPOINT_MANIFEST):
+        files[f.relative_to(ckpt).as_posix()] = {
+            "size": f.stat().st_size,
+            "sha256": sha256_file(f, fsync=True),
+        }
+    atomic_write_json(ckpt / CHECKPOINT_MANIFEST, {"format": 1, "files": files}, indent=1, sort_keys=True)
+
+
+def _manifest_id(manifest: Path) -> tuple[int, int, int]:
+    st = manifest.stat()
+    return st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def checkpoint_problem(ckpt: str | os.PathLike, hashes: bool = True) -> str | None:
+    """Decision 13: what is wrong with the checkpoint directory `ckpt` (naming the file), or None when it
+    is complete. With a manifest: every listed file present with its size (and, with `hashes`, its
+    sha256); without one (an older checkpoint) or without `hashes`: the format checks."""
+    ckpt = Path(ckpt)
+    if not ckpt.is_dir():
+        return f"{ckpt} is missing"
+    manifest = ckpt / CHECKPOINT_MANIFEST
+    key = str(ckpt.resolve())
+    if manifest.exists():
+        if hashes and key in _verified and _verified[key] == _manifest_id(manifest):
+            return None
+        try:
+            files = json.loads(manifest.read_text())["files"]
+            entries = [(rel, int(v["size"]), str(v["sha256"])) for rel, v in files.items()]
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
+            return f"{manifest} is unreadable ({type(e).__name__}: {e})"
+        for rel, size, digest in sorted(entries):
+            f = ckpt / rel
+            if not f.is_file():
+                return f"{f} is missing (listed in {manifest.name})"
+            if f.stat().st_size != size:
+                return f"{f} has {f.stat().st_size} bytes, {manifest.name} says {size} (truncated or overwritten)"
+            if hashes and sha256_file(f) != digest:
+                return f"{f} does not match its sha256 in {manifest.name} (its content changed)"
+        required = ("state.json", "rng.pt")
+    else:
+        required = _LEGACY_REQUIRED
+    if hashes and manifest.exists():  # the bytes are those that passed the format checks when written
+        _verified[key] = _manifest_id(manifest)
         return None
-    path = pointer.parent / pointer.read_text().strip()
-    return path if (path / "state.json").exists() else None
+    for rel in required:
+        if not (ckpt / rel).is_file():
+            return f"{ckpt / rel} is missing"
+    for f in sorted(p for p in ckpt.rglob("*") if p.is_file()):
+        problem = file_problem(f)
+        if problem is not None:
+            return problem
+    try:
+        meta = json.loads((ckpt / "state.json").read_text())
+        int(meta["epoch"]), int(meta["policy_version"]), list(meta["history"])
+    except (KeyError, TypeError, ValueError) as e:
+        return f"{ckpt / 'state.json'} lacks the epoch, policy_version or history ({type(e).__name__}: {e})"
+    return None
+
+
+def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
+    """The newest complete, verified epoch checkpoint, or None (decision 13): the one `latest` names, else
+    the newest `epoch-NNNN` that passes `checkpoint_problem`; one warning line per problem found, naming
+    the file, what is wrong and which checkpoint is used instead."""
+    ckpts = Path(out_dir) / "checkpoints"
+    pointer = ckpts / "latest"
+    dirs = _epoch_dirs(ckpts)
+    problems: list[str] = []
+    named: Path | None = None
+    if pointer.is_file():
+        try:
+            text = pointer.read_text(errors="replace").strip()
+        except OSError as e:
+            text = f"<unreadable: {e}>"
+        if _EPOCH_DIR.fullmatch(text):
+            named = ckpts / text
+        else:
+            what = "is empty" if not text else f"does not name a checkpoint ({text[:40]!r})"
+            problems.append(f"checkpoint pointer {pointer} {what}")
+    elif dirs:
+        problems.append(f"checkpoint pointer {pointer} is missing")
+    found: Path | None = None
+    if named is not None:
+        problem = checkpoint_problem(named)
+        if problem is None:
+            found = named
+        else:
+            problems.append(f"checkpoint {named.name} (named by {pointer}) is unusable: {problem}")
+    for d in dirs if found is None else ():
+        if d == named:
+            continue
+        problem = checkpoint_problem(d)
+        if problem is None:
+            found = d
+            break
+        problems.append(f"checkpoint {d.name} is unusable: {problem}")
+    outcome = f"using {found} instead" if found is not None else "no usable checkpoint is left"
+    for problem in problems:
+        _warn_once(f"{problem}; {outcome}")
+    return found
 
 
 def _rng_state() -> dict[str, Any]:
@@ -178,6 +327,10 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
                 indent=1,
             )
         )
+        _write_manifest(tmp)  # decision 13: last, once every other file is on disk
+        problem = checkpoint_problem(tmp, hashes=False)
+        if problem is not None:
+            raise RuntimeError(f"checkpoint {name} failed its check after writing: {problem}")
     except Exception as e:
         written = tree_size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -188,11 +341,27 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
     final = ckpts / name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
+    _fsync_dir(ckpts)  # the rename is durable before the pointer names it
+    _verified[str(final.resolve())] = _manifest_id(final / CHECKPOINT_MANIFEST)
     atomic_write_text(ckpts / "latest", name)
-    # Keep the last two epochs: the newest, and one more in case the newest is damaged on disk.
-    for old in sorted(p for p in ckpts.glob("epoch-*") if p.is_dir())[:-2]:
-        shutil.rmtree(old, ignore_errors=True)
+    # Keep the new checkpoint and the newest older one that passes its checks, the fallback in case the
+    # new one is damaged on disk later (decision 13); not simply the two last names.
+    fallback = next(
+        (d for d in _epoch_dirs(ckpts) if int(d.name[6:]) < state.epoch and checkpoint_problem(d) is None),
+        None,
+    )
+    for old in _epoch_dirs(ckpts):
+        if old not in (final, fallback):
+            shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def _load_reference(policy_dir: str | os.PathLike, policy: Policy) -> Policy:
@@ -315,6 +484,12 @@ def _restore_or_start(
     start from `policy_dir` with the global RNGs seeded from the run seed; and the frozen reference
     policy when train.loss.kl_coef > 0 (decision 8)."""
     ckpt = latest_checkpoint(out_dir) if resume else None
+    if resume and ckpt is None and any((out_dir / "checkpoints").glob("*")):  # decision 13: never silently
+        _log.warning(
+            "no usable checkpoint in %s (see the lines above): training starts again from epoch 1 from %s",
+            out_dir / "checkpoints",
+            policy_dir,
+        )
     if ckpt is not None:
         policy = load_policy(ckpt / "policy", device=device)
         meta = json.loads((ckpt / "state.json").read_text())
@@ -324,9 +499,9 @@ def _restore_or_start(
         policy = load_policy(policy_dir, device=device)
         state = TrainState()
         replay = ReplayBuffer(cfg.replay)
-        if cfg.replay.preload != "none":  # decision 13: before epoch 1 only; a resumed buffer holds them
+        if cfg.replay.preload != "none":  # decision 14: before epoch 1 only; a resumed buffer holds them
             replay.add(preload)
-    policy.image_blind = cfg.image_blind  # decision 14
+    policy.image_blind = cfg.image_blind  # decision 15
     reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
     engine = make_engine(
         cfg.engine,
@@ -527,7 +702,7 @@ def train(
             generator with `sync_weights` gets the weights after every update (decision 12).
         device: where the trained policy is loaded ("cuda" with the vLLM backend: colocated).
         preload: trajectories whose successes of `tasks` fill the buffer before epoch 1 when
-            `cfg.replay.preload` is not 'none' (decision 13).
+            `cfg.replay.preload` is not 'none' (decision 14).
 
     Trajectories go to `out_dir/trajectories/epoch-EEEE-iter-III.parquet` (filled groups, replayed flag
     set), checkpoints to `out_dir/checkpoints/`. Returns the final state (its history has one entry per

@@ -30,6 +30,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
+from arpo_core.errors import InputError
 from arpo_core.fileio import atomic_open
 
 __all__ = [
@@ -45,8 +46,9 @@ __all__ = [
 ]
 
 
-class SchemaError(ValueError):
-    """A Parquet file that does not follow the trajectory schema; the message names the column."""
+class SchemaError(InputError):
+    """A Parquet file that does not follow the trajectory schema; the message names the column. A bad
+    input: not retried (errors.py decision 1)."""
 
 
 def png_bytes(image: Image.Image) -> bytes:
@@ -211,11 +213,13 @@ def trajectories_from_table(table: pa.Table, where: str = "table") -> list[Traje
 
 
 def write_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> Path:
-    """Write atomically: temp file in the target directory, fsync, rename. Returns the path."""
+    """Write atomically: temp file in the target directory, fsync, rename. Returns the path. On a full
+    disk the error says how much the table needs (its Arrow size: the PNG screenshots that dominate it
+    do not compress) and how much is free (fileio decision 4)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = trajectories_to_table(trajs)
-    with atomic_open(path) as f:
+    with atomic_open(path, needed=table.nbytes) as f:
         pq.write_table(table, f, compression="zstd")
     return path
 
@@ -230,4 +234,8 @@ def read_trajectories(path: str | os.PathLike) -> list[Trajectory]:
         return out
     if not path.exists():
         raise FileNotFoundError(f"no trajectory file at {path}")
-    return trajectories_from_table(pq.read_table(path), where=str(path))
+    try:
+        table = pq.read_table(path)
+    except (pa.ArrowException, OSError) as e:  # truncated, or not Parquet at all: one line naming it
+        raise InputError(f"{path} is not a readable trajectory file ({type(e).__name__}: {e})") from e
+    return trajectories_from_table(table, where=str(path))

@@ -14,11 +14,20 @@ Decisions:
 3. Paths are relative to the working directory, which is the project root for all three front doors
    (DVC runs commands there; the Prefect deployment's pull step sets it), because params.yaml's suite
    paths are relative too.
-4. Outputs of a different configuration are removed before a stage runs, as DVC does: otherwise the
-   train stage, which resumes from its last checkpoint, would "resume" an ARPO run's finished epochs
-   as a GRPO run. A marker `.arpo/stamps/<stage>.running` holds the key of the attempt in progress; an
-   attempt with the same key (a Prefect retry, or the same run restarted after a kill) keeps the
-   outputs and resumes.
+4. A stage writes its outputs beside the previous ones and they replace them only when it succeeds
+   (issue 34 item 4): each output path `dir/name` is passed to the stage as its staging path
+   `dir/.name.staging` (same filesystem, so the swap is a rename; git- and DVC-ignored), and after the
+   stage returns every staged output is moved into place (`commit_outputs`: a file by one atomic
+   rename, a directory by renaming the previous one to `dir/.name.previous`, the staged one into place,
+   then deleting the previous; a kill between the two renames is repaired at the next start, which
+   puts the previous output back). A stage that fails (disk full, a bad input, a bug, a kill) leaves
+   the previous outputs, their stamp and everything downstream as they were. The staging area belongs
+   to one configuration: a marker `.arpo/stamps/<stage>.running` holds the key of the attempt in
+   progress; an attempt with the same key (a Prefect retry, or the same run restarted after a kill)
+   keeps the staged outputs and resumes from them (the train stage from its last epoch checkpoint,
+   which lives in the staging area while it runs); an attempt with another key empties it first, so
+   the train stage never "resumes" an ARPO run's finished epochs as a GRPO run. The price: room for the
+   old and the new outputs until the swap.
 5. A stage module with `epoch_history(outputs...)` (train) has its per-epoch rows logged at
    step = epoch and written to `plots/<stage>_epochs.csv` (the columns DVC plots); per-iteration
    metrics go to MLflow under `iter/<key>` through the task's `on_metrics` hook.
@@ -62,7 +71,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, load_params
-from arpo_core.fileio import atomic_open, atomic_write_json
+from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
 from arpo_core.pipeline.table import Stage
 from flows import tracking
 from flows.services import run_lock
@@ -83,8 +92,12 @@ __all__ = [
     "PLOT_COLUMNS",
     "StageRun",
     "call",
+    "commit_outputs",
     "front_door",
     "load_params_once",
+    "previous_path",
+    "recover_outputs",
+    "staging_path",
     "variant_name",
     "write_epoch_plot",
 ]
@@ -105,6 +118,54 @@ PLOT_COLUMNS = (
     "train/nonzero_adv_frac",
     "time/iteration_s",
 )
+
+
+def staging_path(out: Path) -> Path:
+    """Decision 4: where a stage writes output `out` while it runs."""
+    return out.parent / f".{out.name}.staging"
+
+
+def previous_path(out: Path) -> Path:
+    """Decision 4: where the previous output `out` waits during the swap."""
+    return out.parent / f".{out.name}.previous"
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def recover_outputs(outs: Sequence[Path]) -> None:
+    """Decision 4: finish or undo a swap a kill interrupted. A previous output whose place is empty goes
+    back (the staged one stays, for a resume); one whose place is filled is deleted."""
+    for out in outs:
+        prev = previous_path(out)
+        if prev.exists():
+            if out.exists():
+                _remove(prev)
+            else:
+                os.replace(prev, out)
+
+
+def commit_outputs(outs: Sequence[Path]) -> None:
+    """Decision 4: move every staged output into place; an output the stage did not write this time is
+    removed (what it held came from an earlier run)."""
+    for out in outs:
+        staged, prev = staging_path(out), previous_path(out)
+        if not staged.exists():
+            _remove(out)
+            continue
+        if staged.is_dir() and out.exists():
+            _remove(prev)
+            os.replace(out, prev)
+            os.replace(staged, out)
+            _remove(prev)
+        else:  # a file (or a directory with nothing in its place): one atomic rename
+            if out.is_dir():
+                _remove(out)
+            os.replace(staged, out)
 
 
 def call(task: Any, *args: Any, **kwargs: Any) -> Any:
@@ -214,7 +275,9 @@ class StageRun:
         error: BaseException | None = None
         t0 = time.monotonic()
         try:
-            result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration)
+            staged = {k: staging_path(v) for k, v in self._outputs().items()}  # decision 4
+            result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration, staged)
+            commit_outputs(list(self._outputs().values()))
             metrics = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
             headline = getattr(self.module, "headline", None)
             if headline is not None:  # decision 11
@@ -253,19 +316,18 @@ class StageRun:
         )
 
     def _prepare_outputs(self, key: str) -> Path:
-        """Remove outputs unless an interrupted attempt with the same key left them (decision 4);
-        returns the marker of this attempt."""
+        """Decision 4: repair an interrupted swap, empty the staging area unless an interrupted attempt
+        with the same key left it (then it is resumed); returns the marker of this attempt. The
+        previous outputs are not touched."""
+        outs = list(self._outputs().values())
+        recover_outputs(outs)
         marker = stamp_path(self.root, self.name).with_suffix(".running")
         resumable = marker.exists() and marker.read_text().strip() == key
         if not resumable:
-            # Directories (a train run's checkpoints) would be resumed, so they go; a file output stays
-            # until the stage replaces it atomically at its end (fileio.py), so a stage that fails (disk
-            # full, a bug) leaves the previous good file (issue 18).
-            for out in self._outputs().values():
-                if out.is_dir():
-                    shutil.rmtree(out)
+            for out in outs:
+                _remove(staging_path(out))
             marker.parent.mkdir(parents=True, exist_ok=True)
-            marker.write_text(key)
+            atomic_write_text(marker, key)
         return marker
 
     def _log_results(self, metrics: dict[str, float]) -> None:

@@ -12,23 +12,29 @@ Decisions:
    flow from params, inputs and code (flows/spec.py), the same rule as DVC's.
 4. Per-iteration metrics leave through the `on_metrics(step, metrics)` hook the caller passes (the flow
    layer logs them to MLflow); this module knows nothing of tracking.
+5. Even an env stage is not retried when its error is one a retry cannot fix (`arpo_core.errors`
+   `retryable`: disk full, an unwritable output, a truncated or unreadable input): the same attempt
+   would meet the same disk or file, after minutes of back-off and with the error printed three times.
+   Prefect hands the condition the failed state; an exception raised by the task is its `data`.
 """
 
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
 from prefect import Task, task
 from prefect.cache_policies import NO_CACHE
+from prefect.client.schemas.objects import State
 from prefect.tasks import exponential_backoff
 
 from arpo_core.config import Params
+from arpo_core.errors import retryable
 from arpo_core.pipeline.table import STAGES, Stage, stage
 
-__all__ = ["ENV_RETRIES", "TASKS", "run_stage"]
+__all__ = ["ENV_RETRIES", "TASKS", "retry_unless_not_retryable", "run_stage"]
 
 ENV_RETRIES = {
     "retries": 2,
@@ -42,18 +48,27 @@ def run_stage(
     p: Params,
     root: Path = Path("."),
     on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+    outputs: Mapping[str, Path] | None = None,
 ) -> dict[str, Any]:
-    """Run stage `name`'s `run(p, **table arguments)` (decision 1); returns its metrics."""
+    """Run stage `name`'s `run(p, **table arguments)` (decision 1); returns its metrics. `outputs`
+    replaces the table's output paths (the runner's staging paths, flows/runner.py decision 4)."""
     s = stage(name)
     module = importlib.import_module(f"arpo_core.pipeline.{s.module}")
-    kwargs = s.kwargs(root)
+    kwargs = s.kwargs(root) | dict(outputs or {})
     if s.iterations:
         kwargs["on_metrics"] = on_metrics
     return module.run(p, **kwargs)
 
 
+def retry_unless_not_retryable(task: Task, task_run: Any, state: State) -> bool:
+    """Decision 5: Prefect's `retry_condition_fn`: retry unless the failure is one a retry cannot fix
+    (arpo_core.errors: disk full, bad or corrupted input)."""
+    exc = state.data if isinstance(state.data, BaseException) else None
+    return exc is None or retryable(exc)
+
+
 def _task(s: Stage) -> Task:
-    options = ENV_RETRIES if s.envs else {}
+    options = {**ENV_RETRIES, "retry_condition_fn": retry_unless_not_retryable} if s.envs else {}
     return task(run_stage, name=f"run-{s.name}", cache_policy=NO_CACHE, **options)
 
 

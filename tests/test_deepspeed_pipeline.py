@@ -20,7 +20,9 @@ from orchestration_helpers import VENV_BIN, base_env, copy_project, start, stop
 from arpo_core.trainer import latest_checkpoint
 
 OVERRIDES = ["--preset", "quick", "-S", "train.engine=deepspeed", "-S", "env.backend=ray"]
-CKPTS = Path("models/arpo/checkpoints")
+OUT = Path("models/arpo")
+STAGED = Path("models/.arpo.staging")
+"""Where the train stage writes while it runs (flows/runner.py decision 4): a killed run's checkpoints."""
 
 
 def _run(cmd: list[str], project: Path, env: dict[str, str], log: Path, timeout_s: float) -> None:
@@ -36,15 +38,16 @@ def _run(cmd: list[str], project: Path, env: dict[str, str], log: Path, timeout_
     assert proc.returncode == 0, log.read_text()[-6000:]
 
 
-def _state(project: Path) -> tuple[str, dict]:
-    name = (project / CKPTS / "latest").read_text().strip()
-    return name, json.loads((project / CKPTS / name / "state.json").read_text())
+def _state(project: Path, out: Path = OUT) -> tuple[str, dict]:
+    ckpts = project / out / "checkpoints"
+    name = (ckpts / "latest").read_text().strip()
+    return name, json.loads((ckpts / name / "state.json").read_text())
 
 
-def _inodes(project: Path, epochs: int) -> dict[str, int]:
-    """Inode of each trajectory file of the epochs <= `epochs`: a resumed run keeps them, a run that
-    started over writes them anew."""
-    trajectories = project / "models/arpo/trajectories"
+def _inodes(project: Path, epochs: int, out: Path = OUT) -> dict[str, int]:
+    """Inode of each trajectory file of the epochs <= `epochs`: a resumed run keeps them (the swap into
+    place renames them), a run that started over writes them anew."""
+    trajectories = project / out / "trajectories"
     files = [f for e in range(1, epochs + 1) for f in sorted(trajectories.glob(f"epoch-{e:04d}-*.parquet"))]
     assert files
     return {f.name: f.stat().st_ino for f in files}
@@ -73,19 +76,20 @@ def test_quick_pipeline_deepspeed_ray_checkpoint_and_resume(tmp_path):
     name, state = _state(project)
     assert name == "epoch-0002" and state["epoch"] == 2 and len(state["history"]) == 2
     for e in (1, 2):  # DeepSpeed's own checkpoint under its fixed tag, no `latest` file of its own
-        ds = project / CKPTS / f"epoch-{e:04d}" / "deepspeed"
+        ds = project / OUT / "checkpoints" / f"epoch-{e:04d}" / "deepspeed"
         assert sorted(p.name for p in (ds / "state").glob("*.pt")), ds
         assert not (ds / "latest").exists()
 
-    # 2. a 3-epoch train stage (a new configuration: its outputs start over, flows/runner.py decision 4)
-    # killed once an epoch is checkpointed; the same command again resumes from that checkpoint
+    # 2. a 3-epoch train stage (a new configuration: its outputs start over in the staging area beside the
+    # 2-epoch run's, flows/runner.py decision 4) killed once an epoch is checkpointed; the same command
+    # again resumes from that checkpoint
     cmd = [arpo, "stage", "train", *OVERRIDES, "-S", "train.epochs=3"]
     proc = start(cmd, project, env, tmp_path / "train-killed.log")
     try:
         deadline = time.monotonic() + 240
-        marker = project / ".arpo" / "stamps" / "train.running"  # written once the old outputs are gone
+        marker = project / ".arpo" / "stamps" / "train.running"  # written once the staging area is empty
         while time.monotonic() < deadline:
-            if marker.exists() and latest_checkpoint(project / "models/arpo") is not None:
+            if marker.exists() and latest_checkpoint(project / STAGED) is not None:
                 break
             assert proc.poll() is None, (tmp_path / "train-killed.log").read_text()[-6000:]
             time.sleep(0.1)
@@ -95,10 +99,11 @@ def test_quick_pipeline_deepspeed_ray_checkpoint_and_resume(tmp_path):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, signal.SIGKILL)  # the group we started: arpo, its Ray head
         proc.wait(timeout=60)
-    name, killed = _state(project)
+    name, killed = _state(project, STAGED)
     done = killed["epoch"]
     assert done in (1, 2) and name == f"epoch-{done:04d}"
-    kept = _inodes(project, done)
+    kept = _inodes(project, done, STAGED)
+    assert _state(project)[1]["epoch"] == 2  # the previous output is untouched until the stage succeeds
 
     _run(cmd, project, env, tmp_path / "train-resumed.log", 300)
     name, resumed = _state(project)

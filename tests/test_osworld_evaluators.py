@@ -299,3 +299,112 @@ def test_fetch_url_uses_the_cache_without_network(tmp_path):
     # an unreachable URL: only the cache can answer
     assert ev.fetch_url("http://127.0.0.1:9/none", str(dest)) == str(dest)
     assert dest.read_bytes() == b"cached"
+
+
+# ------------------------------------------------------------------ as desktop-env 1.0.2 (issue 32 item 1)
+# Each expected value below was checked against desktop-env 1.0.2's source (the wheel's
+# desktop_env/evaluators/metrics/general.py `check_direct_json_object`, `file_contains`, and
+# desktop_env/desktop_env.py `evaluate`): those metrics catch their own errors and score 0, and a list
+# evaluator's `"expected": []` takes the "no expected" branch. Before, the metrics raised here.
+
+
+@pytest.mark.parametrize(
+    ("result", "rules"),
+    [
+        ("[1, 2]", {"expected": {"a": 1}}),  # a JSON list, not an object: .get fails
+        ([1], {"expected": {"a": 1}}),
+        ({"a": 1}, {}),  # rules without "expected"
+        ({"a": 1}, {"expected": [1]}),  # a list "expected": .items() fails
+        ({"a": 1}, {"expected": []}),
+        ({"a": 5}, {"expect_in_result": True, "expected": {"a": "x"}}),  # str in int: a type clash
+        ({"a": None}, {"expect_in_result": True, "expected": {"a": "x"}}),
+        ("[1, 2]", {"expect_in_result": True, "expected": {"a": ["x"]}}),
+        ({"a": [2, 1], "b": 1}, {"expected": {"a": [1, 2], "ignore_list_order": True}}),  # as desktop-env: 0
+    ],
+)
+def test_check_direct_json_object_scores_0_where_it_cannot_compare(result, rules):
+    assert ev.check_direct_json_object(result, rules) == 0.0
+
+
+def test_check_direct_json_object_edge_cases_as_desktop_env():
+    assert ev.check_direct_json_object("[1, 2]", {"expected": {}}) == 1.0  # no key to compare: 1 there too
+    in_result = {"expect_in_result": True, "expected": {"a": "x"}}
+    assert ev.check_direct_json_object({"a": ["x", "y"]}, in_result) == 1.0  # `in` a list value
+    with pytest.raises(json.JSONDecodeError):  # desktop-env's json.loads sits outside its try as well
+        ev.check_direct_json_object("not json", {"expected": {}})
+
+
+def test_file_contains_scores_0_where_it_cannot_read_or_compare(tmp_path):
+    latin = tmp_path / "latin.txt"
+    latin.write_bytes(b"caf\xe9 \xff\xfe")  # not UTF-8
+    text = write(tmp_path, "t.txt", "alpha beta")
+    assert ev.file_contains(str(latin), {"expected": ["caf"]}) == 0.0
+    assert ev.file_contains(text, {"expected": [1]}) == 0.0  # a non-string expected
+    assert ev.file_contains(text, {"expected": 5}) == 0.0  # not iterable
+    assert ev.file_contains(text, {}) == 0.0  # no expected
+    assert ev.file_contains(text, {"expected": []}) == 1.0  # nothing to find: 1, as there
+    assert ev.file_contains(text, {"expected": "alb"}) == 1.0  # a string iterates its characters there too
+
+
+def _rule(value):
+    return {"type": "rule", "rules": value}
+
+
+def test_or_evaluator_moves_on_past_a_metric_that_cannot_score():
+    """Issue 32's case: func [check_direct_json_object, exact_match], results [[1], "yes"], conj "or":
+    OSWorld scores 1 (the JSON metric scores 0, exact_match 1); before, the evaluation raised."""
+    evaluator = {
+        "func": ["check_direct_json_object", "exact_match"],
+        "result": [_rule([1]), _rule("yes")],
+        "expected": [_rule({"expected": {"a": 1}}), _rule({"expected": "yes"})],
+        "conj": "or",
+    }
+    assert ev.evaluate_task(evaluator, FakeDesk(), "") == 1.0
+    assert ev.evaluate_task({**evaluator, "conj": "and"}, FakeDesk(), "") == 0.0
+    # a metric that raises (exact_match on rules without "expected": desktop-env raises too) scores 0 and
+    # the next metric decides, under "or"; alone it scores 0, as the env scores desktop-env's exception
+    raising = {
+        **evaluator,
+        "func": ["exact_match", "exact_match"],
+        "expected": [_rule({}), _rule({"expected": "yes"})],
+    }
+    assert ev.evaluate_task(raising, FakeDesk(), "") == 1.0
+    assert (
+        ev.evaluate_task(
+            {"func": "exact_match", "result": _rule("yes"), "expected": _rule({})}, FakeDesk(), ""
+        )
+        == 0.0
+    )
+
+
+def test_list_evaluator_with_empty_expected_means_no_expected():
+    """desktop-env: `if "expected" in evaluator and ... and evaluator["expected"]` is false for [], so
+    each metric gets only its result; before, zip(strict=True) raised."""
+    desk = FakeDesk(outputs={"a": "1.5", "b": "2.0"})
+    evaluator = {
+        "func": ["check_text_enlarged", "check_text_enlarged"],
+        "result": [{"type": "vm_command_line", "command": "a"}, {"type": "vm_command_line", "command": "b"}],
+        "expected": [],
+        "options": [],
+    }
+    assert ev.evaluate_task(evaluator, desk, "") == 1.0
+    desk.outputs["b"] = "1.0"
+    assert ev.evaluate_task(evaluator, desk, "") == 0.0
+
+
+def test_the_reason_a_metric_cannot_score_is_logged_once(caplog, tmp_path):
+    import logging
+
+    ev._reported.clear()
+    evaluator = {
+        "func": "check_direct_json_object",
+        "result": _rule([1]),
+        "expected": _rule({"expected": {"a": 1}}),
+    }
+    with caplog.at_level(logging.DEBUG, logger="arpo.osworld"):
+        for _ in range(3):
+            assert ev.evaluate_task(evaluator, FakeDesk(), "") == 0.0
+    warnings = [r for r in caplog.records if r.name == "arpo.osworld" and r.levelno == logging.WARNING]
+    assert len(warnings) == 1 and "check_direct_json_object" in warnings[0].getMessage()
+    assert "AttributeError" in warnings[0].getMessage()
+    assert sum(r.name == "arpo.osworld" for r in caplog.records) == 3  # the repeats at DEBUG, not lost

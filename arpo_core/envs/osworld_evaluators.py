@@ -1,11 +1,14 @@
 """OSWorld task evaluation: result/expected getters, metrics, the evaluator combinator, and the support check.
 
 Design decisions:
-1. Semantics follow OSWorld's `DesktopEnv.evaluate` and its getters/metrics (re-implemented, not copied):
-   `func` is one metric name or a list combined by `conj` ("and": any 0 -> 0, else the mean; "or": any 1
-   -> 1, else the max); each metric is called as `metric(result, expected, **options)`, or
-   `metric(result, **options)` when the task has no `expected`. A getter that raises FileNotFoundError
-   fails an "and" evaluator at once, as in OSWorld.
+1. Semantics follow OSWorld's `DesktopEnv.evaluate` and its getters/metrics as published in desktop-env
+   1.0.2 (desktop_env/desktop_env.py `evaluate`, evaluators/metrics/general.py, basic_os.py, vscode.py,
+   evaluators/getters/*.py; re-implemented, not copied, and checked function by function against that
+   wheel's source): `func` is one metric name or a list combined by `conj` ("and": any 0 -> 0, else the
+   mean; "or": any 1 -> 1, else the max); each metric is called as `metric(result, expected, **options)`,
+   or `metric(result, **options)` when the task has no `expected`. A list evaluator's `"expected": []`
+   means no expected, as there (its `and self.evaluator["expected"]` test); `"options": []` likewise
+   (desktop-env would index the empty list and fail).
 2. Only what needs no proprietary app and no GNOME is implemented (the table in docs/osworld.md counts
    what that covers). Everything else is reported BY NAME by `unsupported_features` before a task runs,
    never silently scored: a task with an unknown setup step, getter or metric cannot be reset.
@@ -14,8 +17,25 @@ Design decisions:
    metrics are pure functions of local values and files, each with a hand-computed test.
 4. No `eval` of desktop output: OSWorld's `check_gnome_favorite_apps` evals the gsettings string; here
    `ast.literal_eval` parses the same literal.
-5. Any exception inside evaluation scores 0 (arpo_core.rewards.score_or_error, applied by the env), and
-   NaN / out-of-range scores are sanitised there too.
+5. Any exception a getter raises fails the evaluation, which scores 0 (arpo_core.rewards.score_or_error,
+   applied by the env, keeps the error text), and NaN / out-of-range scores are sanitised there too. A
+   result getter's FileNotFoundError scores an "and" evaluator 0 at once and gives the metric None under
+   "or", as `DesktopEnv.evaluate` catches it. Differences from desktop-env, where it is wrong: our
+   `get_cache_file` raises FileNotFoundError for a missing file, OSWorld's raises AssertionError (a bare
+   `assert`), which its `except FileNotFoundError` misses, so there the whole evaluation fails (also
+   under "or"); and under "or" desktop-env then calls the metric with an unbound (first metric) or the
+   previous metric's result, here it gets None.
+6. A metric that cannot score returns 0 and the next metric of an "or" evaluator decides (issue 32):
+   desktop-env's metrics catch their own errors (`check_direct_json_object` on a result that is not a
+   dict, on rules without a dict `expected`, on a type clash under `expect_in_result`; `file_contains`
+   on a file that is not text in the locale's encoding, on a non-iterable `expected`, on rules without
+   it), so the metrics here do the same, where desktop-env does. Where a desktop-env metric raises
+   instead (`exact_match` on rules without `expected`; `check_direct_json_object` on a string that is
+   not JSON: its `json.loads` sits outside its `try`), the metric here raises too, and `evaluate_task`
+   scores that metric 0: alone or under "and" the task scores 0 either way; under "or" desktop-env's
+   evaluation fails where this one moves on to the next metric. Each such reason is logged once per
+   metric and kind of error (WARNING on the `arpo.osworld` logger, then DEBUG), not swallowed and not
+   repeated for every episode.
 """
 
 from __future__ import annotations
@@ -23,6 +43,7 @@ from __future__ import annotations
 import ast
 import difflib
 import json
+import logging
 import os
 import re
 import urllib.request
@@ -39,6 +60,19 @@ __all__ = [
     "evaluate_task",
     "unsupported_features",
 ]
+
+
+_log = logging.getLogger("arpo.osworld")
+_reported: set[tuple[str, str]] = set()
+
+
+def _cannot_score(metric: str, exc: BaseException) -> float:
+    """Decision 6: score 0 for a metric that could not score; the reason logged once per metric and kind."""
+    key = (metric, type(exc).__name__)
+    level = logging.DEBUG if key in _reported else logging.WARNING
+    _reported.add(key)
+    _log.log(level, "OSWorld metric %s cannot score, scored 0: %s: %s", metric, type(exc).__name__, exc)
+    return 0.0
 
 
 class DesktopAPI(Protocol):
@@ -148,7 +182,8 @@ def get_vm_file(desk: DesktopAPI, cache_dir: str, config: dict) -> str | list[st
 
 
 def get_cache_file(desk: DesktopAPI, cache_dir: str, config: dict) -> str:
-    """A file an earlier setup step left in the cache (e.g. `execute` with `stdout`)."""
+    """A file an earlier setup step left in the cache (e.g. `execute` with `stdout`). A missing file is
+    FileNotFoundError here; OSWorld's getter raises AssertionError instead (decision 5)."""
     path = os.path.join(cache_dir, config["path"])
     if not os.path.exists(path):
         raise FileNotFoundError(f"cache_file {config['path']!r} is not in the episode cache")
@@ -262,48 +297,64 @@ def diff_text_file(result: str | None, expected: str) -> float:
 
 
 def file_contains(path: str | None, rules: dict) -> float:
+    """Every string of `rules["expected"]` occurs in the text file at `path`. As desktop-env: no path,
+    an unreadable or undecodable file, a missing or non-iterable `expected` score 0 (decision 6)."""
     if not path:
         return 0.0
     try:
         with open(path) as f:
             text = f.read()
-    except OSError:
-        return 0.0
-    return float(all(s in text for s in rules["expected"]))
+        for s in rules["expected"]:
+            if s not in text:
+                return 0.0
+    except Exception as e:  # desktop-env: a bare `except` around the same block
+        return _cannot_score("file_contains", e)
+    return 1.0
 
 
 def check_direct_json_object(result: Any, rules: dict) -> float:
     """Compare a JSON object (or its text, single quotes allowed) with `rules["expected"]`.
 
-    Default: every expected key equal (with `ignore_list_order` in expected: compare sorted lists).
+    Default: every expected key equal (with `ignore_list_order` in expected: compare sorted lists; as in
+    desktop-env the flag is itself a key of `expected`, so its own `sorted(True)` fails and the metric
+    scores 0 whenever the flag is set: kept, so scores match OSWorld's; no shipped task sets it).
     `expect_in_result`: a list value means "the result's value (list or str) contains / equals one of
-    them", a str value means "is a substring of the result's value".
+    them", a str value means "is a substring of (or, for a list value, an item of) the result's value".
+    Anything that cannot be compared scores 0 (decision 6); a string that is not JSON raises, as there.
     """
     if isinstance(result, str):
         result = json.loads(result.strip().replace("'", '"'))
     if result is None:
         return 0.0
-    expected = rules["expected"]
-    if any(v == "__EVALUATION_FAILED__" for v in expected.values()):
+    try:
+        return _json_object_score(result, rules)
+    except Exception as e:  # desktop-env: `except Exception` around the same comparisons
+        return _cannot_score("check_direct_json_object", e)
+
+
+def _json_object_score(result: Any, rules: dict) -> float:
+    expected_or_empty = rules.get("expected", {})
+    if expected_or_empty and any(v == "__EVALUATION_FAILED__" for v in expected_or_empty.values()):
         return 0.0
+    expected = rules["expected"]
     if not rules.get("expect_in_result", False):
-        for key, want in expected.items():
-            got = result.get(key)
+        for key in expected.keys():  # noqa: SIM118 - a list `expected` (even []) must fail, as there
+            want, got = expected.get(key), result.get(key)
             if expected.get("ignore_list_order", False):
                 if sorted(want) != sorted(got):
                     return 0.0
             elif want != got:
                 return 0.0
         return 1.0
-    for key, want in expected.items():
-        got = result.get(key)
+    for key in expected.keys():  # noqa: SIM118 - likewise
+        want, got = expected.get(key), result.get(key)
         if isinstance(want, list):
             if not any(
                 (isinstance(got, list) and w in got) or (isinstance(got, str) and w == got) for w in want
             ):
                 return 0.0
         elif isinstance(want, str):
-            if got is None or want not in got:
+            if want not in got:
                 return 0.0
         else:
             return 0.0
@@ -404,8 +455,8 @@ def combine_scores(scores: list[float], conj: str) -> float:
 def evaluate_task(evaluator: dict, desk: DesktopAPI, cache_dir: str) -> float:
     """Score a finished episode with the task's `evaluator` (not `infeasible`; postconfig already run).
 
-    Raises for unsupported getters/metrics and whatever a getter or metric raises; the env turns any
-    exception into score 0.
+    Raises for unsupported getters/metrics and whatever a getter raises (decision 5; the env turns any
+    exception into score 0); a metric that raises scores 0 and the evaluation goes on (decision 6).
     """
     funcs = _as_list(evaluator["func"])
     n = len(funcs)
@@ -413,7 +464,11 @@ def evaluate_task(evaluator: dict, desk: DesktopAPI, cache_dir: str) -> float:
 
     def per_metric(key: str, default: Any) -> list:
         v = evaluator.get(key, default)
-        return [v] * n if single else (v if isinstance(v, list) else [v] * n)
+        if single:
+            return [v]
+        if isinstance(v, list):
+            return v if v or key == "result" else [default] * n  # decision 1: [] means none
+        return [v] * n
 
     results = per_metric("result", None)
     expecteds = per_metric("expected", None)
@@ -428,11 +483,11 @@ def evaluate_task(evaluator: dict, desk: DesktopAPI, cache_dir: str) -> float:
             if conj == "and":
                 return 0.0
             result = None
-        if ecfg:
-            expected = GETTERS[ecfg["type"]](desk, cache_dir, ecfg)
-            score = float(metric(result, expected, **(opts or {})))
-        else:
-            score = float(metric(result, **(opts or {})))
+        args = (result, GETTERS[ecfg["type"]](desk, cache_dir, ecfg)) if ecfg else (result,)
+        try:
+            score = float(metric(*args, **(opts or {})))
+        except Exception as e:  # decision 6: this metric cannot score; under "or" the next one may
+            score = _cannot_score(name, e)
         if conj == "and" and score == 0.0:
             return 0.0
         if conj == "or" and score == 1.0:

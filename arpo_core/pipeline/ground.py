@@ -18,12 +18,16 @@ Decisions:
    metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
    `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
    it scores.
+3. The stage writes only into `out_dir`, which the runner hands it as a staging directory swapped in
+   on success (flows/runner.py decision 4): a failed copy or training run leaves the previous
+   `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree` (space
+   checked first; a full disk is one line saying what, where, MB needed and free), policies through
+   `Policy.save` (the same for the weights).
 """
 
 from __future__ import annotations
 
 import os
-import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, fields
@@ -31,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import GroundPhase, Params
-from arpo_core.fileio import atomic_write_json
+from arpo_core.fileio import atomic_write_json, atomic_write_text, copy_tree
 from arpo_core.offline_config import GroundTrainConfig
 from arpo_core.pipeline.common import POINTER, pixel_budget, resolve_policy, setup_torch, suite_tasks
 from arpo_core.policy.model import load_policy
@@ -134,8 +138,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     _check_levels([lv for ph in g.phases for lv in ph.mix] + list(g.eval_levels))  # before any work
     pointer = policy_dir / POINTER
     if pointer.exists() and not g.phases:  # a pretrained model passes through (decision 1)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(pointer, out_dir / POINTER)
+        atomic_write_text(out_dir / POINTER, pointer.read_text())
         return {"ground/pretrained": 1.0}
     start = resolve_policy(policy_dir) if pointer.exists() or g.checkpoint is None else Path(g.checkpoint)
     if not (start / "config.json").exists():
@@ -174,8 +177,8 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
                 }
             )
         policy.save(out_dir)
-    else:  # the start as it is, bit for bit
-        shutil.copytree(start, out_dir, dirs_exist_ok=True)
+    else:  # the start as it is, bit for bit; a full disk is one line (decision 3)
+        copy_tree(start, out_dir, f"the grounded policy (a copy of {start})")
         policy = load_policy(out_dir)
 
     t0 = time.perf_counter()

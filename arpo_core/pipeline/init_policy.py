@@ -2,12 +2,12 @@
 
 from __future__ import annotations
 
-import json
 import os
 from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
+from arpo_core.fileio import atomic_write_json
 from arpo_core.pipeline.common import POINTER
 
 __all__ = ["run"]
@@ -23,7 +23,7 @@ def run(p: Params, out_dir: str | os.PathLike) -> dict[str, Any]:
         src = Path(p.init_policy.pretrained)
         if not (src / "config.json").exists():
             raise FileNotFoundError(f"init_policy.pretrained: no checkpoint (config.json) at {src}")
-        (out_dir / POINTER).write_text(json.dumps({"path": str(src.resolve())}))
+        atomic_write_json(out_dir / POINTER, {"path": str(src.resolve())}, indent=None)
         return {"init_policy/pretrained": 1.0}
     ip = p.init_policy
     policy = build_tiny_policy(out_dir, size=ip.size, seed=ip.seed, rope_theta=ip.rope_theta, mrope=ip.mrope)

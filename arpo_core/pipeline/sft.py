@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import logging
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
+from arpo_core.fileio import atomic_write_text, copy_tree
 from arpo_core.offline import sft
 from arpo_core.pipeline.common import POINTER, resolve_policy, setup_torch
 from arpo_core.policy.model import Policy, grow_depth, load_policy
@@ -45,11 +45,10 @@ def run(
         if demos:
             raise ValueError(f"sft: demos.episodes_per_task is 0 but {demos_path} holds {len(demos)} demos")
         src, out = Path(policy_dir), Path(out_dir)
-        out.mkdir(parents=True, exist_ok=True)
         if (src / POINTER).exists():
-            shutil.copyfile(src / POINTER, out / POINTER)
-        else:
-            shutil.copytree(src, out, dirs_exist_ok=True)
+            atomic_write_text(out / POINTER, (src / POINTER).read_text())
+        else:  # a full disk is one line saying what, where and how much (fileio decision 4)
+            copy_tree(src, out, f"the base policy (a copy of {src})")
         return {"sft/steps": 0.0}
     setup_torch(p)
     policy = load_policy(resolve_policy(policy_dir))

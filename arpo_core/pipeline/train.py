@@ -19,9 +19,12 @@ Decisions:
    paired comparisons (same instances at every evaluation and in every arm of a study). With a suite of
    pinned instances the evaluation covers common decision 4's in-domain splits: `train` (the instances
    trained on: the learning curve of the paper's in-domain protocol) and `heldout`.
-5. Buffer preload (trainer decision 13): `train.replay.preload: baseline` reads the baseline stage's
+5. Buffer preload (trainer decision 14): `train.replay.preload: baseline` reads the baseline stage's
    rollouts (an input of this stage either way, so the stage graph does not depend on a param) and
    hands them to the trainer on a fresh start.
+6. The run says where it starts: "resuming from epoch N (checkpoint)" or "starting at epoch 1 (why)";
+   the trainer has already warned, naming the file, about any damaged checkpoint or pointer it skipped
+   (trainer decision 13), so a restart from scratch is never silent.
 """
 
 from __future__ import annotations
@@ -115,13 +118,16 @@ def run(
     from arpo_core.trajectory import read_trajectories
 
     setup_torch(p)
-    ckpt = latest_checkpoint(out_dir) if resume else None
+    ckpt = latest_checkpoint(out_dir) if resume else None  # verified; a damaged one is named (trainer 13)
     if ckpt is not None:
         done = json.loads((ckpt / "state.json").read_text())["epoch"]
         print(
             f"[train] resuming from epoch {done} ({ckpt}); epochs {done + 1}..{p.train.epochs} to go",
             flush=True,
         )
+    else:  # decision 5: a start from scratch is always said
+        why = "resume off" if not resume else f"no usable checkpoint in {Path(out_dir) / 'checkpoints'}"
+        print(f"[train] starting at epoch 1 of {p.train.epochs} ({why})", flush=True)
     policy_dir = resolve_policy(policy_dir)
     tasks = training_tasks(p, selected_path)
     t = p.train

@@ -67,6 +67,8 @@ from transformers import (
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
+from arpo_core.errors import InputError
+from arpo_core.fileio import check_space, file_problem, write_error
 from arpo_core.policy.prompt import SYSTEM_PROMPTS
 
 __all__ = [
@@ -272,11 +274,23 @@ class Policy:
         return next(self.model.parameters()).device
 
     def save(self, out_dir: str | Path) -> Path:
-        """save_pretrained of model and processor (tokenizer + image processor) into one directory."""
+        """save_pretrained of model and processor (tokenizer + image processor) into one directory. The
+        weights' size is checked against the free space first, and a full disk or an unwritable
+        directory is one `OutputError` saying what, where and how much (fileio decision 4), not
+        safetensors' "Error while serializing"."""
         out_dir = Path(out_dir)
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self.model.save_pretrained(out_dir)
-        self.processor.save_pretrained(out_dir)
+        tensors = [*self.model.parameters(), *self.model.buffers()]  # parameters(): tied weights once
+        needed = sum(t.numel() * t.element_size() for t in tensors)
+        check_space(out_dir, needed, "policy")
+        try:
+            out_dir.mkdir(parents=True, exist_ok=True)
+            self.model.save_pretrained(out_dir)
+            self.processor.save_pretrained(out_dir)
+        except Exception as e:
+            err = write_error(e, "policy", out_dir, needed=needed or None)
+            if err is None:
+                raise
+            raise err from e
         return out_dir
 
 
@@ -296,6 +310,10 @@ def load_policy(
     path = Path(path)
     if not (path / "config.json").exists():
         raise FileNotFoundError(f"no Qwen2.5-VL checkpoint at {path} (config.json missing)")
+    for f in sorted(path.glob("*.safetensors")):  # a truncated copy: one line naming it, and no retry
+        problem = file_problem(f)
+        if problem is not None:
+            raise InputError(f"cannot load the policy at {path}: {problem}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     # Passed as min/max_pixels, which Qwen2VLImageProcessorPil applies after the stored `size` (or the
     # stock config's own min/max_pixels keys), so the override wins in both layouts.
