@@ -268,11 +268,16 @@ def dvc_yaml() -> str:
             "cmd": f"arpo stage {s.name}",
             "deps": list(s.deps),
             "params": list(s.params),
-            "outs": [*s.outs, details_path(s), *([EPOCH_TABLE] if s.iterations else [])],
-            "metrics": [s.metrics],
+            # persist: DVC deletes a stage's outputs before its command runs unless told not to; the
+            # runner replaces them itself, and only once the stage succeeded (flows/runner.py decision 4)
+            "outs": [
+                {o: {"persist": True}}
+                for o in (*s.outs, details_path(s), *([EPOCH_TABLE] if s.iterations else []))
+            ],
+            "metrics": [{s.metrics: {"persist": True}}],
         }
         if s.iterations:
-            entry["plots"] = [EPOCH_PLOT]
+            entry["plots"] = [{EPOCH_PLOT: {"persist": True}}]
         stages[s.name] = entry
     body = yaml.safe_dump({"stages": stages, "plots": DVC_PLOTS}, sort_keys=False, width=120)
     return DVC_HEADER + body

@@ -19,6 +19,25 @@ from flows.spec import SPECS, STAGE_NAMES, dvc_yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 DVC = yaml.safe_load((ROOT / "dvc.yaml").read_text())
+
+
+def _paths(entries: list) -> list[str]:
+    """The paths of a stage's outs / metrics / plots, each written `{path: {persist: true}}`."""
+    return [next(iter(e)) if isinstance(e, dict) else e for e in entries]
+
+
+def test_every_output_persists_so_a_failed_stage_keeps_the_last_good_one():
+    """DVC deletes a stage's outputs before running it unless they persist; the runner swaps them in
+    itself once the stage succeeded (runner decision 4), so every out, metric and plot persists."""
+    for name, stage in DVC["stages"].items():
+        for key in ("outs", "metrics", "plots"):
+            for entry in stage.get(key, []):
+                assert isinstance(entry, dict) and next(iter(entry.values())) == {"persist": True}, (
+                    name,
+                    entry,
+                )
+
+
 RAW_PARAMS = yaml.safe_load((ROOT / "params.yaml").read_text())
 
 
@@ -106,12 +125,14 @@ def test_dvc_plots_are_images_a_stage_writes():
     from flows.runner import PLOT_COLUMNS
     from flows.spec import EPOCH_PANELS
 
-    plots = list(DVC["plots"]) + [p for s in DVC["stages"].values() for p in s.get("plots", [])]
+    plots = list(DVC["plots"]) + [p for s in DVC["stages"].values() for p in _paths(s.get("plots", []))]
     assert plots == ["reports/comparison/comparison.png", "plots/train_epochs.png"]
-    outs = [o for s in DVC["stages"].values() for o in s["outs"]]
+    outs = [o for s in DVC["stages"].values() for o in _paths(s["outs"])]
     for plot in plots:
         assert isinstance(plot, str) and plot.endswith(".png")
-        assert plot in DVC["stages"]["train"].get("plots", []) or any(plot.startswith(o + "/") for o in outs)
+        assert plot in _paths(DVC["stages"]["train"].get("plots", [])) or any(
+            plot.startswith(o + "/") for o in outs
+        )
     assert {k for keys in EPOCH_PANELS.values() for k in keys} <= set(PLOT_COLUMNS)
 
 
@@ -119,8 +140,8 @@ def test_metrics_files_are_summaries_and_details_are_plain_outputs():
     """`dvc metrics show` reads metrics/<stage>.json only; the breakdowns file of each stage is an
     output DVC tracks but does not show as metrics (spec decision 5)."""
     for name, stage in DVC["stages"].items():
-        assert stage["metrics"] == [f"metrics/{name}.json"]
-        assert f"metrics/details/{name}.json" in stage["outs"]
+        assert _paths(stage["metrics"]) == [f"metrics/{name}.json"]
+        assert f"metrics/details/{name}.json" in _paths(stage["outs"])
 
 
 def test_unknown_key_in_params_yaml_fails_with_a_clear_message(tmp_path):

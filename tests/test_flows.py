@@ -166,7 +166,7 @@ def test_upstream_is_what_dvc_repro_of_the_target_runs():
     from arpo_core.pipeline.table import upstream
 
     stages = yaml.safe_load((ROOT / "dvc.yaml").read_text())["stages"]
-    producer = {out: name for name, st in stages.items() for out in st.get("outs", [])}
+    producer = {next(iter(out)): name for name, st in stages.items() for out in st.get("outs", [])}
 
     def ancestors(name):
         found = {name}

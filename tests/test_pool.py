@@ -204,10 +204,57 @@ def test_close_leaves_no_process(backend):
     pool.close()
     assert wait_gone(workers + browsers) == []
     for _, profile in procs:
-        assert wait_gone(pids_naming(profile)) == []  # crashpad handlers too
+        assert wait_gone(pids_naming(profile)) == []
         assert wait_removed(profile)
     with pytest.raises(RuntimeError, match="closed"):
         pool.submit_step(0, [])
+
+
+def test_a_killed_worker_group_leaves_no_process_crash_handlers_included(monkeypatch):
+    """Chromium's crash handlers re-parent to init and name neither the env nor its profile: they only
+    carry the environment. The browser starts none (miniwob decision 7), so SIGKILL of the worker's
+    group (a timeout, a second Ctrl-C) leaves nothing behind."""
+    import uuid
+
+    from test_interrupt import _cmdline, marked
+
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("ARPO_TEST_MARK", marker)
+    pool = make_pool(FACTORY, 1)
+    try:
+        pool.reset([(0, task("click-test"), 0)])
+        worker = pool.worker_pids()[0]
+        handlers = [p for p in marked(marker) if b"chrome_crashpad_handler" in _cmdline(p)]
+        assert handlers and all(os.getpgid(p) != worker for p in handlers), handlers  # outside the group
+        for p in handlers:  # as a handler that never notices its browser died (CI: one outlived a run)
+            os.kill(p, signal.SIGSTOP)
+        os.killpg(worker, signal.SIGKILL)
+        assert wait_gone(marked(marker)) == [], [_cmdline(p)[:120] for p in marked(marker)]
+    finally:
+        pool.close()
+
+
+def test_env_close_kills_the_crash_handlers_of_a_killed_browser():
+    """Without a pool (the compare stage's probe): close() after the browser died kills its crash
+    handlers too, found by the mark chromedriver's environment gives every process of the browser."""
+    from test_interrupt import _cmdline
+
+    from arpo_core.envs.miniwob import BROWSER_MARK, MiniWoBEnv, pids_with_env
+
+    env = MiniWoBEnv()
+    try:
+        env.reset(task("click-test"), seed=0)
+        mine = pids_with_env(BROWSER_MARK, env.profile_dir())
+        handlers = [p for p in mine if b"chrome_crashpad_handler" in _cmdline(p)]
+        assert handlers and set(handlers).isdisjoint(env.browser_pids()), (handlers, env.browser_pids())
+        for p in handlers:  # as handlers that never notice their browser died
+            os.kill(p, signal.SIGSTOP)
+        for p in env.browser_pids():
+            if b"chromedriver" not in _cmdline(p):
+                os.kill(p, signal.SIGKILL)
+    finally:
+        env.close()
+    assert wait_gone(mine) == [], [_cmdline(p)[:120] for p in mine]
 
 
 @pytest.mark.slow

@@ -28,8 +28,13 @@ Design decisions:
    done with `info["error"]`, and the next `reset` starts a new browser.
 7. Process hygiene: chromedriver and Chromium inherit the caller's process group (the env pool puts
    each env worker in its own group and kills the group). `close()` quits the driver and then kills
-   whatever is left of the driver's process tree. Chromium's crashpad handlers leave the group
-   (they re-parent to init) but exit on their own once Chromium is gone.
+   whatever is left of the driver's process tree. Chromium's two chrome_crashpad_handler processes
+   leave the tree and the group (they re-parent to init and call setsid) and name neither the env nor
+   its profile; when the browser was killed rather than quit they outlived the run (a worker stopped
+   by a second Ctrl-C left them >20 s). They inherit the environment, so chromedriver starts with
+   `ARPO_BROWSER=<profile dir>` and `close()` also kills every process carrying it (the env pool's
+   reaper does the same by the worker's TMPDIR). `--disable-crashpad-for-testing` would start no
+   handler, but with it chromedriver's page loads time out (Chromium 156, measured).
 8. An episode does not see its predecessor: every reset parks the pointer outside the task area
    (`PARK_POINT`) before the episode starts. The browser keeps the pointer where the last episode
    left it, and a hover there (click-tab's tabs) changed ~1000 pixels of the next episode's first
@@ -85,6 +90,8 @@ from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, oracle_re
 from arpo_core.lock import pid_alive
 
 CHROMIUM_BINARY = "/usr/lib/chromium/chromium"
+BROWSER_MARK = "ARPO_BROWSER"
+"""The environment variable every process of one browser carries: its profile dir (decision 7)."""
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROMIUM_FLAGS = (
     "--headless=new",
@@ -258,7 +265,8 @@ class ChromiumInstance(SeleniumInstance):
         for flag in (*CHROMIUM_FLAGS, *self.extra_flags):
             options.add_argument(flag)
         options.add_argument(f"--user-data-dir={self.user_data_dir}")
-        self.driver = webdriver.Chrome(service=Service(self.chromedriver), options=options)
+        service = Service(self.chromedriver, env={**os.environ, BROWSER_MARK: self.user_data_dir})
+        self.driver = webdriver.Chrome(service=service, options=options)
         self.driver.set_page_load_timeout(self.page_load_timeout_s)
         self._load_page()
 
@@ -314,6 +322,8 @@ class ChromiumInstance(SeleniumInstance):
             except Exception:
                 clean = False
             del self.driver
+        if self.user_data_dir:  # decision 7: the crash handlers, outside the tree, carry the mark
+            leftovers += pids_with_env(BROWSER_MARK, self.user_data_dir)
         for p in leftovers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(p, signal.SIGKILL)
@@ -322,6 +332,21 @@ class ChromiumInstance(SeleniumInstance):
             self.user_data_dir = None
         self.died = True
         return clean
+
+
+def pids_with_env(key: str, value: str) -> list[int]:
+    """Processes (of this user) whose environment holds key=value (from /proc; Linux only)."""
+    needle = f"{key}={value}".encode()
+    out = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                with open(f"/proc/{entry}/environ", "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        out.append(int(entry))
+            except OSError:
+                continue
+    return out
 
 
 def _descendants(pid: int) -> list[int]:
