@@ -394,3 +394,36 @@ def test_ray_survives_the_pool_that_started_it(tmp_path):
     )
     assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
     assert "pool 1 ok" in out.stdout
+
+
+def test_an_env_whose_owner_is_killed_leaves_no_process():
+    """The ground and compare stages use a MiniWoBEnv without the pool; a second Ctrl-C or a SIGKILL of
+    that process gives close() no chance, and its browser's reaper kills what carries the mark."""
+    from test_interrupt import _cmdline
+
+    from arpo_core.envs.miniwob import BROWSER_MARK, pids_with_env
+
+    code = (
+        "from arpo_core.envs.base import TaskSpec\n"
+        "from arpo_core.envs.miniwob import MiniWoBEnv\n"
+        "import time\n"
+        "env = MiniWoBEnv()\n"
+        "env.reset(TaskSpec(domain='miniwob', task_id='click-test', backend='miniwob'), seed=0)\n"
+        "print(env.profile_dir(), flush=True)\n"
+        "time.sleep(120)\n"
+    )
+    owner = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        profile = owner.stdout.readline().strip()
+        assert profile, "the env did not start"
+        mine = pids_with_env(BROWSER_MARK, profile)
+        handlers = [p for p in mine if b"chrome_crashpad_handler" in _cmdline(p)]
+        assert handlers, [_cmdline(p)[:80] for p in mine]
+        for p in handlers:  # as handlers that never notice their browser died
+            os.kill(p, signal.SIGSTOP)
+        owner.kill()
+        owner.wait(timeout=10)
+        assert wait_gone(mine) == [], [_cmdline(p)[:120] for p in mine if alive(p)]
+        assert wait_removed(profile)
+    finally:
+        owner.kill()

@@ -33,7 +33,10 @@ Design decisions:
    its profile; when the browser was killed rather than quit they outlived the run (a worker stopped
    by a second Ctrl-C left them >20 s). They inherit the environment, so chromedriver starts with
    `ARPO_BROWSER=<profile dir>` and `close()` also kills every process carrying it (the env pool's
-   reaper does the same by the worker's TMPDIR). `--disable-crashpad-for-testing` would start no
+   reaper does the same by the worker's TMPDIR). An env used without the pool (the ground and
+   compare stages' probes) has a reaper of its own (`_BROWSER_REAPER`, outside the caller's group)
+   that kills what carries the mark once the caller dies without closing it (a second Ctrl-C, a
+   SIGKILL), and exits when the env is closed. `--disable-crashpad-for-testing` would start no
    handler, but with it chromedriver's page loads time out (Chromium 156, measured).
 8. An episode does not see its predecessor: every reset parks the pointer outside the task area
    (`PARK_POINT`) before the episode starts. The browser keeps the pointer where the last episode
@@ -64,6 +67,8 @@ import contextlib
 import os
 import shutil
 import signal
+import subprocess
+import sys
 import tempfile
 import time
 import urllib.parse
@@ -266,6 +271,11 @@ class ChromiumInstance(SeleniumInstance):
             options.add_argument(flag)
         options.add_argument(f"--user-data-dir={self.user_data_dir}")
         service = Service(self.chromedriver, env={**os.environ, BROWSER_MARK: self.user_data_dir})
+        subprocess.Popen(  # decision 7: nothing of the browser outlives its owner
+            [sys.executable, "-S", "-c", _BROWSER_REAPER, str(os.getpid()), BROWSER_MARK, self.user_data_dir],
+            stdin=subprocess.DEVNULL,
+            start_new_session=True,
+        )
         self.driver = webdriver.Chrome(service=service, options=options)
         self.driver.set_page_load_timeout(self.page_load_timeout_s)
         self._load_page()
@@ -332,6 +342,38 @@ class ChromiumInstance(SeleniumInstance):
             self.user_data_dir = None
         self.died = True
         return clean
+
+
+# Decision 7: waits while the owner lives and the profile dir exists (close() removes it), then kills
+# every process carrying the mark until three sweeps in a row find none (a browser still starting, a
+# close() cut short) and removes the profile. In its own session, so the signal or group kill that took
+# the owner does not take it.
+_BROWSER_REAPER = (
+    "import os, shutil, signal, sys, time\n"
+    "owner, key, profile = int(sys.argv[1]), sys.argv[2], sys.argv[3]\n"
+    "signal.signal(signal.SIGINT, signal.SIG_IGN)\n"
+    "def alive(pid):\n"
+    "    try:\n"
+    "        return open('/proc/%d/stat' % pid).read().rsplit(')', 1)[1].split()[0] != 'Z'\n"
+    "    except OSError:\n"
+    "        return False\n"
+    "while alive(owner) and os.path.isdir(profile):\n"
+    "    time.sleep(0.2)\n"
+    "mark = (key + '=' + profile).encode()\n"
+    "for i in range(50):\n"
+    "    found = []\n"
+    "    for pid in os.listdir('/proc'):\n"
+    "        try:\n"
+    "            if pid.isdigit() and mark in open('/proc/' + pid + '/environ', 'rb').read().split(bytes(1)):\n"
+    "                found.append(int(pid))\n"
+    "                os.kill(int(pid), signal.SIGKILL)\n"
+    "        except OSError:\n"
+    "            pass\n"
+    "    if not found and i >= 2:\n"
+    "        break\n"
+    "    time.sleep(0.2)\n"
+    "shutil.rmtree(profile, ignore_errors=True)\n"
+)
 
 
 def pids_with_env(key: str, value: str) -> list[int]:
