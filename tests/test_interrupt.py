@@ -29,17 +29,9 @@ from proctools import alive, wait_until
 
 def marked(marker: str) -> list[int]:
     """Live processes whose environment holds ARPO_TEST_MARK=marker."""
-    out = []
-    needle = f"ARPO_TEST_MARK={marker}".encode()
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                env = Path(f"/proc/{entry}/environ").read_bytes()
-            except OSError:
-                continue
-            if needle in env.split(b"\0") and alive(int(entry)):
-                out.append(int(entry))
-    return out
+    from arpo_core.envs.miniwob import pids_with_env
+
+    return [p for p in pids_with_env("ARPO_TEST_MARK", marker) if alive(p)]
 
 
 def _cmdline(pid: int) -> bytes:

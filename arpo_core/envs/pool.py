@@ -12,9 +12,8 @@ Design decisions:
    worker to close its env and then kills the group anyway. A worker that is itself SIGKILLed (OOM
    killer; Ray kills the direct children of a dead actor) cannot clean up, so each worker also starts
    a tiny reaper process that waits for the worker's death, kills the group and removes the
-   worker's private TMPDIR (browser profiles; ~2.5 MB each would otherwise pile up in /tmp), then
-   kills whatever still carries TMPDIR=<that dir> in its environment: Chromium's crash handlers,
-   which leave the group (miniwob decision 7).
+   worker's private TMPDIR (browser profiles; ~2.5 MB each would otherwise pile up in /tmp).
+   Chromium's crash handlers leave the group; the browser's own reaper kills them (miniwob decision 7).
    PR_SET_PDEATHSIG was not used: it fires when the *thread* that spawned the child exits, and the
    pool restarts workers from its per-env threads, Ray from arbitrary actor threads.
 3. Errors are results, not exceptions: every call returns an `EnvResult` whose `error` is set when
@@ -142,13 +141,6 @@ _REAPER = (
     "    pass\n"
     "if tmp:\n"
     "    shutil.rmtree(tmp, ignore_errors=True)\n"
-    "    mark = ('TMPDIR=' + tmp).encode()\n"
-    "    for pid in os.listdir('/proc'):\n"
-    "        try:\n"
-    "            if pid.isdigit() and int(pid) != os.getpid() and mark in open('/proc/' + pid + '/environ', 'rb').read().split(bytes(1)):\n"
-    "                os.kill(int(pid), signal.SIGKILL)\n"
-    "        except OSError:\n"
-    "            pass\n"
 )
 
 
