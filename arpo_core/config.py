@@ -366,12 +366,12 @@ class DemosConfig:
     """First env seed of the demos (kept apart from evaluation seeds)."""
     recovery_rate: Annotated[float, Interval(ge=0, le=1)] = 0.5
     """Fraction of episodes (a seeded draw per episode) in which the oracle first misses, clicking empty
-    space, then solves the task: recovery demos teach replies after a history (arpo_core/demos.py)."""
+    space, then solves the task: recovery demos teach replies after a history (arpo_core/demonstrations.py)."""
     max_misses: Annotated[int, Ge(1)] = 2
     """A recovery episode starts with 1..max_misses misses (uniform); the misses are context, not trained."""
     thoughts: Literal["oracle", "brief"] = "brief"
     """The Thought of each demo reply: `oracle` keeps the oracle's own (it names the target, e.g. `The link
-    "cioi" is in the text; I click it.`), `brief` replaces it with one fixed sentence (arpo_core/demos.py
+    "cioi" is in the text; I click it.`), `brief` replaces it with one fixed sentence (arpo_core/demonstrations.py
     decision 9), leaving the policy fewer free-text tokens to reproduce."""
 
 
@@ -578,7 +578,7 @@ class Params:
                 )
 
     def instance_roles(self) -> dict[str, dict[tuple[str, str], set[int]]]:
-        """Per role, {(domain, task family): the env seeds it plays} (pipeline/common.py decision 5):
+        """Per role, {(domain, task family): the env seeds it plays} (pipeline/common.py `instance_roles`):
         `demos` (`demos.seed + k` of every in-domain family), `train` (the pinned in-domain instances),
         `heldout` (`evaluate.seed + k` of every in-domain family, as many as the evaluate stage or the
         evaluations during training play) and `out_of_domain` (the out-of-domain suite's, likewise)."""
@@ -614,7 +614,7 @@ class Params:
         }
 
     def _instance_overlaps(self) -> CrossChecks:
-        """Pipeline/common.py decision 5: no env seed of a task family in two roles."""
+        """pipeline/common.py `instance_roles`: no env seed of a task family in two roles."""
         roles = self.instance_roles()
         keys = {"demos": "demos.seed", "train": "env.in_domain_suite", "heldout": "evaluate.seed"}
         names = list(roles)

@@ -50,7 +50,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from arpo_core.actions import ActionParseError, parse_response
-from arpo_core.offline import lr_factor
+from arpo_core.behaviour_cloning import lr_factor
 from arpo_core.offline_config import GroundTrainConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, build_segments, model_image_size

@@ -1,6 +1,6 @@
 """Configs of the offline training methods (grounding, behaviour cloning, RFT, DPO, KTO), kept free of torch so
 that params.yaml can be parsed and validated without importing the training stack (`arpo params` stays
-fast). The training code lives in grounding.py, offline.py and preference.py.
+fast). The training code lives in grounding.py, behaviour_cloning.py and preference.py.
 
 Ranges are declared on the fields (`Annotated[int, Ge(1)]`, annotated_types) and checked by the params
 loader (`arpo_core.config`); rules across fields are the sections' `cross_checks`, checked there too.

@@ -43,7 +43,7 @@ Decisions:
    `micro_batch_size` weighted by their share of the batch so the step equals one big batch; batches
    are drawn by reshuffling every pass (seeded); an `Engine` (engines.py) does backward and step, so
    DeepSpeed works as for GRPO. Trajectories are encoded per micro-batch (pixel tensors of all of them
-   would not fit in memory at scale, see offline.py). Nothing is logged; each loop returns one metrics
+   would not fit in memory at scale, see behaviour_cloning.py). Nothing is logged; each loop returns one metrics
    dict per optimizer step.
 """
 
@@ -61,9 +61,9 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
+from arpo_core.behaviour_cloning import sft
 from arpo_core.engines import TorchEngine
 from arpo_core.fileio import atomic_write_json
-from arpo_core.offline import sft
 from arpo_core.offline_config import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import (
@@ -348,7 +348,7 @@ def _encoder(
 
 
 def _batches(n: int, size: int, seed: int) -> Callable[[], list[int]]:
-    """Draws `size` indices per call from a reshuffled-every-pass order (offline.py decision 2)."""
+    """Draws `size` indices per call from a reshuffled-every-pass order (behaviour_cloning.py decision 2)."""
     rng = random.Random(seed)
     order: list[int] = []
 

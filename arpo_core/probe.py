@@ -51,7 +51,7 @@ from typing import Any
 
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.dom import SCREEN_SIZE, DomElement
-from arpo_core.evaluate import click_spread, episode_score, first_click
+from arpo_core.evaluation import click_spread, episode_score, first_click
 from arpo_core.grounding import best_constant_click, pearson
 from arpo_core.trajectory import Trajectory
 

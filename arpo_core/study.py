@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo_core.evaluate import episode_score
+from arpo_core.evaluation import episode_score
 from arpo_core.trajectory import Trajectory
 
 __all__ = [
@@ -406,7 +406,7 @@ def instance_effect(
     with 95% intervals over seeds and instances, paired differences, learning curves on the training
     instances, all-fail / filled counts per instance. Arms are named by `flows/study.py`: `arpo_g8`,
     `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind` (the image-blind control)."""
-    from arpo_core.evaluate import _clean
+    from arpo_core.evaluation import _clean
 
     arms: dict[str, list[ArmRun]] = defaultdict(list)
     for r in runs:

@@ -46,7 +46,7 @@ Decisions:
    (train.replay.enabled true / false) play the same first iteration, episode for episode.
 10. Per-task metrics (`task_metrics`) in every iteration's row, so a run shows which tasks triggered
     replay: `task/<domain>/<task_id>/{episodes, success_rate, all_fail_groups, replay_fills,
-    buffer_size}`, names cleaned as evaluate.py's per-task keys are (MLflow's key alphabet).
+    buffer_size}`, names cleaned as evaluation.py's per-task keys are (MLflow's key alphabet).
     `all_fail_groups` counts the complete groups that met the replay trigger (replay.py decision 4; also
     with replay disabled), `replay_fills` those filled from the buffer, `buffer_size` the task's stored
     successes after the iteration's buffer add; `success_rate` is over the task's finished fresh
@@ -419,7 +419,7 @@ _KEY_CHARS = re.compile(r"[^A-Za-z0-9_\-. /]")
 
 
 def _clean(name: str) -> str:
-    """The rule of evaluate.py's per-task keys (MLflow's key alphabet): anything else becomes '_'."""
+    """The rule of evaluation.py's per-task keys (MLflow's key alphabet): anything else becomes '_'."""
     return _KEY_CHARS.sub("_", name)
 
 

@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from soak import SOURCE, VENV_BIN, child_env, copy_project, source_state  # noqa: E402
 
 from arpo_core.config import load_params  # noqa: E402
-from arpo_core.evaluate import summarize  # noqa: E402
+from arpo_core.evaluation import summarize  # noqa: E402
 from arpo_core.pipeline.table import upstream  # noqa: E402
 from arpo_core.probe import paired_difference  # noqa: E402
 from arpo_core.trajectory import Trajectory, read_trajectories  # noqa: E402

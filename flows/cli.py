@@ -93,8 +93,8 @@ STUDY_OUT_OPT = typer.Option(
     None,
     "--out",
     "-o",
-    help="JSON to write (default benchmarks/results/replay_effect.json, or replay_instances.json for a suite "
-    "of pinned instances)",
+    help="JSON to write (default benchmarks/results/replay_effect.json; for a suite of pinned instances "
+    "replay_<preset>.json when the preset is named replay-<x>, else replay_instances.json)",
 )
 DVC_OUT_OPT = typer.Option(Path("dvc.yaml"), "--out", "-o", help="file to write")
 DVC_CHECK_OPT = typer.Option(False, "--check", help="only check that the file equals the stage table's")
@@ -315,7 +315,10 @@ def study(
 
     p = _load(params, [], preset)
     if any(t.pinned for t in load_suite(p.env.in_domain_suite)):
-        out = out or Path("benchmarks/results/replay_instances.json")
+        name = (preset or "replay-instances").replace("-", "_")  # replay-rare -> replay_rare.json
+        out = out or Path(
+            f"benchmarks/results/{name if name.startswith('replay_') else 'replay_instances'}.json"
+        )
         try:
             doc = instance_study(experiment or p.project.name, out, p.env.in_domain_suite, variant, reps)
         except FileNotFoundError as e:

@@ -49,7 +49,7 @@ class PolicyModel(PythonModel):
     prompt; output: the greedy replies, one string per row."""
 
     def load_context(self, context):  # no hints: MLflow validates predict input by them
-        from arpo_core.pipeline.common import resolve_policy
+        from arpo_core.pipeline.policies import resolve_policy
         from arpo_core.policy.model import load_policy
 
         self.config = dict(context.model_config or {})

@@ -6,7 +6,7 @@ Decisions:
    named after the stage, call the stage's task (tasks/stages.py) with the stage table's arguments, write
    `metrics/<stage>.json`, log params, metrics and artifacts, write the stage stamp (flows/spec.py),
    close the run FINISHED or FAILED. Nothing here depends on which stage it is: what differs between
-   stages is in the stage table or in the stage module's optional `epoch_history` / `artifacts`.
+   stages is in the stage object (arpo_core/pipeline/stage.py): its fields and tracking hooks.
 2. `call(task, ...)` runs a Prefect task as a task run inside a flow run, and as its plain function
    (`task.fn`) outside one. DVC stages run outside Prefect: a flow run needs an API server, and a
    temporary one costs 10-20 s per process on this machine (measured), 8x per `dvc repro`. So under
@@ -28,17 +28,17 @@ Decisions:
    which lives in the staging area while it runs); an attempt with another key empties it first, so
    the train stage never "resumes" an ARPO run's finished epochs as a GRPO run. The price: room for the
    old and the new outputs until the swap.
-5. A stage module with `epoch_history(outputs...)` (train) has its per-epoch rows logged at
+5. A stage with an `epoch_history(outputs...)` hook (train) has its per-epoch rows logged at
    step = epoch and written to `plots/<stage>_epochs.csv` (the columns DVC plots); per-iteration
    metrics go to MLflow under `iter/<key>` through the task's `on_metrics` hook.
 6. Params are parsed once per process for a given (file contents, preset, overrides): the pipeline flow
    and every stage flow it calls share the same `Params` object (`load_params_once`).
 7. What a run logs: its effective params (own + upstream, flows/spec.py decision 4) plus the stage
-   module's `tracked_params(p)` where it has one (the trained policy's `method`); the summary metrics
+   stage's `tracked_params(p)` hook where it has one (the trained policy's `method`); the summary metrics
    to `metrics/<stage>.json` and the breakdowns to `metrics/details/<stage>.json` (spec decision 5),
    all of them to MLflow; each `policy` artifact as an MLflow model (flows/policy_model.py) linked to
    the run's metrics; the evaluations' metrics linked to the models of the stages that produced the
-   evaluated policies (the stage module's `MODEL_INPUTS`, role -> input argument).
+   evaluated policies (the stage's `model_inputs`, role -> input argument).
 8. Inside a Prefect flow run each stage publishes artifacts: a Markdown summary (variant, headline
    metrics, MLflow run) and, where it evaluated policies, a table of success per role, mode and split.
 9. Viewer pages of a stage are rewritten as a whole: the stage's page directory is emptied first, so a
@@ -49,10 +49,10 @@ Decisions:
    the same preset were two runs named `quick` (issue 34 item 6).
 11. The metric a user compares first comes first in MLflow (issue 32 item 3). MLflow's compare page
    plots the first metric key in sort order and its chart view opens on the section of keys without a
-   `/`; a stage module's `headline(p, metrics)` (evaluate, rft / dpo / kto, train, compare) gives that
+   `/`; a stage's `headline(p, metrics)` hook (evaluate, rft / dpo / kto, train, compare) gives that
    metric again under a key with no `/` and a leading `_`, which sorts before every `eval/...` key:
    `_success_rate` (the trained policy's greedy in-domain success), `_delta_vs_base` (compare: the
-   trained arm's paired delta), `_rollout_success_rate` (train). A stage run whose module tracks a
+   trained arm's paired delta), `_rollout_success_rate` (train). A stage run that tracks a
    `method` different from the stage's name is named with it, `evaluate · grpo`, `train · arpo`,
    `compare · arpo`, so the runs list tells the arms apart (before: all named `evaluate`).
 """
@@ -61,7 +61,6 @@ from __future__ import annotations
 
 import csv
 import hashlib
-import importlib
 import os
 import shutil
 import time
@@ -236,7 +235,6 @@ class StageRun:
     ) -> None:
         self.name = name
         self.spec: Stage = SPECS[name]
-        self.module = importlib.import_module(f"arpo_core.pipeline.{self.spec.module}")
         self.root = Path(".")
         self.p = p if p is not None else load_params_once(params, list(overrides or ()), preset=preset)
         self.variant = variant_name(preset, overrides, os.environ.get("DVC_EXP_NAME"))
@@ -279,9 +277,8 @@ class StageRun:
             result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration, staged)
             commit_outputs(list(self._outputs().values()))
             metrics = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
-            headline = getattr(self.module, "headline", None)
-            if headline is not None:  # decision 11
-                metrics.update(headline(self.p, metrics))
+            if self.spec.headline is not None:  # decision 11
+                metrics.update(self.spec.headline(self.p, metrics))
             metrics[f"time/{self.name}_s"] = time.monotonic() - t0
             summary, details = split_metrics(metrics)
             atomic_write_json(self.root / self.spec.metrics, summary, sort_keys=True)
@@ -305,7 +302,7 @@ class StageRun:
 
     def params(self) -> dict[str, Any]:
         """Decision 7: what this run logs as params."""
-        extra = getattr(self.module, "tracked_params", None)
+        extra = self.spec.tracked_params
         return {**effective_params(self.p, self.spec), **(extra(self.p) if extra else {})}
 
     def _log_iteration(self, step: int, metrics: dict[str, float]) -> None:
@@ -333,10 +330,9 @@ class StageRun:
     def _log_results(self, metrics: dict[str, float]) -> None:
         c, run_id = self.client, self.run_id
         assert run_id is not None
-        history = getattr(self.module, "epoch_history", None)
         last = 0
-        if history is not None:  # decision 5
-            rows = history(**self._outputs())
+        if self.spec.epoch_history is not None:  # decision 5
+            rows = self.spec.epoch_history(**self._outputs())
             for row in rows:
                 tracking.log_metrics(c, run_id, row, step=int(row.get("epoch", 0)))
             plot = self.root / "plots" / f"{self.name}_epochs.csv"
@@ -366,11 +362,10 @@ class StageRun:
 
     def _log_linked_metrics(self, metrics: dict[str, float]) -> None:
         """Decision 7: metrics of role `r` (`eval/r/...`) linked to the model of the stage whose output
-        the module's `MODEL_INPUTS[r]` argument reads; the rest plainly."""
+        the stage's `model_inputs[r]` argument reads; the rest plainly."""
         assert self.run_id is not None
-        roles = getattr(self.module, "MODEL_INPUTS", {})
         rest = dict(metrics)
-        for role, arg in roles.items():
+        for role, arg in self.spec.model_inputs.items():
             model_id = self._upstream_model(self.spec.inputs.get(arg))
             mine = {k: v for k, v in metrics.items() if k.startswith(f"eval/{role}/")}
             if model_id and mine:
@@ -405,10 +400,9 @@ class StageRun:
         self.model_ids[name] = log_policy_model(uri, self.run_id, path, name, config, step=step)
 
     def _artifacts(self) -> list[tuple[Path, str]]:
-        """(path, artifact dir): the module's own list, or every output under its table path."""
-        custom = getattr(self.module, "artifacts", None)
-        if custom is not None:
-            return custom(**self._outputs())
+        """(path, artifact dir): the stage's `list_artifacts`, or every output under its table path."""
+        if self.spec.list_artifacts is not None:
+            return self.spec.list_artifacts(**self._outputs())
         return [(self.root / rel, self.spec.artifacts.get(rel, rel)) for rel in self.spec.outs]
 
     def _write_viewers(self) -> list[Path]:

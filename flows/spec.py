@@ -34,7 +34,8 @@ from typing import Any
 
 from arpo_core.config import Params, to_dict
 from arpo_core.fileio import atomic_write_json
-from arpo_core.pipeline.table import STAGE_NAMES, STAGES, Stage
+from arpo_core.pipeline.table import BY_NAME, STAGE_NAMES, STAGES, Stage
+from arpo_core.pipeline.table import upstream as table_upstream
 
 __all__ = [
     "SPECS",
@@ -53,8 +54,8 @@ __all__ = [
     "write_stamp",
 ]
 
-SPECS: dict[str, Stage] = {s.name: s for s in STAGES}
-"""The stage table's rows by name (arpo_core/pipeline/table.py)."""
+SPECS: dict[str, Stage] = BY_NAME
+"""The stage table's rows by name (arpo_core/pipeline/table.py `BY_NAME`, the same dict)."""
 
 
 # ------------------------------------------------------------------------------------------------
@@ -87,18 +88,9 @@ def stage_params(p: Params, spec: Stage) -> dict[str, Any]:
 
 def upstream(spec: Stage) -> tuple[Stage, ...]:
     """Every stage whose outputs `spec` reads, directly or through other stages, in table order
-    (decision 4). `upstream(SPECS['evaluate'])` -> init_policy, ground, demos, sft, baseline, select,
-    train."""
-    producer = {out: s for s in STAGES for out in s.outs}
-    seen: set[str] = set()
-    todo = [spec]
-    while todo:
-        for path in todo.pop().input_paths:
-            s = producer.get(path)
-            if s is not None and s.name not in seen:
-                seen.add(s.name)
-                todo.append(s)
-    return tuple(s for s in STAGES if s.name in seen)
+    (decision 4; the table's one graph walk). `upstream(SPECS['evaluate'])` -> init_policy, ground,
+    demos, sft, baseline, select, train."""
+    return tuple(SPECS[n] for n in table_upstream([spec.name]) if n != spec.name)
 
 
 def effective_params(p: Params, spec: Stage) -> dict[str, Any]:

@@ -35,7 +35,7 @@ def _stage_flow(s: Stage) -> Flow:
     ) -> dict[str, float]:
         return StageRun(s.name, params, preset, overrides, pipeline_id, parent_run_id=parent_run_id).execute()
 
-    run_stage_flow.__doc__ = f"Stage `{s.name}`: arpo_core.pipeline.{s.module}.run, tracked in MLflow."
+    run_stage_flow.__doc__ = f"Stage `{s.name}`: {s.module}.run, tracked in MLflow."
     return flow(run_stage_flow, name=s.name, log_prints=True, flow_run_name=run_name(s.name))
 
 

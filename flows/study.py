@@ -37,13 +37,15 @@ __all__ = ["gather", "instance_study", "write_instance_study", "write_study"]
 
 
 def _arm(params: dict[str, str]) -> str:
-    """Decision 1: method and group size, then `_preload` (train.replay.preload baseline) and `_blind`
-    (train.image_blind) where set: `arpo_g8`, `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind`."""
-    method = "arpo" if params.get("train.replay.enabled") == "True" else "grpo"
-    name = f"{method}_g{params.get('train.group_size', '?')}"
+    """Decision 1: the run's logged `method` (arpo_core/pipeline/common.py `method_name`, the one rule)
+    with the group size after the method, and `_preload` (train.replay.preload baseline) before `_blind`:
+    `arpo_g8`, `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind`."""
+    method = params.get("method", "?")
+    base, blind = method.removesuffix("_blind"), method.endswith("_blind")
+    name = f"{base}_g{params.get('train.group_size', '?')}"
     if params.get("train.replay.preload", "none") not in ("none", "null", "None"):
         name += f"_{params['train.replay.preload'].replace('baseline', 'preload')}"
-    return name + ("_blind" if params.get("train.image_blind") == "True" else "")
+    return name + ("_blind" if blind else "")
 
 
 def _newest(c: Any, experiment: str, stage: str, suite: str | None = None) -> Any | None:

@@ -1,8 +1,8 @@
 """Prefect tasks around the pipeline stages: one task per row of the stage table, paths in, metrics back.
 
 Decisions:
-1. Thin: a task imports the stage's module (`arpo_core.pipeline.<module>`) and calls its `run` with the
-   params and the keyword arguments the stage table gives (paths under the project root). No logic lives
+1. Thin: a task calls the stage object's `run` (arpo_core/pipeline/stage.py) with the params and the
+   keyword arguments the stage table gives (paths under the project root). No logic lives
    here that `arpo stage NAME` would miss.
 2. Retries with exponential back-off only for stages the table marks `envs` (browsers crash, a reset
    times out). Building the policy, grounding, SFT and task selection are deterministic CPU work; a
@@ -20,7 +20,6 @@ Decisions:
 
 from __future__ import annotations
 
-import importlib
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -53,11 +52,10 @@ def run_stage(
     """Run stage `name`'s `run(p, **table arguments)` (decision 1); returns its metrics. `outputs`
     replaces the table's output paths (the runner's staging paths, flows/runner.py decision 4)."""
     s = stage(name)
-    module = importlib.import_module(f"arpo_core.pipeline.{s.module}")
     kwargs = s.kwargs(root) | dict(outputs or {})
     if s.iterations:
         kwargs["on_metrics"] = on_metrics
-    return module.run(p, **kwargs)
+    return s.run(p, **kwargs)
 
 
 def retry_unless_not_retryable(task: Task, task_run: Any, state: State) -> bool:

@@ -137,3 +137,13 @@ def wait_http(
 def run(cmd: list[str], cwd: Path, env: dict[str, str], timeout: float) -> subprocess.CompletedProcess:
     """Run to completion; the output is returned (and shown on failure by the caller's assert)."""
     return subprocess.run(cmd, cwd=cwd, env=env, capture_output=True, text=True, timeout=timeout)
+
+
+def replace_stage_run(monkeypatch, name: str, run) -> None:
+    """Stage `name` runs `run` instead of its module's function for this test: the stage objects are
+    frozen and the front doors look stages up in one dict (arpo_core/pipeline/table.py `BY_NAME`)."""
+    import dataclasses
+
+    from arpo_core.pipeline.table import BY_NAME
+
+    monkeypatch.setitem(BY_NAME, name, dataclasses.replace(BY_NAME[name], run=run))

@@ -13,7 +13,7 @@ from rollout_configs import rollout_cfg
 
 from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvResult
-from arpo_core.evaluate import (
+from arpo_core.evaluation import (
     Z95,
     click_spread,
     episode_score,

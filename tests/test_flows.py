@@ -59,7 +59,9 @@ def test_stage_params_flattens_sections_and_keeps_cross_keys():
     assert got["select.min_successes"] == 3
     assert got["env.in_domain_suite"] == "x.yaml"
     assert "env.n_envs" not in got  # operational settings are not inputs (spec decision 2)
-    assert all(k.startswith(("select.", "env.in_domain_suite", "env.kind")) for k in got)
+    assert all(
+        k.startswith(("select.", "env.in_domain_suite", "env.out_of_domain_suite", "env.kind")) for k in got
+    )
 
 
 def test_fingerprint_tracks_content_and_names_but_not_bytecode(tmp_path):
@@ -423,7 +425,7 @@ def test_failed_stage_marks_run_failed_and_keeps_marker(tmp_path, monkeypatch):
     def boom(*_, **__):
         raise RuntimeError("env died")
 
-    monkeypatch.setattr("arpo_core.pipeline.select.run", boom)
+    oh.replace_stage_run(monkeypatch, "select", boom)
     with pytest.raises(RuntimeError, match="env died"):
         StageRun("select", preset="quick").execute()
     (row,) = tracking.run_rows(tracking.client("."), "arpo-embedded", "select")
@@ -632,7 +634,7 @@ def test_stage_runs_name_their_arm_and_lead_with_their_headline(tmp_path, monkey
         },
     }
     for stage, metrics in fake.items():
-        monkeypatch.setattr(f"arpo_core.pipeline.{stage}.run", lambda *_, m=metrics, **__: dict(m))
+        oh.replace_stage_run(monkeypatch, stage, lambda *_, m=metrics, **__: dict(m))
         StageRun(stage, preset="quick", overrides=["train.replay.enabled=false"]).execute()
     c = tracking.client(".")
     want = {"evaluate": ("_success_rate", 0.625), "compare": ("_delta_vs_base", 0.125)}

@@ -14,7 +14,7 @@ import yaml
 
 from arpo_core.config import ConfigError, GroundPhase, load_params, parse_params, to_dict
 from arpo_core.grounding import GroundConfig
-from arpo_core.pipeline import common, ground, init_policy
+from arpo_core.pipeline import ground, init_policy, policies
 from arpo_core.policy.model import load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,7 +187,7 @@ def test_a_pretrained_pointer_passes_through_over_the_checkpoint(init_dir, tmp_p
     init_policy.run(p, tmp_path / "init")
     m = ground.run(p, tmp_path / "init", tmp_path / "g")
     assert m == {"ground/pretrained": 1.0}
-    assert common.resolve_policy(tmp_path / "g") == init_dir.resolve()
+    assert policies.resolve_policy(tmp_path / "g") == init_dir.resolve()
 
 
 def test_unknown_level_fails_before_any_work(init_dir, tmp_path):

@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from arpo_core.config import ConfigError, load_params
-from arpo_core.evaluate import eval_jobs
+from arpo_core.evaluation import eval_jobs
 from arpo_core.pipeline.baseline import baseline_jobs
 from arpo_core.pipeline.common import evaluation_tasks, instance_episodes, suite_tasks
 from arpo_core.pipeline.demos import demo_jobs

@@ -113,3 +113,13 @@ def test_no_import_cycle_among_arpo_core_modules():
     level or inside a function: a cycle makes import order matter and hides a missing layer."""
     graph = {name: _imports(name, path) for name, path in MODULES.items()}
     assert _cycles(graph) == []
+
+
+def test_no_two_arpo_core_modules_share_a_basename():
+    """`evaluate.py` in arpo_core/ and in pipeline/ (likewise demos.py, offline.py) made every mention of
+    a module by file name ambiguous and "go to file" offer two; package `__init__.py` files aside."""
+    seen: dict[str, list[str]] = {}
+    for path in FILES:
+        if path.name != "__init__.py":
+            seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
+    assert {k: v for k, v in seen.items() if len(v) > 1} == {}

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from arpo_core.offline import SFTConfig, masked_mean_nll, sft
+from arpo_core.behaviour_cloning import SFTConfig, masked_mean_nll, sft
 from arpo_core.policy.generate import HFGenerator
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.policy.prompt import PromptInput, Reply
@@ -136,7 +136,7 @@ def test_sft_rejects_empty(tmp_path):
 
 
 def recovery_demos() -> list[Trajectory]:
-    """The demos with a deliberate miss in front (a recovery demo, arpo_core/demos.py): the miss is
+    """The demos with a deliberate miss in front (a recovery demo, arpo_core/demonstrations.py): the miss is
     context (train_reply False), the oracle's replies after it are the targets."""
     out = []
     for t in demos():

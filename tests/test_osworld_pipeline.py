@@ -20,7 +20,7 @@ PRESET = oh.ROOT / "presets" / "osworld-local.yaml"
 SUITE = "data/suites/osworld_local.yaml"
 CI_SUITE = "data/suites/osworld_ci.yaml"
 # Two own tasks (one infeasible) in-domain, two OSWorld `os` tasks out-of-domain (one infeasible): one
-# file named as both suites, divided by the tasks' split (pipeline/common.py decision 3).
+# file named as both suites, divided by the tasks' split (pipeline/common.py `suite_tasks`).
 CI_TASKS = (
     "terminal-mkdir",
     "window-open-terminal",

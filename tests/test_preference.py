@@ -10,7 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from arpo_core.offline import SFTConfig
+from arpo_core.behaviour_cloning import SFTConfig
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.preference import (
     DPOConfig,

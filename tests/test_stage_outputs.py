@@ -42,7 +42,6 @@ def test_a_failed_stage_leaves_its_previous_outputs_and_stamp_as_they_were(proje
     """Before: the outputs of the previous configuration were deleted before the stage ran, so a failure
     (here disk full half-way through writing the weights) left nothing, or half a policy."""
     from arpo_core.config import load_params
-    from arpo_core.pipeline import init_policy
 
     def write(version: str, fail: bool = False):
         def run(p, out_dir):
@@ -53,7 +52,7 @@ def test_a_failed_stage_leaves_its_previous_outputs_and_stamp_as_they_were(proje
             (Path(out_dir) / "vocab.txt").write_text(version)
             return {"init_policy/parameters": 1.0}
 
-        monkeypatch.setattr(init_policy, "run", run)
+        oh.replace_stage_run(monkeypatch, "init_policy", run)
 
     write("v1")
     StageRun("init_policy", preset="quick").execute()
@@ -78,7 +77,6 @@ def test_a_retry_with_the_same_key_resumes_from_its_staged_outputs_another_key_s
     project, monkeypatch
 ):
     """What keeps train's resume working: its checkpoints live in the staging directory while it runs."""
-    from arpo_core.pipeline import init_policy
 
     seen: list[tuple[str, list[str]]] = []
 
@@ -91,7 +89,7 @@ def test_a_retry_with_the_same_key_resumes_from_its_staged_outputs_another_key_s
             raise RuntimeError("killed")
         return {"init_policy/parameters": 1.0}
 
-    monkeypatch.setattr(init_policy, "run", attempt)
+    oh.replace_stage_run(monkeypatch, "init_policy", attempt)
     with pytest.raises(RuntimeError):
         StageRun("init_policy", preset="quick").execute()
     StageRun("init_policy", preset="quick").execute()  # same key: sees part1

@@ -11,7 +11,7 @@ import torch
 from PIL import Image
 
 from arpo_core.config import ConfigError, load_params
-from arpo_core.pipeline import common, demos, init_policy, offline, select, sft
+from arpo_core.pipeline import demos, init_policy, offline, policies, select, sft
 from arpo_core.policy.model import load_policy
 from arpo_core.selection import read_selection
 from arpo_core.trajectory import Step, Trajectory, png_bytes, write_trajectories
@@ -105,7 +105,7 @@ def test_pretrained_pointer_is_followed(workdir, tmp_path):
     p = params(f"init_policy.pretrained={workdir / 'init'}")
     m = init_policy.run(p, tmp_path / "init")
     assert m == {"init_policy/pretrained": 1.0}
-    assert common.resolve_policy(tmp_path / "init") == (workdir / "init").resolve()
+    assert policies.resolve_policy(tmp_path / "init") == (workdir / "init").resolve()
     with pytest.raises(ConfigError, match=r"init_policy\.pretrained = .* is not a checkpoint"):
         params(f"init_policy.pretrained={tmp_path / 'nothing'}")
 
@@ -131,7 +131,7 @@ def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
 
     init_policy.run(params(f"init_policy.pretrained={workdir / 'init'}"), tmp_path / "pointer")
     sft.run(p, tmp_path / "pointer", tmp_path / "demos", tmp_path / "base2")
-    assert common.resolve_policy(tmp_path / "base2") == (workdir / "init").resolve()
+    assert policies.resolve_policy(tmp_path / "base2") == (workdir / "init").resolve()
 
     write_trajectories(tmp_path / "some" / "demos.parquet", [traj("click-test", 0, 1.0, 20)])
     with pytest.raises(ValueError, match=r"episodes_per_task is 0 but .* holds 1 demos"):
@@ -141,7 +141,7 @@ def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
 def test_demos_stage_reports_the_env_faults_of_its_pool(tmp_path, monkeypatch):
     """Faults while the oracles play become demos/faults/<kind> (as rollouts' rollout/faults/<kind>), the
     ones the pool finds when it closes included (rollouts.py decision 5)."""
-    from arpo_core.demos import DemoResult
+    from arpo_core.demonstrations import DemoResult
 
     class Pool:
         closed = False
@@ -196,11 +196,11 @@ def test_sft_grows_the_policy_before_cloning_and_rft_refuses_to(workdir, tmp_pat
 
 
 def test_pixel_budget_reads_both_layouts(workdir, tmp_path):
-    assert common.pixel_budget(workdir / "init") == (3136, 200704)
+    assert policies.pixel_budget(workdir / "init") == (3136, 200704)
     (tmp_path / "preprocessor_config.json").write_text(json.dumps({"min_pixels": 256, "max_pixels": 2116800}))
-    assert common.pixel_budget(tmp_path) == (256, 2116800)
+    assert policies.pixel_budget(tmp_path) == (256, 2116800)
     with pytest.raises(FileNotFoundError, match="no image processor config"):
-        common.pixel_budget(tmp_path / "missing")
+        policies.pixel_budget(tmp_path / "missing")
 
 
 @pytest.mark.slow

@@ -246,3 +246,20 @@ def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, mon
     tracking.finish_run(c, tracking.start_run(c, exp, "baseline", tags={"arpo.stage": "baseline"}), ok=True)
     with pytest.raises(FileNotFoundError, match=r"no finished evaluate run: .*dvc exp run evaluate"):
         gather("study", root=str(tmp_path))
+
+
+def test_an_arm_is_named_from_the_runs_logged_method():
+    """One method-name rule (pipeline/policies.py `method_name`, logged as the run's `method`): the
+    study reads that param instead of re-deriving it from `train.replay.enabled` strings."""
+    from flows.study import _arm
+
+    assert _arm({"method": "arpo", "train.group_size": "8", "train.replay.preload": "none"}) == "arpo_g8"
+    assert _arm({"method": "grpo", "train.group_size": "4"}) == "grpo_g4"
+    assert (
+        _arm({"method": "arpo", "train.group_size": "8", "train.replay.preload": "baseline"})
+        == "arpo_g8_preload"
+    )
+    assert (
+        _arm({"method": "arpo_blind", "train.group_size": "8", "train.replay.enabled": "False"})
+        == "arpo_g8_blind"
+    )

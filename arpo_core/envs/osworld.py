@@ -20,7 +20,7 @@ Design decisions:
    Local suite tasks may carry an extra `oracle` key (or the suite entry a `config.oracle`): scripted
    UI-TARS replies in 0-1000 relative screen coordinates, one per step, so one script holds at any screen
    size. OSWorld ignores the key; `oracle_actions` serves them in screen pixels and `oracle_reply` in the
-   model-image frame (what `arpo_core.demos` and the rollout code parse and map back).
+   model-image frame (what `arpo_core.demonstrations` and the rollout code parse and map back).
 4. Scoring follows OSWorld's `DesktopEnv.evaluate`, then docs/method.md §1: postconfig steps run first;
    an `infeasible` task scores 1 iff the agent's last action is FAIL (`rewards.infeasible_score`); a
    feasible task whose last action is FAIL scores 0; otherwise the evaluator decides
@@ -646,7 +646,7 @@ class OSWorldEnv:
 
     def dom_elements(self) -> None:
         """A desktop serves no DOM (MiniWoB's envs do): None, so callers such as the demos' recovery
-        misses (arpo_core/demos.py) skip what needs one instead of failing the worker."""
+        misses (arpo_core/demonstrations.py) skip what needs one instead of failing the worker."""
         return None
 
     def _oracle_replies(self) -> list[str]:

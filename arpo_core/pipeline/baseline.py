@@ -9,12 +9,14 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
-from arpo_core.pipeline.common import progress_bar, resolve_policy, setup_torch, suite_tasks
+from arpo_core.pipeline.common import progress_bar, suite_tasks
+from arpo_core.pipeline.policies import resolve_policy, setup_torch
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
+from arpo_core.pipeline.stage import ROLLOUT, SUITES, TASK_DATA, Stage
 from arpo_core.rollout import EpisodeJob, run_episodes
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["baseline_jobs", "run"]
+__all__ = ["STAGE", "baseline_jobs", "run"]
 
 
 def baseline_jobs(p: Params) -> list[EpisodeJob]:
@@ -45,3 +47,15 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     write_trajectories(Path(out_dir) / "in_domain.parquet", res.trajectories)
     metrics = {k.replace("rollout/", "baseline/"): v for k, v in res.metrics.items()}
     return metrics | pool_faults(pool, "baseline/faults")  # the close's too (rollouts.py decision 5)
+
+
+STAGE = Stage(
+    "baseline",
+    run=run,
+    params=("baseline", *ROLLOUT, *SUITES),
+    inputs={"policy_dir": "models/base"},
+    outputs={"out_dir": "data/baseline"},
+    artifacts={"data/baseline": "trajectories"},
+    data=TASK_DATA,
+    envs=True,
+)

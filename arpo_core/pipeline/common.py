@@ -1,20 +1,16 @@
-"""What several pipeline stages share: the torch setup, the suites, the policy's checkpoint and pixel
-budget, the method label. Env pools and rollout settings are in `rollouts.py` (only env stages import it).
+"""What several pipeline stages share about tasks: the suites, the evaluation splits, the roles of pinned
+instances, a progress bar. The policy's checkpoint, pixel budget and method label are in `policies.py`;
+env pools and rollout settings in `rollouts.py` (only env stages import it).
 
 Decisions:
-1. A pretrained checkpoint (e.g. UI-TARS-1.5-7B) is never copied: `init_policy` writes a pointer file
-   (`pretrained.json`) and `resolve_policy` follows it.
-2. The trained policy is named by its method everywhere (`method_name`): `arpo` with experience replay,
-   `grpo` without (`arpo_blind`, `grpo_blind` for the image-blind arm), so the arms of an ablation never
-   share a label.
-3. Suites are read by their own backend (`suite_tasks`): an OSWorld suite (`backend: osworld`) through
+1. Suites are read by their own backend (`suite_tasks`): an OSWorld suite (`backend: osworld`) through
    `load_osworld_suite`, which loads each task's OSWorld JSON; any other through `load_suite`. One file
    named as both suites (`env.in_domain_suite == env.out_of_domain_suite`, e.g. the 17 local desktop
    tasks) is divided by its tasks' own `split`: the in-domain suite is its `in_domain` tasks, the
    out-of-domain suite every other task, labelled `out_of_domain` (the split the metrics name). With
    `env.out_of_domain_suite: null` there is no held-out suite: every task of the in-domain file is
    in-domain (labelled so), whatever its own split says, and the out-of-domain suite is empty.
-4. Evaluation splits (`evaluation_tasks`): a suite whose tasks are families (every episode a fresh
+2. Evaluation splits (`evaluation_tasks`): a suite whose tasks are families (every episode a fresh
    instance) is evaluated as `in_domain` and `out_of_domain`, each task on `evaluate.episodes_per_task`
    fresh instances. A suite of pinned instances (suites.py decision 3, the paper's protocol) is
    evaluated in three splits: `train`, the instances the train stage trains on (the selection's, when
@@ -22,14 +18,13 @@ Decisions:
    on fresh instances (`evaluate.seed + k`: generalisation to unseen instances); and `out_of_domain`.
    A pinned instance plays one greedy episode (a greedy episode of a fixed instance is determined by
    it) and `evaluate.samples_per_instance` sampled ones.
-5. Instances are disjoint by role (`instance_roles`): per task family, the env seeds of demonstrations,
+3. Instances are disjoint by role (`instance_roles`): per task family, the env seeds of demonstrations,
    of the pinned training instances and of held-out evaluation never meet (checked when params load,
    `Params.cross_checks`, and by a test on every preset).
 """
 
 from __future__ import annotations
 
-import json
 import os
 from dataclasses import replace
 from pathlib import Path
@@ -43,36 +38,13 @@ from arpo_core.suites import families
 
 __all__ = [
     "HELDOUT_SPLIT",
-    "POINTER",
     "TRAIN_SPLIT",
     "evaluation_tasks",
     "instance_episodes",
-    "method_name",
-    "pixel_budget",
     "progress_bar",
-    "resolve_policy",
-    "setup_torch",
     "suite_tasks",
     "training_tasks",
 ]
-
-POINTER = "pretrained.json"
-
-
-def setup_torch(p: Params) -> None:
-    """torch intra-op threads (`project.torch_threads`)."""
-    import torch
-
-    torch.set_num_threads(p.project.torch_threads)
-
-
-def resolve_policy(path: str | os.PathLike) -> Path:
-    """A checkpoint directory, following `init_policy`'s pointer file for pretrained models."""
-    path = Path(path)
-    pointer = path / POINTER
-    if pointer.exists():
-        return Path(json.loads(pointer.read_text())["path"])
-    return path
 
 
 def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
@@ -147,25 +119,3 @@ def instance_episodes(p: Params, temperature: float) -> int:
 def progress_bar(total: int, desc: str) -> Any:
     """A tqdm bar that redraws at most every 2 s (logs stay short)."""
     return tqdm(total=total, desc=desc, dynamic_ncols=True, mininterval=2.0)
-
-
-def pixel_budget(policy_dir: Path) -> tuple[int, int]:
-    """(min_pixels, max_pixels) of a checkpoint's image processor without loading the model: from
-    `processor_config.json` (the tiny layout) or `preprocessor_config.json` (Qwen/UI-TARS layout)."""
-    for name in ("processor_config.json", "preprocessor_config.json"):
-        f = policy_dir / name
-        if f.exists():
-            proc = json.loads(f.read_text())
-            proc = proc.get("image_processor", proc)
-            size = proc.get("size") or {}
-            lo = size.get("shortest_edge", proc.get("min_pixels"))
-            hi = size.get("longest_edge", proc.get("max_pixels"))
-            if lo is not None and hi is not None:
-                return int(lo), int(hi)
-    raise FileNotFoundError(f"{policy_dir}: no image processor config with min/max pixels")
-
-
-def method_name(p: Params) -> str:
-    """Decision 2: 'arpo' with experience replay, 'grpo' without; '_blind' appended for the image-blind
-    control arm (`train.image_blind`)."""
-    return ("arpo" if p.train.replay.enabled else "grpo") + ("_blind" if p.train.image_blind else "")

@@ -26,7 +26,7 @@ Decisions:
    from `models/arpo/trajectories`, without the screenshots), with its rate, interval and paired delta
    against the reference on those tasks' shared instances. No training rollouts (or none stored): no cell.
    A suite of pinned instances needs no such cell: its `train` split is exactly the instances trained on.
-7. Splits are the evaluation's (common decision 4), in the order train, in_domain, heldout,
+7. Splits are the evaluation's (common.py `evaluation_tasks`), in the order train, in_domain, heldout,
    out_of_domain. The image-blind ceiling of a split of task families is decision 2's; of the `train`
    split (pinned instances) it is the best constant first click per task FAMILY over its pinned
    instances (one reset each): a policy that ignores both the screen and the instruction. A policy
@@ -45,10 +45,12 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
-from arpo_core.evaluate import split_map, summarize
+from arpo_core.evaluation import split_map, summarize
 from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
-from arpo_core.pipeline.common import TRAIN_SPLIT, evaluation_tasks, method_name, training_tasks
-from arpo_core.pipeline.offline import SKIPPED
+from arpo_core.pipeline.common import TRAIN_SPLIT, evaluation_tasks, training_tasks
+from arpo_core.pipeline.offline import METHODS, SKIPPED
+from arpo_core.pipeline.policies import method_name
+from arpo_core.pipeline.stage import SUITES, TASK_DATA, Stage
 from arpo_core.trajectory import Trajectory, read_trajectories
 
 __all__ = [
@@ -424,6 +426,26 @@ def run(
 
 def _key(task_id: str) -> str:
     """A task id as evaluate.summarize writes it into metric keys (MLflow's alphabet)."""
-    from arpo_core.evaluate import _clean
+    from arpo_core.evaluation import _clean
 
     return _clean(task_id)
+
+
+STAGE = Stage(
+    "compare",
+    run=run,
+    params=("compare", "evaluate", "train.use_selection", *SUITES),
+    inputs={
+        "eval_dirs": ("data/eval", *(f"data/eval_{m}" for m in METHODS)),
+        "offline_dirs": tuple(f"models/{m}" for m in METHODS),
+        "train_dir": "models/arpo",
+        "selected_path": "data/selected_tasks.json",
+    },
+    outputs={"out_dir": "reports/comparison"},
+    artifacts={"reports/comparison": "report"},
+    data=TASK_DATA,
+    envs=True,
+    viewer=False,
+    headline=headline,
+    tracked_params=tracked_params,
+)

@@ -1,6 +1,6 @@
 """Stage `demos`: scripted oracles play the in-domain suite; successful episodes to Parquet. On MiniWoB
 the oracles read the DOM, and a share `demos.recovery_rate` of the episodes starts with untrained misses
-(arpo_core/demos.py decisions 4-5). On OSWorld desktops (`env.kind: osworld`, providers local and remote)
+(arpo_core/demonstrations.py decisions 4-5). On OSWorld desktops (`env.kind: osworld`, providers local and remote)
 the oracle is the suite's scripted `oracle` replies (`OSWorldEnv.oracle_reply`); a desktop has no DOM, so
 no misses, and it is not seeded, so every episode of a task replays the same instance. With
 `demos.episodes_per_task: 0` no env is started and the file is empty: the `sft` stage then passes the
@@ -13,20 +13,22 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
-from arpo_core.demos import play_oracle_episodes
-from arpo_core.pipeline.common import pixel_budget, progress_bar, resolve_policy, suite_tasks
+from arpo_core.demonstrations import play_oracle_episodes
+from arpo_core.pipeline.common import progress_bar, suite_tasks
+from arpo_core.pipeline.policies import pixel_budget, resolve_policy
 from arpo_core.pipeline.rollouts import make_pool, pool_faults
+from arpo_core.pipeline.stage import SUITES, TASK_DATA, Stage
 from arpo_core.rollout import EpisodeJob
 from arpo_core.suites import families
 from arpo_core.trajectory import write_trajectories
 
-__all__ = ["demo_jobs", "run"]
+__all__ = ["STAGE", "demo_jobs", "run"]
 
 
 def demo_jobs(p: Params) -> list[EpisodeJob]:
     """Episode k of every in-domain task FAMILY on env seed `demos.seed + k`: a suite of pinned instances
     is demonstrated on other instances of the same tasks (suites.py decision 4), never on the pinned
-    ones (common decision 5), so behaviour cloning does not see the training instances."""
+    ones (common.py `instance_roles`), so behaviour cloning does not see the training instances."""
     return [
         EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)
         for g, t in enumerate(families(suite_tasks(p, "in_domain")))
@@ -75,3 +77,16 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
         "demos/recovery_episodes": float(sum(m > 0 for m in misses)),
         "demos/miss_steps": float(sum(misses)),
     } | faults
+
+
+STAGE = Stage(
+    "demos",
+    run=run,
+    params=("demos", "baseline.max_steps", *SUITES),
+    inputs={},
+    outputs={"out_dir": "data/demos"},
+    artifacts={"data/demos": "trajectories"},
+    data=TASK_DATA,
+    envs=True,
+    viewer=False,
+)

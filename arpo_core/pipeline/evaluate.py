@@ -10,9 +10,9 @@ Decisions:
    policy's role, `eval/<role>/<mode>/...` (evaluate.summarize's keys under that prefix): `base` and
    `trained`, so the evaluate runs of ARPO and GRPO have the same metric names and compare column by
    column; which method was trained is the run's param `method` (`tracked_params`).
-3. The trained policy is named by its method, `arpo` or `grpo` (`common.method_name`): its file name,
+3. The trained policy is named by its method, `arpo` or `grpo` (`policies.method_name`): its file name,
    and the `method` param.
-4. The splits are common decision 4's (`evaluation_tasks`): with a suite of pinned instances, `train`
+4. The splits are common.py's (`evaluation_tasks`): with a suite of pinned instances, `train`
    (the instances the train stage trains on, read from the selection like the train stage does),
    `heldout` and `out_of_domain`; with task families, `in_domain` and `out_of_domain`.
 5. `train.image_blind` (the image-blind control arm) blanks every screenshot the TRAINED policy sees
@@ -30,16 +30,10 @@ from typing import Any
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
 from arpo_core.fileio import atomic_write_json
-from arpo_core.pipeline.common import (
-    evaluation_tasks,
-    instance_episodes,
-    method_name,
-    progress_bar,
-    resolve_policy,
-    setup_torch,
-    training_tasks,
-)
+from arpo_core.pipeline.common import evaluation_tasks, instance_episodes, progress_bar, training_tasks
+from arpo_core.pipeline.policies import method_name, resolve_policy, setup_torch
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
+from arpo_core.pipeline.stage import EVALUATION, TASK_DATA, Stage
 from arpo_core.trajectory import write_trajectories
 
 __all__ = [
@@ -96,7 +90,7 @@ def evaluate_loaded(
 ) -> Any:
     """One evaluation of a loaded policy on `pool` (decision 1's instances); returns the EvalResult.
     Shared by this stage, the offline stages and the train stage's evaluations during training."""
-    from arpo_core.evaluate import evaluate_policy
+    from arpo_core.evaluation import evaluate_policy
 
     e = p.evaluate
     gen = generator(p, policy, policy_dir)  # vllm: the process's engine, given these weights
@@ -186,3 +180,22 @@ def run(
     )
     atomic_write_json(Path(out_dir) / "policies.json", {k: str(v) for k, v in policies.items()}, indent=1)
     return metrics
+
+
+STAGE = Stage(
+    "evaluate",
+    run=run,
+    params=(*EVALUATION, "train.replay.enabled", "train.image_blind", "train.use_selection"),
+    inputs={
+        "base_dir": "models/base",
+        "trained_dir": "models/arpo",
+        "selected_path": "data/selected_tasks.json",
+    },
+    outputs={"out_dir": "data/eval"},
+    artifacts={"data/eval": "trajectories"},
+    data=TASK_DATA,
+    envs=True,
+    headline=headline,
+    tracked_params=tracked_params,
+    model_inputs=MODEL_INPUTS,
+)

@@ -37,11 +37,12 @@ from typing import Any
 from arpo_core.config import GroundPhase, Params
 from arpo_core.fileio import atomic_write_json, atomic_write_text, copy_tree
 from arpo_core.offline_config import GroundTrainConfig
-from arpo_core.pipeline.common import POINTER, pixel_budget, resolve_policy, setup_torch, suite_tasks
-from arpo_core.policy.model import load_policy
+from arpo_core.pipeline.common import suite_tasks
+from arpo_core.pipeline.policies import POINTER, pixel_budget, resolve_policy, setup_torch
+from arpo_core.pipeline.stage import TASK_DATA, Stage
 from arpo_core.suites import families
 
-__all__ = ["GROUND_REPORT", "ground_config", "ground_measure_keys", "run"]
+__all__ = ["GROUND_REPORT", "STAGE", "ground_config", "ground_measure_keys", "run"]
 
 # Held-out seeds of the measures (decision 2).
 GROUND_EVAL_SEED = 10_000
@@ -128,7 +129,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
         synthetic_examples,
         train_grounding,
     )
-    from arpo_core.policy.model import count_parameters, grow_depth
+    from arpo_core.policy.model import count_parameters, grow_depth, load_policy
     from arpo_core.policy.prompt import model_image_size
 
     setup_torch(p)
@@ -205,3 +206,23 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     report["measures"] = measures
     atomic_write_json(out_dir / GROUND_REPORT, report, indent=1, sort_keys=True)
     return metrics
+
+
+STAGE = Stage(
+    "ground",
+    run=run,
+    params=(
+        "ground",
+        "policy.system_prompt",
+        "policy.max_new_tokens",
+        "env.kind",
+        "env.in_domain_suite",
+        "env.out_of_domain_suite",
+        "env.episode_time_limit_s",
+    ),
+    inputs={"policy_dir": "models/init"},
+    outputs={"out_dir": "models/grounded"},
+    artifacts={"models/grounded": "policy"},
+    # ground.checkpoint lives here; a DVC dep cannot depend on a param, so the whole folder is one.
+    data=(*TASK_DATA, "assets/checkpoints"),
+)

@@ -8,13 +8,14 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.fileio import atomic_write_json
-from arpo_core.pipeline.common import POINTER
+from arpo_core.pipeline.policies import POINTER
+from arpo_core.pipeline.stage import Stage
 
-__all__ = ["run"]
+__all__ = ["STAGE", "run"]
 
 
 def run(p: Params, out_dir: str | os.PathLike) -> dict[str, Any]:
-    """`init_policy.pretrained` set: a pointer file to it (common decision 2); else the tiny policy."""
+    """`init_policy.pretrained` set: a pointer file to it (policies.py `resolve_policy`); else the tiny policy."""
     from arpo_core.policy.model import build_tiny_policy
 
     out_dir = Path(out_dir)
@@ -29,3 +30,13 @@ def run(p: Params, out_dir: str | os.PathLike) -> dict[str, Any]:
     policy = build_tiny_policy(out_dir, size=ip.size, seed=ip.seed, rope_theta=ip.rope_theta, mrope=ip.mrope)
     n = sum(x.numel() for x in policy.model.parameters())
     return {"init_policy/parameters": float(n), "init_policy/vocab": float(len(policy.tokenizer))}
+
+
+STAGE = Stage(
+    "init_policy",
+    run=run,
+    params=("init_policy",),
+    inputs={},
+    outputs={"out_dir": "models/init"},
+    artifacts={"models/init": "policy"},
+)

@@ -23,11 +23,12 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.fileio import atomic_write_json
-from arpo_core.pipeline.common import resolve_policy, setup_torch
 from arpo_core.pipeline.evaluate import evaluate_policies, headline
+from arpo_core.pipeline.policies import resolve_policy, setup_torch
+from arpo_core.pipeline.stage import EVALUATION, TASK_DATA, Stage
 from arpo_core.trajectory import Trajectory, read_trajectories
 
-__all__ = ["METHODS", "SKIPPED", "headline", "no_data_reason", "run", "train_offline"]
+__all__ = ["METHODS", "SKIPPED", "STAGES", "headline", "no_data_reason", "run", "train_offline"]
 
 # `headline` (evaluate's): the offline policy is evaluated in the role `trained`, so its greedy in-domain
 # success is the `_success_rate` an MLflow compare of rft / dpo / kto / arpo runs opens on.
@@ -121,3 +122,25 @@ def run(
             )
         )
     return metrics
+
+
+STAGES: tuple[Stage, ...] = tuple(
+    Stage(
+        method,
+        run=run,
+        params=(method, *EVALUATION, "train.use_selection"),
+        inputs={
+            "policy_dir": "models/base",
+            "baseline_dir": "data/baseline",
+            "selected_path": "data/selected_tasks.json",
+        },
+        outputs={"out_dir": f"models/{method}", "eval_dir": f"data/eval_{method}"},
+        artifacts={f"models/{method}": "policy", f"data/eval_{method}": "trajectories"},
+        consts={"method": method},
+        data=TASK_DATA,
+        envs=True,
+        headline=headline,
+    )
+    for method in METHODS
+)
+"""One stage per offline method (RFT, DPO, KTO), the same `run` with `method` bound."""

@@ -33,7 +33,7 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.pool import EnvFactory, EnvPool
-from arpo_core.pipeline.common import pixel_budget
+from arpo_core.pipeline.policies import pixel_budget
 from arpo_core.rollout import RolloutConfig
 
 __all__ = [

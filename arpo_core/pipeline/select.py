@@ -7,10 +7,11 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.pipeline.common import suite_tasks
+from arpo_core.pipeline.stage import TASK_DATA, Stage
 from arpo_core.selection import Selection, select_tasks, write_selection
 from arpo_core.trajectory import read_trajectories
 
-__all__ = ["kept_distribution", "run"]
+__all__ = ["STAGE", "kept_distribution", "run"]
 
 
 def run(p: Params, baseline_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
@@ -46,3 +47,14 @@ def kept_distribution(sel: Selection) -> dict[str, float]:
     for reason, n in sel.reasons().items():
         out[f"select/reason/{reason}"] = float(n)
     return out
+
+
+STAGE = Stage(
+    "select",
+    run=run,
+    params=("select", "env.kind", "env.in_domain_suite", "env.out_of_domain_suite"),
+    inputs={"baseline_dir": "data/baseline"},
+    outputs={"out_path": "data/selected_tasks.json"},
+    artifacts={"data/selected_tasks.json": "selection"},
+    data=TASK_DATA,
+)

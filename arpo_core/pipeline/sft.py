@@ -9,18 +9,19 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from arpo_core.config import Params
 from arpo_core.fileio import atomic_write_text, copy_tree
-from arpo_core.offline import sft
-from arpo_core.pipeline.common import POINTER, resolve_policy, setup_torch
-from arpo_core.policy.model import Policy, grow_depth, load_policy
+from arpo_core.pipeline.policies import POINTER, resolve_policy, setup_torch
+from arpo_core.pipeline.stage import Stage
 from arpo_core.policy.prompt import Reply
-from arpo_core.policy.sequences import reply_ids
 from arpo_core.trajectory import Trajectory, read_trajectories
 
-__all__ = ["long_replies", "run"]
+if TYPE_CHECKING:  # torch and transformers load when the stage runs, not when the table is read
+    from arpo_core.policy.model import Policy
+
+__all__ = ["STAGE", "long_replies", "run"]
 
 log = logging.getLogger("arpo.sft")
 
@@ -28,6 +29,8 @@ log = logging.getLogger("arpo.sft")
 def long_replies(policy: Policy, demos: list[Trajectory], max_new_tokens: int) -> tuple[int, int, int]:
     """(demo replies the policy cannot finish within `max_new_tokens`, replies, the longest one's tokens):
     a reply's tokens and its closing `<|im_end|>` (what generation must produce before it stops)."""
+    from arpo_core.policy.sequences import reply_ids
+
     lengths = [
         len(reply_ids(policy, Reply(s.response_text, tuple(s.response_token_ids or ())))[0])
         for t in demos
@@ -50,6 +53,9 @@ def run(
         else:  # a full disk is one line saying what, where and how much (fileio decision 4)
             copy_tree(src, out, f"the base policy (a copy of {src})")
         return {"sft/steps": 0.0}
+    from arpo_core.behaviour_cloning import sft
+    from arpo_core.policy.model import grow_depth, load_policy
+
     setup_torch(p)
     policy = load_policy(resolve_policy(policy_dir))
     if p.sft.grow_after:  # more depth for the replies' text, same function until trained
@@ -83,3 +89,19 @@ def run(
         "sft/replies_over_max_new_tokens": float(n_long),
         "sft/longest_reply_tokens": float(longest),
     }
+
+
+STAGE = Stage(
+    "sft",
+    run=run,
+    params=(
+        "sft",
+        "demos.episodes_per_task",
+        "policy.system_prompt",
+        "policy.history_images",
+        "policy.max_new_tokens",
+    ),
+    inputs={"policy_dir": "models/grounded", "demos_path": "data/demos"},
+    outputs={"out_dir": "models/base"},
+    artifacts={"models/base": "policy"},
+)

@@ -3,7 +3,7 @@ selected tasks; resumes from its last epoch checkpoint.
 
 Decisions:
 1. The params sections reach the trainer as they are (`train`, `policy`); only the rollout settings are
-   assembled here (common decision 3), because they combine sections with the checkpoint's pixel budget.
+   assembled here (rollouts.py `rollout_config`), because they combine sections with the checkpoint's pixel budget.
 2. Per-iteration metrics go to an optional `on_metrics(step, metrics)` hook with a global iteration
    step (epoch-1) * iterations_per_epoch + iteration + 1, computed from the same task list the trainer
    iterates, so a resumed run continues the series where it stopped.
@@ -17,7 +17,7 @@ Decisions:
    per task `eval/task/...`) go into that epoch's history row, so they are checkpointed, survive a
    resume and reach MLflow at step = epoch; the episodes go to `out_dir/eval/epoch-NNNN.parquet` for
    paired comparisons (same instances at every evaluation and in every arm of a study). With a suite of
-   pinned instances the evaluation covers common decision 4's in-domain splits: `train` (the instances
+   pinned instances the evaluation covers the in-domain splits of common.py `evaluation_tasks`: `train` (the instances
    trained on: the learning curve of the paper's in-domain protocol) and `heldout`.
 5. Buffer preload (trainer decision 14): `train.replay.preload: baseline` reads the baseline stage's
    rollouts (an input of this stage either way, so the stage graph does not depend on a param) and
@@ -38,17 +38,12 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
-from arpo_core.pipeline.common import (
-    evaluation_tasks,
-    method_name,
-    progress_bar,
-    resolve_policy,
-    setup_torch,
-    training_tasks,
-)
+from arpo_core.pipeline.common import evaluation_tasks, progress_bar, training_tasks
+from arpo_core.pipeline.policies import method_name, resolve_policy, setup_torch
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
+from arpo_core.pipeline.stage import DURING_TRAINING, SUITES, TASK_DATA, Stage
 
-__all__ = ["artifacts", "epoch_history", "headline", "run", "tracked_params", "training_tasks"]
+__all__ = ["STAGE", "artifacts", "epoch_history", "headline", "run", "tracked_params", "training_tasks"]
 
 
 def _evaluator(
@@ -202,3 +197,23 @@ def artifacts(out_dir: str | os.PathLike) -> list[tuple[Path, str]]:
     if (out / "eval").exists():
         pairs.append((out / "eval", "evaluations"))
     return pairs + ([(ckpt, f"checkpoint/{ckpt.name}")] if ckpt else [])
+
+
+STAGE = Stage(
+    "train",
+    run=run,
+    params=("train", "policy", "project.seed", *SUITES, *DURING_TRAINING),
+    inputs={
+        "policy_dir": "models/base",
+        "selected_path": "data/selected_tasks.json",
+        "baseline_dir": "data/baseline",
+    },
+    outputs={"out_dir": "models/arpo"},
+    data=TASK_DATA,
+    envs=True,
+    iterations=True,
+    list_artifacts=artifacts,
+    headline=headline,
+    tracked_params=tracked_params,
+    epoch_history=epoch_history,
+)

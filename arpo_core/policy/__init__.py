@@ -1,31 +1,7 @@
-"""The policy side: Qwen2.5-VL model loading/building, prompts, batched generation, training sequences."""
+"""The policy side: Qwen2.5-VL model loading/building (model), prompts (prompt), batched generation
+(generate, decode), training sequences (sequences).
 
-from arpo_core.policy.generate import Generation, Generator, HFGenerator, VLLMGenerator
-from arpo_core.policy.model import Policy, build_tiny_policy, load_policy
-from arpo_core.policy.prompt import SYSTEM_PROMPTS, PromptInput, Reply, model_image_size
-from arpo_core.policy.sequences import (
-    SequenceBatch,
-    collate,
-    encode_prompt,
-    encode_trajectory,
-    sequence_logprobs,
-)
-
-__all__ = [
-    "SYSTEM_PROMPTS",
-    "Generation",
-    "Generator",
-    "HFGenerator",
-    "Policy",
-    "PromptInput",
-    "Reply",
-    "SequenceBatch",
-    "VLLMGenerator",
-    "build_tiny_policy",
-    "collate",
-    "encode_prompt",
-    "encode_trajectory",
-    "load_policy",
-    "model_image_size",
-    "sequence_logprobs",
-]
+Nothing is re-exported here: importing the package must not import torch and transformers, so a module
+that needs only the prompt types (`arpo_core.policy.prompt`, e.g. the rollout loop and the stage table
+above it) stays light. Import the submodule you need.
+"""

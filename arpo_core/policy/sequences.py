@@ -4,7 +4,7 @@ Decisions:
 1. One multi-turn trajectory is ONE sequence (docs/method.md §1): system + instruction, then screenshot,
    reply, screenshot, reply... The assistant mask covers each reply's tokens and its `<|im_end|>`, nothing
    else (not the chat markup, not the images), and only the replies of steps with `train_reply` set: a
-   step with `train_reply = False` (a recovery demo's deliberate miss, arpo_core/demos.py) stays in the
+   step with `train_reply = False` (a recovery demo's deliberate miss, arpo_core/demonstrations.py) stays in the
    sequence as context - the later replies are conditioned on it - but is never a target, neither for
    behaviour cloning nor for a policy-gradient loss. Rollout steps always have it set.
 2. Generation prompts and training sequences are encoded by the same function from the same segments
@@ -21,7 +21,7 @@ Decisions:
    exact context), each later one ends at step t and trains only reply t, the earlier replies being
    context; so every trained reply is scored in the context it was generated in, token for token the
    generation prompt plus the reply. The cost is one forward per window instead of one per episode.
-   The loss treats a trajectory's windows as that trajectory (update.py decision 8; offline.py
+   The loss treats a trajectory's windows as that trajectory (update.py decision 8; behaviour_cloning.py
    decision 1 needs nothing: a token-mean over windows is the token-mean over the trajectory).
 4. `mm_token_type_ids = (input_ids == image_token_id)` goes into every hand-built forward: transformers
    5.x builds Qwen2.5-VL's 3-D (t, h, w) M-RoPE positions only when it is given; without it training
