@@ -8,7 +8,7 @@ cd "$(dirname "$0")/.."
 # sessions' folders, so other pytest sessions started meanwhile on the machine deleted a long run's
 # tmp_path folders under its running tests. Removed after a green run, kept (and named) after a red one.
 base=$(mktemp -d "${TMPDIR:-/tmp}/arpo-tests.XXXXXX")
-.venv/bin/python -m pytest -q -rfE --basetemp="$base/t" "$@"
+.venv/bin/python -m pytest -q -rfE --durations=30 --basetemp="$base/t" "$@"
 rc=$?
 if [ $rc -eq 0 ] || [ $rc -eq 5 ]; then rm -rf "$base"; else echo "test temp files kept in $base"; fi
 # pytest exits 5 when no test was collected (e.g. a -k filter that matches nothing): not a failure of
