@@ -182,9 +182,9 @@ class EnvConfig:
     """Env workers as local processes, or owned by Ray actors (placeable across machines)."""
     n_envs: Annotated[int, Ge(1)] = 8
     """Parallel envs (reference: tasks per iteration x group size = 128)."""
-    in_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_in_domain.yaml"
+    in_domain_suite: Annotated[str, ExistingPath()] = "data/suites/miniwob_instances_main.yaml"
     """Tasks trained on (and their demos)."""
-    out_of_domain_suite: Annotated[str, ExistingPath()] | None = "data/suites/miniwob_out_of_domain.yaml"
+    out_of_domain_suite: Annotated[str, ExistingPath()] | None = "data/suites/miniwob_click_ood.yaml"
     """Held-out tasks for generalisation. The same file as in_domain_suite: that file's tasks are divided by
     their own `split` (in_domain there, every other one here; pipeline/common.py `suite_tasks`). null: no
     held-out suite (the paper's protocol: train and evaluate on the same tasks); every task of
@@ -271,7 +271,7 @@ class PolicyConfig:
     put on the GPU with either train.engine)."""
     system_prompt: Literal["uitars", "compact"] = "compact"
     """Prompt template: the full UI-TARS computer-use prompt, or a short one for tiny CPU models."""
-    history_images: Annotated[int, Ge(1)] | None = None
+    history_images: Annotated[int, Ge(1)] | None = 1
     """Screenshots shown as images, >= 1: the current one at least (older turns keep their text); null:
     all, which keeps the trainer's recomputed log-probs exactly equal to the generator's."""
     max_new_tokens: Annotated[int, Ge(1)] = 64
@@ -358,7 +358,7 @@ class GroundSectionConfig:
 
 @dataclass(frozen=True)
 class DemosConfig:
-    episodes_per_task: Annotated[int, Ge(0)] = 60
+    episodes_per_task: Annotated[int, Ge(0)] = 80
     """Oracle episodes per in-domain task (seeded, distinct instances). 0: no demos and no behaviour
     cloning - the `sft` stage passes the grounded policy through as the base (a pretrained checkpoint
     such as UI-TARS, or suites without scripted oracles, e.g. OSWorld's own tasks)."""
@@ -381,7 +381,7 @@ class BaselineConfig:
     """Base-policy rollouts per task for task selection (paper: 16)."""
     temperature: Annotated[float, Ge(0)] = 1.0
     """Sampling temperature of those rollouts (0: greedy)."""
-    max_steps: Annotated[int, Ge(1)] = 15
+    max_steps: Annotated[int, Ge(1)] = 3
     """Episode step limit."""
     seed: Annotated[int, Ge(0)] = 200000
     """First env seed."""
@@ -398,7 +398,7 @@ class EvaluateConfig:
     samples_per_instance: Annotated[int, Ge(1)] = 4
     """Sampled episodes of each pinned instance (a greedy evaluation plays one: it is determined by the
     instance); task families play `episodes_per_task` fresh instances instead."""
-    max_steps: Annotated[int, Ge(1)] = 15
+    max_steps: Annotated[int, Ge(1)] = 3
     """Episode step limit."""
     seed: Annotated[int, Ge(0)] = 900000
     """First env seed (disjoint from demos, baseline and training seeds)."""
@@ -454,24 +454,24 @@ class TrainConfig:
     """The training run's seed (task order, instances, sampling, replay draws, mini-batches); null =
     project.seed. A multi-seed study varies this one, so the base, its baseline rollouts and the task
     selection stay the same for every seed."""
-    epochs: Annotated[int, Ge(1)] = 3
+    epochs: Annotated[int, Ge(1)] = 10
     """Passes over the selected task set."""
-    tasks_per_iteration: Annotated[int, Ge(1)] = 4
+    tasks_per_iteration: Annotated[int, Ge(1)] = 16
     """Tasks per rollout batch (reference: 16)."""
     group_size: Annotated[int, Ge(2)] = 8
     """Rollouts per task, G (reference: 8); >= 2, a group-relative advantage needs two."""
     groups_per_task: Annotated[int, Ge(1)] = 1
     """Groups per task per iteration, each on its own task instance (env seed): small groups keep the
     rollouts per task of one update (G=4 x 4 groups = 16 rollouts per task, like G=16 x 1)."""
-    lr: Annotated[float, Gt(0)] = 1e-5
+    lr: Annotated[float, Gt(0)] = 1e-4
     """AdamW learning rate (reference 1e-6 for a 7B model; the tiny policy needs more)."""
     weight_decay: Annotated[float, Ge(0)] = 1e-2
     """AdamW weight decay."""
     max_grad_norm: Annotated[float, Gt(0)] = 1.0
     """Gradient norm clip."""
-    micro_batch_size: Annotated[int, Ge(1)] = 4
+    micro_batch_size: Annotated[int, Ge(1)] = 16
     """Trajectories per forward/backward; <= mini_batch_size."""
-    mini_batch_size: Annotated[int, Ge(1)] = 32
+    mini_batch_size: Annotated[int, Ge(1)] = 64
     """Trajectories per optimizer step (reference: 64, i.e. 2 steps per 128-trajectory iteration)."""
     ppo_epochs: Annotated[int, Ge(1)] = 1
     """Optimisation passes over each rollout batch."""
@@ -479,7 +479,7 @@ class TrainConfig:
     """Sampling temperature during training rollouts."""
     top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
     """Nucleus sampling during training rollouts."""
-    max_steps: Annotated[int, Ge(1)] = 15
+    max_steps: Annotated[int, Ge(1)] = 3
     """Episode step limit."""
     use_selection: bool = True
     """Train on the selected tasks (true) or on the whole in-domain suite (false)."""
@@ -542,7 +542,9 @@ class Params:
     init_policy: InitPolicyConfig = field(default_factory=InitPolicyConfig)
     ground: GroundSectionConfig = field(default_factory=GroundSectionConfig)
     demos: DemosConfig = field(default_factory=DemosConfig)
-    sft: SFTConfig = field(default_factory=SFTConfig)
+    sft: SFTConfig = field(default_factory=lambda: SFTConfig(steps=1200, warmup_steps=20, min_lr_frac=0.05))
+    """Behaviour cloning of the base policy: the main job's 1200 steps with warm-up and cosine decay (the
+    same `SFTConfig` inside `rft` keeps its own defaults, RFT's 100 steps at a constant rate)."""
     baseline: BaselineConfig = field(default_factory=BaselineConfig)
     select: SelectConfig = field(default_factory=SelectConfig)
     train: TrainConfig = field(default_factory=TrainConfig)

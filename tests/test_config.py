@@ -394,7 +394,7 @@ OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_S
         ),
         (
             (("train.engine", "deepspeed"), ("train.zero_stage", 3), ("train.micro_batch_size", 4)),
-            (("train.engine", "deepspeed"), ("train.zero_stage", 3), ("train.micro_batch_size", 32)),
+            (("train.engine", "deepspeed"), ("train.zero_stage", 3), ("train.micro_batch_size", 64)),
             r"train\.micro_batch_size = 4 is out of range: must be >= min\(mini_batch_size, "
             r"tasks_per_iteration \* group_size\) with DeepSpeed ZeRO-3",
         ),
@@ -442,7 +442,7 @@ OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_S
         (  # env.kind osworld: the suites must be OSWorld suites ...
             (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0)),
             (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_SUITES),
-            r"env\.in_domain_suite = 'data/suites/miniwob_in_domain\.yaml' is out of range: must hold osworld "
+            r"env\.in_domain_suite = 'data/suites/miniwob_instances_main\.yaml' is out of range: must hold osworld "
             r"tasks when kind is osworld; the file's tasks are miniwob tasks \(default value; env\.kind = "
             r"'osworld' set by params file my\.yaml\)",
         ),
@@ -845,3 +845,25 @@ def test_vllm_max_model_len_must_leave_room_for_a_prompt():
     assert "-S policy.vllm.max_model_len=256" in msg and "policy.backend = 'vllm'" in msg, msg
     # the rule is about the vllm backend only
     parse_params({"policy": {"max_new_tokens": 512, "vllm": {"max_model_len": 256}}})
+
+
+def test_params_yaml_holds_exactly_the_dataclass_defaults():
+    """Issue 30 item 3, each value said once: the defaults of the config dataclasses are the values the
+    main job (`make run`, params.yaml) uses, so a config built in code and the pipeline agree; a key
+    changed in one place and not the other fails here, naming it."""
+    from arpo_core.config import to_dict
+
+    written = yaml.safe_load((ROOT / "params.yaml").read_text())
+    defaults = to_dict(parse_params({}))
+
+    def diff(a, b, prefix=""):
+        out = {}
+        for k in sorted(set(a) | set(b)):
+            key = f"{prefix}{k}"
+            if isinstance(a.get(k), dict) and isinstance(b.get(k), dict):
+                out |= diff(a[k], b[k], key + ".")
+            elif a.get(k, "<absent>") != b.get(k, "<absent>"):
+                out[key] = (a.get(k, "<absent>"), b.get(k, "<absent>"))
+        return out
+
+    assert diff(written, defaults) == {}, "params.yaml (left) and the dataclass defaults (right) differ"

@@ -168,7 +168,9 @@ def test_backend_dispatch_from_params(policy_dir, monkeypatch):
         make_generator(policy, policy_dir, PolicyConfig(backend="vllm"))
 
     built = install_fake_vllm(monkeypatch)
-    cfg = PolicyConfig(backend="vllm", vllm=VLLMConfig(gpu_memory_utilization=0.25, max_model_len=4096))
+    cfg = PolicyConfig(
+        backend="vllm", history_images=None, vllm=VLLMConfig(gpu_memory_utilization=0.25, max_model_len=4096)
+    )
     gen = make_generator(policy, policy_dir, cfg, max_images=7)
     assert isinstance(gen, VLLMGenerator) and len(built) == 1
     kw = built[0]
