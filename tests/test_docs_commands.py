@@ -292,3 +292,21 @@ def test_prefect_deployments_and_scripts_in_docs_exist():
         if argv[0] == "source":
             assert (ROOT / argv[1]).exists(), f"{where}: {argv[1]}"
     assert seen >= 4
+
+
+def test_the_readme_is_a_front_door():
+    """Issue 30 item 5: under 120 lines, with the table the main job prints (dated, with its commit), the
+    main job's and the test suite's measured times; the measurements live in docs/results.md."""
+    import re
+
+    text = (ROOT / "README.md").read_text()
+    assert len(text.splitlines()) < 120
+    assert "## What the main job prints" in text
+    section = text.split("## What the main job prints", 1)[1].split("\n## ", 1)[0]
+    assert re.search(r"20\d\d-\d\d-\d\d, commit [0-9a-f]{7}", section)
+    rows = [line for line in section.splitlines() if line.startswith("| ")]
+    assert {r.split("|")[1].strip() for r in rows} >= {"base", "rft", "dpo", "kto", "arpo"}
+    assert re.search(r"`make run` took \d+ min", text) and re.search(
+        r"`make test` on a clean clone: \d+ min", text
+    )
+    assert (ROOT / "docs" / "results.md").exists() and "docs/results.md" in text
