@@ -40,8 +40,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from arpo_core.config.sections import SFTConfig
 from arpo_core.fileio import atomic_write_json
-from arpo_core.offline_config import SFTConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import collate, encode_trajectory_windows, sequence_logprobs
 from arpo_core.trajectory import Trajectory

@@ -51,7 +51,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from arpo_core.actions import ActionParseError, parse_response
 from arpo_core.behaviour_cloning import lr_factor
-from arpo_core.offline_config import GroundTrainConfig
+from arpo_core.config.sections import GroundTrainConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, build_segments, model_image_size
 from arpo_core.policy.sequences import collate, encode_segments, sequence_logprobs

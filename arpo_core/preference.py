@@ -62,9 +62,9 @@ import torch.nn.functional as F
 from tqdm.auto import tqdm
 
 from arpo_core.behaviour_cloning import sft
+from arpo_core.config.sections import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.engines import TorchEngine
 from arpo_core.fileio import atomic_write_json
-from arpo_core.offline_config import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import (
     EncodedSequence,

@@ -52,13 +52,11 @@ import random
 import uuid
 from collections import deque
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass, replace
+from dataclasses import asdict, replace
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from typing import NamedTuple
 
-from annotated_types import Ge, Gt, Interval
-
-from arpo_core.config_check import check_fields
+from arpo_core.config.sections import ReplayConfig
 from arpo_core.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory, read_trajectories, write_trajectories
 
@@ -80,35 +78,6 @@ FILLED = "filled"
 DISABLED = "disabled"
 NOT_FAILED = "not_failed"
 NO_STORED_SUCCESS = "no_stored_success"
-
-
-@dataclass(frozen=True)
-class ReplayConfig:
-    """Experience replay settings (params.yaml `train.replay`)."""
-
-    enabled: bool = True
-    """Fill all-failed groups from the buffer. False = plain GRPO (the buffer still records successes)."""
-    capacity_per_task: Annotated[int, Ge(1)] = 8
-    """Successful trajectories kept per (domain, task id); the oldest is evicted first (paper: 8)."""
-    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """A trajectory is stored when its signal is strictly greater than this (reference: > 0.1); in [0, 1):
-    a success is a checker score in [0, 1]."""
-    trigger_std: Annotated[float, Gt(0)] = 0.05
-    """A group counts as failed when the population std of its signals is below this ..."""
-    trigger_mean: Annotated[float, Interval(gt=0, le=1)] = 0.2
-    """... and their mean is below this (reference: std < 0.05 and mean < 0.2)."""
-    seed: Annotated[int, Ge(0)] = 0
-    """Seed of the buffer's own RNG (which stored success is drawn); saved and restored with the buffer."""
-    signal: Literal["success", "reward"] = "success"
-    """Value compared with the thresholds: the checker score (reference code) or the trained reward."""
-    preload: Literal["none", "baseline"] = "none"
-    """What the buffer holds before epoch 1: nothing (the reference code, whose json preload is commented
-    out), or each trained task's successes among the baseline stage's rollouts (as DART-GUI starts from
-    pre-collected successes). Stored by `add`'s rules: successes only, at most capacity_per_task, newest
-    kept."""
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # the ranges declared above, also for a config built in code
 
 
 class FillResult(NamedTuple):

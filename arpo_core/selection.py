@@ -32,11 +32,9 @@ import random
 from collections.abc import Collection, Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Annotated, Literal, NamedTuple
+from typing import NamedTuple
 
-from annotated_types import Ge, Interval
-
-from arpo_core.config_check import check_fields
+from arpo_core.config.sections import SelectConfig
 from arpo_core.fileio import atomic_write_json
 from arpo_core.trajectory import Trajectory
 
@@ -82,27 +80,6 @@ class TaskCount(NamedTuple):
     """successes / n."""
     reason: str
     """'kept' or why the task was dropped."""
-
-
-@dataclass(frozen=True)
-class SelectConfig:
-    """Valuable task selection settings (params.yaml `select`)."""
-
-    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """A rollout is a success when its checker score (in [0, 1]) is strictly greater than this."""
-    min_successes: Annotated[int, Ge(0)] = 1
-    """Keep tasks with at least this many successes (paper: 1 of 16)."""
-    max_success_rate: Annotated[float, Interval(ge=0, le=1)] | None = None
-    """Drop tasks whose success rate exceeds this (None: keep always-solved tasks, as the paper)."""
-    max_tasks: Annotated[int, Ge(1)] | None = None
-    """Keep at most this many tasks (paper's single-node subset: 32); None keeps all eligible ones."""
-    cap_mode: Literal["random", "top"] = "random"
-    """How the cap picks: seeded uniform sample, or highest success count first."""
-    seed: Annotated[int, Ge(0)] = 0
-    """Seed of the cap's random sample."""
-
-    def __post_init__(self) -> None:
-        check_fields(self)  # the ranges declared above, also for a config built in code
 
 
 @dataclass(frozen=True)

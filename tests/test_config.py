@@ -29,7 +29,7 @@ from arpo_core.config import (
     parse_params,
     to_dict,
 )
-from arpo_core.config_check import Provenance, Source, check_fields
+from arpo_core.config.check import Provenance, Source, check_fields
 from arpo_core.replay import ReplayConfig
 from arpo_core.selection import SelectConfig
 

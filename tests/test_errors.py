@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from arpo_core.config import ConfigError, load_params
-from arpo_core.config_check import miniwob_task_names, unknown_suite_task
+from arpo_core.config.check import miniwob_task_names, unknown_suite_task
 
 ROOT = Path(__file__).resolve().parents[1]
 ARPO = Path(sys.executable).parent / "arpo"

@@ -123,3 +123,26 @@ def test_no_two_arpo_core_modules_share_a_basename():
         if path.name != "__init__.py":
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
+
+
+def test_the_config_package_is_a_leaf():
+    """Parsing and validating params.yaml (`arpo params`, the CLI's checks, `dvc.yaml` generation) imports
+    no torch, pyarrow or PIL: the config classes of replay, selection and the offline methods live in
+    arpo_core/config/sections.py, not beside the code they configure."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from arpo_core.config import load_params; load_params('params.yaml'); "
+        "print(sorted(m for m in ('torch', 'pyarrow', 'PIL', 'transformers') if m in sys.modules))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    for path in sorted((ROOT / "arpo_core" / "config").glob("*.py")):
+        imported = _imports(_module_name(path), path)
+        assert all(
+            m.startswith("arpo_core.config") or m in {"arpo_core.suites", "arpo_core.seeds"} for m in imported
+        ), (
+            path.name,
+            imported,
+        )

@@ -35,8 +35,8 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import GroundPhase, Params
+from arpo_core.config.sections import GroundTrainConfig
 from arpo_core.fileio import atomic_write_json, atomic_write_text, copy_tree
-from arpo_core.offline_config import GroundTrainConfig
 from arpo_core.pipeline.common import suite_tasks
 from arpo_core.pipeline.policies import POINTER, pixel_budget, resolve_policy, setup_torch
 from arpo_core.pipeline.stage import TASK_DATA, Stage

@@ -1,6 +1,8 @@
-"""Configs of the offline training methods (grounding, behaviour cloning, RFT, DPO, KTO), kept free of torch so
-that params.yaml can be parsed and validated without importing the training stack (`arpo params` stays
-fast). The training code lives in grounding.py, behaviour_cloning.py and preference.py.
+"""Configs of the sections whose code lives elsewhere: experience replay (`train.replay`, replay.py), task
+selection (`select`, selection.py) and the offline training methods (grounding, behaviour cloning, RFT,
+DPO, KTO; grounding.py, behaviour_cloning.py, preference.py). Kept here, free of torch, pyarrow and PIL,
+so that params.yaml is parsed and validated without importing the code they configure (`arpo params`
+stays fast); replay.py and selection.py re-export theirs.
 
 Ranges are declared on the fields (`Annotated[int, Ge(1)]`, annotated_types) and checked by the params
 loader (`arpo_core.config`); rules across fields are the sections' `cross_checks`, checked there too.
@@ -10,11 +12,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import Annotated, Literal
 
 from annotated_types import Ge, Gt, Interval, MinLen
 
-__all__ = ["DPOConfig", "GroundTrainConfig", "KTOConfig", "RFTConfig", "SFTConfig"]
+from arpo_core.config.check import check_fields
+
+__all__ = [
+    "DPOConfig",
+    "GroundTrainConfig",
+    "KTOConfig",
+    "RFTConfig",
+    "ReplayConfig",
+    "SFTConfig",
+    "SelectConfig",
+]
 
 
 @dataclass(frozen=True)
@@ -173,3 +185,53 @@ class RFTConfig:
         """Rules across fields, checked by the params loader: (field, rule, other fields involved)."""
         if self.sft.grow_after:
             yield "sft.grow_after", "must be null: RFT fine-tunes the base policy at its own depth", ()
+
+
+@dataclass(frozen=True)
+class ReplayConfig:
+    """Experience replay settings (params.yaml `train.replay`)."""
+
+    enabled: bool = True
+    """Fill all-failed groups from the buffer. False = plain GRPO (the buffer still records successes)."""
+    capacity_per_task: Annotated[int, Ge(1)] = 8
+    """Successful trajectories kept per (domain, task id); the oldest is evicted first (paper: 8)."""
+    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
+    """A trajectory is stored when its signal is strictly greater than this (reference: > 0.1); in [0, 1):
+    a success is a checker score in [0, 1]."""
+    trigger_std: Annotated[float, Gt(0)] = 0.05
+    """A group counts as failed when the population std of its signals is below this ..."""
+    trigger_mean: Annotated[float, Interval(gt=0, le=1)] = 0.2
+    """... and their mean is below this (reference: std < 0.05 and mean < 0.2)."""
+    seed: Annotated[int, Ge(0)] = 0
+    """Seed of the buffer's own RNG (which stored success is drawn); saved and restored with the buffer."""
+    signal: Literal["success", "reward"] = "success"
+    """Value compared with the thresholds: the checker score (reference code) or the trained reward."""
+    preload: Literal["none", "baseline"] = "none"
+    """What the buffer holds before epoch 1: nothing (the reference code, whose json preload is commented
+    out), or each trained task's successes among the baseline stage's rollouts (as DART-GUI starts from
+    pre-collected successes). Stored by `add`'s rules: successes only, at most capacity_per_task, newest
+    kept."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # the ranges declared above, also for a config built in code
+
+
+@dataclass(frozen=True)
+class SelectConfig:
+    """Valuable task selection settings (params.yaml `select`)."""
+
+    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
+    """A rollout is a success when its checker score (in [0, 1]) is strictly greater than this."""
+    min_successes: Annotated[int, Ge(0)] = 1
+    """Keep tasks with at least this many successes (paper: 1 of 16)."""
+    max_success_rate: Annotated[float, Interval(ge=0, le=1)] | None = None
+    """Drop tasks whose success rate exceeds this (None: keep always-solved tasks, as the paper)."""
+    max_tasks: Annotated[int, Ge(1)] | None = None
+    """Keep at most this many tasks (paper's single-node subset: 32); None keeps all eligible ones."""
+    cap_mode: Literal["random", "top"] = "random"
+    """How the cap picks: seeded uniform sample, or highest success count first."""
+    seed: Annotated[int, Ge(0)] = 0
+    """Seed of the cap's random sample."""
+
+    def __post_init__(self) -> None:
+        check_fields(self)  # the ranges declared above, also for a config built in code

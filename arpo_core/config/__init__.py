@@ -16,7 +16,7 @@ Decisions:
    defaults: it is more likely a truncated file than a wish.
 6. Ranges are declared on the field they constrain, as annotated_types metadata
    (`lr: Annotated[float, Gt(0)]`, `clip_dual: Annotated[float, Gt(1)] | None`), and checked when params
-   load, after type coercion (config_check.py), so a bad value fails at once, not hours later in a stage.
+   load, after type coercion (config/check.py), so a bad value fails at once, not hours later in a stage.
    Path fields that must exist carry `ExistingPath`: `load_params` checks them (relative paths from the
    working directory, where the stages open them); `parse_params` alone does not check them (only
    `env`'s cross-check reads the kind of suite files that exist).
@@ -43,7 +43,7 @@ from typing import Annotated, Any, Literal
 import yaml
 from annotated_types import Ge, Gt, Interval, Le, Len, MinLen
 
-from arpo_core.config_check import (
+from arpo_core.config.check import (
     ConfigError,
     Context,
     CrossChecks,
@@ -56,9 +56,15 @@ from arpo_core.config_check import (
     dotted,
     unknown_suite_task,
 )
-from arpo_core.offline_config import DPOConfig, GroundTrainConfig, KTOConfig, RFTConfig, SFTConfig
-from arpo_core.replay import ReplayConfig
-from arpo_core.selection import SelectConfig
+from arpo_core.config.sections import (
+    DPOConfig,
+    GroundTrainConfig,
+    KTOConfig,
+    ReplayConfig,
+    RFTConfig,
+    SelectConfig,
+    SFTConfig,
+)
 from arpo_core.suites import SuiteError, suite_problem
 
 __all__ = [
@@ -532,9 +538,9 @@ class TrainConfig:
 @dataclass(frozen=True)
 class Params:
     """The whole params file: shared sections (project, env, policy), then one per pipeline stage in
-    order. Sections whose semantics live in one module are defined there (`ReplayConfig` in replay.py,
-    `SelectConfig` in selection.py, `SFTConfig`/`RFTConfig`/`DPOConfig`/`KTOConfig` (behaviour cloning
-    and the offline baselines) in offline_config.py)."""
+    order. The sections whose code lives elsewhere (`ReplayConfig`, `SelectConfig`, `SFTConfig`,
+    `RFTConfig`, `DPOConfig`, `KTOConfig`) are defined in config/sections.py, so parsing params imports
+    none of that code."""
 
     project: ProjectConfig = field(default_factory=ProjectConfig)
     env: EnvConfig = field(default_factory=EnvConfig)
