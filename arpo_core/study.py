@@ -404,7 +404,7 @@ def instance_effect(
 ) -> dict[str, Any]:
     """The result document of a study on pinned instances (decisions 5-8): per arm and split success
     with 95% intervals over seeds and instances, paired differences, learning curves on the training
-    instances, all-fail / filled counts per instance. Arms are named by `flows/study.py`: `arpo_g8`,
+    instances, all-fail / filled counts per instance. Arms are named by `flows/study_runs.py`: `arpo_g8`,
     `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind` (the image-blind control)."""
     from arpo_core.evaluation import _clean
 

@@ -48,7 +48,7 @@ from flows import tracking
 from flows.runner import FRONT_DOOR_ENV, load_params_once, variant_name
 from flows.services import crash_dead_flow_runs, run_lock
 from flows.spec import SPECS, _flatten, is_up_to_date
-from flows.stages import FLOWS, run_name
+from flows.stage_flows import FLOWS, run_name
 
 __all__ = ["FLOWS", "INTERRUPTED", "arpo_train", "headline", "on_interrupt"]
 

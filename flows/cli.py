@@ -187,7 +187,7 @@ def run_stage(
     """Run one stage outside Prefect (what `arpo stage` and so each DVC stage does), tracked in MLflow
     like the stage's flow: the flow's own function, whose task calls then run as plain functions."""
     _known_stage(name)
-    from flows.stages import FLOWS
+    from flows.stage_flows import FLOWS
 
     return FLOWS[name].fn(params=str(params), preset=preset, overrides=list(overrides or ()))
 
@@ -311,7 +311,7 @@ def study(
     pinned instances (e.g. --preset replay-instances, the paper's protocol) replay_instances.json, .md
     and a plot, from the runs of that suite only."""
     from arpo_core.suites import load_suite
-    from flows.study import instance_study, replay_study
+    from flows.study_runs import instance_study, replay_study
 
     p = _load(params, [], preset)
     if any(t.pinned for t in load_suite(p.env.in_domain_suite)):

@@ -269,7 +269,7 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
     stale = tmp_path / "models" / "init" / "stale.bin"
     stale.parent.mkdir(parents=True)
     stale.write_bytes(b"from another configuration")
-    from flows.stages import FLOWS
+    from flows.stage_flows import FLOWS
 
     metrics = FLOWS["init_policy"].fn(
         preset="quick", pipeline_id="pipe-1"

@@ -115,11 +115,12 @@ def test_no_import_cycle_among_arpo_core_modules():
     assert _cycles(graph) == []
 
 
-def test_no_two_arpo_core_modules_share_a_basename():
-    """`evaluate.py` in arpo_core/ and in pipeline/ (likewise demos.py, offline.py) made every mention of
-    a module by file name ambiguous and "go to file" offer two; package `__init__.py` files aside."""
+def test_no_two_modules_share_a_basename():
+    """`evaluate.py` in arpo_core/ and in pipeline/ (likewise demos.py, offline.py; stages.py in flows/ and
+    tasks/, study.py in flows/ and arpo_core/) made every mention of a module by file name ambiguous and
+    "go to file" offer two; package `__init__.py` files aside."""
     seen: dict[str, list[str]] = {}
-    for path in FILES:
+    for path in [*FILES, *(ROOT / "flows").glob("*.py"), *(ROOT / "tasks").glob("*.py")]:
         if path.name != "__init__.py":
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}

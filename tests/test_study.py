@@ -89,7 +89,7 @@ def test_replay_effect_document_has_the_required_fields():
 def test_tasks_no_arm_trained_are_reported_apart_not_in_the_hard_suite(tmp_path):
     """A task the selection dropped (no baseline success) gets no training in any arm: it must not dilute
     the hard suite (it would add the same near-zero to both arms), and is reported apart."""
-    from flows.study import write_study
+    from flows.study_runs import write_study
 
     baseline = evals({"a": 0.1, "b": 0.0, "c": 0.8}, 10)
     history = [
@@ -118,7 +118,7 @@ def test_click_alignment_of_base_and_arms_and_the_image_blind_ceiling(tmp_path):
     import json
 
     from arpo_core.probe import TargetRecord
-    from flows.study import write_study
+    from flows.study_runs import write_study
 
     def box(k: int) -> tuple[float, float, float, float]:
         return (0.0, 0.0, 3.0, 3.0) if k % 2 == 0 else (5.0, 5.0, 8.0, 8.0)
@@ -163,7 +163,7 @@ def test_click_alignment_of_base_and_arms_and_the_image_blind_ceiling(tmp_path):
 
 
 def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
-    from flows.study import write_study
+    from flows.study_runs import write_study
 
     baseline = evals({"a": 0.1, "c": 0.8}, 10)
     counts = [  # two epochs; the buffer's counter is a running total
@@ -238,7 +238,7 @@ def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, mon
     """A study needs the baseline's rollouts and the base's evaluation: the error says which run is
     missing and how to make it (the arms queued with target `train` alone have neither evaluate run)."""
     from flows import tracking
-    from flows.study import gather
+    from flows.study_runs import gather
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     c = tracking.client(tmp_path)
@@ -251,7 +251,7 @@ def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, mon
 def test_an_arm_is_named_from_the_runs_logged_method():
     """One method-name rule (pipeline/policies.py `method_name`, logged as the run's `method`): the
     study reads that param instead of re-deriving it from `train.replay.enabled` strings."""
-    from flows.study import _arm
+    from flows.study_runs import _arm
 
     assert _arm({"method": "arpo", "train.group_size": "8", "train.replay.preload": "none"}) == "arpo_g8"
     assert _arm({"method": "grpo", "train.group_size": "4"}) == "grpo_g4"
