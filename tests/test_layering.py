@@ -126,19 +126,32 @@ def test_no_two_modules_share_a_basename():
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
 
 
+def _loaded_after(statement: str, modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` a fresh interpreter has imported after running `statement` in the project root."""
+    import json
+    import subprocess
+    import sys
+
+    code = f"import json, sys; {statement}; print(json.dumps(sorted(m for m in {modules!r} if m in sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
+    return json.loads(out.stdout.splitlines()[-1])
+
+
+def test_reading_the_stage_table_imports_no_torch():
+    """`arpo dvc-yaml`, `arpo lock` and the up-to-date check read the table: it must not pull in torch,
+    transformers or a browser driver (stage modules import those inside `run`)."""
+    assert (
+        _loaded_after("import arpo_core.pipeline.table, flows.spec", ("torch", "transformers", "selenium"))
+        == []
+    )
+
+
 def test_the_config_package_is_a_leaf():
     """Parsing and validating params.yaml (`arpo params`, the CLI's checks, `dvc.yaml` generation) imports
     no torch, pyarrow or PIL: the config classes of replay, selection and the offline methods live in
     arpo_core/config/sections.py, not beside the code they configure."""
-    import subprocess
-    import sys
-
-    code = (
-        "import sys; from arpo_core.config import load_params; load_params('params.yaml'); "
-        "print(sorted(m for m in ('torch', 'pyarrow', 'PIL', 'transformers') if m in sys.modules))"
-    )
-    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True)
-    assert out.stdout.strip() == "[]", out.stdout + out.stderr
+    statement = "from arpo_core.config import load_params; load_params('params.yaml')"
+    assert _loaded_after(statement, ("torch", "pyarrow", "PIL", "transformers")) == []
     for path in sorted((ROOT / "arpo_core" / "config").glob("*.py")):
         imported = _imports(_module_name(path), path)
         assert all(
