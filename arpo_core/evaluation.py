@@ -9,6 +9,9 @@ Decisions:
 2. A trajectory's score is the checker's success in [0, 1] (OSWorld can give fractions; they count
    fractionally, as OSWorld's own average does). `scoring="osworld_hard"` replaces it by
    `rewards.osworld_hard`: 0 when the episode used all `max_steps` steps and its last action is FAIL.
+   The rule and the step limit come from the evaluate section, always together (`Scorer.of`): no
+   function here has a default for either, so the compare stage, the study and the probe score an
+   episode as the evaluation did.
 3. Per task the interval is Wilson's score interval for a binomial proportion (k successes of n
    episodes): unlike the normal (Wald) interval it stays inside [0, 1] and does not collapse to zero
    width at 0/n or n/n, which is common with few episodes per task.
@@ -43,7 +46,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.pool import EnvPool
@@ -58,6 +61,7 @@ __all__ = [
     "Z95",
     "EvalResult",
     "RateStats",
+    "Scorer",
     "click_spread",
     "episode_score",
     "eval_jobs",
@@ -74,6 +78,24 @@ Z95 = 1.959963984540054
 """Two-sided 95% normal quantile."""
 
 Scoring = Literal["standard", "osworld_hard"]
+
+
+@dataclass(frozen=True)
+class Scorer:
+    """How one episode scores (decision 2): the rule and the step limit the episodes ran under."""
+
+    rule: Scoring
+    max_steps: int
+
+    @classmethod
+    def of(cls, evaluate: Any) -> Scorer:
+        """The evaluate section's (`evaluate.osworld_hard`, `evaluate.max_steps`)."""
+        return cls("osworld_hard" if evaluate.osworld_hard else "standard", evaluate.max_steps)
+
+    def __call__(self, traj: Trajectory) -> float:
+        return episode_score(traj, self.rule, self.max_steps)
+
+
 _RESERVED_SPLITS = {"all", "domain", "task", "time"}  # other key components
 
 
@@ -135,7 +157,7 @@ def last_action_kind(traj: Trajectory) -> str | None:
     return kind if isinstance(kind, str) else None
 
 
-def episode_score(traj: Trajectory, scoring: Scoring = "standard", max_steps: int = 15) -> float:
+def episode_score(traj: Trajectory, scoring: Scoring, max_steps: int) -> float:
     """The score one episode contributes to success rates (decision 2)."""
     success = min(1.0, max(0.0, float(traj.success)))
     if scoring == "standard":
@@ -199,8 +221,8 @@ def summarize(
     trajectories: Sequence[Trajectory],
     splits: Mapping[tuple[str, str], str],
     *,
-    scoring: Scoring = "standard",
-    max_steps: int = 15,
+    scoring: Scoring,
+    max_steps: int,
     prefix: str = "eval",
     per_task: bool = True,
     z: float = Z95,
@@ -304,7 +326,7 @@ def evaluate_policy(
     rollout: RolloutConfig,
     *,
     first_seed: int,
-    scoring: Scoring = "standard",
+    scoring: Scoring,
     prefix: str = "eval",
     run_id: str = "",
     stage: str = "evaluate",

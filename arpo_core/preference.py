@@ -128,8 +128,8 @@ def dpo_loss(
     policy_rejected_logps: torch.Tensor,
     ref_chosen_logps: torch.Tensor,
     ref_rejected_logps: torch.Tensor,
-    beta: float = 0.1,
-    label_smoothing: float = 0.0,
+    beta: float,
+    label_smoothing: float,
 ) -> DPOOutput:
     """Sigmoid DPO loss on sequence log-prob sums, all (P,) (decision 3)."""
     logits = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # (P,)
@@ -159,9 +159,9 @@ def kto_loss(
     ref_logps: torch.Tensor,
     desirable: torch.Tensor,
     kl: torch.Tensor,
-    beta: float = 0.1,
-    desirable_weight: float = 1.0,
-    undesirable_weight: float = 1.0,
+    beta: float,
+    desirable_weight: float,
+    undesirable_weight: float,
 ) -> KTOOutput:
     """KTO loss (decision 5). policy_logps, ref_logps (N,) sequence sums; desirable (N,) bool; kl the
     reference point z0 from `kto_reference_point`."""
@@ -205,7 +205,7 @@ def _by_task(trajs: Sequence[Trajectory]) -> dict[tuple[str, str], list[int]]:
 
 def dpo_pairs(
     trajs: Sequence[Trajectory],
-    success_threshold: float = 0.1,
+    success_threshold: float,
     max_pairs_per_task: int | None = None,
     seed: int = 0,
 ) -> tuple[list[tuple[int, int]], int]:
@@ -269,7 +269,7 @@ def mismatched_trajectory(x: Trajectory, y: Trajectory) -> Trajectory:
 
 def rft_select(
     trajs: Sequence[Trajectory],
-    success_threshold: float = 0.1,
+    success_threshold: float,
     max_per_task: int | None = None,
     seed: int = 0,
 ) -> list[Trajectory]:

@@ -51,7 +51,7 @@ from typing import Any
 
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.dom import SCREEN_SIZE, DomElement
-from arpo_core.evaluation import click_spread, episode_score, first_click
+from arpo_core.evaluation import Scorer, click_spread, first_click
 from arpo_core.grounding import best_constant_click, pearson
 from arpo_core.trajectory import Trajectory
 
@@ -335,8 +335,11 @@ def _sign_test_p(wins: int, losses: int) -> float:
     return min(1.0, 2 * tail)
 
 
-def paired_difference(before: Sequence[Trajectory], after: Sequence[Trajectory]) -> dict[str, Any]:
-    """`after` minus `before` on the episodes both evaluated (decision 8).
+def paired_difference(
+    before: Sequence[Trajectory], after: Sequence[Trajectory], score: Scorer
+) -> dict[str, Any]:
+    """`after` minus `before` on the episodes both evaluated (decision 8), each episode scored by `score`
+    (the evaluation's rule and step limit, `Scorer.of(p.evaluate)`).
 
     Returns n (paired episodes), unpaired (episodes in only one, or whose utterances differ), before,
     after, delta (mean per-episode difference of scores clipped to [0, 1]), ci95 of delta, wins (after
@@ -368,17 +371,17 @@ def paired_difference(before: Sequence[Trajectory], after: Sequence[Trajectory])
             "losses": 0,
             "sign_test_p": 1.0,
         }
-    d = [episode_score(y) - episode_score(x) for x, y in pairs]
+    d = [score(y) - score(x) for x, y in pairs]
     mean = sum(d) / n
     sd = math.sqrt(sum((v - mean) ** 2 for v in d) / (n - 1)) if n > 1 else 0.0
     half = 1.96 * sd / math.sqrt(n)
-    wins = sum(episode_score(x) < 0.5 <= episode_score(y) for x, y in pairs)
-    losses = sum(episode_score(y) < 0.5 <= episode_score(x) for x, y in pairs)
+    wins = sum(score(x) < 0.5 <= score(y) for x, y in pairs)
+    losses = sum(score(y) < 0.5 <= score(x) for x, y in pairs)
     return {
         "n": n,
         "unpaired": unpaired,
-        "before": sum(episode_score(x) for x, _ in pairs) / n,
-        "after": sum(episode_score(y) for _, y in pairs) / n,
+        "before": sum(score(x) for x, _ in pairs) / n,
+        "after": sum(score(y) for _, y in pairs) / n,
         "delta": mean,
         "ci95": [mean - half, mean + half],
         "wins": wins,

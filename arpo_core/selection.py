@@ -108,7 +108,7 @@ def _as_outcome(r: Trajectory | Outcome | tuple) -> Outcome:
 
 
 def count_outcomes(
-    records: Iterable[Trajectory | Outcome | tuple[str, str, float]], success_threshold: float = 0.1
+    records: Iterable[Trajectory | Outcome | tuple[str, str, float]], success_threshold: float
 ) -> dict[Key, tuple[int, int]]:
     """Per key: (rollouts, successes), a success being success > success_threshold.
 

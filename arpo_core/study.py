@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo_core.evaluation import episode_score
+from arpo_core.evaluation import Scorer
 from arpo_core.trajectory import Trajectory
 
 __all__ = [
@@ -89,11 +89,13 @@ class ArmRun:
     """The train stage's per-epoch metrics rows."""
 
 
-def hard_split(baseline: Sequence[Trajectory], hard_max: float = 0.25) -> tuple[list[str], list[str], dict]:
+def hard_split(
+    baseline: Sequence[Trajectory], hard_max: float, score: Scorer
+) -> tuple[list[str], list[str], dict]:
     """Decision 1: (hard task ids, control task ids, {task: sampled base success})."""
     by_task: dict[str, list[float]] = defaultdict(list)
     for t in baseline:
-        by_task[t.task_id].append(episode_score(t))
+        by_task[t.task_id].append(score(t))
     rates = {task: sum(v) / len(v) for task, v in sorted(by_task.items())}
     hard = [t for t, r in rates.items() if r <= hard_max]
     return hard, [t for t in rates if t not in hard], rates
@@ -120,14 +122,16 @@ def second_half(runs: Sequence[ArmRun]) -> list[int]:
     return [e for e in epochs if e > epochs[-1] / 2]
 
 
-def _outcomes(run: ArmRun, tasks: Sequence[str], epochs: Sequence[int]) -> dict[Instance, float]:
+def _outcomes(
+    run: ArmRun, tasks: Sequence[str], epochs: Sequence[int], score: Scorer
+) -> dict[Instance, float]:
     """Mean score per instance over the run's evaluations at `epochs`."""
     acc: dict[Instance, list[float]] = defaultdict(list)
     wanted = set(tasks)
     for e in epochs:
         for t in run.evaluations.get(e, []):
             if t.task_id in wanted:
-                acc[(t.task_id, t.sample_idx)].append(episode_score(t))
+                acc[(t.task_id, t.sample_idx)].append(score(t))
     return {k: sum(v) / len(v) for k, v in acc.items()}
 
 
@@ -141,12 +145,14 @@ def _task_mean(outcomes: Mapping[Instance, float], instances: Sequence[Instance]
     return sum(sum(v) / len(v) for v in by_task.values()) / len(by_task)
 
 
-def arm_success(runs: Sequence[ArmRun], tasks: Sequence[str], epochs: Sequence[int]) -> dict[str, Any]:
+def arm_success(
+    runs: Sequence[ArmRun], tasks: Sequence[str], epochs: Sequence[int], score: Scorer
+) -> dict[str, Any]:
     """Decision 2: {"success": mean over seeds, "seeds": {seed: success}, "tasks": {task: mean over seeds}}."""
     per_seed: dict[int, float] = {}
     per_task: dict[str, list[float]] = defaultdict(list)
     for r in runs:
-        out = _outcomes(r, tasks, epochs)
+        out = _outcomes(r, tasks, epochs, score)
         s = _task_mean(out, list(out))
         if s is None:
             continue
@@ -169,12 +175,13 @@ def bootstrap_difference(
     b: Sequence[ArmRun],
     tasks: Sequence[str],
     epochs: Sequence[int],
+    score: Scorer,
     reps: int = 2000,
     seed: int = 0,
 ) -> dict[str, Any]:
     """Decision 3: success(a) - success(b) with a 95% interval over seeds and instances."""
-    oa = [_outcomes(r, tasks, epochs) for r in a]
-    ob = [_outcomes(r, tasks, epochs) for r in b]
+    oa = [_outcomes(r, tasks, epochs, score) for r in a]
+    ob = [_outcomes(r, tasks, epochs, score) for r in b]
     oa, ob = [o for o in oa if o], [o for o in ob if o]
     if not oa or not ob:
         return {"mean": None, "ci95": None, "reps": 0}
@@ -239,6 +246,7 @@ def replay_effect(
     baseline: Sequence[Trajectory],
     base_eval: Sequence[Trajectory],
     *,
+    score: Scorer,
     arpo: str | None = None,
     grpo: str | None = None,
     hard_max: float = 0.25,
@@ -249,7 +257,7 @@ def replay_effect(
     """The study's result document (decisions 1-4). `arpo` / `grpo` name the two arms compared; by default
     the ARPO arm with the smallest group size and the GRPO arm with the same group size (equal rollouts
     per group: ARPO G=4 vs GRPO G=4 when the study also has GRPO G=16)."""
-    hard, control, base_rates = hard_split(baseline, hard_max)
+    hard, control, base_rates = hard_split(baseline, hard_max, score)
     trained = trained_tasks(runs)
     untrained = [t for t in hard + control if trained is not None and t not in trained]
     hard, control = [t for t in hard if t not in untrained], [t for t in control if t not in untrained]
@@ -268,16 +276,16 @@ def replay_effect(
         "hard_max": hard_max,
         "epochs_averaged": epochs,
         "base": {
-            "hard": arm_success([base_run], hard, [0])["success"],
-            "control": arm_success([base_run], control, [0])["success"],
-            "untrained": arm_success([base_run], untrained, [0])["success"],
-            "tasks": arm_success([base_run], hard + control + untrained, [0])["tasks"],
+            "hard": arm_success([base_run], hard, [0], score)["success"],
+            "control": arm_success([base_run], control, [0], score)["success"],
+            "untrained": arm_success([base_run], untrained, [0], score)["success"],
+            "tasks": arm_success([base_run], hard + control + untrained, [0], score)["tasks"],
         },
         "arms": {},
     }
     for name, rs in sorted(arms.items()):
-        hard_s, ctrl_s = arm_success(rs, hard, epochs), arm_success(rs, control, epochs)
-        untr_s = arm_success(rs, untrained, epochs)
+        hard_s, ctrl_s = arm_success(rs, hard, epochs, score), arm_success(rs, control, epochs, score)
+        untr_s = arm_success(rs, untrained, epochs, score)
         entry = {
             "hard": hard_s["success"],
             "control": ctrl_s["success"],
@@ -286,7 +294,7 @@ def replay_effect(
             "per_seed": {"hard": hard_s["seeds"], "control": ctrl_s["seeds"]},
             "tasks": {**hard_s["tasks"], **ctrl_s["tasks"], **untr_s["tasks"]},
             "curve": {
-                str(e): arm_success(rs, hard, [e])["success"]
+                str(e): arm_success(rs, hard, [e], score)["success"]
                 for e in sorted({e for r in rs for e in r.evaluations})
             },
             "counts": _history_counts(rs, hard + control),
@@ -323,15 +331,17 @@ def replay_effect(
             "seeds": a.get("seeds", 0),
         }
     doc["arpo_minus_grpo"] = {
-        "hard": bootstrap_difference(arms.get(arpo or "", []), arms.get(grpo or "", []), hard, epochs, reps),
+        "hard": bootstrap_difference(
+            arms.get(arpo or "", []), arms.get(grpo or "", []), hard, epochs, score, reps
+        ),
         "control": bootstrap_difference(
-            arms.get(arpo or "", []), arms.get(grpo or "", []), control, epochs, reps
+            arms.get(arpo or "", []), arms.get(grpo or "", []), control, epochs, score, reps
         ),
     }
     for key, name in (("arpo_minus_base", arpo), ("grpo_minus_base", grpo)):
         rs = arms.get(name or "", [])  # none: bootstrap_difference returns mean None
         doc[key] = {
-            split: bootstrap_difference(rs, [base_run], tasks, [*epochs, 0], reps)
+            split: bootstrap_difference(rs, [base_run], tasks, [*epochs, 0], score, reps)
             for split, tasks in (("hard", hard), ("control", control))
         }
     return doc
@@ -351,11 +361,16 @@ def _split_tasks(trajs: Sequence[Trajectory], split: str) -> list[str]:
 
 
 def bootstrap_rate(
-    runs: Sequence[ArmRun], tasks: Sequence[str], epochs: Sequence[int], reps: int = 2000, seed: int = 0
+    runs: Sequence[ArmRun],
+    tasks: Sequence[str],
+    epochs: Sequence[int],
+    score: Scorer,
+    reps: int = 2000,
+    seed: int = 0,
 ) -> dict[str, Any]:
     """Decision 6: an arm's success (decision 2's mean over seeds of the task-mean) with a 95% interval
     that resamples the seeds and the instances (task, episode index)."""
-    outs = [o for o in (_outcomes(r, tasks, epochs) for r in runs) if o]
+    outs = [o for o in (_outcomes(r, tasks, epochs, score) for r in runs) if o]
     if not outs:
         return {"mean": None, "ci95": None, "seeds": 0}
     instances = sorted(set().union(*outs))
@@ -399,6 +414,7 @@ def instance_effect(
     baseline: Sequence[Trajectory],
     base_eval: Sequence[Trajectory],
     *,
+    score: Scorer,
     group_size: int | None = None,
     reps: int = 2000,
 ) -> dict[str, Any]:
@@ -431,7 +447,7 @@ def instance_effect(
     base_run = ArmRun("base", 0, {0: [t for t in base_eval if (t.task_id, t.sample_idx) in wanted]})
     by_instance: dict[str, list[float]] = defaultdict(list)
     for t in baseline:
-        by_instance[t.task_id].append(episode_score(t))
+        by_instance[t.task_id].append(score(t))
     sampled = {k: sum(v) / len(v) for k, v in sorted(by_instance.items())}
     trained = set(splits["train"])
     doc: dict[str, Any] = {
@@ -442,23 +458,28 @@ def instance_effect(
         "train_instances": splits["train"],
         "heldout_tasks": splits["heldout"],
         "baseline_sampled_success": {k: v for k, v in sampled.items() if k in trained},
-        "base": {s: bootstrap_rate([base_run], ts, [0], reps)["mean"] for s, ts in splits.items()},
-        "base_ci95": {s: bootstrap_rate([base_run], ts, [0], reps)["ci95"] for s, ts in splits.items()},
+        "base": {s: bootstrap_rate([base_run], ts, [0], score, reps)["mean"] for s, ts in splits.items()},
+        "base_ci95": {
+            s: bootstrap_rate([base_run], ts, [0], score, reps)["ci95"] for s, ts in splits.items()
+        },
         "arms": {},
     }
     key_names = {_clean(t): t for t in sampled} | {_clean(t): t for t in splits["train"]}
     for name, rs in sorted(arms.items()):
         entry: dict[str, Any] = {"seeds": len(rs)}
         for s, ts in splits.items():
-            b = bootstrap_rate(rs, ts, epochs, reps)
+            b = bootstrap_rate(rs, ts, epochs, score, reps)
             entry[s] = b["mean"]
             entry[f"{s}_ci95"] = b["ci95"]
             entry[f"{s}_per_seed"] = {
-                str(r.seed): _task_mean(o, list(o)) for r in rs for o in [_outcomes(r, ts, epochs)] if o
+                str(r.seed): _task_mean(o, list(o))
+                for r in rs
+                for o in [_outcomes(r, ts, epochs, score)]
+                if o
             }
         entry["curve"] = {
             s: {
-                str(e): arm_success(rs, ts, [e])["success"]
+                str(e): arm_success(rs, ts, [e], score)["success"]
                 for e in sorted({e for r in rs for e in r.evaluations})
             }
             for s, ts in splits.items()
@@ -479,7 +500,7 @@ def instance_effect(
         ra = arms.get(names.get(a, a), [])
         rb = [base_run] if b is None else arms.get(names[b], [])
         return {
-            s: bootstrap_difference(ra, rb, ts, [*epochs, 0] if b is None else epochs, reps)
+            s: bootstrap_difference(ra, rb, ts, [*epochs, 0] if b is None else epochs, score, reps)
             for s, ts in splits.items()
         }
 

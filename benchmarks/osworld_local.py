@@ -38,7 +38,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 from soak import SOURCE, VENV_BIN, child_env, copy_project, source_state  # noqa: E402
 
 from arpo_core.config import load_params  # noqa: E402
-from arpo_core.evaluation import summarize  # noqa: E402
+from arpo_core.evaluation import Scorer, summarize  # noqa: E402
 from arpo_core.pipeline.table import upstream  # noqa: E402
 from arpo_core.probe import paired_difference  # noqa: E402
 from arpo_core.trajectory import Trajectory, read_trajectories  # noqa: E402
@@ -57,10 +57,12 @@ def stage_times(project: Path, experiment: str) -> dict[str, int]:
     return {k: out[k] for k in stages if k in out}
 
 
-def summary(trajs: list[Trajectory], max_steps: int) -> dict:
+def summary(trajs: list[Trajectory], score: Scorer) -> dict:
     """The evaluate stage's own statistics (`evaluate.summarize`: success with its 95% interval, format
     errors, mean steps, episodes), for the whole suite, per domain and per task."""
-    stats = summarize(trajs, {t.key: "suite" for t in trajs}, max_steps=max_steps, prefix="m")
+    stats = summarize(
+        trajs, {t.key: "suite" for t in trajs}, scoring=score.rule, max_steps=score.max_steps, prefix="m"
+    )
 
     def cell(name: str) -> dict:
         return {
@@ -148,15 +150,16 @@ def main() -> None:
         "episodes_per_task": p.evaluate.episodes_per_task,
         "scoring": f"greedy (evaluate.temperature {p.evaluate.temperature}), evaluate.max_steps "
         f"{p.evaluate.max_steps}, OSWorld scoring; format error = an episode with a reply that did not parse",
-        "base": summary(base, p.evaluate.max_steps),
-        method: summary(trained, p.evaluate.max_steps),
+        "base": summary(base, Scorer.of(p.evaluate)),
+        method: summary(trained, Scorer.of(p.evaluate)),
         f"{method}_minus_base": {
-            mode: paired_difference(episodes["base", mode], episodes[method, mode]) for mode in modes
+            mode: paired_difference(episodes["base", mode], episodes[method, mode], Scorer.of(p.evaluate))
+            for mode in modes
         },
         "sampled": {
             "temperature": p.evaluate.sampled_temperature,
-            "base": summary(episodes["base", "sampled"], p.evaluate.max_steps),
-            method: summary(episodes[method, "sampled"], p.evaluate.max_steps),
+            "base": summary(episodes["base", "sampled"], Scorer.of(p.evaluate)),
+            method: summary(episodes[method, "sampled"], Scorer.of(p.evaluate)),
         }
         if "sampled" in modes
         else None,

@@ -42,24 +42,15 @@ from pathlib import Path
 from prefect import flow
 from prefect.context import FlowRunContext
 
-from arpo_core.config import to_dict
+from arpo_core.config import flatten, to_dict
 from arpo_core.pipeline.table import upstream
 from flows import tracking
 from flows.runner import FRONT_DOOR_ENV, load_params_once, variant_name
-from flows.services import crash_dead_flow_runs, run_lock
-from flows.spec import SPECS, _flatten, is_up_to_date
+from flows.services import INTERRUPTED, crash_dead_flow_runs, on_interrupt, run_lock
+from flows.spec import SPECS, is_up_to_date
 from flows.stage_flows import FLOWS, run_name
 
 __all__ = ["FLOWS", "INTERRUPTED", "arpo_train", "headline", "on_interrupt"]
-
-INTERRUPTED = threading.Event()
-"""Set by `on_interrupt` (decision 7)."""
-
-
-def on_interrupt(signum: int, frame: object) -> None:
-    """SIGINT handler of `arpo run`: remember the interrupt, then raise it as Python's own would."""
-    INTERRUPTED.set()
-    raise KeyboardInterrupt
 
 
 HEADLINE_KEYS = (
@@ -97,9 +88,8 @@ def headline(metrics: dict[str, float]) -> str:
 
 def changed_params(params: str, p: object) -> dict[str, object]:
     """Decision 5: {dotted key: value} of the effective params that differ from the params file alone."""
-    base = _flatten(to_dict(load_params_once(params)), "")
-    now = _flatten(to_dict(p), "")
-    return {k[1:]: v for k, v in now.items() if base.get(k, object()) != v}
+    base = flatten(to_dict(load_params_once(params)))
+    return {k: v for k, v in flatten(to_dict(p)).items() if base.get(k, object()) != v}
 
 
 def start_pipeline_run(
@@ -124,7 +114,7 @@ def start_pipeline_run(
         },
     )
     run_id = tracking.start_run(c, exp, f"{variant} · {door}", tags)
-    tracking.log_params(c, run_id, {k[1:]: v for k, v in _flatten(to_dict(p), "").items()})
+    tracking.log_params(c, run_id, flatten(to_dict(p)))
     return run_id
 
 

@@ -110,7 +110,7 @@ def _locked(command: str) -> Iterator[None]:
     SIGKILL). Ctrl-C ends it with exit 130, after its runs are marked."""
     from arpo_core.guardian import start_guardian
     from arpo_core.lock import RunLocked
-    from flows.services import run_lock, stop_services
+    from flows.services import INTERRUPTED, on_interrupt, run_lock, stop_services
 
     try:
         with run_lock(".", command=command):
@@ -118,8 +118,6 @@ def _locked(command: str) -> Iterator[None]:
             for sig in (signal.SIGTERM, signal.SIGHUP):
                 signal.signal(sig, _exit_on_signal)
             if signal.getsignal(signal.SIGINT) is signal.default_int_handler:  # not when ignored (nohup)
-                from flows.arpo_train import INTERRUPTED, on_interrupt
-
                 INTERRUPTED.clear()
                 signal.signal(signal.SIGINT, on_interrupt)
             try:
@@ -198,10 +196,19 @@ def stage(
     params: Path = PARAMS_OPT,
     set_: list[str] = SET_OPT,
     preset: str = PRESET_OPT,
+    force: bool = typer.Option(False, "--force", help="run it even if its stamp says it is up to date"),
 ) -> None:
-    """Run one pipeline stage without Prefect (each DVC stage's cmd); tracked in MLflow."""
-    _load(params, set_, preset)  # a bad key exits 2 with the message, before any work
+    """Run one pipeline stage without Prefect (each DVC stage's cmd), tracked in MLflow; a stage whose
+    stamp matches its params, inputs, code and outputs is skipped, as `arpo run` skips it
+    (flows/spec.py decision 6), so `dvc repro` after an `arpo run` only records what is there."""
+    from flows.spec import SPECS, is_up_to_date
+
+    _known_stage(name)
+    p = _load(params, set_, preset)  # a bad key exits 2 with the message, before any work
     with _locked(f"arpo stage {name}"):
+        if not force and is_up_to_date(p, SPECS[name], Path(".")):
+            typer.echo(f"{name}: up to date, skipped (its stamp matches; --force runs it)")
+            return
         metrics = run_stage(name, params, set_, preset)
     typer.echo(json.dumps(metrics, indent=1, sort_keys=True))
 

@@ -78,6 +78,7 @@ from flows.spec import (
     SPECS,
     details_path,
     effective_params,
+    matching_stamp,
     read_stamp,
     split_metrics,
     stage_key,
@@ -377,7 +378,7 @@ class StageRun:
         """The MLflow model id the stage that wrote `path` logged for its policy (from its stamp)."""
         for s in SPECS.values():
             if isinstance(path, str) and path in s.outs:
-                stamp = read_stamp(self.root, s.name) or {}
+                stamp = matching_stamp(self.p, s, self.root) or read_stamp(self.root, s.name) or {}
                 return next(iter((stamp.get("mlflow_model_ids") or {}).values()), None)
         return None
 

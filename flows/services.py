@@ -31,13 +31,34 @@ import logging
 import os
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 from arpo_core.lock import describe
 from arpo_core.lock import run_lock as _run_lock
 
-__all__ = ["DEAD_FLOW_RUNS", "crash_dead_flow_runs", "own_session_server", "run_lock", "stop_services"]
+__all__ = [
+    "DEAD_FLOW_RUNS",
+    "INTERRUPTED",
+    "crash_dead_flow_runs",
+    "on_interrupt",
+    "own_session_server",
+    "run_lock",
+    "stop_services",
+]
+
+INTERRUPTED = threading.Event()
+"""Set by `on_interrupt` (flows/arpo_train.py decision 7). Here, not in the flow's module, so `arpo
+stage` installs it without importing Prefect and MLflow (an up-to-date stage then takes about a second)."""
+
+
+def on_interrupt(signum: int, frame: object) -> None:
+    """SIGINT handler of `arpo run` and `arpo stage`: remember the interrupt, then raise it as Python's
+    own would."""
+    INTERRUPTED.set()
+    raise KeyboardInterrupt
+
 
 log = logging.getLogger("arpo.lock")
 

@@ -10,7 +10,14 @@ Decisions:
    fingerprint of the outputs as written. A changed param, input or code file changes the key; a
    deleted or replaced output (e.g. `dvc checkout` of another experiment) changes the fingerprint.
    Either one re-runs the stage. Stamps live in `.arpo/stamps/<stage>.json` (git- and DVC-ignored) so
-   they never alter a DVC-tracked output.
+   they never alter a DVC-tracked output. A stamp keeps the last STAMP_HISTORY (key, outputs) pairs it
+   recorded, so outputs brought back as they were (`dvc checkout` / `dvc exp apply` of an earlier
+   experiment, with its params) are up to date again instead of re-running.
+6. The stamp is the one staleness authority (docs/design.md, "When a stage re-runs"): `arpo run`
+   skips a stage whose stamp matches, and so does `arpo stage` (every DVC stage's cmd), so `dvc repro`
+   after an `arpo run` or a deployment run only records what is there, and both front doors re-run a
+   stage for exactly the same reasons. DVC still decides which commands to call (dvc.lock) and caches
+   and versions the outputs; `--force` on either command re-runs regardless.
 3. Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`, dotfiles
    and temp names are skipped so that running Python does not make code look changed (the same
    patterns are in .dvcignore for DVC's own hashes).
@@ -32,7 +39,7 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
 
-from arpo_core.config import Params, to_dict
+from arpo_core.config import Params, flatten, to_dict
 from arpo_core.fileio import atomic_write_json
 from arpo_core.pipeline.table import BY_NAME, STAGE_NAMES, STAGES, Stage
 from arpo_core.pipeline.table import upstream as table_upstream
@@ -40,12 +47,15 @@ from arpo_core.pipeline.table import upstream as table_upstream
 __all__ = [
     "SPECS",
     "STAGE_NAMES",
+    "STAMP_HISTORY",
     "details_path",
+    "dvc_outs",
     "dvc_yaml",
     "effective_params",
     "fingerprint",
     "is_detail",
     "is_up_to_date",
+    "matching_stamp",
     "read_stamp",
     "split_metrics",
     "stage_key",
@@ -80,7 +90,7 @@ def stage_params(p: Params, spec: Stage) -> dict[str, Any]:
     for key in spec.params:
         value = _lookup(tree, key)
         if isinstance(value, Mapping):
-            out.update(_flatten(value, key))
+            out.update(flatten(value, key))
         else:
             out[key] = value
     return out
@@ -102,14 +112,6 @@ def effective_params(p: Params, spec: Stage) -> dict[str, Any]:
     for s in (*upstream(spec), spec):
         out.update(stage_params(p, s))
     out.update({k: v for k, v in spec.consts.items() if isinstance(v, str | int | float | bool)})
-    return out
-
-
-def _flatten(d: Mapping[str, Any], prefix: str) -> dict[str, Any]:
-    out: dict[str, Any] = {}
-    for k, v in d.items():
-        key = f"{prefix}.{k}"
-        out.update(_flatten(v, key) if isinstance(v, Mapping) and v else {key: v})
     return out
 
 
@@ -162,20 +164,50 @@ def read_stamp(root: Path, name: str) -> dict[str, Any] | None:
     return json.loads(path.read_text()) if path.exists() else None
 
 
+STAMP_HISTORY = 16
+"""How many earlier (key, outputs) pairs a stamp remembers besides its newest (decision 2)."""
+
+
+def _entries(stamp: Mapping[str, Any] | None) -> list[dict[str, Any]]:
+    """A stamp's records, newest first, each without the history list."""
+    if not stamp:
+        return []
+    newest = {k: v for k, v in stamp.items() if k != "history"}
+    return [newest, *(dict(e) for e in stamp.get("history") or ())]
+
+
 def write_stamp(root: Path, spec: Stage, key: str, extra: Mapping[str, Any] | None = None) -> None:
-    """Record that `spec`'s outputs, as they are now, were produced from `key` (atomic replace)."""
+    """Record that `spec`'s outputs, as they are now, were produced from `key` (atomic replace); the
+    earlier records stay in `history` (decision 2), an identical pair replaced by the new one."""
     path = stamp_path(root, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
-    stamp = {"key": key, "outs": fingerprint(spec.outs, root), "time": time.time(), **(extra or {})}
-    atomic_write_json(path, stamp, indent=1, sort_keys=True)
+    entry = {"key": key, "outs": fingerprint(spec.outs, root), "time": time.time(), **(extra or {})}
+    same = (entry["key"], entry["outs"])
+    older = [e for e in _entries(read_stamp(root, spec.name)) if (e.get("key"), e.get("outs")) != same]
+    atomic_write_json(path, {**entry, "history": older[:STAMP_HISTORY]}, indent=1, sort_keys=True)
+
+
+def dvc_outs(spec: Stage) -> tuple[str, ...]:
+    """Every file a stage writes that DVC tracks: its outputs, its metrics summary and breakdown, the
+    per-epoch table of a stage with iterations."""
+    return (*spec.outs, spec.metrics, details_path(spec), *([EPOCH_TABLE] if spec.iterations else ()))
+
+
+def matching_stamp(p: Params, spec: Stage, root: Path) -> dict[str, Any] | None:
+    """The stamp record that produced `spec`'s outputs as they are now with these params, inputs and
+    code, or None (the stage must run): every file it writes exists, and its key and the outputs'
+    fingerprint equal one recorded pair (decision 2)."""
+    entries = _entries(read_stamp(root, spec.name))
+    if not entries or not all((root / o).exists() for o in dvc_outs(spec)):
+        return None
+    key, outs = stage_key(p, spec, root), fingerprint(spec.outs, root)
+    return next((e for e in entries if e.get("key") == key and e.get("outs") == outs), None)
 
 
 def is_up_to_date(p: Params, spec: Stage, root: Path) -> bool:
-    """True when the stage ran with this key and its outputs are unchanged since (decision 2)."""
-    stamp = read_stamp(root, spec.name)
-    if stamp is None or not all((root / o).exists() for o in spec.outs):
-        return False
-    return stamp.get("key") == stage_key(p, spec, root) and stamp.get("outs") == fingerprint(spec.outs, root)
+    """True when the stage ran with this key and its outputs are as that run left them (decision 2);
+    the one test both `arpo run` and `arpo stage` (DVC) apply (decision 6)."""
+    return matching_stamp(p, spec, root) is not None
 
 
 # ------------------------------------------------------------------------------------------------
@@ -262,10 +294,7 @@ def dvc_yaml() -> str:
             "params": list(s.params),
             # persist: DVC deletes a stage's outputs before its command runs unless told not to; the
             # runner replaces them itself, and only once the stage succeeded (flows/runner.py decision 4)
-            "outs": [
-                {o: {"persist": True}}
-                for o in (*s.outs, details_path(s), *([EPOCH_TABLE] if s.iterations else []))
-            ],
+            "outs": [{o: {"persist": True}} for o in dvc_outs(s) if o != s.metrics],
             "metrics": [{s.metrics: {"persist": True}}],
         }
         if s.iterations:

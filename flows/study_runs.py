@@ -28,6 +28,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from arpo_core.evaluation import Scorer
 from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
 from arpo_core.study import ArmRun, instance_effect, replay_effect
 from arpo_core.trajectory import Trajectory, read_trajectories
@@ -64,8 +65,9 @@ def _download(c: Any, run_id: str, path: str, dst: Path) -> Path:
 
 def gather(
     experiment: str, variant: str | None = None, root: str = ".", suite: str | None = None
-) -> tuple[list[ArmRun], list[Trajectory], list[Trajectory], dict[str, Any]]:
-    """Decisions 1-3: (runs, baseline rollouts, base evaluation episodes, provenance)."""
+) -> tuple[list[ArmRun], list[Trajectory], list[Trajectory], Scorer, dict[str, Any]]:
+    """Decisions 1-3: (runs, baseline rollouts, base evaluation episodes, how the evaluation scored an
+    episode, provenance)."""
     c = tracking.client(root)
     tmp = Path(tempfile.mkdtemp(prefix="arpo-study-"))
     chosen: dict[tuple[str, int], Any] = {}
@@ -112,6 +114,9 @@ def gather(
             "from baseline's rollouts and the base's episodes from evaluate's (run the pipeline through "
             "`evaluate` once, e.g. `dvc repro` before queueing the arms, or `dvc exp run evaluate`)"
         )
+    e = evaluate_run.data.params  # the study scores episodes as the evaluation did
+    score = Scorer("osworld_hard" if e.get("evaluate.osworld_hard") == "True" else "standard",
+                   int(e["evaluate.max_steps"]))  # fmt: skip
     baseline = read_trajectories(_download(c, baseline_run.info.run_id, "trajectories", tmp / "baseline"))
     base_file = _download(c, evaluate_run.info.run_id, "trajectories/base.parquet", tmp / "evaluate")
     provenance = {
@@ -121,11 +126,12 @@ def gather(
         "superseded_runs": superseded,
         "baseline_run": baseline_run.info.run_id,
         "evaluate_run": evaluate_run.info.run_id,
+        "scoring": {"rule": score.rule, "max_steps": score.max_steps},
         "git_commits": sorted(
             {r.data.tags.get("mlflow.source.git.commit", "") for r in chosen.values()} - {""}
         ),
     }
-    return runs, baseline, read_trajectories(base_file), provenance
+    return runs, baseline, read_trajectories(base_file), score, provenance
 
 
 def _plot(doc: dict[str, Any], path: Path) -> None:
@@ -283,13 +289,20 @@ def replay_study(
     targets: Sequence[Any] = (), first_seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
     """Gather, compute (arpo_core.study.replay_effect) and write the study files."""
-    runs, baseline, base_eval, provenance = gather(experiment, variant)
+    runs, baseline, base_eval, score, provenance = gather(experiment, variant)
     if not runs:
         raise FileNotFoundError(
             f"experiment {experiment!r} has no finished train run with evaluate.during_training > 0"
         )
     doc = replay_effect(
-        runs, baseline, base_eval, hard_max=hard_max, reps=reps, targets=targets, first_seed=first_seed
+        runs,
+        baseline,
+        base_eval,
+        score=score,
+        hard_max=hard_max,
+        reps=reps,
+        targets=targets,
+        first_seed=first_seed,
     )
     doc["provenance"] = provenance
     write_study(doc, out)
@@ -404,12 +417,12 @@ def instance_study(
     experiment: str, out: Path, suite: str, variant: str | None = None, reps: int = 2000
 ) -> dict[str, Any]:
     """Gather the runs of `suite`, compute (arpo_core.study.instance_effect) and write the files."""
-    runs, baseline, base_eval, provenance = gather(experiment, variant, suite=suite)
+    runs, baseline, base_eval, score, provenance = gather(experiment, variant, suite=suite)
     if not runs:
         raise FileNotFoundError(
             f"experiment {experiment!r} has no finished train run of {suite} with evaluate.during_training > 0"
         )
-    doc = instance_effect(runs, baseline, base_eval, reps=reps)
+    doc = instance_effect(runs, baseline, base_eval, score=score, reps=reps)
     doc["provenance"] = provenance | {"suite": suite}
     write_instance_study(doc, out)
     return doc

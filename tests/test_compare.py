@@ -76,6 +76,37 @@ def test_compare_writes_table_json_plot_with_paired_deltas(evals):
     assert (evals / "report" / "comparison.png").read_bytes()[:4] == b"\x89PNG"
 
 
+def test_compare_scores_episodes_as_the_evaluation_did(tmp_path):
+    """With `evaluate.osworld_hard` the compare stage's rates and paired deltas use the OSWorld-Hard rule
+    at `evaluate.max_steps` (evaluation.Scorer.of), as the evaluate stage did: before, it always scored
+    the checker's success, so its table disagreed with the evaluate stage's numbers."""
+    import json as _json
+
+    img = png_bytes(Image.new("RGB", (160, 210)))
+
+    def gave_up(method: str, k: int) -> Trajectory:  # success 1, but the limit hit and the last action FAIL
+        steps = [
+            Step(i, img, 160, 210, "Thought: x\nAction: click(start_box='(5,5)')",
+                 actions_json=_json.dumps([{"kind": "call_user" if i == 2 else "click", "point": [5, 5]}]))
+            for i in range(3)
+        ]  # fmt: skip
+        return Trajectory(f"evaluate-{method}", "evaluate", 0, "miniwob", IN, f"Click {k}.", steps,
+                          sample_idx=k, success=1.0, reward=1.0)  # fmt: skip
+
+    d = tmp_path / "data" / "eval"
+    write_trajectories(d / "base.parquet", episodes("base", {IN: [0]}))
+    write_trajectories(d / "arpo.parquet", [gave_up("arpo", k) for k in range(4)])
+    base = "env.out_of_domain_suite=null"
+    standard = compare.run(params(base), [d], [], tmp_path / "standard")
+    hard = compare.run(
+        params(base, "evaluate.osworld_hard=true", "evaluate.max_steps=3"), [d], [], tmp_path / "hard"
+    )
+    assert standard["compare/arpo/in_domain/success_rate"] == pytest.approx(1.0)
+    assert standard["compare/arpo/in_domain/delta_vs_base"] == pytest.approx(0.75)
+    assert hard["compare/arpo/in_domain/success_rate"] == 0.0
+    assert hard["compare/arpo/in_domain/delta_vs_base"] == pytest.approx(-0.25)
+
+
 def test_compare_names_a_missing_reference(evals):
     with pytest.raises(FileNotFoundError, match=r"compare\.reference='dpo'.*evaluated: base, arpo"):
         compare.run(params("compare.reference=dpo"), [evals / "data" / "eval"], [], evals / "report")

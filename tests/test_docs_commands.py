@@ -98,7 +98,7 @@ DVC = [(where, argv) for where, argv in ALL if argv[0] == "dvc"]
 
 def test_docs_have_the_commands_this_test_checks():
     assert len(ARPO) >= 20 and len(DVC) >= 15, (len(ARPO), len(DVC))
-    assert any(argv[:2] == ["dvc", "commit"] for _, argv in DVC)
+    assert any(argv[:2] == ["dvc", "repro"] for _, argv in DVC)
     assert any(w.startswith("README.md") for w, _ in ARPO)
 
 

@@ -1,13 +1,11 @@
-"""dvc.yaml against params.yaml, the config dataclasses and flows/spec.py; `dvc repro` twice and an
-ablation with `dvc exp run -S` on the quick preset (slow)."""
+"""dvc.yaml against params.yaml, the config dataclasses and flows/spec.py. Real `dvc repro` / `dvc exp
+run` on a pipeline's outputs: tests/test_flows.py (one quick run serves the Prefect, MLflow and DVC
+checks)."""
 
 from __future__ import annotations
 
-import json
-import subprocess
 from pathlib import Path
 
-import orchestration_helpers as oh
 import pytest
 import yaml
 from typer.testing import CliRunner
@@ -164,80 +162,6 @@ def test_dvc_config_is_local_without_analytics():
     assert "__pycache__" in (ROOT / ".dvcignore").read_text()
 
 
-# ------------------------------------------------------------------------------------------------
-# Real DVC on a copy of the project (slow)
-
-
-def _git(project: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.email=test@example.com", "-c", "user.name=test", *args],
-        cwd=project,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-
-
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_dvc_repro_quick_then_noop_then_ablation_experiment(tmp_path):
-    project = oh.copy_project(tmp_path / "proj")
-    oh.write_quick_params(project)  # the quick preset reaches DVC as params.yaml values
-    env = oh.base_env(project)
-    _git(project, "init", "-q")
-    _git(project, "add", "-A")
-    _git(project, "commit", "-qm", "quick")
-
-    first = oh.run(["dvc", "repro"], project, env, timeout=600)
-    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
-    for name in STAGE_NAMES:
-        assert f"Running stage '{name}'" in first.stdout
-    assert (project / "data" / "demos" / "demos.parquet").exists()
-    metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
-    assert "eval/trained/greedy/in_domain/success_rate" in metrics
-    assert not any("/task/" in k for k in metrics)  # breakdowns are in metrics/details/
-    lock = (project / "dvc.lock").read_text()
-    shown = oh.run(["dvc", "metrics", "show", "--md"], project, env, timeout=120)
-    assert shown.returncode == 0 and "/task/" not in shown.stdout, shown.stderr
-    plots = oh.run(["dvc", "plots", "show", "-o", "dvc_plots"], project, env, timeout=120)
-    assert plots.returncode == 0, plots.stderr
-    page = (project / "dvc_plots" / "index.html").read_text()
-    assert "<script src" not in page and "cdn." not in page and "<img" in page
-
-    second = oh.run(["dvc", "repro"], project, env, timeout=120)
-    assert second.returncode == 0, second.stdout + second.stderr
-    assert "Running stage" not in second.stdout
-    assert "Data and pipelines are up to date." in second.stdout
-    assert (project / "dvc.lock").read_text() == lock
-
-    # An ablation as an experiment: only the stages reading train.* re-run.
-    _git(project, "add", "-A")
-    _git(project, "commit", "-qm", "lock")
-    exp = oh.run(["dvc", "exp", "run", "-S", "train.replay.enabled=false"], project, env, timeout=600)
-    assert exp.returncode == 0, exp.stdout[-4000:] + exp.stderr[-4000:]
-    assert "Running stage 'train'" in exp.stdout and "Running stage 'evaluate'" in exp.stdout
-    assert "Running stage 'sft'" not in exp.stdout
-    assert "Running stage 'rft'" not in exp.stdout  # the offline baselines do not read train.*
-    assert "Running stage 'compare'" in exp.stdout
-    shown = oh.run(["dvc", "exp", "show", "--json"], project, env, timeout=120)
-    assert "train.replay.enabled" in shown.stdout or '"enabled": false' in shown.stdout
-    # the documented view (docs/orchestration.md): only what differs, every column shown in a wide
-    # terminal (measured: about 300 characters, the ablated param, compare's paired deltas, the changed
-    # outputs) instead of 300+ metric columns cut to '…'
-    table = oh.run(
-        ["dvc", "exp", "show", "--only-changed", "--no-pager"], project, {**env, "COLUMNS": "400"}, 120
-    )
-    assert table.returncode == 0, table.stderr
-    print(table.stdout)
-    header = next(line for line in table.stdout.splitlines() if "Experiment" in line)
-    assert "train.replay.enabled" in header and "…" not in header, table.stdout
-
-    from flows import tracking
-
-    c = tracking.client(project)
-    trains = tracking.run_rows(c, "arpo-embedded", "train")
-    assert len(trains) == 2
-    tags = [c.get_run(r["run"]).data.tags for r in trains]
-    assert sum("dvc.exp_name" in t for t in tags) == 1
-    params = [c.get_run(r["run"]).data.params["train.replay.enabled"] for r in trains]
-    assert sorted(params) == ["False", "True"]
+# Real DVC on a pipeline's outputs: tests/test_flows.py, test_quick_pipeline_through_a_prefect_deployment_
+# then_dvc_on_the_same_outputs (`dvc repro` after a deployment run, again, `dvc exp run -S`, metrics,
+# plots, push), on the same run as the Prefect and MLflow checks (issue 30 item 6).

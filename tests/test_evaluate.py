@@ -121,7 +121,7 @@ def test_last_action_kind_and_osworld_hard():
     assert episode_score(done_at_limit, "osworld_hard", max_steps=3) == 1.0
     assert last_action_kind(traj("a", 0.0, parse_ok=False)) is None
     with pytest.raises(ValueError, match="scoring"):
-        episode_score(done_at_limit, "hard")  # type: ignore[arg-type]
+        episode_score(done_at_limit, "hard", 3)  # type: ignore[arg-type]
 
 
 def test_click_spread_hand_values():
@@ -141,7 +141,7 @@ def test_summarize_reports_click_spread_per_task_and_pooled():
         traj("t2", 1.0, point=(3, 3)),  # t2 spread 0
         traj("t3", 0.0, point=(9, 9)),  # one episode: no spread
     ]
-    m = summarize(trajs, SPLITS)
+    m = summarize(trajs, SPLITS, scoring="standard", max_steps=3)
     assert m["eval/task/miniwob/t1/click_spread_px"] == 5.0
     assert m["eval/in_domain/click_spread_px"] == 2.5  # mean over t1, t2
     assert "eval/out_of_domain/click_spread_px" not in m
@@ -169,7 +169,7 @@ def test_summarize_hand_values():
         traj("t3", 0.0, n_steps=1),
         traj("t1", 0.5, n_steps=4, domain="chrome"),
     ]
-    m = summarize(trajs, SPLITS)
+    m = summarize(trajs, SPLITS, scoring="standard", max_steps=3)
     # in_domain: t1 1/2, t2 2/2 -> 0.75 (interval: test_pooled_rate_is_task_mean_with_stratified_interval)
     assert m["eval/in_domain/success_rate"] == pytest.approx(0.75)
     assert m["eval/in_domain/success_ci_low"] == pytest.approx(0.471819, abs=2e-6)
@@ -198,13 +198,13 @@ def test_summarize_options_and_errors():
     assert hard["eval/greedy/in_domain/success_rate"] == pytest.approx(0.5)  # t1 scores 0 under Hard
     assert not any("/task/" in k for k in hard)
     with pytest.raises(KeyError, match="miniwob/zz"):
-        summarize([traj("zz", 1.0)], SPLITS)
+        summarize([traj("zz", 1.0)], SPLITS, scoring="standard", max_steps=3)
     with pytest.raises(ValueError, match="collide"):
-        summarize([], {("miniwob", "t1"): "all"})
+        summarize([], {("miniwob", "t1"): "all"}, scoring="standard", max_steps=3)
 
 
 def test_summarize_cleans_metric_keys():
-    m = summarize([traj("a:b?c", 1.0)], {("miniwob", "a:b?c"): "in_domain"})
+    m = summarize([traj("a:b?c", 1.0)], {("miniwob", "a:b?c"): "in_domain"}, scoring="standard", max_steps=3)
     assert "eval/task/miniwob/a_b_c/success_rate" in m
 
 
@@ -291,7 +291,7 @@ def test_evaluate_policy_with_fake_pool_and_generator():
     ]
     pool, gen = FakePool(3), FakeGenerator()
     rollout = greedy_rollout()
-    res = evaluate_policy(pool, gen, tasks, 4, rollout, first_seed=10)
+    res = evaluate_policy(pool, gen, tasks, 4, rollout, first_seed=10, scoring="standard")
     assert sorted(pool.seeds) == sorted([(t, 10 + k) for t in ("good", "bad") for k in range(4)])
     assert set(gen.temperatures) == {0.0}  # greedy
     m = res.metrics
@@ -331,7 +331,7 @@ def test_evaluation_reports_the_env_faults_of_its_call_under_its_prefix():
     tasks = [TaskSpec("miniwob", "good"), TaskSpec("miniwob", "other")]
     rollout = greedy_rollout()
     m = evaluate_policy(
-        pool, FakeGenerator(), tasks, 3, rollout, first_seed=10, prefix="eval/base/greedy"
+        pool, FakeGenerator(), tasks, 3, rollout, first_seed=10, scoring="standard", prefix="eval/base/greedy"
     ).metrics
     assert m["eval/base/greedy/rollout/faults/timeouts"] == 3.0
     assert m["eval/base/greedy/rollout/faults/browser_crashes"] == 0.0

@@ -1,5 +1,6 @@
-"""Stage specs, up-to-date stamps, a tracked stage run, and the `arpo-train` deployment on a real
-Prefect server with a process worker (slow)."""
+"""Stage specs, up-to-date stamps, a tracked stage run, and one quick pipeline run that serves the
+front-door checks (slow): the `arpo-train/quick` deployment on a real Prefect server with a process
+worker, its MLflow runs, then `dvc repro` / `dvc exp run` on the same outputs."""
 
 from __future__ import annotations
 
@@ -21,8 +22,11 @@ from flows.runner import PLOT_COLUMNS, StageRun, variant_name, write_epoch_plot
 from flows.spec import (
     SPECS,
     STAGE_NAMES,
+    STAMP_HISTORY,
+    details_path,
     fingerprint,
     is_up_to_date,
+    matching_stamp,
     read_stamp,
     stage_key,
     stage_params,
@@ -103,20 +107,56 @@ def test_stage_key_changes_with_its_params_and_deps_only(tmp_path):
     assert stage_key(p, spec, tmp_path) != k0
 
 
+def _fake_select_outputs(root: Path, selected: str) -> None:
+    """What a finished select stage leaves: its output and the two metrics files DVC tracks."""
+    for rel in (SPECS["select"].metrics, details_path(SPECS["select"])):
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text("{}")
+    (root / "data" / "selected_tasks.json").write_text(selected)
+
+
 def test_stamp_up_to_date_until_params_inputs_or_outputs_change(tmp_path):
     _fake_select_inputs(tmp_path)
     spec, p = SPECS["select"], parse_params({})
     assert not is_up_to_date(p, spec, tmp_path)  # no stamp
+    _fake_select_outputs(tmp_path, "{}")
     out = tmp_path / "data" / "selected_tasks.json"
-    out.write_text("{}")
     write_stamp(tmp_path, spec, stage_key(p, spec, tmp_path), {"mlflow_run_id": "r1"})
     assert read_stamp(tmp_path, "select")["mlflow_run_id"] == "r1"
     assert is_up_to_date(p, spec, tmp_path)
     assert not is_up_to_date(parse_params({"select": {"min_successes": 4}}), spec, tmp_path)
-    out.write_text('{"other": 1}')  # e.g. `dvc checkout` of another experiment
+    out.write_text('{"other": 1}')  # e.g. `dvc checkout` of outputs this stamp never recorded
     assert not is_up_to_date(p, spec, tmp_path)
+    out.write_text("{}")
+    (tmp_path / details_path(spec)).unlink()  # a file DVC tracks is missing: DVC could not record it
+    assert not is_up_to_date(p, spec, tmp_path)
+    _fake_select_outputs(tmp_path, "{}")
+    assert is_up_to_date(p, spec, tmp_path)
     out.unlink()
     assert not is_up_to_date(p, spec, tmp_path)
+
+
+def test_outputs_brought_back_with_their_params_are_up_to_date_again(tmp_path):
+    """`dvc exp apply` / `dvc checkout` of an earlier experiment restores its params and outputs; the
+    stamp remembers earlier (key, outputs) pairs, so neither front door re-runs the stage then (spec
+    decision 2), and the MLflow run it names is that experiment's. A pair is remembered once."""
+    _fake_select_inputs(tmp_path)
+    spec = SPECS["select"]
+    p1, p2 = parse_params({}), parse_params({"select": {"min_successes": 4}})
+    _fake_select_outputs(tmp_path, '{"kept": 1}')
+    write_stamp(tmp_path, spec, stage_key(p1, spec, tmp_path), {"mlflow_run_id": "r1"})
+    _fake_select_outputs(tmp_path, '{"kept": 2}')
+    write_stamp(tmp_path, spec, stage_key(p2, spec, tmp_path), {"mlflow_run_id": "r2"})
+    assert is_up_to_date(p2, spec, tmp_path) and not is_up_to_date(p1, spec, tmp_path)
+    _fake_select_outputs(tmp_path, '{"kept": 1}')  # the first experiment checked out again
+    assert is_up_to_date(p1, spec, tmp_path) and not is_up_to_date(p2, spec, tmp_path)
+    assert matching_stamp(p1, spec, tmp_path)["mlflow_run_id"] == "r1"
+    write_stamp(tmp_path, spec, stage_key(p1, spec, tmp_path), {"mlflow_run_id": "r3"})  # re-run, same result
+    stamp = read_stamp(tmp_path, "select")
+    assert stamp["mlflow_run_id"] == "r3" and [e["mlflow_run_id"] for e in stamp["history"]] == ["r2"]
+    for k in range(STAMP_HISTORY + 5):  # bounded
+        write_stamp(tmp_path, spec, f"key{k}")
+    assert len(read_stamp(tmp_path, "select")["history"]) == STAMP_HISTORY
 
 
 @pytest.mark.parametrize(
@@ -305,6 +345,20 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
     assert exp.artifact_location == (tmp_path / "mlruns" / "arpo-embedded").resolve().as_uri()
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI overview
 
+    # `arpo stage` (every DVC stage's cmd) asks the same stamp as `arpo run` (spec decision 6): up to
+    # date, it runs nothing and opens no MLflow run; --force runs it
+    from typer.testing import CliRunner
+
+    from flows.cli import app
+
+    res = CliRunner().invoke(app, ["stage", "init_policy", "--preset", "quick"])
+    assert res.exit_code == 0 and "init_policy: up to date, skipped" in res.output, res.output
+    assert len(tracking.run_rows(c, "arpo-embedded", "init_policy")) == 1
+    assert read_stamp(Path("."), "init_policy") == stamp
+    res = CliRunner().invoke(app, ["stage", "init_policy", "--preset", "quick", "--force"])
+    assert res.exit_code == 0 and "init_policy/parameters" in res.output, res.output
+    assert len(tracking.run_rows(c, "arpo-embedded", "init_policy")) == 2
+
 
 def test_logged_policy_model_loads_back_and_answers(tmp_path, monkeypatch, one_thread):
     """The MLflow model of a policy loads with mlflow.pyfunc and turns (instruction, screenshot) into
@@ -438,6 +492,16 @@ def test_failed_stage_marks_run_failed_and_keeps_marker(tmp_path, monkeypatch):
 # The deployment on a real Prefect server (slow)
 
 
+def _git(project: Path, *args: str) -> None:
+    subprocess.run(
+        ["git", "-c", "user.email=test@example.com", "-c", "user.name=test", *args],
+        cwd=project,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
 def _dvc_dir_files(project: Path, out: str) -> dict[str, str]:
     """{relpath: md5} of a directory output recorded in dvc.lock, from DVC's cache manifest."""
     lock = yaml.safe_load((project / "dvc.lock").read_text())
@@ -452,14 +516,18 @@ def _dvc_dir_files(project: Path, out: str) -> dict[str, str]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1500)
-def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
+def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_outputs(tmp_path):
+    """The deployment three times (the pipeline; again: nothing runs; the GRPO ablation: train, evaluate,
+    compare), the MLflow runs and Prefect artifacts they made, then DVC on the outputs they left: it
+    re-runs nothing (one staleness authority, spec decision 6), records them, and an experiment re-runs
+    the stages its param reaches. One pipeline run for all three front doors (issue 30 item 6)."""
     project = oh.copy_project(tmp_path / "proj")
     (project / "scripts").mkdir()
     for name in ("prefect_env.sh", "prefect_server.sh", "prefect_worker.sh"):
         (project / "scripts" / name).write_bytes((ROOT / "scripts" / name).read_bytes())
         (project / "scripts" / name).chmod(0o755)
     port = oh.free_port()
-    env = oh.base_env(project)
+    env = oh.base_env(project) | {"PYTHONPATH": str(project)}  # the copy's code runs, the code it hashes
     env.update(PREFECT_PORT=str(port), PREFECT_WORKER_QUERY_SECONDS="2")
     cli_env = {**env, "PREFECT_API_URL": f"http://127.0.0.1:{port}/api"}
     server = oh.start(["bash", "scripts/prefect_server.sh"], project, env, tmp_path / "server.log")
@@ -584,17 +652,31 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         "grpo.html",
     }
 
-    # DVC takes the deployment's outputs as its own: `dvc commit` records them, then nothing to repro,
-    # and the Parquet files are in DVC's cache and, after `dvc push`, in the local remote.
-    denv = oh.base_env(project)
-    write_quick_params_for_dvc = oh.run(["arpo", "params", "--preset", "quick"], project, denv, 120)
-    (project / "params.yaml").write_text(write_quick_params_for_dvc.stdout)
-    subprocess.run(["git", "init", "-q"], cwd=project, check=True)
-    for cmd in (["dvc", "commit", "-f"], ["dvc", "push"]):
-        out = oh.run(cmd, project, denv, 300)
-        assert out.returncode == 0, out.stdout + out.stderr
-    out = oh.run(["dvc", "status"], project, denv, 120)
-    assert "up to date" in out.stdout, out.stdout + out.stderr
+    # DVC on the same outputs (issue 30 item 6: one quick pipeline run serves the Prefect, MLflow and DVC
+    # checks). params.yaml := the variant on disk (the quick preset, GRPO): `dvc repro` calls every
+    # stage's `arpo stage`, each finds its stamp current and only says so (spec decision 6), and DVC
+    # records the outputs as they are in dvc.lock; again, nothing to do.
+    denv = oh.base_env(project) | {"PYTHONPATH": str(project)}
+    grpo_params = oh.run(
+        ["arpo", "params", "--preset", "quick", "-S", "train.replay.enabled=false"], project, denv, 120
+    )
+    (project / "params.yaml").write_text(grpo_params.stdout)
+    _git(project, "init", "-q")
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "quick, GRPO")
+    first = oh.run(["dvc", "repro"], project, denv, timeout=600)
+    assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
+    for name in STAGE_NAMES:
+        assert f"Running stage '{name}'" in first.stdout and f"{name}: up to date, skipped" in first.stdout
+    assert len(tracking.run_rows(c, "arpo-embedded", "train")) == 2  # DVC ran no stage again
+    lock = (project / "dvc.lock").read_text()
+    again = oh.run(["dvc", "repro"], project, denv, timeout=300)
+    assert again.returncode == 0 and "Running stage" not in again.stdout, again.stdout + again.stderr
+    assert "Data and pipelines are up to date." in again.stdout
+    assert (project / "dvc.lock").read_text() == lock
+    metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
+    assert "eval/trained/greedy/in_domain/success_rate" in metrics
+    assert not any("/task/" in k for k in metrics)  # breakdowns are in metrics/details/
     shown = oh.run(["dvc", "metrics", "show"], project, denv, 120)
     assert shown.returncode == 0 and "/task/" not in shown.stdout, shown.stdout + shown.stderr
     print(f"dvc metrics show: {len(shown.stdout.splitlines())} lines")
@@ -602,6 +684,11 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
     assert plots.returncode == 0, plots.stdout + plots.stderr
     page = (project / "dvc_plots" / "index.html").read_text()
     assert "<script src" not in page and "cdn." not in page and page.count("<img") == 2, page[:2000]
+    # the Parquet files are in DVC's cache and, after `dvc push`, in the local remote
+    out = oh.run(["dvc", "push"], project, denv, 300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    out = oh.run(["dvc", "status"], project, denv, 120)
+    assert "up to date" in out.stdout, out.stdout + out.stderr
     files = _dvc_dir_files(project, "data/demos")
     md5 = files["demos.parquet"]
     assert (project / "dvc-remote" / "files" / "md5" / md5[:2] / md5[2:]).exists()
@@ -609,6 +696,33 @@ def test_quick_deployment_runs_on_prefect_server_with_process_worker(tmp_path):
         k.startswith("trajectories/") and k.endswith(".parquet")
         for k in _dvc_dir_files(project, "models/arpo")
     )
+
+    # A DVC experiment: another training seed; only the stages reading train.* run (the offline
+    # baselines do not), tracked in MLflow with the experiment's name.
+    _git(project, "add", "-A")
+    _git(project, "commit", "-qm", "lock")
+    exp = oh.run(["dvc", "exp", "run", "-S", "train.seed=1"], project, denv, timeout=600)
+    assert exp.returncode == 0, exp.stdout[-4000:] + exp.stderr[-4000:]
+    for name in ("train", "evaluate", "compare"):
+        assert f"Running stage '{name}'" in exp.stdout and f"{name}: up to date" not in exp.stdout
+    assert "Running stage 'sft'" not in exp.stdout and "Running stage 'rft'" not in exp.stdout
+    shown = oh.run(["dvc", "exp", "show", "--json"], project, denv, timeout=120)
+    assert '"seed": 1' in shown.stdout or "train.seed" in shown.stdout, shown.stdout[-2000:]
+    # the documented view (docs/orchestration.md): only what differs, every column shown in a wide
+    # terminal (the changed param, the evaluation's and compare's changed metrics, the changed outputs;
+    # measured: a header of about 500 characters) instead of 300+ metric columns cut to '…'
+    table = oh.run(
+        ["dvc", "exp", "show", "--only-changed", "--no-pager"], project, {**denv, "COLUMNS": "1000"}, 120
+    )
+    assert table.returncode == 0, table.stderr
+    print(table.stdout)
+    header = next(line for line in table.stdout.splitlines() if "Experiment" in line)
+    assert "train.seed" in header and "…" not in header, table.stdout
+    trains = [c.get_run(r["run"]).data for r in tracking.run_rows(c, "arpo-embedded", "train")]
+    assert len(trains) == 3 and sum("dvc.exp_name" in t.tags for t in trains) == 1
+    exp_train = next(t for t in trains if "dvc.exp_name" in t.tags)
+    assert exp_train.params["train.seed"] == "1" and exp_train.params["method"] == "grpo"
+    assert exp_train.tags["arpo.front_door"] == "dvc exp"
 
 
 def test_stage_runs_name_their_arm_and_lead_with_their_headline(tmp_path, monkeypatch):

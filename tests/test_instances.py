@@ -14,7 +14,7 @@ import torch
 from PIL import Image
 
 from arpo_core.config import ConfigError, load_params
-from arpo_core.evaluation import eval_jobs
+from arpo_core.evaluation import Scorer, eval_jobs
 from arpo_core.pipeline.baseline import baseline_jobs
 from arpo_core.pipeline.common import evaluation_tasks, instance_episodes, suite_tasks
 from arpo_core.pipeline.demos import demo_jobs
@@ -26,6 +26,10 @@ from arpo_core.trajectory import Step, Trajectory, png_bytes, read_trajectories
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_harness as harness
+
+STANDARD = Scorer("standard", 3)
+"""Checker success as it is: the scoring of every MiniWoB evaluation here."""
+
 
 ROOT = Path(__file__).resolve().parents[1]
 PRESETS = sorted(p.stem for p in (ROOT / "presets").glob("*.yaml"))
@@ -327,7 +331,7 @@ def test_instance_effect_by_split_with_hand_computed_values():
         _ep("a", k, 0.0) for k in range(3)
     ]
     baseline = [_ep("a@0000", k, float(k < 2)) for k in range(16)]
-    doc = instance_effect(runs, baseline, base, reps=200)
+    doc = instance_effect(runs, baseline, base, score=STANDARD, reps=200)
     assert doc["splits"] == {"train": 4, "heldout": 1} and doc["epoch_evaluated"] == 10
     assert doc["arms"]["arpo_g8"]["train"] == pytest.approx((0.75 + 0.5) / 2)
     assert doc["arms"]["arpo_g8"]["heldout"] == pytest.approx((0.5 + 0.0) / 2)

@@ -146,6 +146,18 @@ def test_reading_the_stage_table_imports_no_torch():
     )
 
 
+def test_an_up_to_date_arpo_stage_imports_no_prefect_mlflow_or_torch():
+    """`dvc repro` calls `arpo stage NAME` for every stage; one that is up to date loads the CLI, the run
+    lock and guardian, the interrupt handler and the stamp check, and exits (flows/spec.py decision 6).
+    With Prefect and MLflow imported on that path each call took 15-25 s on a loaded 2-core machine
+    and a `dvc repro` of twelve up-to-date stages ran past ten minutes; without them, 2-3 s."""
+    statement = (
+        "import flows.cli, flows.services, flows.spec, arpo_core.guardian; "
+        "from flows.services import INTERRUPTED, on_interrupt, run_lock, stop_services"
+    )
+    assert _loaded_after(statement, ("prefect", "mlflow", "torch", "transformers")) == []
+
+
 def test_the_config_package_is_a_leaf():
     """Parsing and validating params.yaml (`arpo params`, the CLI's checks, `dvc.yaml` generation) imports
     no torch, pyarrow or PIL: the config classes of replay, selection and the offline methods live in

@@ -48,6 +48,7 @@ def test_dpo_loss_hand_values():
         torch.tensor([-2.0, -1.0]),
         torch.tensor([-2.0, -2.0]),
         beta=0.5,
+        label_smoothing=0.0,
     )
     assert float(out.loss) == pytest.approx((0.313262 + 0.974077) / 2, abs=1e-6)
     assert out.chosen_rewards.tolist() == pytest.approx([0.5, -0.5])  # 0.5 * (pi_c - ref_c)
@@ -61,7 +62,7 @@ def test_dpo_loss_label_smoothing_and_gradient():
     # cDPO, eps = 0.1: 0.9 * log(1 + e^-1) + 0.1 * log(1 + e^1) = 0.9 * 0.313262 + 0.1 * 1.313262
     smooth = dpo_loss(pc, torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), 0.5, 0.1)
     assert float(smooth.loss.detach()) == pytest.approx(0.413262, abs=1e-6)
-    out = dpo_loss(pc, torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5)
+    out = dpo_loss(pc, torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), 0.5, 0.0)
     out.loss.backward()
     # dL/dpi_c = -beta * sigma(-beta * logits) = -0.5 * (1 - sigma(1)) = -0.134471: raising the chosen
     # log-prob lowers the loss.
@@ -99,7 +100,7 @@ def test_kto_loss_hand_values():
 def test_kto_gradients_push_classes_apart_and_ignore_z0():
     pol = torch.tensor([-1.0, -3.0], requires_grad=True)
     z0 = torch.tensor(0.4, requires_grad=True)
-    kto_loss(pol, torch.tensor([-2.0, -2.0]), torch.tensor([True, False]), z0, beta=0.5).loss.backward()
+    kto_loss(pol, torch.tensor([-2.0, -2.0]), torch.tensor([True, False]), z0, 0.5, 1.0, 1.0).loss.backward()
     # d/dpi of mean(1 - sigma(b(r - z))) = -b sigma'(b(r - z)) / N; for undesirable +b sigma'(b(z - r)) / N
     assert pol.grad.tolist() == pytest.approx(
         [-0.5 * sig(0.3) * (1 - sig(0.3)) / 2, 0.5 * sig(0.7) * (1 - sig(0.7)) / 2], abs=1e-6
@@ -176,9 +177,9 @@ def test_dpo_pairs_cycle_the_shorter_side_within_each_task():
 
 def test_success_is_strictly_above_the_threshold():
     trajs = [traj("d", 0.1), traj("d", 0.0), traj("e", 0.11), traj("e", 0.1)]
-    pairs, unpaired = dpo_pairs(trajs)  # default threshold 0.1, as selection.py / replay.py
+    pairs, unpaired = dpo_pairs(trajs, 0.1)  # the params' threshold, as selection.py / replay.py
     assert pairs == [(2, 3)] and unpaired == 1
-    assert rft_select(trajs) == [trajs[2]]
+    assert rft_select(trajs, 0.1) == [trajs[2]]
 
 
 def test_kl_partners_prefer_another_task():

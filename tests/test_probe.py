@@ -10,6 +10,7 @@ import pytest
 
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.dom import DomElement
+from arpo_core.evaluation import Scorer
 from arpo_core.probe import (
     TargetRecord,
     blind_ceiling,
@@ -20,6 +21,9 @@ from arpo_core.probe import (
     within_corr,
 )
 from arpo_core.trajectory import Step, Trajectory
+
+STANDARD = Scorer("standard", 3)
+"""Checker success as it is: the scoring of every MiniWoB evaluation here."""
 
 
 def el(index: int, tag: str, bbox: tuple[float, float, float, float], visible: bool = True) -> DomElement:
@@ -47,7 +51,7 @@ def test_paired_difference_hand_computed():
     before = [scored("a", k, s) for k, s in enumerate([1, 0, 0, 0, 1])] + [scored("b", 0, 0.0)]
     after = [scored("a", k, s) for k, s in enumerate([1, 1, 1, 0, 0])] + [scored("b", 0, 1.0, utt="other")]
     after.append(scored("c", 0, 1.0))  # only in `after`
-    d = paired_difference(before, after)
+    d = paired_difference(before, after, STANDARD)
     # paired: a/0..4 (b/0's utterance differs, c/0 unmatched); differences [0, 1, 1, 0, -1]
     assert d["n"] == 5 and d["unpaired"] == 2
     assert d["before"] == pytest.approx(0.4) and d["after"] == pytest.approx(0.6)
@@ -57,15 +61,15 @@ def test_paired_difference_hand_computed():
     assert d["sign_test_p"] == pytest.approx(1.0)  # 2 vs 1 of 3: 2 * P(X <= 1) = 2 * 4/8 -> 1
     # 12 wins, 0 losses: 2 / 2**12
     many = paired_difference(
-        [scored("a", k, 0.0) for k in range(12)], [scored("a", k, 1.0) for k in range(12)]
+        [scored("a", k, 0.0) for k in range(12)], [scored("a", k, 1.0) for k in range(12)], STANDARD
     )
     assert many["sign_test_p"] == pytest.approx(2 / 4096) and many["delta"] == 1.0
 
 
 def test_paired_difference_rejects_duplicate_episodes_and_handles_no_pairs():
     with pytest.raises(ValueError, match="share"):
-        paired_difference([scored("a", 0, 1.0), scored("a", 0, 0.0)], [])
-    d = paired_difference([scored("a", 0, 1.0)], [scored("b", 0, 1.0)])
+        paired_difference([scored("a", 0, 1.0), scored("a", 0, 0.0)], [], STANDARD)
+    d = paired_difference([scored("a", 0, 1.0)], [scored("b", 0, 1.0)], STANDARD)
     assert d["n"] == 0 and d["delta"] is None and d["unpaired"] == 2
 
 

@@ -37,7 +37,7 @@ BASELINE = (
 
 
 def test_count_outcomes_hand_values():
-    counts = count_outcomes(BASELINE)
+    counts = count_outcomes(BASELINE, 0.1)
     assert counts == {
         ("web", "never"): (4, 0),
         ("web", "once"): (4, 1),
@@ -78,9 +78,9 @@ def test_trajectories_count_by_success_not_reward():
         tiny_traj("web", "a", success=0.0, reward=0.5, sample=1),  # reward without success
         tiny_traj("web", "a", success=0.0, reward=-1.0, sample=2),
     ]
-    assert count_outcomes(trajs) == {("web", "a"): (3, 1)}
+    assert count_outcomes(trajs, 0.1) == {("web", "a"): (3, 1)}
     mixed = [*trajs, Outcome("web", "a", 1.0), ("web", "b", 0.0)]
-    assert count_outcomes(mixed) == {("web", "a"): (4, 2), ("web", "b"): (1, 0)}
+    assert count_outcomes(mixed, 0.1) == {("web", "a"): (4, 2), ("web", "b"): (1, 0)}
 
 
 def test_default_selection_keeps_tasks_with_a_success():

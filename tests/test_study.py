@@ -6,8 +6,13 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
+from arpo_core.evaluation import Scorer
 from arpo_core.study import ArmRun, arm_success, bootstrap_difference, hard_split, replay_effect, second_half
 from arpo_core.trajectory import Step, Trajectory, png_bytes
+
+STANDARD = Scorer("standard", 3)
+"""Checker success as it is: the scoring of every MiniWoB evaluation here."""
+
 
 IMG = png_bytes(Image.new("RGB", (8, 8)))
 
@@ -25,7 +30,7 @@ def evals(rates: dict[str, float], n: int = 10) -> list[Trajectory]:
 
 def test_hard_split_by_sampled_base_success():
     base = evals({"a": 0.1, "b": 0.25, "c": 0.6}, n=20)
-    hard, control, rates = hard_split(base, 0.25)
+    hard, control, rates = hard_split(base, 0.25, STANDARD)
     assert hard == ["a", "b"] and control == ["c"] and rates["c"] == pytest.approx(0.6)
 
 
@@ -43,7 +48,7 @@ def test_second_half_and_arm_success_are_task_and_seed_means():
         ArmRun("arpo_g4", 1, {20: evals({"a": 0.2, "b": 0.0}), 40: evals({"a": 0.2, "b": 0.0})}),
     ]
     assert second_half(runs) == [40]
-    got = arm_success(runs, ["a", "b"], [20, 40])
+    got = arm_success(runs, ["a", "b"], [20, 40], STANDARD)
     # seed 0: a (0.4+0.6)/2 = 0.5, b 0.2 -> 0.35; seed 1: a 0.2, b 0 -> 0.1
     assert got["seeds"] == pytest.approx({0: 0.35, 1: 0.1})
     assert got["success"] == pytest.approx(0.225)
@@ -55,8 +60,8 @@ def test_bootstrap_interval_includes_seed_variance():
     grpo = [ArmRun("grpo_g4", s, {10: evals(same, 20)}) for s in range(3)]
     steady = [ArmRun("arpo_g4", s, {10: evals({"a": 0.7, "b": 0.7}, 20)}) for s in range(3)]
     spread = [ArmRun("arpo_g4", s, {10: evals({"a": r, "b": r}, 20)}) for s, r in enumerate((0.4, 0.7, 1.0))]
-    a = bootstrap_difference(steady, grpo, ["a", "b"], [10], reps=400)
-    b = bootstrap_difference(spread, grpo, ["a", "b"], [10], reps=400)
+    a = bootstrap_difference(steady, grpo, ["a", "b"], [10], STANDARD, reps=400)
+    b = bootstrap_difference(spread, grpo, ["a", "b"], [10], STANDARD, reps=400)
     assert a["mean"] == pytest.approx(0.2) and b["mean"] == pytest.approx(0.2)
     assert a["ci95"][0] > 0  # identical seeds: only instance noise
     assert (b["ci95"][1] - b["ci95"][0]) > (a["ci95"][1] - a["ci95"][0])  # seeds disagree: wider
@@ -72,7 +77,7 @@ def test_replay_effect_document_has_the_required_fields():
     ]
     runs += [ArmRun("grpo_g4", s, {20: evals({"a": 0.2, "c": 0.8})}) for s in range(2)]
     runs += [ArmRun("grpo_g16", s, {20: evals({"a": 0.9, "c": 0.8})}) for s in range(2)]
-    doc = replay_effect(runs, baseline, base_eval, reps=200)
+    doc = replay_effect(runs, baseline, base_eval, score=STANDARD, reps=200)
     assert doc["hard_tasks"] == ["a"] and doc["base"]["hard"] == pytest.approx(0.1)
     assert doc["arpo"] == {
         "arm": "arpo_g4",
@@ -97,7 +102,7 @@ def test_tasks_no_arm_trained_are_reported_apart_not_in_the_hard_suite(tmp_path)
     ]
     scores = {"arpo_g4": {"a": 0.5, "b": 0.1, "c": 0.8}, "grpo_g4": {"a": 0.3, "b": 0.0, "c": 0.9}}
     runs = [ArmRun(arm, s, {20: evals(r)}, history) for arm, r in scores.items() for s in range(2)]
-    doc = replay_effect(runs, baseline, evals({"a": 0.1, "b": 0.0, "c": 0.8}), reps=100)
+    doc = replay_effect(runs, baseline, evals({"a": 0.1, "b": 0.0, "c": 0.8}), score=STANDARD, reps=100)
     assert doc["hard_tasks"] == ["a"] and doc["control_tasks"] == ["c"] and doc["untrained_tasks"] == ["b"]
     assert doc["arpo"]["hard"] == pytest.approx(0.5)  # not (0.5 + 0.1) / 2
     assert doc["arms"]["arpo_g4"]["untrained"] == pytest.approx(0.1) and doc["base"]["untrained"] == 0.0
@@ -150,7 +155,7 @@ def test_click_alignment_of_base_and_arms_and_the_image_blind_ceiling(tmp_path):
     arm_eval = [clicked(t, k, (1, 1) if k % 2 == 0 else (6, 6)) for t in ("a", "c") for k in range(10)]
     runs = [ArmRun(arm, 0, {20: arm_eval}) for arm in ("arpo_g4", "grpo_g4")]
     doc = replay_effect(
-        runs, evals({"a": 0.1, "c": 0.8}), base_eval, reps=50, targets=targets, first_seed=100
+        runs, evals({"a": 0.1, "c": 0.8}), base_eval, score=STANDARD, reps=50, targets=targets, first_seed=100
     )
     assert doc["base"]["click_alignment"]["hit_rate"] == pytest.approx(0.5)
     assert doc["arms"]["arpo_g4"]["click_alignment"]["hit_rate"] == pytest.approx(1.0)
@@ -174,7 +179,7 @@ def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
     ]  # fmt: skip
     runs = [ArmRun("arpo_g4", s, {20: evals({"a": 0.5, "c": 0.8})}, counts) for s in range(2)]
     runs += [ArmRun("grpo_g4", s, {20: evals({"a": 0.2, "c": 0.8})}) for s in range(2)]
-    doc = replay_effect(runs, baseline, baseline, reps=50)
+    doc = replay_effect(runs, baseline, baseline, score=STANDARD, reps=50)
     doc["arms"]["arpo_g4"]["click_alignment"] = {"episodes": 20, "hit_rate": 0.25, "click_target_corr": 0.5}
     md = write_study(doc, tmp_path / "replay_effect.json")[1].read_text()
     assert "| a | hard | 10.0 | 10.0 | 50.0 | 20.0 |" in md and "| c | control |" in md

@@ -387,6 +387,8 @@ class BaselineConfig:
     """Base-policy rollouts per task for task selection (paper: 16)."""
     temperature: Annotated[float, Ge(0)] = 1.0
     """Sampling temperature of those rollouts (0: greedy)."""
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
+    """Nucleus sampling mass of those rollouts (1: the whole distribution)."""
     max_steps: Annotated[int, Ge(1)] = 3
     """Episode step limit."""
     seed: Annotated[int, Ge(0)] = 200000
@@ -401,6 +403,8 @@ class EvaluateConfig:
     """0: greedy. The paper evaluates with 0.5-0.6; `sampled_temperature` adds that mode."""
     sampled_temperature: Annotated[float, Gt(0)] | None = None
     """Also evaluate sampled at this temperature, > 0 (null: greedy only; the paper's 0.5-0.6)."""
+    top_p: Annotated[float, Interval(gt=0, le=1)] = 1.0
+    """Nucleus sampling mass of the sampled evaluations (1: the whole distribution)."""
     samples_per_instance: Annotated[int, Ge(1)] = 4
     """Sampled episodes of each pinned instance (a greedy evaluation plays one: it is determined by the
     instance); task families play `episodes_per_task` fresh instances instead."""
@@ -829,11 +833,13 @@ def to_dict(cfg: Any) -> dict[str, Any]:
 
 
 def flatten(d: Mapping[str, Any], prefix: str = "") -> dict[str, Any]:
-    """{'train': {'replay': {'enabled': True}}} -> {'train.replay.enabled': True}."""
+    """{'train': {'replay': {'enabled': True}}} -> {'train.replay.enabled': True}; an empty mapping is a
+    value of its own (`{'a': {}}` -> `{'a': {}}`). The one flatten: stage keys, MLflow params and the
+    changed-params tag all use it."""
     out: dict[str, Any] = {}
     for k, v in d.items():
         key = f"{prefix}.{k}" if prefix else k
-        if isinstance(v, Mapping):
+        if isinstance(v, Mapping) and v:
             out.update(flatten(v, key))
         else:
             out[key] = v

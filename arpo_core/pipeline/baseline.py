@@ -39,7 +39,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     b = p.baseline
     gen = generator(p, load_policy(policy_dir), policy_dir)
     jobs = baseline_jobs(p)
-    cfg = rollout_config(p, policy_dir, b.temperature, b.max_steps, p.project.seed)
+    cfg = rollout_config(p, policy_dir, b.temperature, b.top_p, b.max_steps, p.project.seed)
     with make_pool(p) as pool:
         bar = progress_bar(len(jobs), "baseline")
         res = run_episodes(pool, gen, jobs, cfg, run_id="baseline", stage="baseline", progress=bar)

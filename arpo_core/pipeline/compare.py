@@ -45,7 +45,7 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
-from arpo_core.evaluation import split_map, summarize
+from arpo_core.evaluation import Scorer, split_map, summarize
 from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
 from arpo_core.pipeline.common import TRAIN_SPLIT, evaluation_tasks, training_tasks
 from arpo_core.pipeline.offline import METHODS, SKIPPED
@@ -297,21 +297,28 @@ def _trained_cell(
     trajs: Sequence[Trajectory],
     base: Sequence[Trajectory] | None,
     trained: Sequence[TaskSpec],
-    max_steps: int,
+    score: Scorer,
 ) -> dict[str, Any]:
     """Decision 6: rate, interval and paired delta on the in-domain tasks training reached."""
     from arpo_core.probe import paired_difference
 
     ids = {t.key for t in trained}
     mine = [t for t in trajs if t.key in ids]
-    stats = summarize(mine, {k: "trained" for k in ids}, max_steps=max_steps, prefix="m", per_task=False)
+    stats = summarize(
+        mine,
+        {k: "trained" for k in ids},
+        scoring=score.rule,
+        max_steps=score.max_steps,
+        prefix="m",
+        per_task=False,
+    )
     cell: dict[str, Any] = {
         "success": stats.get("m/trained/success_rate"),
         "ci95": [stats["m/trained/success_ci_low"], stats["m/trained/success_ci_high"]] if mine else None,
         "episodes": len(mine),
     }
     if base is not None and mine:
-        cell["vs_reference"] = paired_difference([t for t in base if t.key in ids], mine)
+        cell["vs_reference"] = paired_difference([t for t in base if t.key in ids], mine, score)
     return cell
 
 
@@ -350,6 +357,7 @@ def run(
     pinned_ids = {t.task_id for t in every if t.pinned}
     family_records = [r for r in records if r.task_id not in pinned_ids]
     e = p.evaluate
+    score = Scorer.of(e)  # every rate and paired delta scores episodes as the evaluation did
     reached = trained_task_keys(train_dir)
     trained = [] if TRAIN_SPLIT in tasks else [t for t in tasks.get("in_domain", []) if t.key in reached]
     doc: dict[str, Any] = {
@@ -363,7 +371,9 @@ def run(
     metrics: dict[str, float] = {}
     base = evals[ref]
     for m, trajs in evals.items():
-        stats = summarize(trajs, splits, max_steps=e.max_steps, prefix="m", per_task=True)
+        stats = summarize(
+            trajs, splits, scoring=score.rule, max_steps=score.max_steps, prefix="m", per_task=True
+        )
         row: dict[str, Any] = {}
         for split in order:
             ids = {t.key for t in tasks[split]}
@@ -383,14 +393,14 @@ def run(
                 },
             }
             if m != ref and mine:
-                cell["vs_reference"] = paired_difference([t for t in base if t.key in ids], mine)
+                cell["vs_reference"] = paired_difference([t for t in base if t.key in ids], mine, score)
                 if cell["vs_reference"]["delta"] is not None:
                     metrics[f"compare/{m}/{split}/delta_vs_{ref}"] = cell["vs_reference"]["delta"]
             if rate is not None:
                 metrics[f"compare/{m}/{split}/success_rate"] = rate
             row[split] = cell
         if trained:
-            row["trained"] = _trained_cell(trajs, base if m != ref else None, trained, e.max_steps)
+            row["trained"] = _trained_cell(trajs, base if m != ref else None, trained, score)
             vs = row["trained"].get("vs_reference")
             if row["trained"]["success"] is not None:
                 metrics[f"compare/{m}/trained/success_rate"] = row["trained"]["success"]

@@ -90,7 +90,7 @@ def evaluate_loaded(
 ) -> Any:
     """One evaluation of a loaded policy on `pool` (decision 1's instances); returns the EvalResult.
     Shared by this stage, the offline stages and the train stage's evaluations during training."""
-    from arpo_core.evaluation import evaluate_policy
+    from arpo_core.evaluation import Scorer, evaluate_policy
 
     e = p.evaluate
     gen = generator(p, policy, policy_dir)  # vllm: the process's engine, given these weights
@@ -102,9 +102,9 @@ def evaluate_loaded(
             gen,
             tasks,
             episodes_per_task,
-            rollout_config(p, policy_dir, temperature, e.max_steps, e.seed),
+            rollout_config(p, policy_dir, temperature, e.top_p, e.max_steps, e.seed),
             first_seed=e.seed,
-            scoring="osworld_hard" if e.osworld_hard else "standard",
+            scoring=Scorer.of(e).rule,
             prefix=prefix,
             run_id=run_id,
             stage=stage,

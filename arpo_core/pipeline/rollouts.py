@@ -5,7 +5,7 @@ Decisions:
 1. Env pools are created and closed inside the stage that needs them (`make_pool` is a context manager),
    so no browser or worker process outlives a stage.
 2. `rollout_config` is the one place where a `RolloutConfig` is assembled from params: the sampling
-   values of the calling stage (temperature, step limit), the shared `policy` section, the format penalty
+   values of the calling stage (temperature, top_p, step limit), the shared `policy` section, the format penalty
    of `train.loss` and the pixel budget of the checkpoint itself (its image processor config), so the
    model-image coordinates of a rollout are always those of the policy that plays it; and the schedule
    (`env.rollout`: sync or async, batch wait), which train, evaluate and baseline all use.
@@ -126,14 +126,15 @@ def pool_faults(pool: EnvPool, prefix: str) -> dict[str, float]:
 
 
 def rollout_config(
-    p: Params, policy_dir: Path, temperature: float, max_steps: int, seed: int
+    p: Params, policy_dir: Path, temperature: float, top_p: float, max_steps: int, seed: int
 ) -> RolloutConfig:
-    """Decision 2: the rollout settings of a stage's episodes played by the checkpoint at `policy_dir`."""
+    """Decision 2: the rollout settings of a stage's episodes played by the checkpoint at `policy_dir`;
+    the sampling settings (temperature, top_p, step limit, seed) are the calling stage's own."""
     min_pixels, max_pixels = pixel_budget(policy_dir)
     return RolloutConfig(
         max_steps=max_steps,
         temperature=temperature,
-        top_p=p.train.top_p,
+        top_p=top_p,
         max_new_tokens=p.policy.max_new_tokens,
         format_penalty=p.train.loss.format_penalty,
         min_pixels=min_pixels,

@@ -16,7 +16,7 @@ Decisions:
    stage imports (e.g. `rewards.py` under rollout) re-runs it, under DVC and under `arpo run` alike.
    Directories whose every module is in the closure are listed as the directory.
 3. Params keys are the ones the stage's code reads, including cross-section reads (the demos use
-   `baseline.max_steps`; rollouts use `train.top_p` and `train.loss.format_penalty`); tests/test_stage.py
+   `baseline.max_steps`; every rollout uses `train.loss.format_penalty`); tests/test_stage.py
    checks every `p.<section>.<key>` read of a stage module against them. Operational env settings
    (number of envs, backend, timeouts, torch threads) are left out: they change speed, not results, so
    changing them re-runs nothing.
@@ -51,7 +51,7 @@ ROOT = Path(__file__).resolve().parents[2]
 """The project root (arpo_core's parent)."""
 PACKAGE = "arpo_core"
 
-ROLLOUT = ("policy", "train.top_p", "train.loss.format_penalty", "project.seed")
+ROLLOUT = ("policy", "train.loss.format_penalty", "project.seed")
 SUITES = (
     "env.kind",
     "env.in_domain_suite",
@@ -68,6 +68,7 @@ DURING_TRAINING = (
     "evaluate.during_training",
     "evaluate.during_training_episodes",
     "evaluate.temperature",
+    "evaluate.top_p",
     "evaluate.max_steps",
     "evaluate.seed",
     "evaluate.samples_per_instance",

@@ -148,7 +148,7 @@ def run(
             p.policy,
             pool,
             seed=seed,
-            rollout=rollout_config(p, policy_dir, t.temperature, t.max_steps, seed),
+            rollout=rollout_config(p, policy_dir, t.temperature, t.top_p, t.max_steps, seed),
             resume=resume,
             on_iteration=on_iteration,
             on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir), tasks), on_epoch),
