@@ -46,7 +46,7 @@ import re
 from collections import defaultdict
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.pool import EnvPool
@@ -88,9 +88,10 @@ class Scorer:
     max_steps: int
 
     @classmethod
-    def of(cls, evaluate: Any) -> Scorer:
-        """The evaluate section's (`evaluate.osworld_hard`, `evaluate.max_steps`)."""
-        return cls("osworld_hard" if evaluate.osworld_hard else "standard", evaluate.max_steps)
+    def of(cls, osworld_hard: bool, max_steps: int) -> Scorer:
+        """From the evaluate section's keys: `Scorer.of(e.osworld_hard, e.max_steps)` (the keys named at
+        the call, so a stage's params walk sees exactly which it reads)."""
+        return cls("osworld_hard" if osworld_hard else "standard", max_steps)
 
     def __call__(self, traj: Trajectory) -> float:
         return episode_score(traj, self.rule, self.max_steps)

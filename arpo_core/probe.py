@@ -339,7 +339,7 @@ def paired_difference(
     before: Sequence[Trajectory], after: Sequence[Trajectory], score: Scorer
 ) -> dict[str, Any]:
     """`after` minus `before` on the episodes both evaluated (decision 8), each episode scored by `score`
-    (the evaluation's rule and step limit, `Scorer.of(p.evaluate)`).
+    (the evaluation's rule and step limit, `Scorer.of(e.osworld_hard, e.max_steps)`).
 
     Returns n (paired episodes), unpaired (episodes in only one, or whose utterances differ), before,
     after, delta (mean per-episode difference of scores clipped to [0, 1]), ci95 of delta, wins (after

@@ -150,16 +150,24 @@ def main() -> None:
         "episodes_per_task": p.evaluate.episodes_per_task,
         "scoring": f"greedy (evaluate.temperature {p.evaluate.temperature}), evaluate.max_steps "
         f"{p.evaluate.max_steps}, OSWorld scoring; format error = an episode with a reply that did not parse",
-        "base": summary(base, Scorer.of(p.evaluate)),
-        method: summary(trained, Scorer.of(p.evaluate)),
+        "base": summary(base, Scorer.of(p.evaluate.osworld_hard, p.evaluate.max_steps)),
+        method: summary(trained, Scorer.of(p.evaluate.osworld_hard, p.evaluate.max_steps)),
         f"{method}_minus_base": {
-            mode: paired_difference(episodes["base", mode], episodes[method, mode], Scorer.of(p.evaluate))
+            mode: paired_difference(
+                episodes["base", mode],
+                episodes[method, mode],
+                Scorer.of(p.evaluate.osworld_hard, p.evaluate.max_steps),
+            )
             for mode in modes
         },
         "sampled": {
             "temperature": p.evaluate.sampled_temperature,
-            "base": summary(episodes["base", "sampled"], Scorer.of(p.evaluate)),
-            method: summary(episodes[method, "sampled"], Scorer.of(p.evaluate)),
+            "base": summary(
+                episodes["base", "sampled"], Scorer.of(p.evaluate.osworld_hard, p.evaluate.max_steps)
+            ),
+            method: summary(
+                episodes[method, "sampled"], Scorer.of(p.evaluate.osworld_hard, p.evaluate.max_steps)
+            ),
         }
         if "sampled" in modes
         else None,

@@ -115,8 +115,7 @@ def gather(
             "`evaluate` once, e.g. `dvc repro` before queueing the arms, or `dvc exp run evaluate`)"
         )
     e = evaluate_run.data.params  # the study scores episodes as the evaluation did
-    score = Scorer("osworld_hard" if e.get("evaluate.osworld_hard") == "True" else "standard",
-                   int(e["evaluate.max_steps"]))  # fmt: skip
+    score = Scorer.of(e["evaluate.osworld_hard"] == "True", int(e["evaluate.max_steps"]))
     baseline = read_trajectories(_download(c, baseline_run.info.run_id, "trajectories", tmp / "baseline"))
     base_file = _download(c, evaluate_run.info.run_id, "trajectories/base.parquet", tmp / "evaluate")
     provenance = {

@@ -8,7 +8,11 @@ cd "$(dirname "$0")/.."
 # sessions' folders, so other pytest sessions started meanwhile on the machine deleted a long run's
 # tmp_path folders under its running tests. Removed after a green run, kept (and named) after a red one.
 base=$(mktemp -d "${TMPDIR:-/tmp}/arpo-tests.XXXXXX")
-.venv/bin/python -m pytest -q -rfE --durations=30 --basetemp="$base/t" "$@"
+# Two workers (pytest-xdist), each test file on one worker (its module fixtures, browsers and models, are
+# built once): most of the suite waits on browsers, servers and subprocesses, so two workers on this
+# 2-core machine take about half the time of one. ARPO_TEST_WORKERS=0 runs it in one process.
+workers=${ARPO_TEST_WORKERS:-2}
+.venv/bin/python -m pytest -q -rfE --durations=30 --basetemp="$base/t" -n "$workers" --dist loadfile "$@"
 rc=$?
 if [ $rc -eq 0 ] || [ $rc -eq 5 ]; then rm -rf "$base"; else echo "test temp files kept in $base"; fi
 # pytest exits 5 when no test was collected (e.g. a -k filter that matches nothing): not a failure of

@@ -2,8 +2,18 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    """Under pytest-xdist (scripts/test.sh runs two workers), each worker's in-process torch work uses
+    one thread: two workers with two threads each on two cores spin against each other (see
+    `one_thread`). Pipeline subprocesses already use `project.torch_threads` (1)."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        torch.set_num_threads(1)
 
 
 @pytest.fixture

@@ -357,7 +357,9 @@ def run(
     pinned_ids = {t.task_id for t in every if t.pinned}
     family_records = [r for r in records if r.task_id not in pinned_ids]
     e = p.evaluate
-    score = Scorer.of(e)  # every rate and paired delta scores episodes as the evaluation did
+    score = Scorer.of(
+        e.osworld_hard, e.max_steps
+    )  # every rate and paired delta scores episodes as the evaluation did
     reached = trained_task_keys(train_dir)
     trained = [] if TRAIN_SPLIT in tasks else [t for t in tasks.get("in_domain", []) if t.key in reached]
     doc: dict[str, Any] = {

@@ -104,7 +104,7 @@ def evaluate_loaded(
             episodes_per_task,
             rollout_config(p, policy_dir, temperature, e.top_p, e.max_steps, e.seed),
             first_seed=e.seed,
-            scoring=Scorer.of(e).rule,
+            scoring=Scorer.of(e.osworld_hard, e.max_steps).rule,
             prefix=prefix,
             run_id=run_id,
             stage=stage,
