@@ -65,6 +65,17 @@ def write_quick_params(project: Path) -> None:
     (project / "params.yaml").write_text(out.stdout)
 
 
+def git(project: Path, *args: str) -> None:
+    """`git ARGS` in `project` with a fixed test identity (a DVC experiment needs a commit)."""
+    subprocess.run(
+        ["git", "-c", "user.email=test@example.com", "-c", "user.name=test", *args],
+        cwd=project,
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

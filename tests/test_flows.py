@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import time
 from pathlib import Path
 
@@ -492,16 +491,6 @@ def test_failed_stage_marks_run_failed_and_keeps_marker(tmp_path, monkeypatch):
 # The deployment on a real Prefect server (slow)
 
 
-def _git(project: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.email=test@example.com", "-c", "user.name=test", *args],
-        cwd=project,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-
-
 def _dvc_dir_files(project: Path, out: str) -> dict[str, str]:
     """{relpath: md5} of a directory output recorded in dvc.lock, from DVC's cache manifest."""
     lock = yaml.safe_load((project / "dvc.lock").read_text())
@@ -661,9 +650,9 @@ def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_output
         ["arpo", "params", "--preset", "quick", "-S", "train.replay.enabled=false"], project, denv, 120
     )
     (project / "params.yaml").write_text(grpo_params.stdout)
-    _git(project, "init", "-q")
-    _git(project, "add", "-A")
-    _git(project, "commit", "-qm", "quick, GRPO")
+    oh.git(project, "init", "-q")
+    oh.git(project, "add", "-A")
+    oh.git(project, "commit", "-qm", "quick, GRPO")
     first = oh.run(["dvc", "repro"], project, denv, timeout=600)
     assert first.returncode == 0, first.stdout[-4000:] + first.stderr[-4000:]
     for name in STAGE_NAMES:
@@ -699,8 +688,8 @@ def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_output
 
     # A DVC experiment: another training seed; only the stages reading train.* run (the offline
     # baselines do not), tracked in MLflow with the experiment's name.
-    _git(project, "add", "-A")
-    _git(project, "commit", "-qm", "lock")
+    oh.git(project, "add", "-A")
+    oh.git(project, "commit", "-qm", "lock")
     exp = oh.run(["dvc", "exp", "run", "-S", "train.seed=1"], project, denv, timeout=600)
     assert exp.returncode == 0, exp.stdout[-4000:] + exp.stderr[-4000:]
     for name in ("train", "evaluate", "compare"):

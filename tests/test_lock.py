@@ -197,16 +197,6 @@ def test_guardian_removes_children_of_a_run_that_ended(how):
 # DVC beside a live run (lock.py decision 6): real DVC, outputs byte-identical
 
 
-def _git(project: Path, *args: str) -> None:
-    subprocess.run(
-        ["git", "-c", "user.email=test@example.com", "-c", "user.name=test", *args],
-        cwd=project,
-        check=True,
-        capture_output=True,
-        timeout=60,
-    )
-
-
 def _tree_bytes(project: Path) -> dict[str, bytes]:
     """Every file DVC could touch: the outputs, dvc.lock, DVC's cache."""
     out = {}
@@ -222,9 +212,9 @@ def _tree_bytes(project: Path) -> dict[str, bytes]:
 def test_dvc_beside_a_live_run_changes_nothing_and_says_why(tmp_path):  # ~12 s: four DVC commands
     project = oh.copy_project(tmp_path / "proj")
     env = {k: v for k, v in oh.base_env(project).items() if k != LOCK_ENV}
-    _git(project, "init", "-q")
-    _git(project, "add", "-A")
-    _git(project, "commit", "-qm", "project")
+    oh.git(project, "init", "-q")
+    oh.git(project, "add", "-A")
+    oh.git(project, "commit", "-qm", "project")
     # init_policy's outputs recorded by DVC (dvc.lock, cache), without running the stage
     for rel, text in {
         "models/init/config.json": '{"recorded": true}',
