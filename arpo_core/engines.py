@@ -97,13 +97,21 @@ class DeepSpeedEngine:
         import deepspeed
 
         if not torch.distributed.is_initialized():
-            os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-            os.environ.setdefault("MASTER_PORT", str(_free_port()))
-            os.environ.setdefault("RANK", "0")
-            os.environ.setdefault("LOCAL_RANK", "0")
-            os.environ.setdefault("WORLD_SIZE", "1")
+            # a one-process group when no launcher set one up. Its rendezvous address is removed again
+            # once the group exists, so a process started later (a pipeline subprocess, a benchmark)
+            # does not inherit this process's MASTER_PORT, which the group's store still listens on
+            # (seen: EADDRINUSE); DeepSpeed reads the rank variables later, so they stay.
+            for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
+                os.environ.setdefault(k, v)
+            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            added = [k for k in rendezvous if k not in os.environ]
+            os.environ.update({k: rendezvous[k] for k in added})
             backend = "nccl" if torch.cuda.is_available() else "gloo"
-            deepspeed.init_distributed(dist_backend=backend, verbose=False)
+            try:
+                deepspeed.init_distributed(dist_backend=backend, verbose=False)
+            finally:
+                for k in added:
+                    os.environ.pop(k, None)
         zero: dict[str, Any] = {"stage": zero_stage}
         if offload_optimizer:
             zero["offload_optimizer"] = {"device": "cpu"}
