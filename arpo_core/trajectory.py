@@ -14,7 +14,7 @@ Decisions:
 6. Columns added after the first release carry a default (`_ADDED_STEP_COLUMNS`): a file written
    before a column existed reads with that default, so old Parquet files stay readable; a column that is
    present must still have the right type. The first such column is `train_reply` (False: the reply is
-   context, never a target, e.g. a demo's deliberate miss, arpo_core/demonstrations.py).
+   context, never a target, e.g. a demo's deliberate miss, arpo_core/offline/demonstrations.py).
 """
 
 from __future__ import annotations
@@ -30,8 +30,8 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 from PIL import Image
 
-from arpo_core.errors import InputError
-from arpo_core.fileio import atomic_open
+from arpo_core.infra.errors import InputError
+from arpo_core.infra.fileio import atomic_open
 
 __all__ = [
     "SCHEMA",
@@ -79,7 +79,7 @@ class Step:
     """Token ids the generator sampled for this reply (empty for demos; then the text is tokenised)."""
     train_reply: bool = True
     """False: the reply is context only and is never a training target (its tokens are outside the
-    assistant mask, policy/sequences.py); e.g. a recovery demo's deliberate miss (arpo_core/demonstrations.py)."""
+    assistant mask, policy/sequences.py); e.g. a recovery demo's deliberate miss (arpo_core/offline/demonstrations.py)."""
 
     def image(self) -> Image.Image:
         return Image.open(io.BytesIO(self.screenshot_png)).convert("RGB")

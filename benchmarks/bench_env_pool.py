@@ -27,9 +27,9 @@ from pathlib import Path
 
 from arpo_core.actions import Action
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.miniwob import make_miniwob_env
+from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
 from arpo_core.envs.pool import EnvPool
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 
 TASK = TaskSpec("miniwob", "enter-text")
 EMPTY_SPOT = (150.0, 205.0)  # below the enter-text form: a click there changes nothing

@@ -76,7 +76,7 @@ def chromium_screenshot(html: str, size=(1920, 1080)) -> Image.Image:
 
 def miniwob_screenshot() -> Image.Image:
     from arpo_core.envs.base import TaskSpec
-    from arpo_core.envs.miniwob import MiniWoBEnv
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 
     env = MiniWoBEnv()
     try:

@@ -36,7 +36,7 @@ Decisions:
    leaves idle (its envs waiting for the generator, the generator waiting for the slowest env): on a
    machine whose cores are already busy under sync, async cannot be much faster, whatever its schedule.
 7. `--step-pauses`: each value is a run of every pool size and mode with envs that sleep that long after
-   each step's actions (MiniWoBEnv `step_pause_s`, miniwob.py decision 11), i.e. envs whose step time is
+   each step's actions (MiniWoBEnv `step_pause_s`, miniwob_env.py decision 11), i.e. envs whose step time is
    partly waiting, as an OSWorld VM on another host is (OSWorld's `DesktopEnv.step(pause=...)`; this
    project's local desktop pauses `env.osworld.settle_s` = 0.5 s). With pause 0 MiniWoB's step time is
    this machine's CPU (Chromium), which the generator competes for. Ratios of a pause p > 0 carry the
@@ -71,14 +71,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_generation import NoStop  # noqa: E402
 
 from arpo_core.actions import smart_resize  # noqa: E402
+from arpo_core.algorithm.rollout import ROLLOUT_MODES, EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
 from arpo_core.config import load_params  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
-from arpo_core.envs.miniwob import make_miniwob_env  # noqa: E402
+from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env  # noqa: E402
 from arpo_core.envs.pool import EnvPool  # noqa: E402
-from arpo_core.fileio import atomic_write_json  # noqa: E402
+from arpo_core.infra.fileio import atomic_write_json  # noqa: E402
 from arpo_core.policy.generate import Generation  # noqa: E402
 from arpo_core.policy.prompt import PromptInput  # noqa: E402
-from arpo_core.rollout import ROLLOUT_MODES, EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
 
 TASKS = ("click-test", "click-button", "click-link", "click-dialog")
 """In-domain click tasks (data/suites/miniwob_in_domain.yaml)."""

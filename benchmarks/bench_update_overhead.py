@@ -31,12 +31,12 @@ from PIL import Image, ImageDraw
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from arpo_core.algorithm.engines import TorchEngine  # noqa: E402
+from arpo_core.algorithm.update import compute_logps, encode_trajectories, ppo_update  # noqa: E402
 from arpo_core.config import TrainConfig  # noqa: E402
-from arpo_core.engines import TorchEngine  # noqa: E402
 from arpo_core.policy.model import build_tiny_policy  # noqa: E402
 from arpo_core.policy.sequences import collate, sequence_logprobs  # noqa: E402
 from arpo_core.trajectory import Step, Trajectory, png_bytes  # noqa: E402
-from arpo_core.update import compute_logps, encode_trajectories, ppo_update  # noqa: E402
 
 
 def trajectories(n: int) -> list[Trajectory]:

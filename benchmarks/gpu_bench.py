@@ -25,7 +25,7 @@ Decisions:
    tokens; a 160x210 MiniWoB screen 168x224 = 48 tokens).
 4. Training step: `deepspeed.initialize` directly with torch's AdamW (fused on CUDA), bf16, gradient
    checkpointing, one sample of one screenshot + `--train-text-tokens` text tokens, labels on the text.
-   Not `arpo_core/engines.py`: on CUDA it asks DeepSpeed for its own AdamW (FusedAdam), which is
+   Not `arpo_core/algorithm/engines.py`: on CUDA it asks DeepSpeed for its own AdamW (FusedAdam), which is
    JIT-compiled and needs nvcc, unknown on the target box. The optimizer states are the same size.
    Memory note: on ONE GPU ZeRO shards nothing; full fine-tuning keeps bf16 weights + bf16 grads + fp32
    master + two fp32 Adam moments = 16 bytes/param = ~124 GiB at 8.3B, so the full model is close to an
@@ -328,7 +328,7 @@ def _init_distributed() -> None:
 
     if torch.distributed.is_initialized():
         return
-    from arpo_core.engines import _free_port
+    from arpo_core.algorithm.engines import _free_port
 
     for k, v in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
@@ -607,7 +607,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     sys.path.insert(0, str(ROOT))
-    from arpo_core.fileio import atomic_write_json as write_json  # stdlib only: fine in .venv-gpu
+    from arpo_core.infra.fileio import atomic_write_json as write_json  # stdlib only: fine in .venv-gpu
 
     if args.part is not None:  # child
         write_json(args.part_out, run_part(args.part, args))

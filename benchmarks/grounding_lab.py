@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from arpo_core.grounding import GroundConfig, synthetic_examples, train_grounding
+from arpo_core.offline.grounding import GroundConfig, synthetic_examples, train_grounding
 from arpo_core.policy.model import build_tiny_policy, count_parameters
 
 RESULTS = Path(__file__).parent / "results"
@@ -91,8 +91,8 @@ def dump_miniwob(path: str, first_seed: int, n_seeds: int, per_screen: int = 6) 
     from collections import Counter
 
     from arpo_core.envs.base import load_suite
-    from arpo_core.envs.miniwob import MiniWoBEnv
-    from arpo_core.grounding import miniwob_examples
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
+    from arpo_core.offline.grounding import miniwob_examples
 
     tasks = [t.task_id for t in load_suite("data/suites/miniwob_in_domain.yaml")]
     env = MiniWoBEnv()
@@ -112,7 +112,7 @@ def load_examples(path: str) -> list:
 
     from PIL import Image
 
-    from arpo_core.grounding import GroundExample
+    from arpo_core.offline.grounding import GroundExample
 
     with open(path, "rb") as f:
         rows = pickle.load(f)
@@ -130,7 +130,7 @@ def load_examples(path: str) -> list:
 
 def evaluate_checkpoint(path: str, levels: list[str], n: int, miniwob_seeds: int, pattern: float) -> dict:
     """Held-out measures of a saved policy on synthetic levels and (if seeds > 0) real MiniWoB screens."""
-    from arpo_core.grounding import evaluate_grounding, miniwob_examples
+    from arpo_core.offline.grounding import evaluate_grounding, miniwob_examples
     from arpo_core.policy.model import load_policy
 
     policy = load_policy(path)
@@ -143,7 +143,7 @@ def evaluate_checkpoint(path: str, levels: list[str], n: int, miniwob_seeds: int
         out[f"synthetic/{level}"] = {**m.as_dict(), "eval_s": round(time.perf_counter() - t, 1)}
         print(level, json.dumps(out[f"synthetic/{level}"]), flush=True)
     if miniwob_seeds:
-        from arpo_core.envs.miniwob import MiniWoBEnv
+        from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 
         env = MiniWoBEnv()
         try:

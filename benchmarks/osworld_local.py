@@ -37,21 +37,21 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 
 from soak import SOURCE, VENV_BIN, child_env, copy_project, source_state  # noqa: E402
 
+from arpo_core.analysis.evaluation import Scorer, summarize  # noqa: E402
+from arpo_core.analysis.probe import paired_difference  # noqa: E402
 from arpo_core.config import load_params  # noqa: E402
-from arpo_core.evaluation import Scorer, summarize  # noqa: E402
 from arpo_core.pipeline.table import upstream  # noqa: E402
-from arpo_core.probe import paired_difference  # noqa: E402
 from arpo_core.trajectory import Trajectory, read_trajectories  # noqa: E402
 
 
 def stage_times(project: Path, experiment: str) -> dict[str, int]:
     """Seconds of each stage's newest finished MLflow run in the copy (a stage an `--reuse` run skipped
     keeps the time of the run that produced its outputs)."""
-    from flows import tracking
+    from tracking import mlflow_runs
 
     stages = upstream(["evaluate"])
     out: dict[str, int] = {}
-    for row in tracking.run_rows(tracking.client(project), experiment):  # newest first
+    for row in mlflow_runs.run_rows(mlflow_runs.client(project), experiment):  # newest first
         if row["status"] == "FINISHED" and row["minutes"] is not None and row["stage"] in stages:
             out.setdefault(row["stage"], round(60 * row["minutes"]))
     return {k: out[k] for k in stages if k in out}

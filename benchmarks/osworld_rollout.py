@@ -25,13 +25,13 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from arpo_core.envs.osworld import load_osworld_suite, make_osworld_env  # noqa: E402
+from arpo_core.algorithm.rollout import RolloutConfig, make_group_jobs, run_episodes  # noqa: E402
+from arpo_core.analysis.viewer import write_viewer  # noqa: E402
+from arpo_core.envs.osworld.osworld_env import load_osworld_suite, make_osworld_env  # noqa: E402
 from arpo_core.envs.pool import EnvPool  # noqa: E402
 from arpo_core.policy.generate import HFGenerator  # noqa: E402
 from arpo_core.policy.model import load_policy  # noqa: E402
-from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes  # noqa: E402
 from arpo_core.trajectory import write_trajectories  # noqa: E402
-from arpo_core.viewer import write_viewer  # noqa: E402
 
 
 def main() -> None:

@@ -1,5 +1,5 @@
 """Rollout at the paper's scale, simulated: 128 OSWorld-like envs and a GPU-like generation cost model
-driven by the project's own rollout loop (`arpo_core.rollout.run_episodes`) under a simulated clock.
+driven by the project's own rollout loop (`arpo_core.algorithm.rollout.run_episodes`) under a simulated clock.
 
     .venv/bin/python benchmarks/rollout_sim.py      # writes benchmarks/results/rollout_sim.json (~1 min)
 
@@ -45,12 +45,12 @@ from PIL import Image
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from arpo_core.algorithm.rollout import EpisodeJob, RolloutConfig, make_group_jobs, run_episodes  # noqa: E402
 from arpo_core.envs.base import Observation, TaskSpec  # noqa: E402
 from arpo_core.envs.pool import EnvResult  # noqa: E402
-from arpo_core.fileio import atomic_write_json  # noqa: E402
+from arpo_core.infra.fileio import atomic_write_json  # noqa: E402
+from arpo_core.infra.seeds import derive_seed  # noqa: E402
 from arpo_core.policy.generate import Generation  # noqa: E402
-from arpo_core.rollout import EpisodeJob, RolloutConfig, make_group_jobs, run_episodes  # noqa: E402
-from arpo_core.seeds import derive_seed  # noqa: E402
 
 ASSUMPTIONS: dict[str, Any] = {
     "env": {

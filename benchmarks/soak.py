@@ -37,7 +37,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from arpo_core.fileio import atomic_write_json  # noqa: E402
+from arpo_core.infra.fileio import atomic_write_json  # noqa: E402
 from arpo_core.trajectory import read_trajectories  # noqa: E402
 
 VENV_BIN = Path(sys.executable).parent

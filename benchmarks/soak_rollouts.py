@@ -26,12 +26,12 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from arpo_core.algorithm.rollout import EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
-from arpo_core.envs.miniwob import make_miniwob_env  # noqa: E402
+from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env  # noqa: E402
 from arpo_core.envs.pool import EnvPool  # noqa: E402
-from arpo_core.fileio import atomic_write_json  # noqa: E402
+from arpo_core.infra.fileio import atomic_write_json  # noqa: E402
 from arpo_core.policy.generate import Generation  # noqa: E402
-from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes  # noqa: E402
 from arpo_core.trajectory import read_trajectories, write_trajectories  # noqa: E402
 from benchmarks.soak import pool_targets  # noqa: E402
 

@@ -26,7 +26,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from arpo_core.config import load_params, to_dict  # noqa: E402
-from arpo_core.fileio import atomic_write_json  # noqa: E402
+from arpo_core.infra.fileio import atomic_write_json  # noqa: E402
 from flows.spec import STAGE_NAMES  # noqa: E402
 
 

@@ -1,4 +1,4 @@
-"""Prefect flows (one per pipeline stage, plus `arpo-train`), MLflow tracking and the `arpo` CLI.
+"""Prefect flows (one per pipeline stage, plus `arpo-train`) and the `arpo` CLI; MLflow lives in tracking/.
 
 Importing this package sets local, private defaults before Prefect or MLflow are imported (each only
 when the variable is not already set): Prefect's home inside the project (`.prefect/`, so its sqlite

@@ -10,7 +10,7 @@ Decisions:
    `arpo run` and `dvc exp run -S`, so a deployment run is reproducible from its parameters alone.
 4. Progress: one line when a stage starts, is skipped or ends (with its wall time and headline
    metrics), through `print` with `log_prints` so it reaches the terminal and the Prefect UI.
-5. One MLflow parent run per pipeline run, named by the variant (flows/tracking.py decision 7), with
+5. One MLflow parent run per pipeline run, named by the variant (tracking/mlflow_runs.py decision 7), with
    the variant's full effective params and the keys it changes against the params file alone (tag
    `arpo.changed`); the stage runs it executes are its children. The flow run has the same name.
 6. `targets` (e.g. ["evaluate"]) runs only those stages and the stages they need (their inputs'
@@ -44,11 +44,11 @@ from prefect.context import FlowRunContext
 
 from arpo_core.config import flatten, to_dict
 from arpo_core.pipeline.table import upstream
-from flows import tracking
 from flows.runner import FRONT_DOOR_ENV, load_params_once, variant_name
 from flows.services import INTERRUPTED, crash_dead_flow_runs, on_interrupt, run_lock
 from flows.spec import SPECS, is_up_to_date
 from flows.stage_flows import FLOWS, run_name
+from tracking import mlflow_runs
 
 __all__ = ["FLOWS", "INTERRUPTED", "arpo_train", "headline", "on_interrupt"]
 
@@ -97,12 +97,12 @@ def start_pipeline_run(
 ) -> str:
     """Decision 5: the parent MLflow run of this pipeline run, named by variant and front door (runner
     decision 10); returns its id."""
-    c = tracking.client(".")
-    exp = tracking.ensure_experiment(c, p.project.name, ".")
+    c = mlflow_runs.client(".")
+    exp = mlflow_runs.ensure_experiment(c, p.project.name, ".")
     variant = variant_name(preset, overrides)
     changed = changed_params(params, p)
-    tags = tracking.run_tags(
-        tracking.PIPELINE,
+    tags = mlflow_runs.run_tags(
+        mlflow_runs.PIPELINE,
         ".",
         {
             "arpo.variant": variant,
@@ -113,8 +113,8 @@ def start_pipeline_run(
             "arpo.front_door": door,
         },
     )
-    run_id = tracking.start_run(c, exp, f"{variant} · {door}", tags)
-    tracking.log_params(c, run_id, flatten(to_dict(p)))
+    run_id = mlflow_runs.start_run(c, exp, f"{variant} · {door}", tags)
+    mlflow_runs.log_params(c, run_id, flatten(to_dict(p)))
     return run_id
 
 
@@ -194,7 +194,7 @@ def _pipeline(
     results: dict[str, dict[str, float]] = {}
     t_all = time.monotonic()
     parent = start_pipeline_run(params, preset, overrides, p, pipeline_id, door)
-    c = tracking.client(".")
+    c = mlflow_runs.client(".")
     error: BaseException | None = None
     try:
         for i, name in enumerate(wanted, 1):
@@ -205,7 +205,7 @@ def _pipeline(
                 raise KeyboardInterrupt(f"interrupted before stage {name}")
             if not force and is_up_to_date(p, SPECS[name], Path(".")):
                 print(f"{tag}: up to date, skipped")
-                tracking.set_tags(c, parent, {f"arpo.skipped.{name}": "up to date"})
+                mlflow_runs.set_tags(c, parent, {f"arpo.skipped.{name}": "up to date"})
                 continue
             print(f"{tag}: running")
             t0 = time.monotonic()
@@ -221,6 +221,6 @@ def _pipeline(
         error = e
         raise
     finally:
-        tracking.finish_run(c, parent, tracking.end_status(error))
+        mlflow_runs.finish_run(c, parent, mlflow_runs.end_status(error))
     print(f"[arpo-train] finished in {time.monotonic() - t_all:.0f} s")
     return results

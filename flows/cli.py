@@ -103,13 +103,13 @@ VIEW_OUT_OPT = typer.Option(Path("plots/viewer/view.html"), "--out", "-o", help=
 
 @contextlib.contextmanager
 def _locked(command: str) -> Iterator[None]:
-    """The working tree's run lock (arpo_core/lock.py) around a run; held: exit 3 naming the holder.
-    Nothing the run starts outlives it (arpo_core/guardian.py): SIGTERM/SIGHUP end it through the
+    """The working tree's run lock (arpo_core/infra/lock.py) around a run; held: exit 3 naming the holder.
+    Nothing the run starts outlives it (arpo_core/infra/guardian.py): SIGTERM/SIGHUP end it through the
     normal exit path, Prefect's temporary server and Ray are stopped on the way out (flows/services.py),
     and a guardian process removes whatever child is left once the run has gone (also after a
     SIGKILL). Ctrl-C ends it with exit 130, after its runs are marked."""
-    from arpo_core.guardian import start_guardian
-    from arpo_core.lock import RunLocked
+    from arpo_core.infra.guardian import start_guardian
+    from arpo_core.infra.lock import RunLocked
     from flows.services import INTERRUPTED, on_interrupt, run_lock, stop_services
 
     try:
@@ -164,7 +164,7 @@ def params(
     if out is None:
         typer.echo(text)
         return
-    from arpo_core.fileio import atomic_write_text
+    from arpo_core.infra.fileio import atomic_write_text
 
     atomic_write_text(out, text + "\n")
     typer.echo(f"wrote {out}")
@@ -268,8 +268,8 @@ def run(
 @app.command()
 def lock() -> None:
     """Say whether a run could start in this working tree: exit 0 when free, 3 naming the live `arpo`
-    run or DVC command that holds it (`make repro` asks before `dvc repro`; arpo_core/lock.py)."""
-    from arpo_core.lock import probe
+    run or DVC command that holds it (`make repro` asks before `dvc repro`; arpo_core/infra/lock.py)."""
+    from arpo_core.infra.lock import probe
 
     busy = probe(".")
     if busy is not None:
@@ -291,15 +291,15 @@ def runs(
     """Compare the MLflow runs of an experiment in a terminal table: one row per run (the pipeline
     runs, named by variant, with `-s pipeline`), the params that differ between runs of the same
     stage (what each variant changed), then the metric columns."""
-    from flows import tracking
+    from tracking import mlflow_runs
 
     name = experiment or _load(params, []).project.name
-    rows = tracking.run_rows(tracking.client(), name, stage_name)[:limit]
+    rows = mlflow_runs.run_rows(mlflow_runs.client(), name, stage_name)[:limit]
     if not rows:
-        typer.echo(f"no runs in experiment {name!r} ({tracking.tracking_uri()})")
+        typer.echo(f"no runs in experiment {name!r} ({mlflow_runs.tracking_uri()})")
         raise typer.Exit(1)
-    columns = list(metric) or tracking.default_columns(rows)
-    typer.echo(tracking.comparison_table(rows, columns, tracking.differing_params(rows)))
+    columns = list(metric) or mlflow_runs.default_columns(rows)
+    typer.echo(mlflow_runs.comparison_table(rows, columns, mlflow_runs.differing_params(rows)))
 
 
 @app.command()
@@ -317,8 +317,8 @@ def study(
     stages (each with evaluate.during_training > 0): replay_effect.json, .md and a plot; for a suite of
     pinned instances (e.g. --preset replay-instances, the paper's protocol) replay_instances.json, .md
     and a plot, from the runs of that suite only."""
-    from arpo_core.suites import load_suite
-    from flows.study_runs import instance_study, replay_study
+    from arpo_core.config.suites import load_suite
+    from tracking.study_runs import instance_study, replay_study
 
     p = _load(params, [], preset)
     if any(t.pinned for t in load_suite(p.env.in_domain_suite)):
@@ -363,8 +363,8 @@ def view(
 ) -> None:
     """Write a self-contained HTML page showing each episode step by step (screenshot with the click,
     thought, action, reward, replayed flag; filters by task, success and epoch)."""
+    from arpo_core.analysis.viewer import describe_episodes, write_viewer
     from arpo_core.trajectory import read_trajectories
-    from arpo_core.viewer import describe_episodes, write_viewer
 
     trajs, sources = [], []
     files = [f for path in paths for f in (sorted(path.glob("*.parquet")) if path.is_dir() else [path])]

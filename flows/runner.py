@@ -36,7 +36,7 @@ Decisions:
 7. What a run logs: its effective params (own + upstream, flows/spec.py decision 4) plus the stage
    stage's `tracked_params(p)` hook where it has one (the trained policy's `method`); the summary metrics
    to `metrics/<stage>.json` and the breakdowns to `metrics/details/<stage>.json` (spec decision 5),
-   all of them to MLflow; each `policy` artifact as an MLflow model (flows/policy_model.py) linked to
+   all of them to MLflow; each `policy` artifact as an MLflow model (tracking/policy_model.py) linked to
    the run's metrics; the evaluations' metrics linked to the models of the stages that produced the
    evaluated policies (the stage's `model_inputs`, role -> input argument).
 8. Inside a Prefect flow run each stage publishes artifacts: a Markdown summary (variant, headline
@@ -70,9 +70,8 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, load_params
-from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
+from arpo_core.infra.fileio import atomic_open, atomic_write_json, atomic_write_text
 from arpo_core.pipeline.table import Stage
-from flows import tracking
 from flows.services import run_lock
 from flows.spec import (
     SPECS,
@@ -86,6 +85,7 @@ from flows.spec import (
     write_stamp,
 )
 from tasks.stages import TASKS
+from tracking import mlflow_runs
 
 __all__ = [
     "FRONT_DOOR_ENV",
@@ -242,7 +242,7 @@ class StageRun:
         self.pipeline_id = pipeline_id
         self.parent_run_id = parent_run_id
         self.model_ids: dict[str, str] = {}
-        self.client = tracking.client(self.root)
+        self.client = mlflow_runs.client(self.root)
         self.run_id: str | None = None
 
     def _outputs(self) -> dict[str, Path]:
@@ -250,15 +250,15 @@ class StageRun:
 
     def execute(self) -> dict[str, float]:
         """Run the stage's task inside the stage's MLflow run; returns its metrics plus
-        `time/<stage>_s`. Holds the working tree's run lock (arpo_core/lock.py; re-entrant inside an
+        `time/<stage>_s`. Holds the working tree's run lock (arpo_core/infra/lock.py; re-entrant inside an
         `arpo run`), so a second run fails before touching any output."""
         with run_lock(self.root, command=f"arpo stage {self.name}"):
             return self._execute()
 
     def _execute(self) -> dict[str, float]:
         key = stage_key(self.p, self.spec, self.root)
-        exp = tracking.ensure_experiment(self.client, self.p.project.name, self.root)
-        tags = tracking.run_tags(
+        exp = mlflow_runs.ensure_experiment(self.client, self.p.project.name, self.root)
+        tags = mlflow_runs.run_tags(
             self.name,
             self.root,
             {
@@ -269,8 +269,8 @@ class StageRun:
             },
         )
         marker = self._prepare_outputs(key)
-        self.run_id = tracking.start_run(self.client, exp, self.run_name(), tags, self.parent_run_id)
-        tracking.log_params(self.client, self.run_id, self.params())
+        self.run_id = mlflow_runs.start_run(self.client, exp, self.run_name(), tags, self.parent_run_id)
+        mlflow_runs.log_params(self.client, self.run_id, self.params())
         error: BaseException | None = None
         t0 = time.monotonic()
         try:
@@ -294,7 +294,7 @@ class StageRun:
             error = e
             raise
         finally:
-            tracking.finish_run(self.client, self.run_id, tracking.end_status(error))
+            mlflow_runs.finish_run(self.client, self.run_id, mlflow_runs.end_status(error))
 
     def run_name(self) -> str:
         """Decision 11: the stage, with the arm when the run tracks one (`evaluate · grpo`)."""
@@ -309,7 +309,7 @@ class StageRun:
     def _log_iteration(self, step: int, metrics: dict[str, float]) -> None:
         """Decision 5: per-iteration metrics under `iter/<key>`."""
         assert self.run_id is not None
-        tracking.log_metrics(
+        mlflow_runs.log_metrics(
             self.client, self.run_id, {f"iter/{k}": v for k, v in metrics.items()}, step=step
         )
 
@@ -335,31 +335,31 @@ class StageRun:
         if self.spec.epoch_history is not None:  # decision 5
             rows = self.spec.epoch_history(**self._outputs())
             for row in rows:
-                tracking.log_metrics(c, run_id, row, step=int(row.get("epoch", 0)))
+                mlflow_runs.log_metrics(c, run_id, row, step=int(row.get("epoch", 0)))
             plot = self.root / "plots" / f"{self.name}_epochs.csv"
             write_epoch_plot(rows, plot)
-            from arpo_core.report import plot_epoch_panels
+            from arpo_core.analysis.report import plot_epoch_panels
             from flows.spec import EPOCH_PANELS
 
             plot_epoch_panels(rows, EPOCH_PANELS, plot.with_suffix(".png"))
-            tracking.log_artifacts(c, run_id, plot, "plots")
-            tracking.log_artifacts(c, run_id, plot.with_suffix(".png"), "plots")
+            mlflow_runs.log_artifacts(c, run_id, plot, "plots")
+            mlflow_runs.log_artifacts(c, run_id, plot.with_suffix(".png"), "plots")
             last = int(rows[-1].get("epoch", 0)) if rows else 0
-            tracking.log_metrics(
+            mlflow_runs.log_metrics(
                 c, run_id, {f"time/{self.name}_s": metrics[f"time/{self.name}_s"]}, step=last
             )
         else:
             self._log_linked_metrics(metrics)
-        tracking.log_artifacts(c, run_id, self.root / self.spec.metrics, "metrics")
-        tracking.log_artifacts(c, run_id, self.root / details_path(self.spec), "metrics")
+        mlflow_runs.log_artifacts(c, run_id, self.root / self.spec.metrics, "metrics")
+        mlflow_runs.log_artifacts(c, run_id, self.root / details_path(self.spec), "metrics")
         for path, artifact_dir in self._artifacts():
             if artifact_dir == "policy":
                 self._log_model(path, last)
             else:
-                tracking.log_artifacts(c, run_id, path, artifact_dir)
+                mlflow_runs.log_artifacts(c, run_id, path, artifact_dir)
         if self.spec.viewer:
             for page in self._write_viewers():
-                tracking.log_artifacts(c, run_id, page, "viewer")
+                mlflow_runs.log_artifacts(c, run_id, page, "viewer")
 
     def _log_linked_metrics(self, metrics: dict[str, float]) -> None:
         """Decision 7: metrics of role `r` (`eval/r/...`) linked to the model of the stage whose output
@@ -370,9 +370,9 @@ class StageRun:
             model_id = self._upstream_model(self.spec.inputs.get(arg))
             mine = {k: v for k, v in metrics.items() if k.startswith(f"eval/{role}/")}
             if model_id and mine:
-                tracking.log_metrics(self.client, self.run_id, mine, model_id=model_id)
+                mlflow_runs.log_metrics(self.client, self.run_id, mine, model_id=model_id)
                 rest = {k: v for k, v in rest.items() if k not in mine}
-        tracking.log_metrics(self.client, self.run_id, rest)
+        mlflow_runs.log_metrics(self.client, self.run_id, rest)
 
     def _upstream_model(self, path: Any) -> str | None:
         """The MLflow model id the stage that wrote `path` logged for its policy (from its stamp)."""
@@ -385,7 +385,7 @@ class StageRun:
     def _log_model(self, path: Path, step: int) -> None:
         """Decision 7: the policy checkpoint at `path` as the run's MLflow model, named by its method
         (`arpo`, `grpo`, `rft`, ...) or the stage."""
-        from flows.policy_model import log_policy_model
+        from tracking.policy_model import log_policy_model
 
         if not (path / "config.json").exists() and not any(path.glob("*")):
             return
@@ -397,7 +397,7 @@ class StageRun:
             "history_images": pol.history_images,
             "max_new_tokens": pol.max_new_tokens,
         }
-        uri = tracking.tracking_uri(self.root)
+        uri = mlflow_runs.tracking_uri(self.root)
         self.model_ids[name] = log_policy_model(uri, self.run_id, path, name, config, step=step)
 
     def _artifacts(self) -> list[tuple[Path, str]]:
@@ -409,8 +409,8 @@ class StageRun:
     def _write_viewers(self) -> list[Path]:
         """A self-contained HTML viewer per trajectory file among the stage's artifacts (the Parquet
         files directly inside each artifact path: not the replay buffer inside a checkpoint)."""
+        from arpo_core.analysis.viewer import write_viewer
         from arpo_core.trajectory import read_trajectories
-        from arpo_core.viewer import write_viewer
 
         pages = []
         stage_dir = self.root / VIEWER_DIR / self.name

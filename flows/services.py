@@ -7,7 +7,7 @@ Decisions:
    against a dead server for about 4 minutes and ended with `ConnectError` (issue 34 item 1). In its own
    session the server never sees the terminal's SIGINT; the run marks its Prefect and MLflow runs, and
    only then stops the server (`stop_services`, on every way out of `arpo run`). If the run is killed
-   outright, the guardian (arpo_core/guardian.py) removes the server's whole group, which it leads.
+   outright, the guardian (arpo_core/infra/guardian.py) removes the server's whole group, which it leads.
 2. `own_session_server()` registers the server under the key Prefect's clients look up
    (`SubprocessASGIServer()`, port None) before any client asks, so every client of the run (flow
    engine, log and event workers) uses this one. Its command is Prefect 3.9's own
@@ -17,7 +17,7 @@ Decisions:
    them, the server left Prefect's log worker retrying at exit (~2 min, then 'Error logging to API').
 4. What a dead run left open is closed by the next one (issue 34 items 5, 6). Every front door takes
    the working tree's lock through `run_lock` here; when that takes the lock over from a dead holder
-   (arpo_core/lock.py decision 8), the dead run's MLflow runs still RUNNING (found by its lock token,
+   (arpo_core/infra/lock.py decision 8), the dead run's MLflow runs still RUNNING (found by its lock token,
    tracking decision 9) end KILLED, its temp folder is gone (lock.py decision 7), and the Prefect flow
    runs of its pipeline runs, with their stage subflows, are set Crashed by the next `arpo-train` flow
    run that has an API to talk to (`crash_dead_flow_runs`; an `arpo stage` under DVC has none). A
@@ -35,8 +35,8 @@ import threading
 from collections.abc import Iterator
 from typing import Any
 
-from arpo_core.lock import describe
-from arpo_core.lock import run_lock as _run_lock
+from arpo_core.infra.lock import describe
+from arpo_core.infra.lock import run_lock as _run_lock
 
 __all__ = [
     "DEAD_FLOW_RUNS",
@@ -68,7 +68,7 @@ DEAD_FLOW_RUNS: list[str] = []
 
 @contextlib.contextmanager
 def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Iterator[dict[str, Any] | None]:
-    """arpo_core.lock.run_lock, closing what a dead previous holder left open (decision 4)."""
+    """arpo_core.infra.lock.run_lock, closing what a dead previous holder left open (decision 4)."""
     with _run_lock(root, command=command) as holder:
         previous = (holder or {}).get("previous")
         if previous:
@@ -83,10 +83,10 @@ def close_dead_run(root: str | os.PathLike, previous: dict[str, Any]) -> None:
     if not token:
         return
     try:
-        from flows import tracking
+        from tracking import mlflow_runs
 
         reason = f"killed: its process died ({describe(previous)}); closed by pid {os.getpid()}"
-        closed = tracking.close_runs_of(tracking.client(root), token, reason)
+        closed = mlflow_runs.close_runs_of(mlflow_runs.client(root), token, reason)
     except Exception as e:  # tracking must never stop a run
         log.warning("could not close the MLflow runs of the dead run %s: %s", describe(previous), e)
         return

@@ -40,7 +40,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, flatten, to_dict
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.pipeline.table import BY_NAME, STAGE_NAMES, STAGES, Stage
 from arpo_core.pipeline.table import upstream as table_upstream
 

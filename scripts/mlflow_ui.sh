@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The MLflow UI on this project's store: http://127.0.0.1:${MLFLOW_PORT:-5000}, one worker (the
-# default four take ~1.7 GB), sqlite store ./mlflow.db with artifacts in ./mlruns (flows/tracking.py).
+# default four take ~1.7 GB), sqlite store ./mlflow.db with artifacts in ./mlruns (tracking/mlflow_runs.py).
 # No job runner: MLflow 3 starts huey consumer processes for its GenAI jobs (trace rollups, scorers),
 # which a training project never submits.
 set -euo pipefail

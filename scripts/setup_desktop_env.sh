@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Creates the separate virtual environment for the official OSWorld `desktop-env` package, which cannot live
 # in the training environment (it pins torch~=2.5, transformers~=4.35, numpy<2; docs/method.md §5).
-# arpo_core/envs/desktop_env_bridge.py runs inside it and serves DesktopEnv over loopback HTTP.
+# arpo_core/envs/osworld/desktop_env_bridge.py runs inside it and serves DesktopEnv over loopback HTTP.
 #
 #   scripts/setup_desktop_env.sh [VENV_DIR]      (default ~/.cache/arpo/desktop-env-venv)
 #

@@ -12,7 +12,7 @@ Decisions:
    flow from params, inputs and code (flows/spec.py), the same rule as DVC's.
 4. Per-iteration metrics leave through the `on_metrics(step, metrics)` hook the caller passes (the flow
    layer logs them to MLflow); this module knows nothing of tracking.
-5. Even an env stage is not retried when its error is one a retry cannot fix (`arpo_core.errors`
+5. Even an env stage is not retried when its error is one a retry cannot fix (`arpo_core.infra.errors`
    `retryable`: disk full, an unwritable output, a truncated or unreadable input): the same attempt
    would meet the same disk or file, after minutes of back-off and with the error printed three times.
    Prefect hands the condition the failed state; an exception raised by the task is its `data`.
@@ -30,7 +30,7 @@ from prefect.client.schemas.objects import State
 from prefect.tasks import exponential_backoff
 
 from arpo_core.config import Params
-from arpo_core.errors import retryable
+from arpo_core.infra.errors import retryable
 from arpo_core.pipeline.table import STAGES, Stage, stage
 
 __all__ = ["ENV_RETRIES", "TASKS", "retry_unless_not_retryable", "run_stage"]
@@ -60,7 +60,7 @@ def run_stage(
 
 def retry_unless_not_retryable(task: Task, task_run: Any, state: State) -> bool:
     """Decision 5: Prefect's `retry_condition_fn`: retry unless the failure is one a retry cannot fix
-    (arpo_core.errors: disk full, bad or corrupted input)."""
+    (arpo_core.infra.errors: disk full, bad or corrupted input)."""
     exc = state.data if isinstance(state.data, BaseException) else None
     return exc is None or retryable(exc)
 

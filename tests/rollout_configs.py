@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from arpo_core.rollout import RolloutConfig
+from arpo_core.algorithm.rollout import RolloutConfig
 
 
 def rollout_cfg(**over) -> RolloutConfig:

@@ -930,7 +930,7 @@ def test_pyautogui_types_printable_ascii_and_newlines() -> None:
 
 
 def test_rendered_type_code_runs_after_the_osworld_prefix() -> None:
-    from arpo_core.envs.osworld import PYAUTOGUI_PREFIX
+    from arpo_core.envs.osworld.osworld_env import PYAUTOGUI_PREFIX
 
     for content in ("café\n", "plain\n", "日本"):
         (code,) = to_pyautogui([Action("type", content=content)])

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from arpo_core.advantages import ADVANTAGE_SCALES, group_advantages, group_stats
+from arpo_core.algorithm.advantages import ADVANTAGE_SCALES, group_advantages, group_stats
 from arpo_core.config import LossSection
 
 EPS = LossSection().advantage_eps  # 1e-6, the reference code's

@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from arpo_core import trainer
+from arpo_core.algorithm import trainer
+from arpo_core.algorithm.trainer import CHECKPOINT_MANIFEST, checkpoint_problem, latest_checkpoint
 from arpo_core.policy.model import build_tiny_policy
-from arpo_core.trainer import CHECKPOINT_MANIFEST, checkpoint_problem, latest_checkpoint
 
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_harness as harness

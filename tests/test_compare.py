@@ -10,9 +10,9 @@ import pytest
 from PIL import Image
 
 from arpo_core.config import load_params
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.pipeline import compare
-from arpo_core.pipeline.offline import SKIPPED
+from arpo_core.pipeline.offline_baselines import SKIPPED
 from arpo_core.trajectory import Step, Trajectory, png_bytes, write_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]

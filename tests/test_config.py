@@ -17,6 +17,8 @@ import annotated_types as at
 import pytest
 import yaml
 
+from arpo_core.algorithm.replay import ReplayConfig
+from arpo_core.algorithm.selection import SelectConfig
 from arpo_core.config import (
     ConfigError,
     GroundPhase,
@@ -30,8 +32,6 @@ from arpo_core.config import (
     to_dict,
 )
 from arpo_core.config.check import Provenance, Source, check_fields
-from arpo_core.replay import ReplayConfig
-from arpo_core.selection import SelectConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # paper names a checkpoint that must exist: tests/test_paper_preset.py loads it with a stand-in path

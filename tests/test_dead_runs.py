@@ -1,5 +1,5 @@
 """What a killed run leaves is closed by the next one (issue 34 items 5, 6): the lock takeover of a dead
-holder removes its private temp folder (arpo_core/lock.py decision 7) and ends its MLflow runs KILLED
+holder removes its private temp folder (arpo_core/infra/lock.py decision 7) and ends its MLflow runs KILLED
 (flows/services.py decision 4); a SIGKILL of a whole `arpo run` process tree leaves no RUNNING run,
 Running flow run or temp folder once the next run has started."""
 
@@ -21,20 +21,21 @@ import pytest
 from proctools import wait_until
 from test_interrupt import PtyJob, _cmdline, kill_marked, marked
 
-from arpo_core.lock import LOCK_ENV, RUN_TMP_PREFIX, lock_path, read_holder
-from flows import tracking
+from arpo_core.infra.lock import LOCK_ENV, RUN_TMP_PREFIX, lock_path, read_holder
+from tracking import mlflow_runs
 
 DIES_WITH_RUNS = textwrap.dedent(
     """
     import os, sys, time, tempfile
-    from flows import services, tracking
+    from flows import services
+    from tracking import mlflow_runs
     with services.run_lock(sys.argv[1], command="doomed"):
-        c = tracking.client(sys.argv[1])
-        exp = tracking.ensure_experiment(c, "arpo-test", sys.argv[1])
-        parent = tracking.start_run(c, exp, "quick · arpo run", tracking.run_tags("pipeline", sys.argv[1]))
-        stage = tracking.start_run(c, exp, "train", tracking.run_tags("train", sys.argv[1]), parent)
-        done = tracking.start_run(c, exp, "ground", tracking.run_tags("ground", sys.argv[1]), parent)
-        tracking.finish_run(c, done, True)
+        c = mlflow_runs.client(sys.argv[1])
+        exp = mlflow_runs.ensure_experiment(c, "arpo-test", sys.argv[1])
+        parent = mlflow_runs.start_run(c, exp, "quick · arpo run", mlflow_runs.run_tags("pipeline", sys.argv[1]))
+        stage = mlflow_runs.start_run(c, exp, "train", mlflow_runs.run_tags("train", sys.argv[1]), parent)
+        done = mlflow_runs.start_run(c, exp, "ground", mlflow_runs.run_tags("ground", sys.argv[1]), parent)
+        mlflow_runs.finish_run(c, done, True)
         worker_dir = tempfile.mkdtemp(prefix="arpo-envworker-")  # what an env worker makes
         print(os.environ["TMPDIR"], worker_dir, flush=True)
         time.sleep(300)
@@ -61,8 +62,8 @@ def test_takeover_closes_the_dead_runs_mlflow_runs_and_removes_its_temp_folder(t
         proc.wait(timeout=30)
     assert Path(run_tmp).name.startswith(RUN_TMP_PREFIX) and Path(worker_dir).parent == Path(run_tmp)
     assert Path(worker_dir).is_dir()
-    c = tracking.client(tmp_path)
-    before = {r["stage"]: r["status"] for r in tracking.run_rows(c, "arpo-test")}
+    c = mlflow_runs.client(tmp_path)
+    before = {r["stage"]: r["status"] for r in mlflow_runs.run_rows(c, "arpo-test")}
     assert before == {"pipeline": "RUNNING", "train": "RUNNING", "ground": "FINISHED"}
 
     from flows import services
@@ -71,7 +72,7 @@ def test_takeover_closes_the_dead_runs_mlflow_runs_and_removes_its_temp_folder(t
     with services.run_lock(tmp_path, command="next") as holder:
         assert holder["previous"]["pid"] == proc.pid
         assert not Path(run_tmp).exists()  # the dead run's temp folder, env worker folders included
-        rows = {r["stage"]: r for r in tracking.run_rows(c, "arpo-test")}
+        rows = {r["stage"]: r for r in mlflow_runs.run_rows(c, "arpo-test")}
         assert {k: r["status"] for k, r in rows.items()} == {
             "pipeline": "KILLED",
             "train": "KILLED",

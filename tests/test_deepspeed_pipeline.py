@@ -17,7 +17,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 from orchestration_helpers import VENV_BIN, base_env, copy_project, start, stop
 
-from arpo_core.trainer import latest_checkpoint
+from arpo_core.algorithm.trainer import latest_checkpoint
 
 OVERRIDES = ["--preset", "quick", "-S", "train.engine=deepspeed", "-S", "env.backend=ray"]
 OUT = Path("models/arpo")

@@ -11,11 +11,11 @@ import random
 import pytest
 
 from arpo_core.actions import parse_response, to_screen
-from arpo_core.demonstrations import miss_rng, planned_misses, play_oracle_episodes
+from arpo_core.algorithm.rollout import EpisodeJob
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.dom import DomElement
-from arpo_core.envs.oracles import FRAME_IDS, ORACLES, empty_points, miss_step, model_size
-from arpo_core.rollout import EpisodeJob
+from arpo_core.envs.miniwob.dom import DomElement
+from arpo_core.envs.miniwob.oracles import FRAME_IDS, ORACLES, empty_points, miss_step, model_size
+from arpo_core.offline.demonstrations import miss_rng, planned_misses, play_oracle_episodes
 
 MAX_STEPS = 8  # params' baseline.max_steps, the demos' step limit
 
@@ -94,7 +94,7 @@ def test_miss_plan_is_seeded_per_episode():
 
 @pytest.fixture(scope="module")
 def pool():
-    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
     from arpo_core.envs.pool import EnvPool
 
     p = EnvPool(functools.partial(make_miniwob_env), n=2)
@@ -276,7 +276,7 @@ def test_every_oracle_task_recovers_from_misses(pool):
 def test_brief_thoughts_keep_the_oracles_actions(pool, tmp_path):
     """demos.py decision 9: with thoughts="brief" every reply, misses included, is the fixed Thought with
     exactly the actions (and misses) of the oracle's own demo of the same job; a bad style is refused."""
-    from arpo_core.demonstrations import BRIEF_THOUGHT
+    from arpo_core.offline.demonstrations import BRIEF_THOUGHT
 
     jobs = jobs_for(["click-test-2", "enter-text"], [7, 8])
     kw = {"max_steps": MAX_STEPS, "recovery_rate": 0.5, "max_misses": 2}

@@ -17,8 +17,8 @@ import pytest
 from PIL import Image
 from proctools import _stat, alive, group_pids, wait_until
 
-from arpo_core.envs import desktop_server as ds
-from arpo_core.envs.osworld import DesktopClient
+from arpo_core.envs.osworld import desktop_server as ds
+from arpo_core.envs.osworld.osworld_env import DesktopClient
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -186,7 +186,7 @@ def test_type_action_delivers_non_ascii_text_to_a_real_window(desktop):
     than the keyboard has spare keycodes; ASCII lines - and a trailing newline still presses Enter.
     (`cat` in the terminal writes each line to a file; echo is off so only typed keys reach it.)"""
     from arpo_core.actions import Action, to_pyautogui
-    from arpo_core.envs.osworld import PYAUTOGUI_PREFIX
+    from arpo_core.envs.osworld.osworld_env import PYAUTOGUI_PREFIX
 
     _, info, c = desktop
     out = Path(info.home, "typed.txt")
@@ -250,7 +250,7 @@ def test_desktop_dies_with_its_parent(tmp_path):
         f"""
         import sys, time
         sys.path.insert(0, {str(REPO)!r})
-        from arpo_core.envs.desktop_server import LocalDesktop
+        from arpo_core.envs.osworld.desktop_server import LocalDesktop
         info = LocalDesktop(screen_size=(320, 240)).start()
         print(info.pid, info.home, flush=True)
         time.sleep(60)

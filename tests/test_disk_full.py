@@ -20,9 +20,9 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import orchestration_helpers as oh
 
-import arpo_core.fileio as fileio
-from arpo_core.errors import retryable
-from arpo_core.fileio import OutputError
+import arpo_core.infra.fileio as fileio
+from arpo_core.infra.errors import retryable
+from arpo_core.infra.fileio import OutputError
 
 GROUND = ["ground.eval_miniwob_seeds=0"]  # no browser: the copy is what is tested
 MESSAGE_END = "the previous output is intact)"

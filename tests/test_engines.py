@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 
-from arpo_core.engines import DeepSpeedEngine, TorchEngine, make_engine
+from arpo_core.algorithm.engines import DeepSpeedEngine, TorchEngine, make_engine
 
 
 def make_model():

@@ -5,8 +5,8 @@ from pathlib import Path
 import pytest
 
 from arpo_core.envs.base import GuiEnv, TaskSpec, load_suite
-from arpo_core.envs.miniwob import MiniWoBEnv
-from arpo_core.envs.oracles import ORACLES
+from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
+from arpo_core.envs.miniwob.oracles import ORACLES
 
 SUITES = Path(__file__).resolve().parents[1] / "data" / "suites"
 

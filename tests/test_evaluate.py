@@ -11,9 +11,8 @@ import pytest
 from PIL import Image
 from rollout_configs import rollout_cfg
 
-from arpo_core.envs.base import Observation, TaskSpec
-from arpo_core.envs.pool import EnvResult
-from arpo_core.evaluation import (
+from arpo_core.algorithm.rollout import RolloutConfig
+from arpo_core.analysis.evaluation import (
     Z95,
     click_spread,
     episode_score,
@@ -26,8 +25,9 @@ from arpo_core.evaluation import (
     summarize,
     wilson_interval,
 )
+from arpo_core.envs.base import Observation, TaskSpec
+from arpo_core.envs.pool import EnvResult
 from arpo_core.policy.generate import Generation
-from arpo_core.rollout import RolloutConfig
 from arpo_core.trajectory import Step, Trajectory
 
 PNG = b"\x89PNG-not-decoded-here"

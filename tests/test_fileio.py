@@ -8,7 +8,7 @@ import stat
 
 import pytest
 
-from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
+from arpo_core.infra.fileio import atomic_open, atomic_write_json, atomic_write_text
 
 
 def test_text_and_json_round_trip(tmp_path):
@@ -40,8 +40,8 @@ def test_binary_mode_and_bad_mode(tmp_path):
 
 import errno  # noqa: E402
 
-import arpo_core.fileio as fileio  # noqa: E402
-from arpo_core.fileio import OutputError, check_space, write_error  # noqa: E402
+import arpo_core.infra.fileio as fileio  # noqa: E402
+from arpo_core.infra.fileio import OutputError, check_space, write_error  # noqa: E402
 
 
 def _enospc(*a, **k):
@@ -102,7 +102,7 @@ class _Saver:
 
 
 def test_checkpoint_on_a_full_disk_removes_its_temp_and_keeps_the_last_good_one(tmp_path, monkeypatch):
-    import arpo_core.trainer as trainer
+    import arpo_core.algorithm.trainer as trainer
 
     state = trainer.TrainState(epoch=1, policy_version=1, history=[{"epoch": 1}])
     trainer._save_checkpoint(tmp_path, _Saver(), _Saver(), _Saver(), state)
@@ -147,7 +147,7 @@ def test_checkpoint_on_a_full_disk_removes_its_temp_and_keeps_the_last_good_one(
 
 
 def test_select_on_a_full_disk_keeps_the_previous_selection(tmp_path, monkeypatch):
-    from arpo_core.selection import Selection, write_selection
+    from arpo_core.algorithm.selection import Selection, write_selection
 
     out = atomic_write_text(tmp_path / "selected_tasks.json", '{"old": true}\n')
     from arpo_core.config import load_params

@@ -222,8 +222,8 @@ def test_logprob_gap_over_history_windows(policy):
     decision 8): on episodes sampled at K = 1 every reply is compared and the gap is float noise."""
     import dataclasses
 
-    from arpo_core.trainer import logprob_gap
-    from arpo_core.update import compute_logps, encode_trajectories
+    from arpo_core.algorithm.trainer import logprob_gap
+    from arpo_core.algorithm.update import compute_logps, encode_trajectories
 
     gen = HFGenerator(policy, system="compact", history_images=1)
     trajs, gen_logps = _rollout(

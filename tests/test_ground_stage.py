@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from arpo_core.config import ConfigError, GroundPhase, load_params, parse_params, to_dict
-from arpo_core.grounding import GroundConfig
+from arpo_core.offline.grounding import GroundConfig
 from arpo_core.pipeline import ground, init_policy, policies
 from arpo_core.policy.model import load_policy
 
@@ -207,7 +207,7 @@ def test_missing_checkpoint_is_a_clear_error_when_params_load(tmp_path):
 def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch):
     """Real Chromium (~4 s): a phase with real screens of the quick suite (2 tasks, seed 0) and held-out
     screens (seed 1000), all from one browser that is closed afterwards."""
-    from arpo_core.envs.miniwob import MiniWoBEnv
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 
     opened, closed = [], []
     monkeypatch.setattr(MiniWoBEnv, "__init__", _spy(MiniWoBEnv.__init__, opened))

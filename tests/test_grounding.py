@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from arpo_core.actions import parse_response
-from arpo_core.grounding import (
+from arpo_core.offline.grounding import (
     LEVELS,
     GroundConfig,
     best_constant_click,
@@ -46,7 +46,7 @@ def test_synthetic_targets_lie_inside_their_box_and_replies_parse(level):
 
 def test_synthetic_box_target_is_where_its_colour_is_drawn():
     """The target box in model pixels maps back onto pixels of the named colour on the 160x210 screen."""
-    from arpo_core.grounding import COLORS
+    from arpo_core.offline.grounding import COLORS
 
     rng = random.Random(0)
     for _ in range(20):
@@ -175,7 +175,7 @@ def test_coord_pattern_blends_a_fixed_code_in_the_model_frame():
 def test_miniwob_examples_target_the_named_element(tmp_path):
     """Real Chromium: the target centre (model pixels -> screen) lands on the element named in the
     instruction."""
-    from arpo_core.envs.miniwob import MiniWoBEnv
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 
     env = MiniWoBEnv()
     try:
@@ -201,7 +201,7 @@ def test_miniwob_examples_target_the_named_element(tmp_path):
 
 def test_to_trajectory_encodes_like_the_training_loop(tmp_path, one_thread):
     """A grounding example as a one-step Trajectory gives BC the same token sequence the loop trains on."""
-    from arpo_core.grounding import _encode, to_trajectory
+    from arpo_core.offline.grounding import _encode, to_trajectory
     from arpo_core.policy.sequences import encode_trajectory
 
     policy = build_tiny_policy(tmp_path / "p", size="xs")

@@ -13,15 +13,15 @@ import pytest
 import torch
 from PIL import Image
 
+from arpo_core.algorithm.replay import ReplayConfig
+from arpo_core.algorithm.rollout import EpisodeJob, make_group_jobs
+from arpo_core.analysis.evaluation import Scorer, eval_jobs
 from arpo_core.config import ConfigError, load_params
-from arpo_core.evaluation import Scorer, eval_jobs
+from arpo_core.config.suites import SuiteError, TaskSpec, families, load_suite
+from arpo_core.infra.seeds import derive_seed
 from arpo_core.pipeline.baseline import baseline_jobs
 from arpo_core.pipeline.common import evaluation_tasks, instance_episodes, suite_tasks
 from arpo_core.pipeline.demos import demo_jobs
-from arpo_core.replay import ReplayConfig
-from arpo_core.rollout import EpisodeJob, make_group_jobs
-from arpo_core.seeds import derive_seed
-from arpo_core.suites import SuiteError, TaskSpec, families, load_suite
 from arpo_core.trajectory import Step, Trajectory, png_bytes, read_trajectories
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -196,7 +196,7 @@ def test_params_refuse_a_pinned_seed_that_demos_also_play(tmp_path):
 
 @pytest.mark.slow
 def test_a_pinned_instance_is_the_same_screen_whatever_seed_is_proposed():
-    from arpo_core.envs.miniwob import MiniWoBEnv
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 
     t = TaskSpec("miniwob", "click-link@s4242", seed=4242)
     env = MiniWoBEnv()
@@ -288,7 +288,7 @@ def test_the_image_blind_policy_sees_blank_screens_of_the_same_size(policy_dir):
 
 
 def test_train_image_blind_marks_the_trained_policy(policy_dir, tmp_path):
-    from arpo_core.trainer import _restore_or_start
+    from arpo_core.algorithm.trainer import _restore_or_start
 
     cfg, _ = harness.configs(1, image_blind=True)
     policy, *_ = _restore_or_start(policy_dir, tmp_path, cfg, seed=0, resume=False)
@@ -307,7 +307,7 @@ def _ep(task: str, k: int, success: float) -> Trajectory:
 
 
 def test_instance_effect_by_split_with_hand_computed_values():
-    from arpo_core.study import ArmRun, instance_effect
+    from arpo_core.analysis.study import ArmRun, instance_effect
 
     train = ["a@0000", "a@0001", "b@0000", "b@0001"]
 

@@ -29,7 +29,7 @@ from proctools import alive, wait_until
 
 def marked(marker: str) -> list[int]:
     """Live processes whose environment holds ARPO_TEST_MARK=marker."""
-    from arpo_core.envs.miniwob import pids_with_env
+    from arpo_core.envs.miniwob.miniwob_env import pids_with_env
 
     return [p for p in pids_with_env("ARPO_TEST_MARK", marker) if alive(p)]
 

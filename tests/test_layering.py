@@ -104,7 +104,7 @@ def test_cycle_finder_sees_a_function_level_cycle():
 
 def test_imports_are_read_inside_functions_too():
     graph = {name: _imports(name, path) for name, path in MODULES.items()}
-    assert "arpo_core.envs.oracles" in graph["arpo_core.envs.miniwob"]  # module level
+    assert "arpo_core.envs.miniwob.oracles" in graph["arpo_core.envs.miniwob.miniwob_env"]  # module level
     assert "arpo_core.actions" in graph["arpo_core.policy.prompt"]  # inside model_image_size
 
 
@@ -115,12 +115,74 @@ def test_no_import_cycle_among_arpo_core_modules():
     assert _cycles(graph) == []
 
 
+# The library's layers, bottom first (docs/design.md, "Layers"): a module may import modules of its own
+# layer or below, never above. envs and policy are independent of each other (neither imports the other).
+LAYERS: list[tuple[str, ...]] = [
+    ("arpo_core.infra",),
+    ("arpo_core.config",),
+    ("arpo_core.actions", "arpo_core.trajectory", "arpo_core.rewards"),  # the shared vocabulary
+    ("arpo_core.envs",),
+    ("arpo_core.policy",),
+    ("arpo_core.algorithm",),
+    ("arpo_core.offline",),
+    ("arpo_core.analysis",),
+    ("arpo_core.pipeline",),
+]
+
+
+def _layer(module: str) -> int | None:
+    for i, prefixes in enumerate(LAYERS):
+        if any(module == p or module.startswith(p + ".") for p in prefixes):
+            return i
+    return None
+
+
+def test_every_library_module_has_a_layer():
+    """Nothing sits flat at the top of arpo_core but the three vocabulary modules."""
+    assert [m for m in MODULES if m != "arpo_core" and _layer(m) is None] == []
+
+
+def test_no_module_imports_a_layer_above_its_own():
+    graph = {name: _imports(name, path) for name, path in MODULES.items() if name != "arpo_core"}
+    upward = sorted(
+        (name, dep)
+        for name, deps in graph.items()
+        for dep in deps
+        if _layer(dep) > _layer(name)  # type: ignore[operator]
+    )
+    assert upward == []
+    envs, policy = _layer("arpo_core.envs"), _layer("arpo_core.policy")
+    assert not any(_layer(d) == envs for m, deps in graph.items() if _layer(m) == policy for d in deps)
+
+
+def test_the_layer_check_sees_an_upward_import():
+    assert _layer("arpo_core.algorithm.trainer") > _layer("arpo_core.envs.pool")  # type: ignore[operator]
+    assert _layer("arpo_core.infra.fileio") < _layer("arpo_core.config.suites")  # type: ignore[operator]
+    assert _layer("arpo_core.somewhere_new") is None
+
+
+TRACKING = sorted((ROOT / "tracking").glob("*.py"))
+
+
+@pytest.mark.parametrize("path", TRACKING, ids=lambda p: str(p.relative_to(ROOT)))
+def test_tracking_is_below_the_flows(path):
+    """The MLflow package is used by flows/ and the CLI; it imports neither them nor Prefect or DVC."""
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names = [node.module]
+        else:
+            continue
+        assert not {n.split(".")[0] for n in names} & {"flows", "tasks", "prefect", "dvc"}, (path.name, names)
+
+
 def test_no_two_modules_share_a_basename():
-    """`evaluate.py` in arpo_core/ and in pipeline/ (likewise demos.py, offline.py; stages.py in flows/ and
+    """`evaluate.py` in arpo_core/ and in pipeline/ (likewise demos.py, offline_baselines.py; stages.py in flows/ and
     tasks/, study.py in flows/ and arpo_core/) made every mention of a module by file name ambiguous and
     "go to file" offer two; package `__init__.py` files aside."""
     seen: dict[str, list[str]] = {}
-    for path in [*FILES, *(ROOT / "flows").glob("*.py"), *(ROOT / "tasks").glob("*.py")]:
+    for path in [*FILES, *(ROOT / "flows").glob("*.py"), *(ROOT / "tasks").glob("*.py"), *TRACKING]:
         if path.name != "__init__.py":
             seen.setdefault(path.name, []).append(str(path.relative_to(ROOT)))
     assert {k: v for k, v in seen.items() if len(v) > 1} == {}
@@ -152,7 +214,7 @@ def test_an_up_to_date_arpo_stage_imports_no_prefect_mlflow_or_torch():
     With Prefect and MLflow imported on that path each call took 15-25 s on a loaded 2-core machine
     and a `dvc repro` of twelve up-to-date stages ran past ten minutes; without them, 2-3 s."""
     statement = (
-        "import flows.cli, flows.services, flows.spec, arpo_core.guardian; "
+        "import flows.cli, flows.services, flows.spec, arpo_core.infra.guardian; "
         "from flows.services import INTERRUPTED, on_interrupt, run_lock, stop_services"
     )
     assert _loaded_after(statement, ("prefect", "mlflow", "torch", "transformers")) == []
@@ -167,7 +229,8 @@ def test_the_config_package_is_a_leaf():
     for path in sorted((ROOT / "arpo_core" / "config").glob("*.py")):
         imported = _imports(_module_name(path), path)
         assert all(
-            m.startswith("arpo_core.config") or m in {"arpo_core.suites", "arpo_core.seeds"} for m in imported
+            m.startswith("arpo_core.config") or m in {"arpo_core.config.suites", "arpo_core.infra.seeds"}
+            for m in imported
         ), (
             path.name,
             imported,

@@ -1,4 +1,4 @@
-"""The run lock of a working tree (arpo_core/lock.py) and the guardian (arpo_core/guardian.py)."""
+"""The run lock of a working tree (arpo_core/infra/lock.py) and the guardian (arpo_core/infra/guardian.py)."""
 
 from __future__ import annotations
 
@@ -16,12 +16,12 @@ import orchestration_helpers as oh
 import pytest
 from proctools import alive, group_pids, wait_until
 
-from arpo_core.lock import LOCK_ENV, RunLocked, lock_path, probe, read_holder, run_lock
+from arpo_core.infra.lock import LOCK_ENV, RunLocked, lock_path, probe, read_holder, run_lock
 
 HOLD = textwrap.dedent(
     """
     import sys, time
-    from arpo_core.lock import run_lock
+    from arpo_core.infra.lock import run_lock
     with run_lock(sys.argv[1], command="holder-cmd --preset quick"):
         print("held", flush=True)
         time.sleep(float(sys.argv[2]))
@@ -30,7 +30,7 @@ HOLD = textwrap.dedent(
 TRY = textwrap.dedent(
     """
     import sys
-    from arpo_core.lock import RunLocked, run_lock
+    from arpo_core.infra.lock import RunLocked, run_lock
     try:
         with run_lock(sys.argv[1], command="second"):
             print("acquired", flush=True)
@@ -151,7 +151,7 @@ def test_cli_stage_fails_fast_naming_the_holder(tmp_path):
 GUARDED = textwrap.dedent(
     """
     import subprocess, sys, time
-    from arpo_core.guardian import start_guardian
+    from arpo_core.infra.guardian import start_guardian
     start_guardian(period_s=0.1, grace_s=2.0)
     # a child in its own group with a grandchild (like Prefect's server, Ray's head), and a plain child
     lead = subprocess.Popen([sys.executable, "-c",

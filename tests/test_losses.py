@@ -7,8 +7,7 @@ import math
 import pytest
 import torch
 
-from arpo_core.config import LossSection
-from arpo_core.losses import (
+from arpo_core.algorithm.losses import (
     AGGREGATIONS,
     KL_ESTIMATORS,
     LossOutput,
@@ -17,6 +16,7 @@ from arpo_core.losses import (
     masked_mean,
     policy_loss,
 )
+from arpo_core.config import LossSection
 
 
 def arpo(**overrides) -> dict:

@@ -10,8 +10,8 @@ from proctools import alive, pids_naming
 
 from arpo_core.actions import Action
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.dom import SCREEN_SIZE
-from arpo_core.envs.miniwob import MiniWoBEnv, clamp_point, episode_limit_ms, webdriver_key
+from arpo_core.envs.miniwob.dom import SCREEN_SIZE
+from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv, clamp_point, episode_limit_ms, webdriver_key
 
 
 def task(name: str) -> TaskSpec:

@@ -7,7 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from arpo_core.behaviour_cloning import SFTConfig, masked_mean_nll, sft
+from arpo_core.offline.behaviour_cloning import SFTConfig, masked_mean_nll, sft
 from arpo_core.policy.generate import HFGenerator
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.policy.prompt import PromptInput, Reply
@@ -136,7 +136,7 @@ def test_sft_rejects_empty(tmp_path):
 
 
 def recovery_demos() -> list[Trajectory]:
-    """The demos with a deliberate miss in front (a recovery demo, arpo_core/demonstrations.py): the miss is
+    """The demos with a deliberate miss in front (a recovery demo, arpo_core/offline/demonstrations.py): the miss is
     context (train_reply False), the oracle's replies after it are the targets."""
     out = []
     for t in demos():
@@ -173,7 +173,7 @@ def test_sft_loss_covers_exactly_the_trained_replies(tmp_path, one_thread):
 
 
 def test_sft_over_history_windows_is_the_token_mean_of_every_window(tmp_path, one_thread):
-    """offline.py decisions 6-7 at K = 1: the first step's loss is the token-mean NLL over every trained
+    """offline_baselines.py decisions 6-7 at K = 1: the first step's loss is the token-mean NLL over every trained
     reply, each in its own window, although the windows are sorted and cut into several forwards; and it
     differs from the one-sequence encoding (earlier replies without their screenshot)."""
     from arpo_core.policy.sequences import encode_trajectory_windows

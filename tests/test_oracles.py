@@ -6,9 +6,9 @@ import pytest
 
 from arpo_core.actions import parse_response, to_screen
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.dom import DomElement
-from arpo_core.envs.miniwob import MiniWoBEnv
-from arpo_core.envs.oracles import (
+from arpo_core.envs.miniwob.dom import DomElement
+from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
+from arpo_core.envs.miniwob.oracles import (
     ORACLES,
     fill_fields,
     free_point,

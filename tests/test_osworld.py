@@ -14,9 +14,9 @@ from proctools import group_pids, wait_until
 
 from arpo_core.actions import Action, parse_response, to_screen
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.desktop_server import LocalDesktop
-from arpo_core.envs.oracles import model_size
-from arpo_core.envs.osworld import (
+from arpo_core.envs.miniwob.oracles import model_size
+from arpo_core.envs.osworld.desktop_server import LocalDesktop
+from arpo_core.envs.osworld.osworld_env import (
     OSWorldEnv,
     claim_slot,
     load_osworld_index,
@@ -370,7 +370,7 @@ def in_repo(monkeypatch):
 def test_health_check_names_each_desktop_that_does_not_answer():
     from orchestration_helpers import free_port
 
-    from arpo_core.envs.osworld import DesktopError, check_desktops
+    from arpo_core.envs.osworld.osworld_env import DesktopError, check_desktops
 
     desk = LocalDesktop(screen_size=(320, 200))
     info = desk.start()
@@ -389,8 +389,8 @@ def test_health_check_names_each_desktop_that_does_not_answer():
 
 
 def test_env_factories_come_from_params(in_repo):
-    from arpo_core.envs.desktop_env_bridge import make_desktop_env_bridge_env
-    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
+    from arpo_core.envs.osworld.desktop_env_bridge import make_desktop_env_bridge_env
     from arpo_core.pipeline.rollouts import ENV_FACTORIES
 
     mw = ENV_FACTORIES["miniwob"](_params())  # exactly the factory make_pool always built for MiniWoB
@@ -409,7 +409,7 @@ def test_env_factories_come_from_params(in_repo):
 def test_remote_pool_does_not_start_when_a_url_is_dead(in_repo, tmp_path):
     from orchestration_helpers import free_port
 
-    from arpo_core.envs.osworld import DesktopError
+    from arpo_core.envs.osworld.osworld_env import DesktopError
     from arpo_core.pipeline.rollouts import make_pool
 
     dead = f"http://127.0.0.1:{free_port()}"

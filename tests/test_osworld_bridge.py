@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 
 from arpo_core.actions import Action, parse_response
-from arpo_core.envs.desktop_env_bridge import DEFAULT_VENV, URL_TOKEN_ENV, DesktopEnvBridgeEnv
-from arpo_core.envs.desktop_server import LocalDesktop
-from arpo_core.envs.osworld import load_osworld_suite, rel1000_to_screen
+from arpo_core.envs.osworld.desktop_env_bridge import DEFAULT_VENV, URL_TOKEN_ENV, DesktopEnvBridgeEnv
+from arpo_core.envs.osworld.desktop_server import LocalDesktop
+from arpo_core.envs.osworld.osworld_env import load_osworld_suite, rel1000_to_screen
 
 REPO = Path(__file__).resolve().parents[1]
 PYTHON = os.environ.get("ARPO_DESKTOP_ENV_PYTHON", str(DEFAULT_VENV / "bin" / "python"))

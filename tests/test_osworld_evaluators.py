@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_core.envs import osworld_evaluators as ev
+from arpo_core.envs.osworld import osworld_evaluators as ev
 
 
 class FakeDesk:

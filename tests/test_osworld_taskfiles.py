@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_core.envs.osworld import (
+from arpo_core.envs.osworld.osworld_env import (
     TaskFileError,
     load_osworld_files,
     load_osworld_index,

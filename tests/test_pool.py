@@ -15,8 +15,8 @@ from proctools import alive, pids_naming
 
 from arpo_core.actions import Action, parse_response, to_screen
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.miniwob import make_miniwob_env
-from arpo_core.envs.oracles import model_size
+from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
+from arpo_core.envs.miniwob.oracles import model_size
 from arpo_core.envs.pool import EnvPool
 
 REPO = Path(__file__).resolve().parents[1]
@@ -239,7 +239,7 @@ def test_env_close_kills_the_crash_handlers_of_a_killed_browser():
     handlers too, found by the mark chromedriver's environment gives every process of the browser."""
     from test_interrupt import _cmdline
 
-    from arpo_core.envs.miniwob import BROWSER_MARK, MiniWoBEnv, pids_with_env
+    from arpo_core.envs.miniwob.miniwob_env import BROWSER_MARK, MiniWoBEnv, pids_with_env
 
     env = MiniWoBEnv()
     try:
@@ -293,7 +293,7 @@ def test_reset_retries_then_reports_env_error(backend):
 PARENT = """
 import functools, json, sys, time
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.miniwob import make_miniwob_env
+from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
 from arpo_core.envs.pool import EnvPool
 backend = sys.argv[1]
 if backend == "ray":
@@ -371,7 +371,7 @@ def test_benchmark_script_runs_and_records(tmp_path):
 SEQUENTIAL_RAY_POOLS = """
 import functools, sys
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.miniwob import make_miniwob_env
+from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
 from arpo_core.envs.pool import EnvPool
 for i in range(2):  # two stages in one process: the first pool starts Ray, the second reuses it
     pool = EnvPool(functools.partial(make_miniwob_env), 1, backend="ray")
@@ -401,11 +401,11 @@ def test_an_env_whose_owner_is_killed_leaves_no_process():
     that process gives close() no chance, and its browser's reaper kills what carries the mark."""
     from test_interrupt import _cmdline
 
-    from arpo_core.envs.miniwob import BROWSER_MARK, pids_with_env
+    from arpo_core.envs.miniwob.miniwob_env import BROWSER_MARK, pids_with_env
 
     code = (
         "from arpo_core.envs.base import TaskSpec\n"
-        "from arpo_core.envs.miniwob import MiniWoBEnv\n"
+        "from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv\n"
         "import time\n"
         "env = MiniWoBEnv()\n"
         "env.reset(TaskSpec(domain='miniwob', task_id='click-test', backend='miniwob'), seed=0)\n"

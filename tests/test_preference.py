@@ -10,9 +10,8 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from arpo_core.behaviour_cloning import SFTConfig
-from arpo_core.policy.model import build_tiny_policy, load_policy
-from arpo_core.preference import (
+from arpo_core.offline.behaviour_cloning import SFTConfig
+from arpo_core.offline.preference import (
     DPOConfig,
     KTOConfig,
     RFTConfig,
@@ -29,6 +28,7 @@ from arpo_core.preference import (
     rft_select,
     sequence_logp_sums,
 )
+from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 
@@ -237,7 +237,7 @@ PROMPT = {"system": "compact", "history_images": None}
 
 
 def logp_sums(policy, trajs, system="compact"):
-    from arpo_core.update import compute_logps, encode_trajectories
+    from arpo_core.algorithm.update import compute_logps, encode_trajectories
 
     seqs = encode_trajectories(policy, trajs, system=system, history_images=None)
     return torch.stack([lp.sum() for lp in compute_logps(policy, seqs, micro_batch_size=4, bf16=False)])

@@ -1,4 +1,4 @@
-"""arpo_core.probe: target choice, the image-blind ceiling and click alignment on hand-made records;
+"""arpo_core.analysis.probe: target choice, the image-blind ceiling and click alignment on hand-made records;
 determinism of MiniWoB reset(seed) targets in a real browser."""
 
 from __future__ import annotations
@@ -8,10 +8,8 @@ import math
 
 import pytest
 
-from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.dom import DomElement
-from arpo_core.evaluation import Scorer
-from arpo_core.probe import (
+from arpo_core.analysis.evaluation import Scorer
+from arpo_core.analysis.probe import (
     TargetRecord,
     blind_ceiling,
     click_alignment,
@@ -20,6 +18,8 @@ from arpo_core.probe import (
     target_element,
     within_corr,
 )
+from arpo_core.envs.base import TaskSpec
+from arpo_core.envs.miniwob.dom import DomElement
 from arpo_core.trajectory import Step, Trajectory
 
 STANDARD = Scorer("standard", 3)
@@ -171,8 +171,8 @@ def test_target_record_json_round_trip():
 
 def test_first_step_targets_are_deterministic_given_the_seed():
     """MiniWoB single-step tasks: reset(seed) fixes the instance (the pairing of probe decision 3)."""
-    from arpo_core.envs.miniwob import MiniWoBEnv
-    from arpo_core.probe import first_step_targets
+    from arpo_core.analysis.probe import first_step_targets
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 
     tasks = [TaskSpec(domain="miniwob", task_id=t) for t in ("click-test-2", "click-button")]
     env = MiniWoBEnv()

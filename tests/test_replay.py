@@ -9,8 +9,8 @@ import random
 import pytest
 from PIL import Image
 
-from arpo_core import replay as replay_mod
-from arpo_core.replay import (
+from arpo_core.algorithm import replay as replay_mod
+from arpo_core.algorithm.replay import (
     FillResult,
     ReplayBuffer,
     ReplayConfig,

@@ -9,7 +9,13 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from arpo_core.report import comparison_json, comparison_table, epoch_series, plot_epochs, plot_replay
+from arpo_core.analysis.report import (
+    comparison_json,
+    comparison_table,
+    epoch_series,
+    plot_epochs,
+    plot_replay,
+)
 
 RESULTS = {
     "base": {

@@ -16,11 +16,11 @@ import pytest
 from PIL import Image
 from rollout_configs import rollout_cfg
 
+from arpo_core.algorithm.rollout import EpisodeJob, RolloutConfig, make_group_jobs, run_episodes
 from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvResult
+from arpo_core.infra.seeds import derive_seed
 from arpo_core.policy.generate import Generation
-from arpo_core.rollout import EpisodeJob, RolloutConfig, make_group_jobs, run_episodes
-from arpo_core.seeds import derive_seed
 
 SCREEN = (160, 210)
 MODES = ["sync", "async"]
@@ -386,7 +386,7 @@ def real_tasks() -> list[TaskSpec]:
 
 
 def play(policy, backend: str, n_envs: int, jobs, cfg):
-    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
     from arpo_core.envs.pool import EnvPool
     from arpo_core.policy.generate import HFGenerator
 
@@ -447,7 +447,7 @@ def test_tiny_policy_on_real_miniwob(tmp_path):
     """The whole path: real Chromium envs in worker processes, an untrained tiny policy's batched generation."""
     import torch
 
-    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
     from arpo_core.envs.pool import EnvPool
     from arpo_core.policy.generate import HFGenerator
     from arpo_core.policy.model import build_tiny_policy

@@ -15,8 +15,8 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import rollout_sim as rs  # noqa: E402
 from rollout_configs import rollout_cfg  # noqa: E402
 
+from arpo_core.algorithm.rollout import make_group_jobs, run_episodes  # noqa: E402
 from arpo_core.envs.base import TaskSpec  # noqa: E402
-from arpo_core.rollout import make_group_jobs, run_episodes  # noqa: E402
 
 
 class FixedPool(rs.SimPool):

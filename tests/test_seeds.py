@@ -8,7 +8,7 @@ from itertools import product
 
 import pytest
 
-from arpo_core.seeds import derive_seed
+from arpo_core.infra.seeds import derive_seed
 
 
 def test_pinned_values_never_change():
@@ -21,7 +21,7 @@ def test_pinned_values_never_change():
 
 def test_same_value_in_a_fresh_interpreter():
     """Not Python's salted hash(): another process (with another hash seed) derives the same number."""
-    code = "from arpo_core.seeds import derive_seed; print(derive_seed('sample', 7, 'x', 3))"
+    code = "from arpo_core.infra.seeds import derive_seed; print(derive_seed('sample', 7, 'x', 3))"
     for hash_seed in ("1", "2"):
         out = subprocess.run(
             [sys.executable, "-c", code],

@@ -7,7 +7,7 @@ import json
 import pytest
 from PIL import Image
 
-from arpo_core.selection import (
+from arpo_core.algorithm.selection import (
     Outcome,
     SelectConfig,
     Selection,

@@ -12,7 +12,7 @@ from arpo_core.pipeline.stage import OPERATIONAL, ROOT, Stage
 from arpo_core.pipeline.table import STAGES
 
 OFFLINE_SECTIONS = {"rft", "dpo", "kto"}
-"""offline.py reads `p.<method>` behind `if method == ...` branches a static walk cannot follow: each
+"""offline_baselines.py reads `p.<method>` behind `if method == ...` branches a static walk cannot follow: each
 offline stage declares its own section whole, and reads of another method's section are not its own."""
 SIZING_ONLY = {("arpo_core.pipeline.rollouts", "generator")}
 """Functions whose reads only size an engine (vLLM's images per prompt: the longest step limit of every

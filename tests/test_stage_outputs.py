@@ -16,8 +16,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).parent))
 import orchestration_helpers as oh
 
-from arpo_core.errors import InputError, NotRetryable, retryable
-from arpo_core.fileio import OutputError
+from arpo_core.infra.errors import InputError, NotRetryable, retryable
+from arpo_core.infra.fileio import OutputError
 from flows.runner import StageRun, commit_outputs, previous_path, recover_outputs, staging_path
 from flows.spec import SPECS, is_up_to_date, read_stamp
 

@@ -10,10 +10,10 @@ import pytest
 import torch
 from PIL import Image
 
+from arpo_core.algorithm.selection import read_selection
 from arpo_core.config import ConfigError, load_params
-from arpo_core.pipeline import demos, init_policy, offline, policies, select, sft
+from arpo_core.pipeline import demos, init_policy, offline_baselines, policies, select, sft
 from arpo_core.policy.model import load_policy
-from arpo_core.selection import read_selection
 from arpo_core.trajectory import Step, Trajectory, png_bytes, write_trajectories
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -76,7 +76,7 @@ def test_select_keeps_tasks_with_a_success(workdir):
 def test_offline_baselines_train_and_save_a_loadable_policy(workdir, method):
     p = params("rft.sft.steps=2", "dpo.steps=2", "kto.steps=2", "dpo.batch_size=2", "kto.batch_size=4")
     before = load_policy(workdir / "init").model.state_dict()
-    m = offline.train_offline(p, method, workdir / "init", workdir / "baseline", workdir / method)
+    m = offline_baselines.train_offline(p, method, workdir / "init", workdir / "baseline", workdir / method)
     after = load_policy(workdir / method).model.state_dict()
     assert any(not torch.equal(before[k], after[k]) for k in before)
     assert all(k.startswith(f"{method}/") for k in m)
@@ -89,16 +89,20 @@ def test_offline_stage_without_usable_data_records_why_and_trains_nothing(workdi
     """Offline decision 3: RFT on rollouts without a success writes skipped.json, no policy."""
     fails = [traj("click-button", k, 0.0, 100) for k in range(3)]
     write_trajectories(tmp_path / "baseline" / "in_domain.parquet", fails)
-    m = offline.train_offline(params(), "rft", workdir / "init", tmp_path / "baseline", tmp_path / "rft")
+    m = offline_baselines.train_offline(
+        params(), "rft", workdir / "init", tmp_path / "baseline", tmp_path / "rft"
+    )
     assert m == {"rft/skipped": 1.0}
     assert not (tmp_path / "rft" / "config.json").exists()
-    reason = json.loads((tmp_path / "rft" / offline.SKIPPED).read_text())
+    reason = json.loads((tmp_path / "rft" / offline_baselines.SKIPPED).read_text())
     assert reason["method"] == "rft" and "no baseline rollout with success" in reason["reason"]
 
 
 def test_unknown_offline_method(workdir):
     with pytest.raises(ValueError, match="unknown offline method 'ppo'"):
-        offline.train_offline(params(), "ppo", workdir / "init", workdir / "baseline", workdir / "x")
+        offline_baselines.train_offline(
+            params(), "ppo", workdir / "init", workdir / "baseline", workdir / "x"
+        )
 
 
 def test_pretrained_pointer_is_followed(workdir, tmp_path):
@@ -141,7 +145,7 @@ def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
 def test_demos_stage_reports_the_env_faults_of_its_pool(tmp_path, monkeypatch):
     """Faults while the oracles play become demos/faults/<kind> (as rollouts' rollout/faults/<kind>), the
     ones the pool finds when it closes included (rollouts.py decision 5)."""
-    from arpo_core.demonstrations import DemoResult
+    from arpo_core.offline.demonstrations import DemoResult
 
     class Pool:
         closed = False

@@ -1,4 +1,4 @@
-"""arpo_core/study.py on hand-built evaluations: the hard split, second-half averaging, per-seed
+"""arpo_core/analysis/study.py on hand-built evaluations: the hard split, second-half averaging, per-seed
 success, and a bootstrap interval that widens with seed-to-seed variance."""
 
 from __future__ import annotations
@@ -6,8 +6,15 @@ from __future__ import annotations
 import pytest
 from PIL import Image
 
-from arpo_core.evaluation import Scorer
-from arpo_core.study import ArmRun, arm_success, bootstrap_difference, hard_split, replay_effect, second_half
+from arpo_core.analysis.evaluation import Scorer
+from arpo_core.analysis.study import (
+    ArmRun,
+    arm_success,
+    bootstrap_difference,
+    hard_split,
+    replay_effect,
+    second_half,
+)
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 STANDARD = Scorer("standard", 3)
@@ -94,7 +101,7 @@ def test_replay_effect_document_has_the_required_fields():
 def test_tasks_no_arm_trained_are_reported_apart_not_in_the_hard_suite(tmp_path):
     """A task the selection dropped (no baseline success) gets no training in any arm: it must not dilute
     the hard suite (it would add the same near-zero to both arms), and is reported apart."""
-    from flows.study_runs import write_study
+    from tracking.study_runs import write_study
 
     baseline = evals({"a": 0.1, "b": 0.0, "c": 0.8}, 10)
     history = [
@@ -122,8 +129,8 @@ def test_click_alignment_of_base_and_arms_and_the_image_blind_ceiling(tmp_path):
     the half of the targets there, like the best constant click) and the arm clicks each target."""
     import json
 
-    from arpo_core.probe import TargetRecord
-    from flows.study_runs import write_study
+    from arpo_core.analysis.probe import TargetRecord
+    from tracking.study_runs import write_study
 
     def box(k: int) -> tuple[float, float, float, float]:
         return (0.0, 0.0, 3.0, 3.0) if k % 2 == 0 else (5.0, 5.0, 8.0, 8.0)
@@ -168,7 +175,7 @@ def test_click_alignment_of_base_and_arms_and_the_image_blind_ceiling(tmp_path):
 
 
 def test_study_markdown_has_per_task_per_seed_and_replay_tables(tmp_path):
-    from flows.study_runs import write_study
+    from tracking.study_runs import write_study
 
     baseline = evals({"a": 0.1, "c": 0.8}, 10)
     counts = [  # two epochs; the buffer's counter is a running total
@@ -242,13 +249,15 @@ def test_arpo_study_reads_two_pipeline_runs_from_mlflow(tmp_path):
 def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, monkeypatch):
     """A study needs the baseline's rollouts and the base's evaluation: the error says which run is
     missing and how to make it (the arms queued with target `train` alone have neither evaluate run)."""
-    from flows import tracking
-    from flows.study_runs import gather
+    from tracking import mlflow_runs
+    from tracking.study_runs import gather
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    c = tracking.client(tmp_path)
-    exp = tracking.ensure_experiment(c, "study", tmp_path)
-    tracking.finish_run(c, tracking.start_run(c, exp, "baseline", tags={"arpo.stage": "baseline"}), ok=True)
+    c = mlflow_runs.client(tmp_path)
+    exp = mlflow_runs.ensure_experiment(c, "study", tmp_path)
+    mlflow_runs.finish_run(
+        c, mlflow_runs.start_run(c, exp, "baseline", tags={"arpo.stage": "baseline"}), ok=True
+    )
     with pytest.raises(FileNotFoundError, match=r"no finished evaluate run: .*dvc exp run evaluate"):
         gather("study", root=str(tmp_path))
 
@@ -256,7 +265,7 @@ def test_gather_without_baseline_or_evaluate_names_what_is_missing(tmp_path, mon
 def test_an_arm_is_named_from_the_runs_logged_method():
     """One method-name rule (pipeline/policies.py `method_name`, logged as the run's `method`): the
     study reads that param instead of re-deriving it from `train.replay.enabled` strings."""
-    from flows.study_runs import _arm
+    from tracking.study_runs import _arm
 
     assert _arm({"method": "arpo", "train.group_size": "8", "train.replay.preload": "none"}) == "arpo_g8"
     assert _arm({"method": "grpo", "train.group_size": "4"}) == "grpo_g4"

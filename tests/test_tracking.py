@@ -15,8 +15,8 @@ import orchestration_helpers as oh
 import pytest
 from typer.testing import CliRunner
 
-from flows import tracking
 from flows.cli import app
+from tracking import mlflow_runs
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -25,7 +25,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def empty_db(tmp_path_factory):
     """An initialised (migrated) empty sqlite store, made once: creating one costs ~7 s here."""
     root = tmp_path_factory.mktemp("template")
-    tracking.client(root).search_experiments()
+    mlflow_runs.client(root).search_experiments()
     return root / "mlflow.db"
 
 
@@ -34,31 +34,31 @@ def store(tmp_path, monkeypatch, empty_db):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     monkeypatch.chdir(tmp_path)
     shutil.copy(empty_db, tmp_path / "mlflow.db")
-    return tracking.client(tmp_path)
+    return mlflow_runs.client(tmp_path)
 
 
 def test_tracking_uri_default_and_override(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
-    assert tracking.tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
+    assert mlflow_runs.tracking_uri(tmp_path) == f"sqlite:///{tmp_path.resolve()}/mlflow.db"
     monkeypatch.setenv("MLFLOW_TRACKING_URI", "http://127.0.0.1:5999")
-    assert tracking.tracking_uri(tmp_path) == "http://127.0.0.1:5999"
+    assert mlflow_runs.tracking_uri(tmp_path) == "http://127.0.0.1:5999"
 
 
 def test_experiment_created_once_with_local_artifacts(store, tmp_path):
-    a = tracking.ensure_experiment(store, "exp-a", tmp_path)
-    assert tracking.ensure_experiment(store, "exp-a", tmp_path) == a
+    a = mlflow_runs.ensure_experiment(store, "exp-a", tmp_path)
+    assert mlflow_runs.ensure_experiment(store, "exp-a", tmp_path) == a
     assert store.get_experiment(a).artifact_location == (tmp_path / "mlruns" / "exp-a").resolve().as_uri()
 
 
 def test_metrics_batched_past_mlflow_limit_with_steps(store, tmp_path):
-    exp = tracking.ensure_experiment(store, "e", tmp_path)
-    run_id = tracking.start_run(store, exp, "evaluate", {"arpo.stage": "evaluate"})
+    exp = mlflow_runs.ensure_experiment(store, "e", tmp_path)
+    run_id = mlflow_runs.start_run(store, exp, "evaluate", {"arpo.stage": "evaluate"})
     many = {f"eval/task/t{i:04d}/success_rate": i / 1500 for i in range(1500)}
     many["flag"] = True  # bools are not metrics
     many["name"] = "text"
-    assert tracking.log_metrics(store, run_id, many, step=0) == 1500
-    tracking.log_metrics(store, run_id, {"loss/policy": 0.5}, step=1)
-    tracking.log_metrics(store, run_id, {"loss/policy": 0.25}, step=2)
+    assert mlflow_runs.log_metrics(store, run_id, many, step=0) == 1500
+    mlflow_runs.log_metrics(store, run_id, {"loss/policy": 0.5}, step=1)
+    mlflow_runs.log_metrics(store, run_id, {"loss/policy": 0.25}, step=2)
     run = store.get_run(run_id)
     assert len(run.data.metrics) == 1501
     assert run.data.metrics["eval/task/t0003/success_rate"] == pytest.approx(0.002)
@@ -68,27 +68,27 @@ def test_metrics_batched_past_mlflow_limit_with_steps(store, tmp_path):
 
 
 def test_params_batched_and_stringified(store, tmp_path):
-    exp = tracking.ensure_experiment(store, "e", tmp_path)
-    run_id = tracking.start_run(store, exp, "train")
+    exp = mlflow_runs.ensure_experiment(store, "e", tmp_path)
+    run_id = mlflow_runs.start_run(store, exp, "train")
     params = {f"train.k{i:03d}": i for i in range(150)} | {"train.sum_norm": None, "train.bf16": False}
-    tracking.log_params(store, run_id, params)
+    mlflow_runs.log_params(store, run_id, params)
     got = store.get_run(run_id).data.params
     assert len(got) == 152
     assert got["train.k042"] == "42" and got["train.sum_norm"] == "null" and got["train.bf16"] == "False"
 
 
 def test_finish_run_sets_status(store, tmp_path):
-    exp = tracking.ensure_experiment(store, "e", tmp_path)
-    ok, bad = tracking.start_run(store, exp, "sft"), tracking.start_run(store, exp, "demos")
-    tracking.finish_run(store, ok, True)
-    tracking.finish_run(store, bad, False)
+    exp = mlflow_runs.ensure_experiment(store, "e", tmp_path)
+    ok, bad = mlflow_runs.start_run(store, exp, "sft"), mlflow_runs.start_run(store, exp, "demos")
+    mlflow_runs.finish_run(store, ok, True)
+    mlflow_runs.finish_run(store, bad, False)
     assert store.get_run(ok).info.status == "FINISHED" and store.get_run(bad).info.status == "FAILED"
 
 
 def test_run_tags_link_git_and_dvc(tmp_path, monkeypatch):
     monkeypatch.setenv("DVC_EXP_NAME", "puffy-walk")
     monkeypatch.delenv("DVC_EXP_BASELINE_REV", raising=False)
-    tags = tracking.run_tags("train", ROOT, {"arpo.key": "abc", "arpo.pipeline_id": None})
+    tags = mlflow_runs.run_tags("train", ROOT, {"arpo.key": "abc", "arpo.pipeline_id": None})
     head = subprocess.run(
         ["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True
     ).stdout.strip()
@@ -98,7 +98,7 @@ def test_run_tags_link_git_and_dvc(tmp_path, monkeypatch):
         "dvc.exp_name": "puffy-walk",
         "arpo.key": "abc",
     }
-    assert tracking.git_commit(tmp_path) is None  # not a git repository
+    assert mlflow_runs.git_commit(tmp_path) is None  # not a git repository
 
 
 @pytest.mark.parametrize(
@@ -111,7 +111,7 @@ def test_run_tags_link_git_and_dvc(tmp_path, monkeypatch):
     ],
 )
 def test_short_name(key, short):
-    assert tracking.short_name(key) == short
+    assert mlflow_runs.short_name(key) == short
 
 
 def test_comparison_table_layout():
@@ -120,7 +120,7 @@ def test_comparison_table_layout():
          "loss/policy": 0.123456},
         {"run": "fedcba9876543210", "stage": "train", "variant": "default", "status": "RUNNING", "minutes": None},
     ]  # fmt: skip
-    assert tracking.comparison_table(rows, ["loss/policy"]).splitlines() == [
+    assert mlflow_runs.comparison_table(rows, ["loss/policy"]).splitlines() == [
         "run       name   variant  status    min  loss/policy",
         "--------  -----  -------  --------  ---  -----------",
         "01234567  train  grpo     FINISHED  2.5  0.123",
@@ -134,9 +134,9 @@ def test_differing_params_compare_runs_of_the_same_stage():
         {"stage": "evaluate", "params": {"method": "grpo", "train.replay.enabled": "False", "seed": "0"}},
         {"stage": "sft", "params": {"sft.lr": "1"}},
     ]
-    assert tracking.differing_params(rows) == ["method", "train.replay.enabled"]
-    assert tracking.differing_params(rows[:1]) == []
-    table = tracking.comparison_table(rows[:2], [], ["method"]).splitlines()
+    assert mlflow_runs.differing_params(rows) == ["method", "train.replay.enabled"]
+    assert mlflow_runs.differing_params(rows[:1]) == []
+    table = mlflow_runs.comparison_table(rows[:2], [], ["method"]).splitlines()
     assert table[0].split() == ["run", "name", "variant", "status", "min", "method"]
     assert table[2].split()[-1] == "arpo" and table[3].split()[-1] == "grpo"
 
@@ -144,42 +144,44 @@ def test_differing_params_compare_runs_of_the_same_stage():
 def test_experiment_is_tagged_for_model_training(store, tmp_path):
     """tracking decision 8, also for an experiment made before the tag existed."""
     old = store.create_experiment("old", artifact_location=(tmp_path / "old").as_uri())
-    assert tracking.ensure_experiment(store, "old", tmp_path) == old
-    new = tracking.ensure_experiment(store, "new", tmp_path)
+    assert mlflow_runs.ensure_experiment(store, "old", tmp_path) == old
+    new = mlflow_runs.ensure_experiment(store, "new", tmp_path)
     for exp_id in (old, new):
         assert store.get_experiment(exp_id).tags["mlflow.experimentKind"] == "custom_model_development"
 
 
 def test_default_columns_fall_back_to_stage_metrics():
     rows = [{"init_policy/parameters": 1.0, "time/init_policy_s": 0.1, "run": "x"}]
-    assert tracking.default_columns(rows) == ["init_policy/parameters"]
-    assert tracking.default_columns([{"rollout/success_rate": 0.5}]) == ["rollout/success_rate"]
+    assert mlflow_runs.default_columns(rows) == ["init_policy/parameters"]
+    assert mlflow_runs.default_columns([{"rollout/success_rate": 0.5}]) == ["rollout/success_rate"]
 
 
 def _two_train_runs(store, tmp_path):
     """Two pipeline runs (default, grpo), each a parent with its train run nested; one sft run."""
-    exp = tracking.ensure_experiment(store, "arpo-embedded", tmp_path)
+    exp = mlflow_runs.ensure_experiment(store, "arpo-embedded", tmp_path)
     for variant, sr in (("default", 0.5), ("grpo", 0.25)):
-        parent = tracking.start_run(store, exp, variant, {"arpo.variant": variant, "arpo.stage": "pipeline"})
-        rid = tracking.start_run(
+        parent = mlflow_runs.start_run(
+            store, exp, variant, {"arpo.variant": variant, "arpo.stage": "pipeline"}
+        )
+        rid = mlflow_runs.start_run(
             store, exp, "train", {"arpo.variant": variant, "arpo.stage": "train"}, parent
         )
-        tracking.log_params(store, rid, {"train.replay.enabled": variant == "default", "train.lr": 1e-5})
-        tracking.log_metrics(store, rid, {"rollout/success_rate": sr})
-        tracking.finish_run(store, rid, True)
-        tracking.finish_run(store, parent, True)
-    rid = tracking.start_run(store, exp, "sft", {"arpo.variant": "default", "arpo.stage": "sft"})
-    tracking.finish_run(store, rid, True)
+        mlflow_runs.log_params(store, rid, {"train.replay.enabled": variant == "default", "train.lr": 1e-5})
+        mlflow_runs.log_metrics(store, rid, {"rollout/success_rate": sr})
+        mlflow_runs.finish_run(store, rid, True)
+        mlflow_runs.finish_run(store, parent, True)
+    rid = mlflow_runs.start_run(store, exp, "sft", {"arpo.variant": "default", "arpo.stage": "sft"})
+    mlflow_runs.finish_run(store, rid, True)
 
 
 def test_run_rows_filter_by_stage_newest_first(store, tmp_path):
     _two_train_runs(store, tmp_path)
-    rows = tracking.run_rows(store, "arpo-embedded", "train")
+    rows = mlflow_runs.run_rows(store, "arpo-embedded", "train")
     assert [r["variant"] for r in rows] == ["grpo", "default"]
     assert [r["rollout/success_rate"] for r in rows] == [0.25, 0.5]
-    assert len(tracking.run_rows(store, "arpo-embedded")) == 5
-    assert tracking.run_rows(store, "no-such-experiment") == []
-    parents = tracking.run_rows(store, "arpo-embedded", "pipeline")
+    assert len(mlflow_runs.run_rows(store, "arpo-embedded")) == 5
+    assert mlflow_runs.run_rows(store, "no-such-experiment") == []
+    parents = mlflow_runs.run_rows(store, "arpo-embedded", "pipeline")
     assert [r["variant"] for r in parents] == ["grpo", "default"]
     assert [r["parent"] for r in rows] == [p["run"] for p in parents]  # stage runs nest (decision 7)
     assert store.get_run(parents[0]["run"]).info.run_name == "grpo"  # the parent is named by variant
@@ -260,8 +262,8 @@ def test_queued_dvc_experiments_use_the_projects_store(tmp_path, monkeypatch):
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     exp = tmp_path / "proj" / ".dvc" / "tmp" / "exps" / "tmpab12cd" / "sub"
     exp.mkdir(parents=True)
-    assert tracking.store_root(exp.parent) == tmp_path / "proj"
-    assert tracking.store_root(exp) == tmp_path / "proj"
-    assert tracking.tracking_uri(exp.parent) == f"sqlite:///{tmp_path / 'proj' / 'mlflow.db'}"
-    assert tracking.store_root(tmp_path / "proj") == tmp_path / "proj"
-    assert tracking.store_root(tmp_path / "other" / ".dvc") == tmp_path / "other" / ".dvc"
+    assert mlflow_runs.store_root(exp.parent) == tmp_path / "proj"
+    assert mlflow_runs.store_root(exp) == tmp_path / "proj"
+    assert mlflow_runs.tracking_uri(exp.parent) == f"sqlite:///{tmp_path / 'proj' / 'mlflow.db'}"
+    assert mlflow_runs.store_root(tmp_path / "proj") == tmp_path / "proj"
+    assert mlflow_runs.store_root(tmp_path / "other" / ".dvc") == tmp_path / "other" / ".dvc"

@@ -18,10 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
+from arpo_core.algorithm.replay import ReplayBuffer, ReplayConfig
+from arpo_core.algorithm.trainer import epoch_summary, latest_checkpoint, prepare_batch, task_metrics, train
 from arpo_core.envs.base import TaskSpec
 from arpo_core.policy.model import build_tiny_policy
-from arpo_core.replay import ReplayBuffer, ReplayConfig
-from arpo_core.trainer import epoch_summary, latest_checkpoint, prepare_batch, task_metrics, train
 from arpo_core.trajectory import Step, Trajectory, read_trajectories
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -460,7 +460,7 @@ def test_arpo_and_grpo_share_their_first_epoch_on_real_miniwob(tmp_path):
     import functools
 
     from arpo_core.envs.base import load_suite
-    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
     from arpo_core.envs.pool import EnvPool
     from arpo_core.policy.model import load_policy
 

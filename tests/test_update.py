@@ -7,11 +7,11 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from arpo_core.algorithm.engines import TorchEngine
+from arpo_core.algorithm.update import compute_logps, encode_trajectories, ppo_update
 from arpo_core.config import LossSection, TrainConfig
-from arpo_core.engines import TorchEngine
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.trajectory import Step, Trajectory, png_bytes
-from arpo_core.update import compute_logps, encode_trajectories, ppo_update
 
 
 def screen(color, box) -> Image.Image:
@@ -139,7 +139,7 @@ def test_first_step_is_on_policy_ratio_one(policy_dir):
 def test_single_on_policy_step_skips_the_old_logp_forward_with_the_same_gradient(policy_dir, monkeypatch):
     """ppo_epochs 1 and one mini-batch: the training forward's own log-probs are the old ones (decision 2);
     the gradient equals the one with explicitly recomputed old log-probs, and no extra forward runs."""
-    import arpo_core.update as update
+    import arpo_core.algorithm.update as update
 
     policy = load_policy(policy_dir)
     seqs = encode_trajectories(
@@ -189,7 +189,7 @@ def test_bad_advantage_shape_and_missing_ref(policy_dir):
 @pytest.mark.slow
 def test_deepspeed_zero3_update_matches_torch(policy_dir):
     """One ARPO update through DeepSpeed ZeRO-3 (CPU, gloo) moves the tiny policy like the torch engine."""
-    from arpo_core.engines import DeepSpeedEngine
+    from arpo_core.algorithm.engines import DeepSpeedEngine
 
     results = []
     for make in (

@@ -18,9 +18,9 @@ from selenium.webdriver.chrome.service import Service
 from selenium.webdriver.common.by import By
 from selenium.webdriver.support.ui import Select
 
-from arpo_core.envs.miniwob import CHROMEDRIVER, CHROMIUM_BINARY, CHROMIUM_FLAGS
+from arpo_core.analysis.viewer import _json_for_script, split_reply, viewer_data, write_viewer
+from arpo_core.envs.miniwob.miniwob_env import CHROMEDRIVER, CHROMIUM_BINARY, CHROMIUM_FLAGS
 from arpo_core.trajectory import Step, Trajectory, png_bytes
-from arpo_core.viewer import _json_for_script, split_reply, viewer_data, write_viewer
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -251,7 +251,7 @@ def test_arpo_view_command_writes_page_and_filters(tmp_path):
 
 
 def test_episode_labels_policy_and_source(tmp_path):
-    from arpo_core.viewer import policy_label
+    from arpo_core.analysis.viewer import policy_label
 
     trajs = make_trajs()[:2]
     data = viewer_data(trajs, policies=["arpo", ""], sources=["data/eval/arpo.parquet", "x.parquet"])

@@ -266,9 +266,9 @@ def test_logprob_gap_compares_each_reply_with_the_trainers_recomputation(policy_
     offset per reply; replayed trajectories are left out."""
     import dataclasses
 
-    from arpo_core.trainer import logprob_gap
+    from arpo_core.algorithm.trainer import logprob_gap
+    from arpo_core.algorithm.update import compute_logps, encode_trajectories
     from arpo_core.trajectory import read_trajectories
-    from arpo_core.update import compute_logps, encode_trajectories
 
     cfg, pcfg = harness.configs(1)
     harness.run(policy_dir, tmp_path / "out", cfg, pcfg)

@@ -76,7 +76,7 @@ SEED = 3
 
 def rollout_config(cfg, policy_cfg, seed: int = SEED, min_pixels: int = 3136, max_pixels: int = 1003520):
     """The training RolloutConfig as the train stage builds it from params."""
-    from arpo_core.rollout import RolloutConfig
+    from arpo_core.algorithm.rollout import RolloutConfig
 
     return RolloutConfig(
         max_steps=cfg.max_steps,
@@ -94,8 +94,8 @@ def rollout_config(cfg, policy_cfg, seed: int = SEED, min_pixels: int = 3136, ma
 def configs(epochs: int, **train):
     """(train section, policy section) of the harness runs: 2 tasks per iteration, groups of 4,
     one-step episodes, a small buffer; `train` overrides train-section fields."""
+    from arpo_core.algorithm.replay import ReplayConfig
     from arpo_core.config import PolicyConfig, TrainConfig
-    from arpo_core.replay import ReplayConfig
 
     fields = {
         "epochs": epochs,
@@ -112,7 +112,7 @@ def configs(epochs: int, **train):
 
 def run(policy_dir, out, cfg, policy_cfg, **kw):
     """`train` on the fake pool with the seeded stand-in policy."""
-    from arpo_core.trainer import train
+    from arpo_core.algorithm.trainer import train
 
     kw = {"pool": FakePool(), "generator_factory": RandomReplies} | kw
     pool = kw.pop("pool")

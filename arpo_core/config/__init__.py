@@ -65,7 +65,7 @@ from arpo_core.config.sections import (
     SelectConfig,
     SFTConfig,
 )
-from arpo_core.suites import SuiteError, suite_problem
+from arpo_core.config.suites import SuiteError, suite_problem
 
 __all__ = [
     "BaselineConfig",
@@ -167,7 +167,7 @@ def suite_backends(path: str | Path) -> set[str] | None:
 
 @dataclass(frozen=True)
 class RolloutModeConfig:
-    """How episodes interleave with generation inside one rollout call (arpo_core/rollout.py decision 1).
+    """How episodes interleave with generation inside one rollout call (arpo_core/algorithm/rollout.py decision 1).
     Speed only: the episodes are the same in either mode (seeds per job and step), so the stage table
     leaves these keys out, like the env count."""
 
@@ -317,7 +317,7 @@ class InitPolicyConfig:
 @dataclass(frozen=True)
 class GroundPhase(GroundTrainConfig):
     """One phase of grounding pretraining (`ground.phases[i]`): the training fields of
-    `GroundTrainConfig` (shared with `arpo_core.grounding.GroundConfig`), plus `miniwob_seeds` and
+    `GroundTrainConfig` (shared with `arpo_core.offline.grounding.GroundConfig`), plus `miniwob_seeds` and
     `grow_after`, which the stage applies around the training loop."""
 
     miniwob_seeds: Annotated[int, Ge(0)] = 0
@@ -334,7 +334,7 @@ class GroundPhase(GroundTrainConfig):
 @dataclass(frozen=True)
 class GroundSectionConfig:
     """Grounding pretraining (stage `ground`): where the grounded policy comes from and how it is measured.
-    (Not named `GroundConfig`: that is `arpo_core.grounding`'s training-loop config, one per phase.)"""
+    (Not named `GroundConfig`: that is `arpo_core.offline.grounding`'s training-loop config, one per phase.)"""
 
     checkpoint: Annotated[str, ExistingPath(checkpoint=True)] | None = "assets/checkpoints/grounded-xs"
     """Start from this checkpoint directory (the project's versioned grounded tiny policy) instead of
@@ -372,12 +372,12 @@ class DemosConfig:
     """First env seed of the demos (kept apart from evaluation seeds)."""
     recovery_rate: Annotated[float, Interval(ge=0, le=1)] = 0.5
     """Fraction of episodes (a seeded draw per episode) in which the oracle first misses, clicking empty
-    space, then solves the task: recovery demos teach replies after a history (arpo_core/demonstrations.py)."""
+    space, then solves the task: recovery demos teach replies after a history (arpo_core/offline/demonstrations.py)."""
     max_misses: Annotated[int, Ge(1)] = 2
     """A recovery episode starts with 1..max_misses misses (uniform); the misses are context, not trained."""
     thoughts: Literal["oracle", "brief"] = "brief"
     """The Thought of each demo reply: `oracle` keeps the oracle's own (it names the target, e.g. `The link
-    "cioi" is in the text; I click it.`), `brief` replaces it with one fixed sentence (arpo_core/demonstrations.py
+    "cioi" is in the text; I click it.`), `brief` replaces it with one fixed sentence (arpo_core/offline/demonstrations.py
     decision 9), leaving the policy fewer free-text tokens to reproduce."""
 
 
@@ -594,7 +594,7 @@ class Params:
         `demos` (`demos.seed + k` of every in-domain family), `train` (the pinned in-domain instances),
         `heldout` (`evaluate.seed + k` of every in-domain family, as many as the evaluate stage or the
         evaluations during training play) and `out_of_domain` (the out-of-domain suite's, likewise)."""
-        from arpo_core.suites import load_suite, pinned_seeds
+        from arpo_core.config.suites import load_suite, pinned_seeds
 
         def load(path: str | None) -> list:
             try:

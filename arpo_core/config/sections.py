@@ -54,7 +54,7 @@ class GroundTrainConfig:
     mix: Annotated[dict[str, Annotated[float, Gt(0)]], MinLen(1)] = field(
         default_factory=lambda: {"box1": 1.0}
     )
-    """Synthetic level -> sampling weight (levels of `arpo_core.grounding.LEVELS`); at least one level,
+    """Synthetic level -> sampling weight (levels of `arpo_core.offline.grounding.LEVELS`); at least one level,
     weights > 0."""
     seed: Annotated[int, Ge(0)] = 0
     """Seed of the stream of synthetic screens and of the fixed list's order (held-out sets use other

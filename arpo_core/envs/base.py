@@ -8,7 +8,7 @@ Design decisions:
    model-image frame is the caller's job (`arpo_core.actions`), so an env never sees model output.
 3. Env faults are data, not exceptions: `StepResult.info["error"]` carries the message and the pool
    reports the episode as an env error (not a policy failure).
-4. Tasks and suites (`TaskSpec`, `load_suite`) live in `arpo_core/suites.py` (YAML only, so params can
+4. Tasks and suites (`TaskSpec`, `load_suite`) live in `arpo_core/config/suites.py` (YAML only, so params can
    validate suites without importing env code) and are re-exported here.
 """
 
@@ -20,7 +20,7 @@ from typing import Any, Protocol, runtime_checkable
 from PIL import Image
 
 from arpo_core.actions import Action
-from arpo_core.suites import SuiteError, TaskSpec, load_suite
+from arpo_core.config.suites import SuiteError, TaskSpec, load_suite
 
 __all__ = [
     "TERMINAL_KINDS",

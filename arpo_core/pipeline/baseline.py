@@ -8,12 +8,12 @@ import os
 from pathlib import Path
 from typing import Any
 
+from arpo_core.algorithm.rollout import EpisodeJob, run_episodes
 from arpo_core.config import Params
 from arpo_core.pipeline.common import progress_bar, suite_tasks
 from arpo_core.pipeline.policies import resolve_policy, setup_torch
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
 from arpo_core.pipeline.stage import ROLLOUT, SUITES, TASK_DATA, Stage
-from arpo_core.rollout import EpisodeJob, run_episodes
 from arpo_core.trajectory import write_trajectories
 
 __all__ = ["STAGE", "baseline_jobs", "run"]

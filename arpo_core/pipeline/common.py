@@ -33,8 +33,8 @@ from typing import Any
 from tqdm import tqdm
 
 from arpo_core.config import Params
+from arpo_core.config.suites import families
 from arpo_core.envs.base import TaskSpec, load_suite
-from arpo_core.suites import families
 
 __all__ = [
     "HELDOUT_SPLIT",
@@ -55,7 +55,7 @@ def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
         return []
     tasks = load_suite(path)
     if any(t.backend == "osworld" for t in tasks):
-        from arpo_core.envs.osworld import load_osworld_suite
+        from arpo_core.envs.osworld.osworld_env import load_osworld_suite
 
         tasks = load_osworld_suite(path)
     ood = p.env.out_of_domain_suite
@@ -83,7 +83,7 @@ HELDOUT_SPLIT = "heldout"
 
 def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[TaskSpec]:
     """The in-domain tasks, restricted to the selected ones when `train.use_selection`."""
-    from arpo_core.selection import read_selection
+    from arpo_core.algorithm.selection import read_selection
 
     tasks = suite_tasks(p, "in_domain")
     if p.train.use_selection and selected_path is not None:

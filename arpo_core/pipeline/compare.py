@@ -43,12 +43,12 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from arpo_core.analysis.evaluation import Scorer, split_map, summarize
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
-from arpo_core.evaluation import Scorer, split_map, summarize
-from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
+from arpo_core.infra.fileio import atomic_open, atomic_write_json, atomic_write_text
 from arpo_core.pipeline.common import TRAIN_SPLIT, evaluation_tasks, training_tasks
-from arpo_core.pipeline.offline import METHODS, SKIPPED
+from arpo_core.pipeline.offline_baselines import METHODS, SKIPPED
 from arpo_core.pipeline.policies import method_name
 from arpo_core.pipeline.stage import SUITES, TASK_DATA, Stage
 from arpo_core.trajectory import Trajectory, read_trajectories
@@ -127,9 +127,9 @@ def first_click_targets(
 ) -> tuple[list[Any], dict[str, str]]:
     """Decision 2: DOM targets of the first `episodes` (default `evaluate.episodes_per_task`) evaluation
     instances per task, and {task: why it has none}."""
-    from arpo_core.envs.miniwob import MiniWoBEnv
-    from arpo_core.envs.oracles import ORACLES
-    from arpo_core.probe import first_step_targets
+    from arpo_core.analysis.probe import first_step_targets
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
+    from arpo_core.envs.miniwob.oracles import ORACLES
 
     e = p.evaluate
     seeds = range(e.seed, e.seed + (episodes or e.episodes_per_task))
@@ -300,7 +300,7 @@ def _trained_cell(
     score: Scorer,
 ) -> dict[str, Any]:
     """Decision 6: rate, interval and paired delta on the in-domain tasks training reached."""
-    from arpo_core.probe import paired_difference
+    from arpo_core.analysis.probe import paired_difference
 
     ids = {t.key for t in trained}
     mine = [t for t in trajs if t.key in ids]
@@ -339,7 +339,7 @@ def run(
     selected_path: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
     """The comparison report (decision 5) from the evaluation episodes in `eval_dirs`."""
-    from arpo_core.probe import blind_ceiling, click_alignment, paired_difference
+    from arpo_core.analysis.probe import blind_ceiling, click_alignment, paired_difference
 
     out_dir = Path(out_dir)
     evals = collect_evaluations(eval_dirs)
@@ -438,7 +438,7 @@ def run(
 
 def _key(task_id: str) -> str:
     """A task id as evaluate.summarize writes it into metric keys (MLflow's alphabet)."""
-    from arpo_core.evaluation import _clean
+    from arpo_core.analysis.evaluation import _clean
 
     return _clean(task_id)
 

@@ -1,6 +1,6 @@
 """Stage `demos`: scripted oracles play the in-domain suite; successful episodes to Parquet. On MiniWoB
 the oracles read the DOM, and a share `demos.recovery_rate` of the episodes starts with untrained misses
-(arpo_core/demonstrations.py decisions 4-5). On OSWorld desktops (`env.kind: osworld`, providers local and remote)
+(arpo_core/offline/demonstrations.py decisions 4-5). On OSWorld desktops (`env.kind: osworld`, providers local and remote)
 the oracle is the suite's scripted `oracle` replies (`OSWorldEnv.oracle_reply`); a desktop has no DOM, so
 no misses, and it is not seeded, so every episode of a task replays the same instance. With
 `demos.episodes_per_task: 0` no env is started and the file is empty: the `sft` stage then passes the
@@ -12,14 +12,14 @@ import os
 from pathlib import Path
 from typing import Any
 
+from arpo_core.algorithm.rollout import EpisodeJob
 from arpo_core.config import Params
-from arpo_core.demonstrations import play_oracle_episodes
+from arpo_core.config.suites import families
+from arpo_core.offline.demonstrations import play_oracle_episodes
 from arpo_core.pipeline.common import progress_bar, suite_tasks
 from arpo_core.pipeline.policies import pixel_budget, resolve_policy
 from arpo_core.pipeline.rollouts import make_pool, pool_faults
 from arpo_core.pipeline.stage import SUITES, TASK_DATA, Stage
-from arpo_core.rollout import EpisodeJob
-from arpo_core.suites import families
 from arpo_core.trajectory import write_trajectories
 
 __all__ = ["STAGE", "demo_jobs", "run"]

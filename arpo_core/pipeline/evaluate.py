@@ -29,7 +29,7 @@ from typing import Any
 
 from arpo_core.config import Params
 from arpo_core.envs.base import TaskSpec
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.pipeline.common import evaluation_tasks, instance_episodes, progress_bar, training_tasks
 from arpo_core.pipeline.policies import method_name, resolve_policy, setup_torch
 from arpo_core.pipeline.rollouts import generator, make_pool, pool_faults, rollout_config
@@ -90,7 +90,7 @@ def evaluate_loaded(
 ) -> Any:
     """One evaluation of a loaded policy on `pool` (decision 1's instances); returns the EvalResult.
     Shared by this stage, the offline stages and the train stage's evaluations during training."""
-    from arpo_core.evaluation import Scorer, evaluate_policy
+    from arpo_core.analysis.evaluation import Scorer, evaluate_policy
 
     e = p.evaluate
     gen = generator(p, policy, policy_dir)  # vllm: the process's engine, given these weights

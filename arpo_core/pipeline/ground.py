@@ -36,11 +36,11 @@ from typing import Any
 
 from arpo_core.config import GroundPhase, Params
 from arpo_core.config.sections import GroundTrainConfig
-from arpo_core.fileio import atomic_write_json, atomic_write_text, copy_tree
+from arpo_core.config.suites import families
+from arpo_core.infra.fileio import atomic_write_json, atomic_write_text, copy_tree
 from arpo_core.pipeline.common import suite_tasks
 from arpo_core.pipeline.policies import POINTER, pixel_budget, resolve_policy, setup_torch
 from arpo_core.pipeline.stage import TASK_DATA, Stage
-from arpo_core.suites import families
 
 __all__ = ["GROUND_REPORT", "STAGE", "ground_config", "ground_measure_keys", "run"]
 
@@ -53,7 +53,7 @@ GROUND_REPORT = "ground_report.json"
 def ground_config(phase: GroundPhase) -> Any:
     """The `grounding.GroundConfig` of one params phase: the shared fields copied, the level weights as
     floats, no evaluation during training (the stage measures once, at the end)."""
-    from arpo_core.grounding import GroundConfig
+    from arpo_core.offline.grounding import GroundConfig
 
     shared = {f.name: getattr(phase, f.name) for f in fields(GroundTrainConfig)}
     shared["mix"] = {level: float(w) for level, w in phase.mix.items()}
@@ -70,7 +70,7 @@ def ground_measure_keys(name: str, measures: dict[str, float]) -> dict[str, floa
 
 
 def _check_levels(levels: Sequence[str]) -> None:
-    from arpo_core.grounding import LEVELS
+    from arpo_core.offline.grounding import LEVELS
 
     unknown = sorted(set(levels) - set(LEVELS))
     if unknown:
@@ -100,14 +100,14 @@ def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], li
     """Real MiniWoB grounding examples of the in-domain tasks, all read by one browser that is closed
     before training starts: ({N: examples of env seeds 0..N-1} for every phase's `miniwob_seeds`,
     held-out examples of seeds 1000..1000+eval_miniwob_seeds-1). No browser when neither is asked for."""
-    from arpo_core.grounding import miniwob_examples
+    from arpo_core.offline.grounding import miniwob_examples
 
     g = p.ground
     counts = sorted({ph.miniwob_seeds for ph in g.phases if ph.miniwob_seeds})
     if not counts and not g.eval_miniwob_seeds:
         return {}, []
     tasks = _miniwob_task_ids(p)
-    from arpo_core.envs.miniwob import MiniWoBEnv
+    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 
     env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
     try:
@@ -121,7 +121,7 @@ def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], li
 def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
     """Grounding pretraining (decisions 1-2): start policy -> `ground.phases` -> `out_dir` (a loadable
     checkpoint with `ground_report.json`); returns the held-out image-dependence measures."""
-    from arpo_core.grounding import (
+    from arpo_core.offline.grounding import (
         LEVELS,
         SCREEN_H,
         SCREEN_W,

@@ -7,7 +7,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.pipeline.policies import POINTER
 from arpo_core.pipeline.stage import Stage
 

@@ -31,10 +31,10 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
+from arpo_core.algorithm.rollout import RolloutConfig
 from arpo_core.config import Params
 from arpo_core.envs.pool import EnvFactory, EnvPool
 from arpo_core.pipeline.policies import pixel_budget
-from arpo_core.rollout import RolloutConfig
 
 __all__ = [
     "ENV_FACTORIES",
@@ -49,7 +49,7 @@ __all__ = [
 
 def miniwob_factory(p: Params) -> EnvFactory:
     """MiniWoB++ pages in headless Chromium, with the params' episode clock."""
-    from arpo_core.envs.miniwob import make_miniwob_env
+    from arpo_core.envs.miniwob.miniwob_env import make_miniwob_env
 
     return functools.partial(make_miniwob_env, episode_time_limit_s=p.env.episode_time_limit_s)
 
@@ -58,7 +58,7 @@ def osworld_factory(p: Params) -> EnvFactory:
     """OSWorld desktops of `env.osworld.provider` (decision 3); remote URLs must answer first."""
     o = p.env.osworld
     if o.provider == "desktop_env":
-        from arpo_core.envs.desktop_env_bridge import make_desktop_env_bridge_env
+        from arpo_core.envs.osworld.desktop_env_bridge import make_desktop_env_bridge_env
 
         return functools.partial(
             make_desktop_env_bridge_env,
@@ -68,7 +68,7 @@ def osworld_factory(p: Params) -> EnvFactory:
             start_timeout_s=o.desktop_env_timeout_s,
             call_timeout_s=o.desktop_env_timeout_s,
         )
-    from arpo_core.envs.osworld import check_desktops, make_osworld_env
+    from arpo_core.envs.osworld.osworld_env import check_desktops, make_osworld_env
 
     if o.provider == "remote":
         check_desktops(o.base_urls, o.token, o.health_timeout_s)

@@ -5,10 +5,10 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from arpo_core.algorithm.selection import Selection, select_tasks, write_selection
 from arpo_core.config import Params
 from arpo_core.pipeline.common import suite_tasks
 from arpo_core.pipeline.stage import TASK_DATA, Stage
-from arpo_core.selection import Selection, select_tasks, write_selection
 from arpo_core.trajectory import read_trajectories
 
 __all__ = ["STAGE", "kept_distribution", "run"]

@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from arpo_core.config import Params
-from arpo_core.fileio import atomic_write_text, copy_tree
+from arpo_core.infra.fileio import atomic_write_text, copy_tree
 from arpo_core.pipeline.policies import POINTER, resolve_policy, setup_torch
 from arpo_core.pipeline.stage import Stage
 from arpo_core.policy.prompt import Reply
@@ -53,7 +53,7 @@ def run(
         else:  # a full disk is one line saying what, where and how much (fileio decision 4)
             copy_tree(src, out, f"the base policy (a copy of {src})")
         return {"sft/steps": 0.0}
-    from arpo_core.behaviour_cloning import sft
+    from arpo_core.offline.behaviour_cloning import sft
     from arpo_core.policy.model import grow_depth, load_policy
 
     setup_torch(p)

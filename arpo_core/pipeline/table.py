@@ -17,7 +17,7 @@ from arpo_core.pipeline import (
     evaluate,
     ground,
     init_policy,
-    offline,
+    offline_baselines,
     select,
     sft,
     train,
@@ -44,7 +44,7 @@ STAGES: tuple[Stage, ...] = (
     baseline.STAGE,
     select.STAGE,
     train.STAGE,
-    *offline.STAGES,
+    *offline_baselines.STAGES,
     evaluate.STAGE,
     compare.STAGE,
 )

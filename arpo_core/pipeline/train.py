@@ -108,8 +108,8 @@ def run(
 ) -> dict[str, Any]:
     """Train; the final policy to `out_dir/policy`, checkpoints to `out_dir/checkpoints`. With
     `train.replay.preload: baseline` the buffer starts with `baseline_dir`'s successes (decision 5)."""
+    from arpo_core.algorithm.trainer import latest_checkpoint, train
     from arpo_core.policy.model import load_policy
-    from arpo_core.trainer import latest_checkpoint, train
     from arpo_core.trajectory import read_trajectories
 
     setup_torch(p)
@@ -181,7 +181,7 @@ def headline(p: Params, metrics: dict[str, float]) -> dict[str, float]:
 
 def epoch_history(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
     """Decision 3: one metrics row per completed epoch, from the last checkpoint."""
-    from arpo_core.trainer import latest_checkpoint
+    from arpo_core.algorithm.trainer import latest_checkpoint
 
     ckpt = latest_checkpoint(out_dir)
     return json.loads((ckpt / "state.json").read_text())["history"] if ckpt else []
@@ -189,7 +189,7 @@ def epoch_history(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 def artifacts(out_dir: str | os.PathLike) -> list[tuple[Path, str]]:
     """Decision 3: (path, artifact dir) pairs of the run."""
-    from arpo_core.trainer import latest_checkpoint
+    from arpo_core.algorithm.trainer import latest_checkpoint
 
     out = Path(out_dir)
     ckpt = latest_checkpoint(out)

@@ -67,8 +67,8 @@ from transformers import (
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
-from arpo_core.errors import InputError
-from arpo_core.fileio import check_space, file_problem, write_error
+from arpo_core.infra.errors import InputError
+from arpo_core.infra.fileio import check_space, file_problem, write_error
 from arpo_core.policy.prompt import SYSTEM_PROMPTS
 
 __all__ = [
@@ -573,7 +573,7 @@ def tiny_config(
     `rope_theta` / `mrope` (the (t, h, w) split of head_dim / 2 frequencies; default `mrope_section`)
     override the LM's rotary settings. Qwen2.5-VL gives the (t, h, w) sections contiguous frequency
     bands, highest first, so with theta 1e6 the w band of a 64-wide head turns < 2e-4 rad per image token:
-    no usable horizontal resolution in a 6-token-wide image (arpo_core/grounding.py, decision 6).
+    no usable horizontal resolution in a 6-token-wide image (arpo_core/offline/grounding.py, decision 6).
     """
     head_dim = size.hidden // size.heads
     section = list(mrope) if mrope is not None else mrope_section(head_dim)

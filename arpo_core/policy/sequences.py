@@ -4,7 +4,7 @@ Decisions:
 1. One multi-turn trajectory is ONE sequence (docs/method.md §1): system + instruction, then screenshot,
    reply, screenshot, reply... The assistant mask covers each reply's tokens and its `<|im_end|>`, nothing
    else (not the chat markup, not the images), and only the replies of steps with `train_reply` set: a
-   step with `train_reply = False` (a recovery demo's deliberate miss, arpo_core/demonstrations.py) stays in the
+   step with `train_reply = False` (a recovery demo's deliberate miss, arpo_core/offline/demonstrations.py) stays in the
    sequence as context - the later replies are conditioned on it - but is never a target, neither for
    behaviour cloning nor for a policy-gradient loss. Rollout steps always have it set.
 2. Generation prompts and training sequences are encoded by the same function from the same segments

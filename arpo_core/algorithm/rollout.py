@@ -62,9 +62,9 @@ from PIL import Image
 from arpo_core.actions import ActionParseError, parse_response, smart_resize, to_screen
 from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvPool, EnvResult
+from arpo_core.infra.seeds import derive_seed
 from arpo_core.policy.prompt import PromptInput, Reply
 from arpo_core.rewards import trajectory_reward
-from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 if TYPE_CHECKING:  # torch: the generator is passed in, never built here

@@ -41,7 +41,7 @@ import re
 from collections.abc import Sequence
 from pathlib import Path
 
-from arpo_core.fileio import atomic_write_text
+from arpo_core.infra.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory
 
 __all__ = ["describe_episodes", "policy_label", "split_reply", "viewer_data", "write_viewer"]

@@ -12,7 +12,7 @@ Decisions:
    both match what was recorded while it was the run's child.
 3. The guardian lives in its own process group and ignores SIGINT/SIGTERM, so a Ctrl-C or a kill of
    the run's group does not take it down before it has cleaned up; it exits right after cleaning.
-4. Once the processes are gone it removes the run's private temp folder (arpo_core/lock.py decision 7,
+4. Once the processes are gone it removes the run's private temp folder (arpo_core/infra/lock.py decision 7,
    the run's TMPDIR when it is one), which a SIGKILLed run could not remove itself.
 """
 
@@ -22,7 +22,7 @@ import os
 import subprocess
 import sys
 
-from arpo_core.lock import RUN_TMP_PREFIX
+from arpo_core.infra.lock import RUN_TMP_PREFIX
 
 __all__ = ["GRACE_S", "PERIOD_S", "start_guardian"]
 

@@ -48,10 +48,10 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Literal
 
+from arpo_core.algorithm.rollout import EpisodeJob, RolloutConfig, run_episodes
 from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.pool import EnvPool
 from arpo_core.rewards import osworld_hard
-from arpo_core.rollout import EpisodeJob, RolloutConfig, run_episodes
 from arpo_core.trajectory import Trajectory
 
 if TYPE_CHECKING:  # torch: the generator is passed in, never built here

@@ -20,7 +20,7 @@ Design decisions:
    Local suite tasks may carry an extra `oracle` key (or the suite entry a `config.oracle`): scripted
    UI-TARS replies in 0-1000 relative screen coordinates, one per step, so one script holds at any screen
    size. OSWorld ignores the key; `oracle_actions` serves them in screen pixels and `oracle_reply` in the
-   model-image frame (what `arpo_core.demonstrations` and the rollout code parse and map back).
+   model-image frame (what `arpo_core.offline.demonstrations` and the rollout code parse and map back).
 4. Scoring follows OSWorld's `DesktopEnv.evaluate`, then docs/method.md §1: postconfig steps run first;
    an `infeasible` task scores 1 iff the agent's last action is FAIL (`rewards.infeasible_score`); a
    feasible task whose last action is FAIL scores 0; otherwise the evaluator decides
@@ -70,8 +70,8 @@ from arpo_core.actions import (
     to_pyautogui,
 )
 from arpo_core.envs.base import TERMINAL_KINDS, Observation, StepResult, TaskSpec, load_suite
-from arpo_core.envs.desktop_server import LocalDesktop
-from arpo_core.envs.osworld_evaluators import (
+from arpo_core.envs.osworld.desktop_server import LocalDesktop
+from arpo_core.envs.osworld.osworld_evaluators import (
     download_cache_name,
     evaluate_task,
     fetch_url,
@@ -80,7 +80,7 @@ from arpo_core.envs.osworld_evaluators import (
 )
 from arpo_core.rewards import FAIL_ACTIONS, infeasible_score, osworld_hard, score_or_error
 
-REPO_ROOT = Path(__file__).resolve().parents[2]
+REPO_ROOT = Path(__file__).resolve().parents[3]
 OSWORLD_DEFAULT_ROOT = REPO_ROOT / "data" / "osworld"  # shipped unmodified, Apache-2.0 (its NOTICE.md)
 PYAUTOGUI_PREFIX = "import pyautogui; import time; pyautogui.FAILSAFE = False; "
 PROVIDERS = ("local", "remote")
@@ -646,7 +646,7 @@ class OSWorldEnv:
 
     def dom_elements(self) -> None:
         """A desktop serves no DOM (MiniWoB's envs do): None, so callers such as the demos' recovery
-        misses (arpo_core/demonstrations.py) skip what needs one instead of failing the worker."""
+        misses (arpo_core/offline/demonstrations.py) skip what needs one instead of failing the worker."""
         return None
 
     def _oracle_replies(self) -> list[str]:
@@ -671,7 +671,7 @@ class OSWorldEnv:
         """The oracle's UI-TARS reply for the current step with coordinates in the model-image frame
         (smart_resize of the screen with min/max_pixels, what the policy sees), ready to be parsed and
         mapped back by the normal rollout code; None when there is no (further) oracle reply."""
-        from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, model_size
+        from arpo_core.envs.miniwob.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, model_size
 
         actions = self.oracle_actions()
         if actions is None:

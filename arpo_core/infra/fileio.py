@@ -38,7 +38,7 @@ from contextlib import contextmanager, suppress
 from pathlib import Path
 from typing import IO, Any
 
-from arpo_core.errors import NotRetryable
+from arpo_core.infra.errors import NotRetryable
 
 __all__ = [
     "OutputError",

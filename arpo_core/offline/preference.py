@@ -37,7 +37,7 @@ Decisions:
 6. KTO class weights: TRL advises weights such that desirable_weight * n_D / (undesirable_weight * n_U)
    lies in [1, 4/3]; with `balance=True` the configured weights are scaled into that range
    (`kto_class_weights`), because base-policy rollouts are usually mostly failures.
-7. RFT = behaviour cloning (`offline.sft`, unchanged) on the successful trajectories only, at most
+7. RFT = behaviour cloning (`behaviour_cloning.sft`, unchanged) on the successful trajectories only, at most
    `max_per_task` per task so that easy tasks do not dominate.
 8. Training loops: `batch_size` pairs (DPO) or examples (KTO) per optimizer step, micro-batches of
    `micro_batch_size` weighted by their share of the batch so the step equals one big batch; batches
@@ -61,10 +61,11 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from arpo_core.behaviour_cloning import sft
+from arpo_core.algorithm.engines import TorchEngine
+from arpo_core.algorithm.update import Engine
 from arpo_core.config.sections import DPOConfig, KTOConfig, RFTConfig
-from arpo_core.engines import TorchEngine
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
+from arpo_core.offline.behaviour_cloning import sft
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import (
     EncodedSequence,
@@ -73,7 +74,6 @@ from arpo_core.policy.sequences import (
     sequence_logprobs,
 )
 from arpo_core.trajectory import Step, Trajectory
-from arpo_core.update import Engine
 
 __all__ = [
     "DPOConfig",
@@ -557,7 +557,7 @@ def rft(
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """Rejection-sampling fine-tuning: `offline.sft` on the successes (decision 7); returns its losses."""
+    """Rejection-sampling fine-tuning: `behaviour_cloning.sft` on the successes (decision 7); returns its losses."""
     kept = rft_select(trajectories, config.success_threshold, config.max_per_task, config.seed)
     if not kept:
         raise ValueError(

@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from arpo_core.config.sections import ReplayConfig
-from arpo_core.fileio import atomic_write_text
+from arpo_core.infra.fileio import atomic_write_text
 from arpo_core.trajectory import Trajectory, read_trajectories, write_trajectories
 
 __all__ = [

@@ -42,7 +42,7 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
-from arpo_core.lock import current_token
+from arpo_core.infra.lock import current_token
 
 __all__ = [
     "close_runs_of",
@@ -118,7 +118,7 @@ def git_commit(root: str | os.PathLike = ".") -> str | None:
 
 def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Tags of a stage run (decision 4); None values are left out. `arpo.run_token` is the working
-    tree's lock token of the run (arpo_core/lock.py decision 8), how a later run finds what a dead one
+    tree's lock token of the run (arpo_core/infra/lock.py decision 8), how a later run finds what a dead one
     left RUNNING (decision 9)."""
     tags: dict[str, Any] = {
         "arpo.stage": stage,

@@ -44,8 +44,8 @@ from typing import NamedTuple, Protocol
 
 import torch
 
+from arpo_core.algorithm.losses import policy_loss
 from arpo_core.config import TrainConfig
-from arpo_core.losses import policy_loss
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import (
     EncodedSequence,

@@ -114,11 +114,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from arpo_core.advantages import group_advantages
+from arpo_core.algorithm.advantages import group_advantages
+from arpo_core.algorithm.engines import make_engine
+from arpo_core.algorithm.replay import FILLED, NOT_FAILED, FillResult, ReplayBuffer
+from arpo_core.algorithm.rollout import RolloutConfig, make_group_jobs, run_episodes
+from arpo_core.algorithm.update import compute_logps, encode_trajectories, ppo_update, trajectory_units
 from arpo_core.config import PolicyConfig, TrainConfig
-from arpo_core.engines import make_engine
 from arpo_core.envs.base import TaskSpec
-from arpo_core.fileio import (
+from arpo_core.infra.fileio import (
     atomic_write_json,
     atomic_write_text,
     check_space,
@@ -127,14 +130,11 @@ from arpo_core.fileio import (
     tree_size,
     write_error,
 )
+from arpo_core.infra.seeds import derive_seed
 from arpo_core.policy.generate import Generator, HFGenerator
 from arpo_core.policy.model import Policy, load_policy
 from arpo_core.policy.sequences import reply_logprob_sums
-from arpo_core.replay import FILLED, NOT_FAILED, FillResult, ReplayBuffer
-from arpo_core.rollout import RolloutConfig, make_group_jobs, run_episodes
-from arpo_core.seeds import derive_seed
 from arpo_core.trajectory import Trajectory, write_trajectories
-from arpo_core.update import compute_logps, encode_trajectories, ppo_update, trajectory_units
 
 __all__ = [
     "PreparedBatch",

@@ -55,7 +55,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from arpo_core.evaluation import Scorer
+from arpo_core.analysis.evaluation import Scorer
 from arpo_core.trajectory import Trajectory
 
 __all__ = [
@@ -300,7 +300,7 @@ def replay_effect(
             "counts": _history_counts(rs, hard + control),
         }
         if targets:
-            from arpo_core.probe import click_alignment
+            from arpo_core.analysis.probe import click_alignment
 
             last = max(epochs) if epochs else None
             trajs = [t for r in rs for t in r.evaluations.get(last, [])]
@@ -309,7 +309,7 @@ def replay_effect(
             )
         doc["arms"][name] = entry
     if targets:
-        from arpo_core.probe import blind_ceiling, click_alignment
+        from arpo_core.analysis.probe import blind_ceiling, click_alignment
 
         doc["base"]["click_alignment"] = click_alignment(base_eval, targets, first_seed)["pooled"]
         ceilings = {
@@ -420,9 +420,9 @@ def instance_effect(
 ) -> dict[str, Any]:
     """The result document of a study on pinned instances (decisions 5-8): per arm and split success
     with 95% intervals over seeds and instances, paired differences, learning curves on the training
-    instances, all-fail / filled counts per instance. Arms are named by `flows/study_runs.py`: `arpo_g8`,
+    instances, all-fail / filled counts per instance. Arms are named by `tracking/study_runs.py`: `arpo_g8`,
     `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind` (the image-blind control)."""
-    from arpo_core.evaluation import _clean
+    from arpo_core.analysis.evaluation import _clean
 
     arms: dict[str, list[ArmRun]] = defaultdict(list)
     for r in runs:

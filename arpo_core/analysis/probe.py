@@ -49,10 +49,10 @@ from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from arpo_core.analysis.evaluation import Scorer, click_spread, first_click
 from arpo_core.envs.base import TaskSpec
-from arpo_core.envs.dom import SCREEN_SIZE, DomElement
-from arpo_core.evaluation import Scorer, click_spread, first_click
-from arpo_core.grounding import best_constant_click, pearson
+from arpo_core.envs.miniwob.dom import SCREEN_SIZE, DomElement
+from arpo_core.offline.grounding import best_constant_click, pearson
 from arpo_core.trajectory import Trajectory
 
 __all__ = [
@@ -141,7 +141,7 @@ def first_step_targets(env: Any, tasks: Sequence[TaskSpec], seeds: Iterable[int]
     Tasks without an oracle or whose oracle's first action has no point raise ValueError: the probe
     is defined for click tasks only.
     """
-    from arpo_core.envs.oracles import oracle_step
+    from arpo_core.envs.miniwob.oracles import oracle_step
 
     seeds = list(seeds)
     out: list[TargetRecord] = []

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.pipeline.evaluate import evaluate_policies, headline
 from arpo_core.pipeline.policies import resolve_policy, setup_torch
 from arpo_core.pipeline.stage import EVALUATION, TASK_DATA, Stage
@@ -39,7 +39,7 @@ SKIPPED = "skipped.json"
 
 def no_data_reason(p: Params, method: str, trajs: list[Trajectory]) -> str | None:
     """Decision 3: why `method` cannot train on `trajs`, or None when it can."""
-    from arpo_core.preference import dpo_pairs, rft_select
+    from arpo_core.offline.preference import dpo_pairs, rft_select
 
     if method == "rft":
         c = p.rft
@@ -55,8 +55,8 @@ def no_data_reason(p: Params, method: str, trajs: list[Trajectory]) -> str | Non
 
 
 def _train(p: Params, method: str, policy: Any, trajs: list[Trajectory]) -> dict[str, float]:
-    from arpo_core.engines import TorchEngine
-    from arpo_core.preference import dpo, kto, rft
+    from arpo_core.algorithm.engines import TorchEngine
+    from arpo_core.offline.preference import dpo, kto, rft
 
     kw = {"progress": True, "system": p.policy.system_prompt, "history_images": p.policy.history_images}
     if method == "rft":

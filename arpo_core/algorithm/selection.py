@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import NamedTuple
 
 from arpo_core.config.sections import SelectConfig
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.trajectory import Trajectory
 
 __all__ = [

@@ -1,6 +1,6 @@
 """The MiniWoB++ task area as data: its size and the DOM elements the env reads from the page.
 
-The browser env (`miniwob.py`) produces these records and the scripted oracles (`oracles.py`), the
+The browser env (`miniwob_env.py`) produces these records and the scripted oracles (`oracles.py`), the
 probes and the grounding data read them. They live here, apart from both, so that the oracles need no
 browser code and the env can import the oracles without an import cycle.
 """

@@ -50,8 +50,8 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from arpo_core.actions import ActionParseError, parse_response
-from arpo_core.behaviour_cloning import lr_factor
 from arpo_core.config.sections import GroundTrainConfig
+from arpo_core.offline.behaviour_cloning import lr_factor
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, build_segments, model_image_size
 from arpo_core.policy.sequences import collate, encode_segments, sequence_logprobs
@@ -366,7 +366,7 @@ def make_grounding_examples(
 
 
 def to_trajectory(ex: GroundExample, run_id: str = "ground") -> Trajectory:
-    """A one-step Trajectory of an example (stage "ground"), e.g. to mix grounding into `offline.sft`."""
+    """A one-step Trajectory of an example (stage "ground"), e.g. to mix grounding into `behaviour_cloning.sft`."""
     step = Step(0, png_bytes(ex.image), ex.image.size[0], ex.image.size[1], ex.reply, done=True)
     domain, _, task = ex.source.partition("/")
     return Trajectory(run_id, "ground", 0, domain, task, ex.instruction, [step], success=1.0, reward=1.0)

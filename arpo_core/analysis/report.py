@@ -30,7 +30,7 @@ from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 from matplotlib.ticker import MaxNLocator
 
-from arpo_core.fileio import atomic_open
+from arpo_core.infra.fileio import atomic_open
 
 __all__ = [
     "comparison_json",

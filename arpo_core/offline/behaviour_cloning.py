@@ -18,7 +18,7 @@ Decisions:
    at that step of a rollout (the earlier replies and the screenshots of the history window; one
    sequence per window when the episode is longer than the window, `sequences.py` decision 3), and the loss
    covers the replies of the steps with `train_reply` set. The steps without it are a recovery demo's
-   deliberate misses (arpo_core/demonstrations.py decisions 4-5): context the policy must learn to answer after,
+   deliberate misses (arpo_core/offline/demonstrations.py decisions 4-5): context the policy must learn to answer after,
    never a behaviour to imitate. A trajectory set with no trainable reply at all is an error.
 7. A batch of `batch_size` trajectories can hold more sequences than that (their windows, decision 6).
    Its sequences are sorted by length and cut into equal parts of at most `batch_size` rows, one
@@ -41,7 +41,7 @@ import torch
 from tqdm.auto import tqdm
 
 from arpo_core.config.sections import SFTConfig
-from arpo_core.fileio import atomic_write_json
+from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.policy.model import Policy
 from arpo_core.policy.sequences import collate, encode_trajectory_windows, sequence_logprobs
 from arpo_core.trajectory import Trajectory

@@ -16,7 +16,7 @@ Decisions:
 3. A study is of one in-domain suite: with `suite` (the `env.in_domain_suite` of the params `arpo study`
    is given, e.g. `--preset replay-instances`), only runs of that suite count, so the family study and
    the pinned-instance study can share one MLflow experiment. A suite of pinned instances gives the
-   instance document (arpo_core/study.py decisions 5-8, `replay_instances.*`), any other the replay
+   instance document (arpo_core/analysis/study.py decisions 5-8, `replay_instances.*`), any other the replay
    effect document (`replay_effect.*`).
 """
 
@@ -28,11 +28,11 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from arpo_core.evaluation import Scorer
-from arpo_core.fileio import atomic_open, atomic_write_json, atomic_write_text
-from arpo_core.study import ArmRun, instance_effect, replay_effect
+from arpo_core.analysis.evaluation import Scorer
+from arpo_core.analysis.study import ArmRun, instance_effect, replay_effect
+from arpo_core.infra.fileio import atomic_open, atomic_write_json, atomic_write_text
 from arpo_core.trajectory import Trajectory, read_trajectories
-from flows import tracking
+from tracking import mlflow_runs
 
 __all__ = ["gather", "instance_study", "write_instance_study", "write_study"]
 
@@ -50,7 +50,7 @@ def _arm(params: dict[str, str]) -> str:
 
 
 def _newest(c: Any, experiment: str, stage: str, suite: str | None = None) -> Any | None:
-    for r in tracking.run_rows(c, experiment, stage):  # newest first
+    for r in mlflow_runs.run_rows(c, experiment, stage):  # newest first
         if r["status"] != "FINISHED":
             continue
         run = c.get_run(r["run"])
@@ -68,11 +68,11 @@ def gather(
 ) -> tuple[list[ArmRun], list[Trajectory], list[Trajectory], Scorer, dict[str, Any]]:
     """Decisions 1-3: (runs, baseline rollouts, base evaluation episodes, how the evaluation scored an
     episode, provenance)."""
-    c = tracking.client(root)
+    c = mlflow_runs.client(root)
     tmp = Path(tempfile.mkdtemp(prefix="arpo-study-"))
     chosen: dict[tuple[str, int], Any] = {}
     superseded: list[str] = []
-    for row in tracking.run_rows(c, experiment, "train"):  # newest first
+    for row in mlflow_runs.run_rows(c, experiment, "train"):  # newest first
         run = c.get_run(row["run"])
         params = run.data.params
         if row["status"] != "FINISHED" or int(params.get("evaluate.during_training", "0")) <= 0:
@@ -82,7 +82,7 @@ def gather(
         if suite is not None and params.get("env.in_domain_suite") != suite:
             continue
         seed = params.get("train.seed", "null")
-        unset = seed in ("null", "None")  # tracking.log_params writes None as 'null' (older runs: 'None')
+        unset = seed in ("null", "None")  # mlflow_runs.log_params writes None as 'null' (older runs: 'None')
         key = (_arm(params), int(params.get("project.seed", "0") if unset else seed))
         if key in chosen:
             superseded.append(row["run"])
@@ -120,7 +120,7 @@ def gather(
     base_file = _download(c, evaluate_run.info.run_id, "trajectories/base.parquet", tmp / "evaluate")
     provenance = {
         "experiment": experiment,
-        "tracking_uri": tracking.tracking_uri(root),
+        "tracking_uri": mlflow_runs.tracking_uri(root),
         "train_runs": {f"{arm}/seed{seed}": run.info.run_id for (arm, seed), run in sorted(chosen.items())},
         "superseded_runs": superseded,
         "baseline_run": baseline_run.info.run_id,
@@ -287,7 +287,7 @@ def replay_study(
     experiment: str, out: Path, variant: str | None = None, hard_max: float = 0.25, reps: int = 2000,
     targets: Sequence[Any] = (), first_seed: int = 0,
 ) -> dict[str, Any]:  # fmt: skip
-    """Gather, compute (arpo_core.study.replay_effect) and write the study files."""
+    """Gather, compute (arpo_core.analysis.study.replay_effect) and write the study files."""
     runs, baseline, base_eval, score, provenance = gather(experiment, variant)
     if not runs:
         raise FileNotFoundError(
@@ -415,7 +415,7 @@ def write_instance_study(doc: dict[str, Any], out: Path) -> list[Path]:
 def instance_study(
     experiment: str, out: Path, suite: str, variant: str | None = None, reps: int = 2000
 ) -> dict[str, Any]:
-    """Gather the runs of `suite`, compute (arpo_core.study.instance_effect) and write the files."""
+    """Gather the runs of `suite`, compute (arpo_core.analysis.study.instance_effect) and write the files."""
     runs, baseline, base_eval, score, provenance = gather(experiment, variant, suite=suite)
     if not runs:
         raise FileNotFoundError(

@@ -59,10 +59,10 @@ from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 from arpo_core.actions import ActionParseError, format_response, parse_response, smart_resize, to_screen
-from arpo_core.envs.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, miss_step, render_reply
+from arpo_core.algorithm.rollout import EpisodeJob, RolloutConfig
+from arpo_core.envs.miniwob.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, miss_step, render_reply
 from arpo_core.envs.pool import EnvPool
-from arpo_core.rollout import EpisodeJob, RolloutConfig
-from arpo_core.seeds import derive_seed
+from arpo_core.infra.seeds import derive_seed
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 __all__ = [

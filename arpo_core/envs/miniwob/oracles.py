@@ -20,7 +20,7 @@ Design decisions:
 5. Click points are the centre of the target's box unless something drawn later overlaps it
    (click-test-2 / click-button-sequence place two buttons at random): then the point of the box
    farthest from the overlapping boxes is used.
-6. Deliberate misses for recovery demonstrations (arpo_core/demonstrations.py): `miss_step` keeps the oracle's
+6. Deliberate misses for recovery demonstrations (arpo_core/offline/demonstrations.py): `miss_step` keeps the oracle's
    Thought for the current state and replaces its click by a click on empty space, so the reply reads
    like a first attempt whose grounding was off. Empty space (`empty_points`) is a point of the task
    area below the query bar that lies, with a margin, outside the box of every visible DOM element but
@@ -37,7 +37,7 @@ import re
 from collections.abc import Callable
 
 from arpo_core.actions import Action, format_response, smart_resize, to_model
-from arpo_core.envs.dom import SCREEN_SIZE, DomElement
+from arpo_core.envs.miniwob.dom import SCREEN_SIZE, DomElement
 
 MODEL_MIN_PIXELS = 56 * 56
 MODEL_MAX_PIXELS = 28 * 28 * 1280

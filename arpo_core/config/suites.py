@@ -35,7 +35,7 @@ from typing import Any
 
 import yaml
 
-from arpo_core.seeds import derive_seed
+from arpo_core.infra.seeds import derive_seed
 
 __all__ = [
     "INSTANCE_SEED_BITS",
