@@ -328,11 +328,11 @@ def _init_distributed() -> None:
 
     if torch.distributed.is_initialized():
         return
-    from arpo_core.algorithm.engines import _free_port
+    from arpo_core.algorithm.engines import free_port
 
     for k, v in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
-    os.environ.setdefault("MASTER_PORT", str(_free_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
 
 

@@ -197,20 +197,80 @@ def stage(
     set_: list[str] = SET_OPT,
     preset: str = PRESET_OPT,
     force: bool = typer.Option(False, "--force", help="run it even if its stamp says it is up to date"),
+    nproc_per_node: int = typer.Option(
+        0,
+        "--nproc-per-node",
+        help="train on this many data-parallel ranks on this machine (torchrun's launcher in-process); "
+        "0: one process, or the ranks torchrun / deepspeed started this process among",
+    ),
 ) -> None:
     """Run one pipeline stage without Prefect (each DVC stage's cmd), tracked in MLflow; a stage whose
     stamp matches its params, inputs, code and outputs is skipped, as `arpo run` skips it
-    (flows/spec.py decision 6), so `dvc repro` after an `arpo run` only records what is there."""
+    (flows/spec.py decision 6), so `dvc repro` after an `arpo run` only records what is there.
+
+    Data-parallel training (docs/scale-out.md): `torchrun --nproc-per-node N .venv/bin/arpo stage train`
+    (or `--nnodes`, or the deepspeed launcher), or `arpo stage train --nproc-per-node N`. Rank 0 is the
+    tracked run (lock, MLflow, stamp, outputs); the other ranks only train."""
     from flows.spec import SPECS, is_up_to_date
 
     _known_stage(name)
     p = _load(params, set_, preset)  # a bad key exits 2 with the message, before any work
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if (world > 1 or nproc_per_node > 1) and name != "train":
+        _fail(f"only the train stage runs on several ranks, not {name!r}")
+    if nproc_per_node > 1 and world == 1:
+        _launch_ranks(nproc_per_node, params, set_, preset, force)
+        return
+    if int(os.environ.get("RANK", "0")) != 0:  # a rank of a launched job: no lock, no tracking
+        if force or not is_up_to_date(p, SPECS[name], Path(".")):
+            _run_rank(name, p)
+        return
     with _locked(f"arpo stage {name}"):
         if not force and is_up_to_date(p, SPECS[name], Path(".")):
             typer.echo(f"{name}: up to date, skipped (its stamp matches; --force runs it)")
             return
         metrics = run_stage(name, params, set_, preset)
     typer.echo(json.dumps(metrics, indent=1, sort_keys=True))
+
+
+def _fail(message: str, code: int = 1) -> None:
+    typer.secho(f"error: {message}", fg=typer.colors.RED, err=True)
+    raise typer.Exit(code)
+
+
+def _run_rank(name: str, p: Params) -> None:
+    """A rank other than 0 of a launched training job: the stage's code on the same (staging) paths as
+    rank 0's tracked run, which owns the lock, MLflow, the stamp and the output swap."""
+    from arpo_core.pipeline.table import stage as stage_of
+    from flows.runner import staging_path
+
+    s = stage_of(name)
+    outputs = {k: staging_path(Path(v)) for k, v in s.outputs.items()}
+    s.run(p, **(s.kwargs(Path(".")) | outputs))
+
+
+def _launch_ranks(n: int, params: Path, set_: list[str], preset: str | None, force: bool) -> None:
+    """`arpo stage train --nproc-per-node N`: torch's elastic launcher (what torchrun runs) starts N
+    copies of `arpo stage train` on this machine under this command's run lock. A rank that dies ends the
+    job at once (the launcher stops the others; a hung rank ends at `train.distributed.timeout_s`), and
+    the error names the rank, how it ended and its last step from the ranks' heartbeats
+    (distributed.py decision 7). Run the same command again to resume, with any number of ranks."""
+    from arpo_core.algorithm.distributed import launch_ranks
+    from arpo_core.algorithm.engines import free_port
+    from arpo_core.pipeline.table import stage as stage_of
+    from flows.runner import staging_path
+
+    args = [str(Path(sys.argv[0]).resolve()), "stage", "train", "--params", str(params)]
+    args += [a for kv in set_ for a in ("-S", kv)] + (["--preset", preset] if preset else [])
+    args += ["--force"] if force else []
+    beats = staging_path(Path(stage_of("train").outputs["out_dir"])) / "ranks"
+    with _locked(f"arpo stage train --nproc-per-node {n}"):
+        failure = launch_ranks(n, args, beats, free_port())
+    if failure is not None:
+        _fail(
+            f"training on {n} ranks failed: {failure}. The same command resumes from the last epoch "
+            "checkpoint (with any number of ranks)."
+        )
 
 
 @app.command("dvc-yaml")

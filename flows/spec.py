@@ -41,6 +41,7 @@ from typing import Any
 
 from arpo_core.config import Params, flatten, to_dict
 from arpo_core.infra.fileio import atomic_write_json
+from arpo_core.pipeline.stage import OPERATIONAL
 from arpo_core.pipeline.table import BY_NAME, STAGE_NAMES, STAGES, Stage
 from arpo_core.pipeline.table import upstream as table_upstream
 
@@ -93,7 +94,8 @@ def stage_params(p: Params, spec: Stage) -> dict[str, Any]:
             out.update(flatten(value, key))
         else:
             out[key] = value
-    return out
+    # operational keys inside a listed section (train.distributed) change speed, not results
+    return {k: v for k, v in out.items() if not any(k == o or k.startswith(o + ".") for o in OPERATIONAL)}
 
 
 def upstream(spec: Stage) -> tuple[Stage, ...]:

@@ -251,6 +251,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("train.replay.trigger_mean", 0, TINY, ()),
     ("train.replay.trigger_mean", 1.1, 1, ()),
     ("train.replay.seed", -1, 0, ()),
+    ("train.distributed.timeout_s", 0, TINY, ()),
     ("train.loss.clip_low", 0, TINY, ()),
     ("train.loss.clip_low", 1, 0.999, ()),
     ("train.loss.clip_high", 0, TINY, ()),

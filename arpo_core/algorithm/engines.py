@@ -22,12 +22,24 @@ Decisions:
    and the final export load) would write empty tensors. The ZeRO-3 engine therefore wraps the model's
    `save_pretrained` to gather the full weights first (`full_weights()`; every rank gathers, HF writes).
    The engine checkpoint itself restores the fp32 shards and optimizer state on resume.
+6. Data-parallel ranks (distributed.py decision 5). The torch engine sums every gradient over the ranks
+   before clipping (the update loop has already weighted each rank's loss by the global denominator,
+   update.py decision 9), like DDP but once per optimizer step. DeepSpeed averages gradients over its
+   data-parallel ranks inside the boundary backward, so its engine multiplies the loss by R first; it
+   needs every rank to call the backward the same number of times (`reduces_in_backward`), and under
+   ZeRO-3 every forward gathers shards from all ranks (`gathers_in_forward`): the update loop keeps the
+   ranks in step for both. Both engines checkpoint the number of ranks; the torch engine's optimizer
+   state is whole on every rank and resumes on any number of ranks; a DeepSpeed checkpoint is sharded
+   by rank: resumed on the same number it restores exactly, on another one the weights come from the
+   checkpoint's policy and the optimizer starts afresh, said in one warning line.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import json
+import logging
 import math
 import os
 from collections.abc import Iterator
@@ -36,16 +48,29 @@ from typing import Any
 
 import torch
 
-__all__ = ["DeepSpeedEngine", "TorchEngine", "make_engine"]
+from arpo_core.algorithm.distributed import SINGLE, Ranks
+
+_log = logging.getLogger("arpo.train")
+
+__all__ = ["DeepSpeedEngine", "TorchEngine", "free_port", "make_engine"]
 
 
 class TorchEngine:
-    """AdamW + grad-norm clipping on one device."""
+    """AdamW + grad-norm clipping on one device; gradients summed over data-parallel ranks (decision 6)."""
+
+    reduces_in_backward = False
+    gathers_in_forward = False
 
     def __init__(
-        self, model: torch.nn.Module, lr: float, weight_decay: float = 1e-2, max_grad_norm: float = 1.0
+        self,
+        model: torch.nn.Module,
+        lr: float,
+        weight_decay: float = 1e-2,
+        max_grad_norm: float = 1.0,
+        ranks: Ranks = SINGLE,
     ) -> None:
         self.model = model
+        self.ranks = ranks
         self.module = model
         """What forward passes go through (the model itself here; DeepSpeed's wrapper there)."""
         self.accumulates = True
@@ -58,6 +83,7 @@ class TorchEngine:
         loss.backward()
 
     def step(self) -> float:
+        self.ranks.all_reduce_grads(self.params)  # decision 6
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         if not math.isfinite(float(norm)):
             # A non-finite gradient would poison AdamW's moments: skip the step, keep the weights.
@@ -74,7 +100,9 @@ class TorchEngine:
         self.optimizer.load_state_dict(state["optimizer"])
 
     def save(self, directory: Path) -> None:
-        torch.save(self.state_dict(), directory / "engine.pt")
+        """Rank 0 writes the (whole, identical on every rank) optimizer state."""
+        if self.ranks.main:
+            torch.save(self.state_dict() | {"ranks": self.ranks.world}, directory / "engine.pt")
 
     def load(self, directory: Path) -> None:
         self.load_state_dict(torch.load(directory / "engine.pt", weights_only=False))
@@ -83,6 +111,8 @@ class TorchEngine:
 class DeepSpeedEngine:
     """DeepSpeed ZeRO engine. On CPU it runs in one process with the gloo backend (tests); on GPUs
     launch with `deepspeed --num_gpus N -m flows.cli train ...` and it shards across ranks."""
+
+    reduces_in_backward = True
 
     def __init__(
         self,
@@ -93,9 +123,12 @@ class DeepSpeedEngine:
         zero_stage: int = 2,
         bf16: bool = False,
         offload_optimizer: bool = False,
+        ranks: Ranks = SINGLE,
     ) -> None:
         import deepspeed
 
+        self.ranks = ranks
+        self.gathers_in_forward = zero_stage == 3
         if not torch.distributed.is_initialized():
             # a one-process group when no launcher set one up. Its rendezvous address is removed again
             # once the group exists, so a process started later (a pipeline subprocess, a benchmark)
@@ -103,7 +136,7 @@ class DeepSpeedEngine:
             # (seen: EADDRINUSE); DeepSpeed reads the rank variables later, so they stay.
             for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1")):
                 os.environ.setdefault(k, v)
-            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}
+            rendezvous = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port())}
             added = [k for k in rendezvous if k not in os.environ]
             os.environ.update({k: rendezvous[k] for k in added})
             backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -163,7 +196,8 @@ class DeepSpeedEngine:
         # Our update loop weights micro-batches itself (update.py decision 3), and tells us which
         # backward closes the mini-batch: DeepSpeed reduces (ZeRO-2/3: reduce-scatters) gradients there.
         self.engine.set_gradient_accumulation_boundary(boundary)
-        self.engine.backward(loss, scale_wrt_gas=False)
+        # DeepSpeed averages over its data-parallel ranks; the loop's losses are shares of a sum (dec. 6)
+        self.engine.backward(loss * self.ranks.world, scale_wrt_gas=False)
 
     def step(self) -> float:
         if self.zero_stage == 0:
@@ -180,9 +214,12 @@ class DeepSpeedEngine:
     the epoch. (A tag named "latest" collided with that pointer file: IsADirectoryError, issue 16.)"""
 
     def save(self, directory: Path) -> None:
+        """Every rank writes its shards (a collective: all ranks call it, on a shared filesystem)."""
         self.engine.save_checkpoint(
             str(Path(directory) / "deepspeed"), tag=self.CHECKPOINT_TAG, save_latest=False
         )
+        if self.ranks.main:
+            (Path(directory) / "deepspeed" / "ranks.json").write_text(json.dumps({"ranks": self.ranks.world}))
 
     def load(self, directory: Path) -> None:
         """Restores the module weights and the (sharded) optimizer state saved by `save`. Must be called on
@@ -190,6 +227,18 @@ class DeepSpeedEngine:
         path = Path(directory) / "deepspeed"
         if not (path / self.CHECKPOINT_TAG).is_dir():
             raise FileNotFoundError(f"no DeepSpeed engine checkpoint at {path / self.CHECKPOINT_TAG}")
+        saved = (
+            json.loads((path / "ranks.json").read_text())["ranks"] if (path / "ranks.json").exists() else 1
+        )
+        if saved != self.ranks.world:  # decision 6: the weights come from the checkpoint's policy
+            _log.warning(
+                "the DeepSpeed optimizer state in %s was sharded over %d rank(s), this run has %d: the "
+                "weights resume from the checkpoint's policy, the optimizer state starts afresh",
+                path,
+                saved,
+                self.ranks.world,
+            )
+            return
         load_path, _ = self.engine.load_checkpoint(
             str(path), tag=self.CHECKPOINT_TAG, load_module_strict=True, load_optimizer_states=True
         )
@@ -218,7 +267,7 @@ def _gather_on_save_pretrained(model: torch.nn.Module) -> None:
     model.save_pretrained = save_pretrained
 
 
-def _free_port() -> int:
+def free_port() -> int:
     import socket
 
     with socket.socket() as s:

@@ -42,6 +42,9 @@ Decisions:
    (benchmarks/rollout_sim.py, the paper's 128 OSWorld envs). `rollout/env_utilization` is the envs'
    busy time (the pool's `EnvResult.elapsed_s` of every reset, step and evaluation) over n_envs x wall
    time; `rollout/mean_batch` and `rollout/generate_calls` show how the generator was fed.
+10. Data-parallel ranks (distributed.py decision 2) each play part of an iteration's job list under the
+   jobs' indices in the WHOLE list (`orders`), so every reply draws its one-process seed; rank 0 merges
+   the parts back (`merge_results`) into what one call over the whole list returns.
 """
 
 from __future__ import annotations
@@ -77,7 +80,9 @@ __all__ = [
     "RealClock",
     "RolloutConfig",
     "RolloutResult",
+    "episode_metrics",
     "make_group_jobs",
+    "merge_results",
     "run_episodes",
 ]
 
@@ -167,6 +172,8 @@ class RolloutResult:
     failed: list[tuple[EpisodeJob, str]]
     """Jobs that hit env faults `env_retries + 1` times, with the last error, in job order."""
     metrics: dict[str, float] = field(default_factory=dict)
+    orders: list[int] = field(default_factory=list)
+    """Each trajectory's index in the job list its call was given (decision 10: the whole iteration's)."""
 
 
 @dataclass
@@ -226,10 +233,14 @@ class _Rollout:
         iteration: int,
         progress,
         clock: Clock,
+        orders: Sequence[int] | None = None,
     ):
         self.pool, self.generator, self.cfg, self.clock = pool, generator, cfg, clock
         self.epoch, self.iteration, self.progress = epoch, iteration, progress
-        self.queue: deque[_Episode] = deque(_Episode(job, i) for i, job in enumerate(jobs))
+        seed_index = list(orders) if orders is not None else list(range(len(jobs)))
+        if len(seed_index) != len(jobs):
+            raise ValueError(f"{len(seed_index)} job indices for {len(jobs)} jobs")
+        self.queue: deque[_Episode] = deque(_Episode(job, seed_index[i]) for i, job in enumerate(jobs))
         self.resets: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
         self.steps: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
         self.evals: dict[int, tuple[_Episode, Future[EnvResult]]] = {}
@@ -436,28 +447,26 @@ def run_episodes(
     policy_version: int = 0,
     progress=None,
     clock: Clock | None = None,
+    orders: Sequence[int] | None = None,
 ) -> RolloutResult:
     """Run every job to completion over `pool` (decision 1). `epoch` and `iteration` name this call in
     the sampling seeds (decision 5): two calls with the same job list, config, epoch and iteration give
     the same episodes. `progress` (tqdm-like, optional) is advanced by one per finished episode.
-    `clock`: the loop's time and waiting (decision 9; default the real clock)."""
+    `clock`: the loop's time and waiting (decision 9; default the real clock). `orders`: each job's index
+    in the whole iteration's job list when `jobs` is a data-parallel rank's part of it (decision 10);
+    default their positions in `jobs`."""
     clock = clock or RealClock()
     t_start = clock.now()
     faults_before = _faults(pool)
-    r = _Rollout(pool, generator, jobs, cfg, epoch, iteration, progress, clock)
+    r = _Rollout(pool, generator, jobs, cfg, epoch, iteration, progress, clock, orders)
     r.run()
     faults_after = _faults(pool)
     done = sorted(r.finished, key=lambda e: e.order)
     trajs = [_trajectory(ep, cfg, run_id, stage, epoch, policy_version) for ep in done]
     failed = [(job, error) for _, job, error in sorted(r.failed, key=lambda f: f[0])]  # job order too
     total = clock.now() - t_start
-    n = max(1, len(trajs))
     metrics = {
-        "rollout/episodes": float(len(trajs)),
-        "rollout/success_rate": sum(t.success for t in trajs) / n,
-        "rollout/format_error_rate": sum(t.format_error for t in trajs) / n,
-        "rollout/mean_steps": sum(len(t.steps) for t in trajs) / n,
-        "rollout/mean_reward": sum(t.reward for t in trajs) / n,
+        **episode_metrics(trajs),
         "rollout/env_faults": float(r.n_env_faults),
         "rollout/failed_jobs": float(len(r.failed)),
         "time/rollout_s": total,
@@ -470,7 +479,47 @@ def run_episodes(
         "rollout/mean_batch": sum(r.batch_sizes) / max(1, len(r.batch_sizes)),
     }
     metrics.update(_fault_metrics(faults_before, faults_after))
-    return RolloutResult(trajs, failed, metrics)
+    return RolloutResult(trajs, failed, metrics, [ep.order for ep in done])
+
+
+def episode_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """The `rollout/*` rates of finished episodes (0.0 placeholders when there is none)."""
+    n = max(1, len(trajs))
+    return {
+        "rollout/episodes": float(len(trajs)),
+        "rollout/success_rate": sum(t.success for t in trajs) / n,
+        "rollout/format_error_rate": sum(t.format_error for t in trajs) / n,
+        "rollout/mean_steps": sum(len(t.steps) for t in trajs) / n,
+        "rollout/mean_reward": sum(t.reward for t in trajs) / n,
+    }
+
+
+def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
+    """Decision 10: the data-parallel ranks' results of one iteration as one call's would be: episodes
+    back in job order, failures in job order, episode rates recomputed over all episodes, counts summed,
+    times the slowest rank's, utilisation the ranks' mean, batch size weighted by generate calls."""
+    if len(parts) == 1:
+        return parts[0]
+    pairs = [(o, t) for part in parts for o, t in zip(part.orders, part.trajectories, strict=True)]
+    ordered = sorted(pairs, key=lambda pair: pair[0])
+    trajs = [t for _, t in ordered]
+    failed = sorted(
+        (f for part in parts for f in part.failed), key=lambda f: (f[0].group_id, f[0].sample_idx)
+    )
+    metrics: dict[str, float] = {}
+    for key in sorted({k for part in parts for k in part.metrics}):
+        values = [part.metrics[key] for part in parts if key in part.metrics]
+        if key.startswith("time/"):
+            metrics[key] = max(values)
+        elif key == "rollout/env_utilization":
+            metrics[key] = sum(values) / len(values)
+        elif key == "rollout/mean_batch":
+            calls = [part.metrics.get("rollout/generate_calls", 0.0) for part in parts if key in part.metrics]
+            metrics[key] = sum(v * c for v, c in zip(values, calls, strict=True)) / max(1.0, sum(calls))
+        else:  # counts: env faults, failed jobs, generate calls, per-task faults
+            metrics[key] = float(sum(values))
+    metrics.update(episode_metrics(trajs))
+    return RolloutResult(trajs, failed, metrics, [o for o, _ in ordered])
 
 
 def _faults(pool) -> tuple[dict[str, int], dict[tuple[str, str], dict[str, int]]]:

@@ -95,6 +95,16 @@ Decisions:
 15. The image-blind control arm (`train.image_blind`): the policy (and the frozen reference) is marked
     `image_blind`, so every forward of it - generation, old log-probs, the update - sees blank
     screenshots of the same size; the stored trajectories keep the real ones.
+16. Data-parallel ranks (`ranks`, distributed.py): each rank plays its share of the iteration's groups
+   with its own env pool and generator; rank 0 merges the episodes, fills and computes advantages with
+   the one buffer it owns, adds to it, writes the trajectories and the metrics, and sends each rank its
+   trajectories of the update, which normalises over all ranks (update.py decision 9). Checkpoints:
+   rank 0 writes the policy, buffer, RNG and state; every rank joins what is collective (DeepSpeed's
+   sharded engine state; a ZeRO-3 policy's gathered weights). On resume rank 0 picks the checkpoint and
+   every rank loads it, so a run resumes with any number of ranks (engines.py decision 6 for what a
+   DeepSpeed optimizer state needs). Under ZeRO-3 over several ranks the generator and the evaluations
+   run on an unpartitioned copy of the policy synced after every update (distributed.py decision 6).
+   Each rank reports its phase to a heartbeat file (distributed.py decision 7).
 """
 
 from __future__ import annotations
@@ -109,16 +119,23 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
 
 from arpo_core.algorithm.advantages import group_advantages
+from arpo_core.algorithm.distributed import SINGLE, Heartbeat, Ranks, assign_units, split_jobs
 from arpo_core.algorithm.engines import make_engine
 from arpo_core.algorithm.replay import FILLED, NOT_FAILED, FillResult, ReplayBuffer
-from arpo_core.algorithm.rollout import RolloutConfig, make_group_jobs, run_episodes
-from arpo_core.algorithm.update import compute_logps, encode_trajectories, ppo_update, trajectory_units
+from arpo_core.algorithm.rollout import RolloutConfig, make_group_jobs, merge_results, run_episodes
+from arpo_core.algorithm.update import (
+    Shard,
+    compute_logps,
+    encode_trajectories,
+    ppo_update,
+    trajectory_units,
+)
 from arpo_core.config import PolicyConfig, TrainConfig
 from arpo_core.envs.base import TaskSpec
 from arpo_core.infra.fileio import (
@@ -302,11 +319,16 @@ def _set_rng_state(state: dict[str, Any]) -> None:
     torch.set_rng_state(state["torch"])
 
 
-def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer, state: TrainState) -> Path:
+def _save_checkpoint(
+    out_dir: Path, policy: Policy, engine, replay: ReplayBuffer, state: TrainState, ranks: Ranks = SINGLE
+) -> Path:
     ckpts = out_dir / "checkpoints"
-    ckpts.mkdir(parents=True, exist_ok=True)
     name = f"epoch-{state.epoch:04d}"
     tmp = ckpts / f".{name}.tmp"
+    final = ckpts / name
+    if ranks.distributed:  # decision 16: the collective parts on every rank, the rest on rank 0
+        return _save_checkpoint_ranks(out_dir, policy, engine, replay, state, ranks)
+    ckpts.mkdir(parents=True, exist_ok=True)
     for stale in ckpts.glob(".epoch-*.tmp"):  # partial checkpoints of a killed run
         shutil.rmtree(stale, ignore_errors=True)
     # Disk full: fail before writing when the last checkpoint's size does not fit, and on any write
@@ -338,7 +360,12 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
         if err is None:
             raise
         raise err from e
-    final = ckpts / name
+    return _publish_checkpoint(ckpts, tmp, final, state)
+
+
+def _publish_checkpoint(ckpts: Path, tmp: Path, final: Path, state: TrainState) -> Path:
+    """Rename the checked temp dir into place, point `latest` at it, rotate (decisions 5, 13)."""
+    name = final.name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     _fsync_dir(ckpts)  # the rename is durable before the pointer names it
@@ -353,6 +380,60 @@ def _save_checkpoint(out_dir: Path, policy: Policy, engine, replay: ReplayBuffer
     for old in _epoch_dirs(ckpts):
         if old not in (final, fallback):
             shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def _save_checkpoint_ranks(
+    out_dir: Path, policy: Policy, engine, replay: ReplayBuffer, state: TrainState, ranks: Ranks
+) -> Path:
+    """Decision 16: rank 0 prepares the temp dir; every rank writes its part of the engine state and
+    joins the gather of a ZeRO-3 policy; rank 0 writes the rest, checks, renames; every rank returns
+    once the checkpoint is in place. A failure on rank 0 reaches the others as its error text."""
+    ckpts = out_dir / "checkpoints"
+    name = f"epoch-{state.epoch:04d}"
+    tmp, final = ckpts / f".{name}.tmp", ckpts / name
+    error = None
+    if ranks.main:
+        try:
+            ckpts.mkdir(parents=True, exist_ok=True)
+            for stale in ckpts.glob(".epoch-*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            previous = latest_checkpoint(out_dir)
+            check_space(ckpts, tree_size(previous) if previous is not None else 0, f"checkpoint {name}")
+            tmp.mkdir()
+        except Exception as e:
+            error = f"{type(e).__name__}: {e}"
+    error = ranks.broadcast(error)
+    if error is not None:
+        raise RuntimeError(f"checkpoint {name} could not start on rank 0: {error}")
+    engine.save(tmp)  # collective for DeepSpeed (every rank its shards); rank 0 only for torch
+    if ranks.main:
+        policy.save(tmp / "policy")  # under ZeRO-3 its save_pretrained gathers the shards (engines.py)
+    elif getattr(engine, "gathers_in_forward", False):
+        with engine.full_weights():  # the same gather, joined by the ranks that do not write
+            pass
+    ranks.barrier()
+    if ranks.main:
+        try:
+            replay.save(tmp / "replay")
+            torch.save(_rng_state(), tmp / "rng.pt")
+            (tmp / "state.json").write_text(
+                json.dumps(
+                    {"epoch": state.epoch, "policy_version": state.policy_version, "history": state.history},
+                    indent=1,
+                )
+            )
+            _write_manifest(tmp)
+            problem = checkpoint_problem(tmp, hashes=False)
+            if problem is not None:
+                raise RuntimeError(f"checkpoint {name} failed its check after writing: {problem}")
+            _publish_checkpoint(ckpts, tmp, final, state)
+        except Exception as e:
+            shutil.rmtree(tmp, ignore_errors=True)
+            error = f"{type(e).__name__}: {e}"
+    error = ranks.broadcast(error)
+    if error is not None:
+        raise RuntimeError(f"checkpoint {name} failed on rank 0: {error}")
     return final
 
 
@@ -469,6 +550,16 @@ class _Run:
     generator: Generator
     reference: Policy | None
     """Decision 8: the frozen starting policy when train.loss.kl_coef > 0."""
+    ranks: Ranks = SINGLE
+    """Decision 16: this process's data-parallel rank."""
+    gen_policy: Policy | None = None
+    """The policy generation and evaluations run on: `policy` itself, or its unpartitioned copy under
+    ZeRO-3 over several ranks (decision 16)."""
+    heartbeat: Callable[[int, int | None, str], None] | None = None
+
+    def beat(self, epoch: int, it: int | None, phase: str) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat(epoch, it, phase)
 
 
 def _restore_or_start(
@@ -479,12 +570,15 @@ def _restore_or_start(
     resume: bool,
     device: str = "cpu",
     preload: Sequence[Trajectory] = (),
+    ranks: Ranks = SINGLE,
 ) -> tuple[Policy, Any, ReplayBuffer, TrainState, Policy | None]:
     """The last complete epoch's policy, engine, buffer, state and RNG states (decision 5), or a fresh
     start from `policy_dir` with the global RNGs seeded from the run seed; and the frozen reference
-    policy when train.loss.kl_coef > 0 (decision 8)."""
-    ckpt = latest_checkpoint(out_dir) if resume else None
-    if resume and ckpt is None and any((out_dir / "checkpoints").glob("*")):  # decision 13: never silently
+    policy when train.loss.kl_coef > 0 (decision 8). With ranks, rank 0 picks the checkpoint and every
+    rank loads it; only rank 0 holds the buffer (decision 16)."""
+    ckpt = latest_checkpoint(out_dir) if resume and ranks.main else None
+    ckpt = ranks.broadcast(ckpt)
+    if ranks.main and resume and ckpt is None and any((out_dir / "checkpoints").glob("*")):  # decision 13
         _log.warning(
             "no usable checkpoint in %s (see the lines above): training starts again from epoch 1 from %s",
             out_dir / "checkpoints",
@@ -494,12 +588,14 @@ def _restore_or_start(
         policy = load_policy(ckpt / "policy", device=device)
         meta = json.loads((ckpt / "state.json").read_text())
         state = TrainState(meta["epoch"], meta["policy_version"], meta["history"])
-        replay = ReplayBuffer.load(ckpt / "replay", config=cfg.replay)
+        replay = (
+            ReplayBuffer.load(ckpt / "replay", config=cfg.replay) if ranks.main else ReplayBuffer(cfg.replay)
+        )
     else:
         policy = load_policy(policy_dir, device=device)
         state = TrainState()
         replay = ReplayBuffer(cfg.replay)
-        if cfg.replay.preload != "none":  # decision 14: before epoch 1 only; a resumed buffer holds them
+        if cfg.replay.preload != "none" and ranks.main:  # decision 14: before epoch 1 only
             replay.add(preload)
     policy.image_blind = cfg.image_blind  # decision 15
     reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
@@ -511,7 +607,10 @@ def _restore_or_start(
         max_grad_norm=cfg.max_grad_norm,
         zero_stage=cfg.zero_stage,
         bf16=cfg.bf16,
+        ranks=ranks,
     )
+    if cfg.engine == "torch":
+        ranks.broadcast_params(policy.model)  # distributed.py decision 5 (DeepSpeed does its own)
     if ckpt is not None:
         engine.load(ckpt)
         _set_rng_state(torch.load(ckpt / "rng.pt", weights_only=False))
@@ -522,14 +621,45 @@ def _restore_or_start(
     return policy, engine, replay, state, reference
 
 
-def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, float]:
-    """The policy update on a prepared batch (decisions 2, 8); returns its metrics."""
-    cfg, pc = run.cfg, run.policy_cfg
+class _UpdateShare(NamedTuple):
+    """Decision 16: what rank 0 sends a rank for the update."""
+
+    trajectories: list[Trajectory]
+    advantages: torch.Tensor
+    """(n,) one per trajectory."""
+    unit_ids: list[int]
+    """Each trajectory's index in the whole update batch; -1: a padding copy (zero-weight passes)."""
+    n_units: int
+    """Trajectories of the update, all ranks together."""
+    n_batch: int
+    """Trajectories of the filled batch (before zero advantages are left out): 0 = no update."""
+
+
+def _shares(batch: PreparedBatch, cfg: TrainConfig, ranks: Ranks) -> list[_UpdateShare]:
+    """The update batch (zero advantages left out when asked) split by trajectory over the ranks
+    (distributed.py decision 4); a rank without any gets a padding copy of the first one."""
     adv = batch.advantages
     keep = [i for i in range(len(batch.trajectories)) if not (cfg.skip_zero_advantage and adv[i] == 0)]
-    kept = [batch.trajectories[i] for i in keep]
+    out = []
+    n, b = len(keep), len(batch.trajectories)
+    for ids in assign_units(n, ranks.world):
+        if ids:
+            picked = [keep[u] for u in ids]
+            out.append(_UpdateShare([batch.trajectories[i] for i in picked], adv[picked], list(ids), n, b))
+        elif keep:
+            out.append(_UpdateShare([batch.trajectories[keep[0]]], adv[keep[:1]] * 0.0, [-1], n, b))
+        else:
+            out.append(_UpdateShare([], torch.zeros(0), [], 0, b))
+    return out
+
+
+def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, float]:
+    """The policy update on this rank's share of a prepared batch (decisions 2, 8, 16); returns its
+    metrics (over all ranks)."""
+    cfg, pc, ranks = run.cfg, run.policy_cfg, run.ranks
+    kept = share.trajectories
     seqs = encode_trajectories(run.policy, kept, system=pc.system_prompt, history_images=pc.history_images)
-    seq_adv = adv[keep][[s.source for s in seqs]]  # a trajectory's windows share its advantage
+    seq_adv = share.advantages[[s.source for s in seqs]]  # a trajectory's windows share its advantage
     t0 = time.monotonic()
     ref_logps = (
         compute_logps(run.reference, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16)
@@ -540,10 +670,26 @@ def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, f
     old_logps, extra = None, {}
     if synced:
         run.generator.before_update()
+        pad = 0
+        if ranks.distributed and getattr(run.engine, "gathers_in_forward", False):
+            calls = torch.tensor([float(-(-len(seqs) // cfg.micro_batch_size))])
+            pad = int(ranks.all_reduce_max(calls)[0])  # ZeRO-3 forwards are collectives (update.py 9)
         old_logps = compute_logps(
-            run.policy, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, module=run.engine.module
+            run.policy,
+            seqs,
+            micro_batch_size=cfg.micro_batch_size,
+            bf16=cfg.bf16,
+            module=run.engine.module,
+            pad_to=pad,
         )
-        extra = logprob_gap(kept, seqs, old_logps)
+        real = [i for i, u in enumerate(share.unit_ids) if u >= 0]
+        units = trajectory_units(seqs)
+        extra = logprob_gap(
+            [kept[i] for i in real],
+            [seqs[j] for i in real for j in units[i]],
+            [old_logps[j] for i in real for j in units[i]],
+        )
+        extra = _reduce_gap(ranks, extra)
     stats = ppo_update(
         run.policy,
         run.engine,
@@ -553,20 +699,39 @@ def _update(run: _Run, batch: PreparedBatch, epoch: int, it: int) -> dict[str, f
         seed=derive_seed("minibatch", run.seed, epoch, it),
         old_logps=old_logps,
         ref_logps=ref_logps,
+        shard=Shard(ranks, share.unit_ids, share.n_units) if ranks.distributed else None,
     )
-    run.state.policy_version += 1
     if synced:
         t1 = time.monotonic()
         run.generator.sync_weights(run.policy.model)
         extra["time/weight_sync_s"] = time.monotonic() - t1
-    return (
-        stats.as_metrics()
-        | {
-            "time/update_s": time.monotonic() - t0,
-            "train/nonzero_adv_frac": float((adv != 0).float().mean()),
-        }
-        | extra
+    return stats.as_metrics() | {"time/update_s": time.monotonic() - t0} | extra
+
+
+def _reduce_gap(ranks: Ranks, gap: dict[str, float]) -> dict[str, float]:
+    """Decision 12's diagnostic over all ranks: maxima of the maxima, the per-token mean weighted by the
+    replies compared."""
+    if not ranks.distributed:
+        return gap
+    n = gap.get("logprob/replies_compared", 0.0)
+    vec = torch.tensor(
+        [
+            gap.get("logprob/gen_vs_train_max_abs", 0.0),
+            gap.get("logprob/gen_vs_train_max_abs_per_token", 0.0),
+        ]
     )
+    maxima = ranks.all_reduce_max(vec)
+    sums = ranks.all_reduce_sum(
+        torch.tensor([gap.get("logprob/gen_vs_train_mean_abs_per_token", 0.0) * n, n])
+    )
+    if float(sums[1]) == 0:
+        return {}
+    return {
+        "logprob/gen_vs_train_max_abs": float(maxima[0]),
+        "logprob/gen_vs_train_max_abs_per_token": float(maxima[1]),
+        "logprob/gen_vs_train_mean_abs_per_token": float(sums[0] / sums[1]),
+        "logprob/replies_compared": float(sums[1]),
+    }
 
 
 def logprob_gap(
@@ -608,20 +773,24 @@ def logprob_gap(
 def _run_iteration(
     run: _Run, epoch: int, it: int, chunk: Sequence[TaskSpec], progress_factory: Callable[..., Any] | None
 ) -> dict[str, float]:
-    """rollout -> prepare_batch (replay fill + advantages) -> update -> buffer add -> write trajectories."""
+    """rollout -> prepare_batch (replay fill + advantages) -> update -> buffer add -> write trajectories.
+    With ranks (decision 16) each rank plays its groups, rank 0 does the batch work, every rank updates
+    on its share; the metrics are rank 0's (an empty dict elsewhere)."""
     t0 = time.monotonic()
-    cfg = run.cfg
+    cfg, ranks = run.cfg, run.ranks
     env_seed = derive_seed("env", run.seed, epoch, it, bits=ENV_SEED_BITS)  # decision 9
     jobs = make_group_jobs(chunk, cfg.group_size, seed=env_seed, groups_per_task=cfg.groups_per_task)
+    mine = split_jobs(jobs, ranks.world, ranks.rank) if ranks.distributed else list(enumerate(jobs))
     bar = (
-        progress_factory(total=len(jobs), desc=f"epoch {epoch} iter {it} rollout")
-        if progress_factory
+        progress_factory(total=len(mine), desc=f"epoch {epoch} iter {it} rollout")
+        if progress_factory and ranks.main
         else None
     )
+    run.beat(epoch, it, "rollout")
     res = run_episodes(
         run.pool,
         run.generator,
-        jobs,
+        [j for _, j in mine],
         run.rollout,
         run_id=run.run_id,
         stage="train",
@@ -629,19 +798,33 @@ def _run_iteration(
         iteration=it,
         policy_version=run.state.policy_version,
         progress=bar,
+        orders=[i for i, _ in mine],
     )
     if bar is not None:
         bar.close()
-    batch = prepare_batch(
-        res.trajectories,
-        run.replay,
-        cfg.group_size,
-        scale=cfg.loss.advantage_scale,
-        eps=cfg.loss.advantage_eps,
-    )
-    metrics = dict(res.metrics)
+    parts = ranks.gather(res)
+    batch = None
+    if ranks.main:
+        assert parts is not None
+        res = merge_results(parts)
+        batch = prepare_batch(
+            res.trajectories,
+            run.replay,
+            cfg.group_size,
+            scale=cfg.loss.advantage_scale,
+            eps=cfg.loss.advantage_eps,
+        )
+    run.beat(epoch, it, "update")
+    share = ranks.scatter(_shares(batch, cfg, ranks) if batch is not None else None)
+    metrics: dict[str, float] = dict(res.metrics) if ranks.main else {}
+    if share.n_batch:
+        metrics.update(_update(run, share, epoch, it))
+        run.state.policy_version += 1
+    if not ranks.main:
+        return {}
+    assert batch is not None
     if batch.trajectories:
-        metrics.update(_update(run, batch, epoch, it))
+        metrics["train/nonzero_adv_frac"] = float((batch.advantages != 0).float().mean())
     run.replay.add(res.trajectories)  # decision 2: after the update, fresh rollouts only
     metrics.update(run.replay.stats().as_metrics())
     metrics.update(task_metrics(chunk, res.trajectories, batch.fills, run.replay.sizes()))
@@ -666,10 +849,38 @@ def _end_epoch(
     summary["epoch"] = epoch
     summary["policy_version"] = run.state.policy_version
     if on_epoch is not None:
-        summary.update(on_epoch(epoch, run.policy) or {})
+        run.beat(epoch, None, "evaluation")
+        summary.update(on_epoch(epoch, run.gen_policy or run.policy) or {})
     run.state.history.append(summary)
     run.state.epoch = epoch
-    _save_checkpoint(run.out_dir, run.policy, run.engine, run.replay, run.state)
+    run.beat(epoch, None, "checkpoint")
+    _save_checkpoint(run.out_dir, run.policy, run.engine, run.replay, run.state, run.ranks)
+
+
+class _OnCopy:
+    """Decision 16: generation on an unpartitioned copy of a policy ZeRO-3 shards over several ranks
+    (every forward of the sharded one is a collective, and ranks sample different prompts). Synced from
+    the gathered weights after every update, through decision 12's path."""
+
+    def __init__(self, inner: Any, copy: Policy, engine: Any) -> None:
+        self.inner, self.copy, self.engine = inner, copy, engine
+
+    def generate(self, *args: Any, **kwargs: Any) -> Any:
+        return self.inner.generate(*args, **kwargs)
+
+    def before_update(self) -> None:
+        if callable(getattr(self.inner, "before_update", None)):
+            self.inner.before_update()
+
+    def sync_weights(self, model: torch.nn.Module) -> None:
+        with self.engine.full_weights(), torch.no_grad():  # a collective: every rank calls it
+            for p, q in zip(model.parameters(), self.copy.model.parameters(), strict=True):
+                q.copy_(p.data.to(q.device, q.dtype))
+        if callable(getattr(self.inner, "sync_weights", None)):
+            self.inner.sync_weights(self.copy.model)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
 
 
 def train(
@@ -690,6 +901,8 @@ def train(
     generator_factory: Callable[[Policy], Any] | None = None,
     device: str = "cpu",
     preload: Sequence[Trajectory] = (),
+    ranks: Ranks = SINGLE,
+    heartbeat_dir: str | os.PathLike | None = None,
 ) -> TrainState:
     """Train from `policy_dir` (or resume from `out_dir`'s last checkpoint) for `cfg.epochs` epochs.
 
@@ -703,6 +916,9 @@ def train(
         device: where the trained policy is loaded ("cuda" with the vLLM backend: colocated).
         preload: trajectories whose successes of `tasks` fill the buffer before epoch 1 when
             `cfg.replay.preload` is not 'none' (decision 14).
+        ranks: this process's data-parallel rank (decision 16); `on_iteration`, `on_epoch` and
+            `progress_factory` are only called on rank 0, and only rank 0's returned history is whole.
+        heartbeat_dir: where each rank reports its phase (distributed.py decision 7); None: nowhere.
 
     Trajectories go to `out_dir/trajectories/epoch-EEEE-iter-III.parquet` (filled groups, replayed flag
     set), checkpoints to `out_dir/checkpoints/`. Returns the final state (its history has one entry per
@@ -711,13 +927,22 @@ def train(
     out_dir = Path(out_dir)
     keys = {t.key for t in tasks}
     policy, engine, replay, state, reference = _restore_or_start(
-        policy_dir, out_dir, cfg, seed, resume, device, [t for t in preload if t.key in keys]
+        policy_dir, out_dir, cfg, seed, resume, device, [t for t in preload if t.key in keys], ranks
     )
+    gen_policy = policy
+    if ranks.distributed and getattr(engine, "gathers_in_forward", False):  # decision 16
+        gen_policy = load_policy(policy_dir, device=device)
+        gen_policy.image_blind = policy.image_blind
     generator = (
-        generator_factory(policy)
+        generator_factory(gen_policy)
         if generator_factory is not None
-        else HFGenerator(policy, system=policy_cfg.system_prompt, history_images=policy_cfg.history_images)
+        else HFGenerator(
+            gen_policy, system=policy_cfg.system_prompt, history_images=policy_cfg.history_images
+        )
     )
+    if gen_policy is not policy:
+        generator = _OnCopy(generator, gen_policy, engine)
+        generator.sync_weights(policy.model)  # the checkpoint's weights on a resume
     run = _Run(
         cfg=cfg,
         policy_cfg=policy_cfg,
@@ -732,7 +957,12 @@ def train(
         state=state,
         generator=generator,
         reference=reference,
+        ranks=ranks,
+        gen_policy=gen_policy,
+        heartbeat=Heartbeat(heartbeat_dir, ranks) if heartbeat_dir is not None else None,
     )
+    if not ranks.main:
+        on_iteration = on_epoch = progress_factory = None
     for epoch in range(state.epoch + 1, cfg.epochs + 1):
         rows = []
         for it, chunk in enumerate(_iteration_chunks(tasks, cfg.tasks_per_iteration, seed, epoch)):
@@ -740,6 +970,7 @@ def train(
             if on_iteration is not None:
                 on_iteration(epoch, it, rows[-1])
         _end_epoch(run, epoch, rows, on_epoch)
+    run.beat(state.epoch, None, "done")
     return state
 
 

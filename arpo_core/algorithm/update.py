@@ -34,16 +34,29 @@ Decisions:
    tokens, a row of the token-sum modes weighs 1). Micro-batches count sequences (they bound memory).
    With every trajectory in one sequence all of this reduces to the former per-sequence loop, draw
    for draw.
+9. Global normalisation across data-parallel ranks (distributed.py decisions 4-6): with a `Shard` each
+   rank holds some trajectories of the batch, named by their global index. Every rank draws the same
+   order over ALL trajectories and trains, per mini-batch, on those it holds; the loss denominator is
+   the whole mini-batch's (token-mean: its masked tokens summed over ranks, one all-reduce for every
+   mini-batch of the update up front; seq-mean modes: its trajectory count, known to every rank), and
+   the engine sums the gradients over ranks, so R ranks give the one-process gradient. An engine that
+   reduces inside the backward (DeepSpeed) needs every rank to call it the same number of times: a rank
+   with fewer micro-batches in a mini-batch runs zero-weight passes over one of its own sequences (or
+   a padding one, global index -1) until it has as many as the busiest rank; under ZeRO-3 the old
+   log-prob passes are padded the same way, since every ZeRO-3 forward is a collective. The returned
+   statistics are summed over ranks.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from contextlib import nullcontext
 from typing import NamedTuple, Protocol
 
 import torch
 
+from arpo_core.algorithm.distributed import Ranks
 from arpo_core.algorithm.losses import policy_loss
 from arpo_core.config import TrainConfig
 from arpo_core.policy.model import Policy
@@ -57,6 +70,7 @@ from arpo_core.trajectory import Trajectory
 
 __all__ = [
     "Engine",
+    "Shard",
     "UpdateStats",
     "compute_logps",
     "encode_trajectories",
@@ -81,6 +95,17 @@ class Engine(Protocol):
     def step(self) -> float:
         """Clip gradients, take one optimizer step, zero the gradients; return the pre-clip grad norm."""
         ...
+
+
+class Shard(NamedTuple):
+    """Decision 9: this rank's part of an update spread over data-parallel ranks."""
+
+    ranks: Ranks
+    unit_ids: Sequence[int]
+    """The global index of each local trajectory (in the order of the local sequences' trajectories);
+    -1 marks a padding trajectory that only serves zero-weight passes."""
+    n_units: int
+    """Trajectories over all ranks."""
 
 
 class UpdateStats(NamedTuple):
@@ -159,16 +184,24 @@ def compute_logps(
     micro_batch_size: int,
     bf16: bool,
     module: torch.nn.Module | None = None,
+    pad_to: int = 0,
 ) -> list[torch.Tensor]:
-    """Per-token log-probs of each sequence (unpadded, (L_i,) float32, 0 at position 0), in eval mode."""
+    """Per-token log-probs of each sequence (unpadded, (L_i,) float32, 0 at position 0), in eval mode.
+    `pad_to`: run at least that many forwards (zero-work repeats of the first chunk; decision 9's lockstep
+    under ZeRO-3, where every forward is a collective); it needs at least one sequence."""
     was_training = policy.model.training
     policy.model.eval()
     out: list[torch.Tensor] = []
+    calls = 0
     try:
         for i in range(0, len(seqs), micro_batch_size):
             chunk = seqs[i : i + micro_batch_size]
             logps, _ = _forward(policy, chunk, bf16, module)
             out.extend(logps[b, : len(s.input_ids)].cpu() for b, s in enumerate(chunk))
+            calls += 1
+        while calls < pad_to:
+            _forward(policy, seqs[:1], bf16, module)
+            calls += 1
     finally:
         policy.model.train(was_training)
     return out
@@ -191,10 +224,12 @@ def ppo_update(
     seed: int,
     old_logps: Sequence[torch.Tensor] | None = None,
     ref_logps: Sequence[torch.Tensor] | None = None,
+    shard: Shard | None = None,
 ) -> UpdateStats:
     """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,) (the windows of one
     trajectory carry its advantage), with params' `train` settings `cfg` (decision 7); `seed` orders the
-    mini-batches (decision 4), which are drawn over trajectories (decision 8).
+    mini-batches (decision 4), which are drawn over trajectories (decision 8). With `shard`, `seqs` are
+    this rank's part of a batch spread over data-parallel ranks (decision 9).
 
     Sequences whose advantage is exactly 0 still count in the token-mean denominator (as in verl: they
     dilute the batch) but contribute no gradient; callers that want to skip them filter first.
@@ -202,15 +237,35 @@ def ppo_update(
     n = len(seqs)
     if advantages.shape != (n,):
         raise ValueError(f"advantages must have shape ({n},), got {tuple(advantages.shape)}")
-    if n == 0:
-        return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
     units = trajectory_units(seqs)
-    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(units)  # dec. 2
+    ranks = shard.ranks if shard is not None else None
+    if shard is None:
+        global_ids: Sequence[int] = range(len(units))
+        n_units = len(units)
+    else:
+        if len(shard.unit_ids) != len(units):
+            raise ValueError(f"{len(shard.unit_ids)} unit ids for {len(units)} local trajectories")
+        global_ids, n_units = shard.unit_ids, shard.n_units
+    if n_units == 0:
+        return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
+    local_of = {g: k for k, g in enumerate(global_ids) if g >= 0}
+    lockstep = ranks is not None and ranks.distributed and getattr(engine, "reduces_in_backward", False)
+    lockstep_forward = lockstep and getattr(engine, "gathers_in_forward", False)
+    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= n_units  # dec. 2
     if old_logps is None and not on_policy:
+        pad = 0
+        if lockstep_forward:  # decision 9: as many old-log-prob forwards as the busiest rank
+            calls = torch.tensor([float(math.ceil(n / cfg.micro_batch_size))])
+            pad = int(ranks.all_reduce_max(calls)[0])  # type: ignore[union-attr]
         old_logps = compute_logps(
-            policy, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, module=engine.module
+            policy,
+            seqs,
+            micro_batch_size=cfg.micro_batch_size,
+            bf16=cfg.bf16,
+            module=engine.module,
+            pad_to=pad,
         )
-    if not getattr(engine, "accumulates", True) and cfg.micro_batch_size < min(cfg.mini_batch_size, n):
+    if not getattr(engine, "accumulates", True) and cfg.micro_batch_size < min(cfg.mini_batch_size, n_units):
         raise ValueError(
             "this engine cannot accumulate gradients over several backward calls (DeepSpeed ZeRO-3, see "
             "engines.py): set micro_batch_size >= mini_batch_size"
@@ -227,48 +282,76 @@ def ppo_update(
             for i in members:
                 row_w[i] = n_masked[i] / total
 
-    policy.model.train()
+    # The plan: every ppo epoch's order over ALL trajectories, cut into mini-batches; per mini-batch
+    # the local sequences, its denominator (decision 9) and how many micro-batch passes every rank runs.
     gen = torch.Generator().manual_seed(seed)
+    plan: list[tuple[list[int], int]] = []  # (local sequence indices, global trajectories in it)
+    for _ in range(cfg.ppo_epochs):
+        order = torch.randperm(n_units, generator=gen).tolist()
+        for m0 in range(0, n_units, cfg.mini_batch_size):
+            picked = order[m0 : m0 + cfg.mini_batch_size]
+            mini = [i for g in picked if g in local_of for i in units[local_of[g]]]
+            plan.append((mini, len(picked)))
+    if seq_weighted:
+        denoms = [float(k) for _, k in plan]
+    else:
+        local_tokens = torch.tensor([float(sum(n_masked[i] for i in mini)) for mini, _ in plan])
+        total = ranks.all_reduce_sum(local_tokens) if ranks is not None else local_tokens
+        denoms = [max(1.0, float(x)) for x in total]
+    passes = [math.ceil(len(mini) / cfg.micro_batch_size) for mini, _ in plan]
+    if lockstep:
+        passes = [int(x) for x in ranks.all_reduce_max(torch.tensor([float(c) for c in passes]))]  # type: ignore[union-attr]
+    if any(c > 0 for c in passes) and n == 0:
+        raise ValueError("this rank holds no sequence for its zero-weight passes (give it a padding one)")
+
+    policy.model.train()
     sums = dict.fromkeys(("loss", "pg", "low", "high", "dual", "kl", "ref_kl"), 0.0)
     grad_norms: list[float] = []
-    for _ in range(cfg.ppo_epochs):
-        order = torch.randperm(len(units), generator=gen).tolist()
-        for m0 in range(0, len(units), cfg.mini_batch_size):
-            picked = order[m0 : m0 + cfg.mini_batch_size]
-            mini = [i for u in picked for i in units[u]]
-            denom = len(picked) if seq_weighted else max(1, sum(n_masked[i] for i in mini))
-            for u0 in range(0, len(mini), cfg.micro_batch_size):
-                micro = mini[u0 : u0 + cfg.micro_batch_size]
-                logps, mask = _forward(policy, [seqs[i] for i in micro], cfg.bf16, engine.module)  # (B, T)
-                T = logps.shape[1]
-                old = logps.detach() if on_policy else _pad([old_logps[i] for i in micro], T).to(logps.device)
-                ref = _pad([ref_logps[i] for i in micro], T).to(logps.device) if ref_logps else None
-                out = policy_loss(
-                    logps,
-                    old,
-                    advantages[micro].to(logps.device),
-                    mask,
-                    clip_low=loss_cfg.clip_low,
-                    clip_high=loss_cfg.clip_high,
-                    clip_dual=loss_cfg.clip_dual,
-                    kl_coef=loss_cfg.kl_coef,
-                    kl_estimator=loss_cfg.kl_estimator,
-                    agg=loss_cfg.agg,
-                    sum_norm=loss_cfg.sum_norm,
-                    ref_logps=ref,
-                    row_weights=row_w[micro] if seq_weighted else None,
-                )
-                w = (len(micro) if seq_weighted else sum(n_masked[i] for i in micro)) / denom
-                engine.backward(out.loss * w, boundary=u0 + cfg.micro_batch_size >= len(mini))
-                sums["loss"] += float(out.loss.detach()) * w
-                sums["pg"] += float(out.pg_loss) * w
-                sums["low"] += float(out.clip_low_frac) * w
-                sums["high"] += float(out.clip_high_frac) * w
-                sums["dual"] += float(out.clip_dual_frac) * w
-                sums["kl"] += float(out.approx_kl) * w
-                if out.kl is not None:
-                    sums["ref_kl"] += float(out.kl) * w
-            grad_norms.append(engine.step())
+    for (mini, _), denom, n_pass in zip(plan, denoms, passes, strict=True):
+        for j in range(n_pass):
+            micro = mini[j * cfg.micro_batch_size : (j + 1) * cfg.micro_batch_size]
+            boundary = j == n_pass - 1
+            if not micro:  # decision 9: a zero-weight pass keeps this rank in step with the others
+                logps, _ = _forward(policy, seqs[:1], cfg.bf16, engine.module)
+                engine.backward(logps.sum() * 0.0, boundary=boundary)
+                continue
+            logps, mask = _forward(policy, [seqs[i] for i in micro], cfg.bf16, engine.module)  # (B, T)
+            T = logps.shape[1]
+            old = logps.detach() if on_policy else _pad([old_logps[i] for i in micro], T).to(logps.device)
+            ref = _pad([ref_logps[i] for i in micro], T).to(logps.device) if ref_logps else None
+            out = policy_loss(
+                logps,
+                old,
+                advantages[micro].to(logps.device),
+                mask,
+                clip_low=loss_cfg.clip_low,
+                clip_high=loss_cfg.clip_high,
+                clip_dual=loss_cfg.clip_dual,
+                kl_coef=loss_cfg.kl_coef,
+                kl_estimator=loss_cfg.kl_estimator,
+                agg=loss_cfg.agg,
+                sum_norm=loss_cfg.sum_norm,
+                ref_logps=ref,
+                row_weights=row_w[micro] if seq_weighted else None,
+            )
+            w = (len(micro) if seq_weighted else sum(n_masked[i] for i in micro)) / denom
+            engine.backward(out.loss * w, boundary=boundary)
+            sums["loss"] += float(out.loss.detach()) * w
+            sums["pg"] += float(out.pg_loss) * w
+            sums["low"] += float(out.clip_low_frac) * w
+            sums["high"] += float(out.clip_high_frac) * w
+            sums["dual"] += float(out.clip_dual_frac) * w
+            sums["kl"] += float(out.approx_kl) * w
+            if out.kl is not None:
+                sums["ref_kl"] += float(out.kl) * w
+        grad_norms.append(engine.step())
+    keys = list(sums)
+    real = [i for k, g in enumerate(global_ids) if g >= 0 for i in units[k]]  # padding left out
+    counts = [float(len(real)), float(sum(n_masked[i] for i in real))]
+    if ranks is not None and ranks.distributed:  # decision 9: the batch's statistics, all ranks together
+        reduced = ranks.all_reduce_sum(torch.tensor([sums[k] for k in keys] + counts, dtype=torch.float64))
+        sums = {k: float(v) for k, v in zip(keys, reduced[: len(keys)], strict=True)}
+        counts = [float(x) for x in reduced[len(keys) :]]
     steps = len(grad_norms)
     return UpdateStats(
         loss=sums["loss"] / steps,
@@ -278,9 +361,9 @@ def ppo_update(
         clip_dual_frac=sums["dual"] / steps,
         approx_kl=sums["kl"] / steps,
         grad_norm=sum(grad_norms) / steps,
-        n_sequences=n,
-        n_tokens=sum(n_masked),
+        n_sequences=int(counts[0]),
+        n_tokens=int(counts[1]),
         n_optimizer_steps=steps,
         ref_kl=sums["ref_kl"] / steps if ref_logps is not None else None,
-        n_trajectories=len(units),
+        n_trajectories=n_units,
     )

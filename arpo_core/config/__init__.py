@@ -459,6 +459,21 @@ class LossSection:
 
 
 @dataclass(frozen=True)
+class DistributedSection:
+    """Data-parallel ranks (arpo_core/algorithm/distributed.py): how `arpo stage train` joins the ranks a
+    launcher (`torchrun`, `deepspeed`) started. Operational: results do not depend on these."""
+
+    backend: Literal["auto", "gloo", "nccl"] = "auto"
+    """torch.distributed backend; auto = nccl when CUDA is available, else gloo."""
+    timeout_s: Annotated[float, Gt(0)] = 1800.0
+    """Collective timeout: a rank that waits longer for the others (a hung rank) ends the job with an
+    error instead of hanging it; it must exceed rank 0's evaluations between epochs."""
+    device: Literal["auto", "cpu", "cuda"] = "auto"
+    """Where the trained policy lives: auto = this rank's GPU (cuda:LOCAL_RANK) when CUDA is available,
+    else the CPU."""
+
+
+@dataclass(frozen=True)
 class TrainConfig:
     seed: Annotated[int, Ge(0)] | None = None
     """The training run's seed (task order, instances, sampling, replay draws, mini-batches); null =
@@ -510,6 +525,7 @@ class TrainConfig:
     what memorising instructions alone buys."""
     replay: ReplayConfig = field(default_factory=ReplayConfig)
     loss: LossSection = field(default_factory=LossSection)
+    distributed: DistributedSection = field(default_factory=DistributedSection)
 
     def cross_checks(self) -> CrossChecks:
         """Rules across fields, checked by the loader: (field, rule, other fields involved)."""

@@ -96,6 +96,7 @@ OPERATIONAL = (
     "env.osworld.desktop_env_args",
     "env.osworld.desktop_env_timeout_s",
     "env.osworld.command_timeout_s",
+    "train.distributed",
 )
 """Keys stages read that change speed or where episodes run, not their results (decision 3): in no
 stage's params, so changing them re-runs nothing."""

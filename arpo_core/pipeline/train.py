@@ -25,6 +25,12 @@ Decisions:
 6. The run says where it starts: "resuming from epoch N (checkpoint)" or "starting at epoch 1 (why)";
    the trainer has already warned, naming the file, about any damaged checkpoint or pointer it skipped
    (trainer decision 13), so a restart from scratch is never silent.
+7. Data-parallel ranks (distributed.py): under `torchrun` / `deepspeed` every rank runs this function
+   with the same paths; it joins the launcher's process group (`train.distributed`), plays its share
+   of the groups on an env pool of its own (`env.n_envs` split over the ranks), and only rank 0 talks
+   (start line, progress, per-iteration metrics, evaluations during training) and writes the final
+   policy. Each rank reports its phase to `<out_dir>/ranks/` (the launcher names a dead rank's last
+   step from it). Without a launcher it is the one-process run, unchanged.
 """
 
 from __future__ import annotations
@@ -108,26 +114,31 @@ def run(
 ) -> dict[str, Any]:
     """Train; the final policy to `out_dir/policy`, checkpoints to `out_dir/checkpoints`. With
     `train.replay.preload: baseline` the buffer starts with `baseline_dir`'s successes (decision 5)."""
+    from arpo_core.algorithm.distributed import Ranks
     from arpo_core.algorithm.trainer import latest_checkpoint, train
     from arpo_core.policy.model import load_policy
     from arpo_core.trajectory import read_trajectories
 
     setup_torch(p)
-    ckpt = latest_checkpoint(out_dir) if resume else None  # verified; a damaged one is named (trainer 13)
-    if ckpt is not None:
+    d = p.train.distributed
+    ranks = Ranks.from_env(timeout_s=d.timeout_s, backend=d.backend)  # decision 7
+    if not ranks.main:
+        on_metrics = on_epoch = None
+    ckpt = latest_checkpoint(out_dir) if resume and ranks.main else None  # verified (trainer 13)
+    if ranks.main and ckpt is not None:
         done = json.loads((ckpt / "state.json").read_text())["epoch"]
         print(
             f"[train] resuming from epoch {done} ({ckpt}); epochs {done + 1}..{p.train.epochs} to go",
             flush=True,
         )
-    else:  # decision 5: a start from scratch is always said
+    elif ranks.main:  # decision 6: a start from scratch is always said
         why = "resume off" if not resume else f"no usable checkpoint in {Path(out_dir) / 'checkpoints'}"
         print(f"[train] starting at epoch 1 of {p.train.epochs} ({why})", flush=True)
     policy_dir = resolve_policy(policy_dir)
     tasks = training_tasks(p, selected_path)
     t = p.train
     preload = []
-    if t.replay.preload == "baseline" and ckpt is None:
+    if t.replay.preload == "baseline" and ckpt is None and ranks.main:  # the buffer is rank 0's
         if baseline_dir is None:
             raise ValueError("train.replay.preload is 'baseline' but no baseline rollouts were given")
         preload = read_trajectories(baseline_dir)
@@ -139,7 +150,11 @@ def run(
         def on_iteration(epoch: int, it: int, metrics: dict[str, float]) -> None:
             on_metrics((epoch - 1) * per_epoch + it + 1, metrics)
 
-    with make_pool(p, n=min(p.env.n_envs, t.tasks_per_iteration * t.groups_per_task * t.group_size)) as pool:
+    n_envs = min(p.env.n_envs, t.tasks_per_iteration * t.groups_per_task * t.group_size)
+    n_envs = max(1, math.ceil(n_envs / ranks.world))  # decision 7: each rank its part of the envs
+    if ranks.distributed:
+        print(f"[train] rank {ranks.rank} of {ranks.world}: {n_envs} envs on {_device(p, ranks)}", flush=True)
+    with make_pool(p, n=n_envs) as pool:
         state = train(
             policy_dir,
             tasks,
@@ -151,12 +166,18 @@ def run(
             rollout=rollout_config(p, policy_dir, t.temperature, t.top_p, t.max_steps, seed),
             resume=resume,
             on_iteration=on_iteration,
-            on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir), tasks), on_epoch),
+            on_epoch=_both(_evaluator(p, pool, policy_dir, Path(out_dir), tasks), on_epoch)
+            if ranks.main
+            else None,
             progress_factory=progress_bar,
             generator_factory=lambda policy: generator(p, policy, policy_dir),
-            device="cuda" if p.policy.backend == "vllm" else "cpu",  # colocated with the engine
+            device=_device(p, ranks),
             preload=preload,
+            ranks=ranks,
+            heartbeat_dir=Path(out_dir) / "ranks",
         )
+    if not ranks.main:
+        return {"train/epochs": float(state.epoch)}
     final = Path(out_dir) / "policy"
     load_policy(Path(out_dir) / "checkpoints" / f"epoch-{state.epoch:04d}" / "policy").save(final)
     last = state.history[-1] if state.history else {}
@@ -165,6 +186,16 @@ def run(
         **{k: v for k, v in last.items() if isinstance(v, float)},
         **pool_faults(pool, "train/env_faults"),  # this process's whole pool, close included (decision 5)
     }
+
+
+def _device(p: Params, ranks: Any) -> str:
+    """Where the trained policy lives (`train.distributed.device`): the vLLM backend colocates it on
+    the GPU; auto = this rank's GPU when CUDA is available, else the CPU."""
+    import torch
+
+    want = p.train.distributed.device
+    cuda = p.policy.backend == "vllm" or want == "cuda" or (want == "auto" and torch.cuda.is_available())
+    return f"cuda:{ranks.local_rank}" if cuda and want != "cpu" else "cpu"
 
 
 def tracked_params(p: Params) -> dict[str, str]:
