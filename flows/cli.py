@@ -200,7 +200,8 @@ def stage(
 ) -> None:
     """Run one pipeline stage without Prefect (each DVC stage's cmd), tracked in MLflow; a stage whose
     stamp matches its params, inputs, code and outputs is skipped, as `arpo run` skips it
-    (flows/spec.py decision 6), so `dvc repro` after an `arpo run` only records what is there."""
+    (flows/spec.py, decision "One staleness authority"), so `dvc repro` after an `arpo run` only records what
+    is there."""
     from flows.spec import SPECS, is_up_to_date
 
     _known_stage(name)
@@ -257,7 +258,8 @@ def run(
     with _locked("arpo run " + " ".join(sys.argv[2:])):
         from flows.services import own_session_server
 
-        own_session_server()  # services.py decision 1: Ctrl-C must not reach the temporary server
+        # services.py, decision "Prefect server session": Ctrl-C must not reach the temporary server
+        own_session_server()
         os.environ[FRONT_DOOR_ENV] = "arpo run"
         arpo_train(
             params=str(params), preset=preset, overrides=list(set_), force=force, targets=list(target) or None
@@ -372,7 +374,8 @@ def view(
         try:
             got = read_trajectories(path)
             trajs += got
-            sources += [str(path)] * len(got)  # each episode labelled with its file (viewer decision 6)
+            # each episode labelled with its file (viewer.py, decision "Episode provenance")
+            sources += [str(path)] * len(got)
         except (FileNotFoundError, ValueError) as e:
             typer.secho(f"error: {path}: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from e

@@ -1,27 +1,27 @@
 """Training engines behind one small interface: plain torch (one process) and DeepSpeed (ZeRO 1/2/3).
 
 Decisions:
-1. The update loop (update.py) only calls `backward(loss)` and `step() -> grad_norm`; it does its own
-   exact micro-batch weighting, so engines never rescale the loss (DeepSpeed's `scale_wrt_gas` is off)
-   and the loop marks the last backward of each mini-batch as the accumulation boundary. (DeepSpeed
-   0.19.8 on CPU/gloo: ZeRO 0-2 match the torch engine exactly with accumulation; ZeRO-3 matches with
-   one backward per step but NOT across several backward calls, in unmanaged mode, with explicit
-   boundaries and with plain managed gradient_accumulation_steps alike (grad norm 2.71 vs 2.66 on the
-   tiny policy). Until that is understood on GPUs, a ZeRO-3 engine refuses accumulation:
-   `accumulates = False`, and update.py then requires micro_batch_size >= mini_batch_size.)
-2. Optimizer: AdamW (reference: lr 1e-6, weight decay 1e-2, constant schedule) with grad-norm clipping
-   (reference 1.0). Only parameters with requires_grad are optimised.
-3. State for checkpoints: `state_dict()` / `load_state_dict()` of the optimizer for the torch engine; the
-   DeepSpeed engine saves its own (sharded) checkpoint directory `<epoch dir>/deepspeed/state/` under a
-   fixed tag, without DeepSpeed's `latest` pointer file (the trainer's `checkpoints/latest` is the one
-   pointer), and loads that tag back into a freshly built engine.
-4. DeepSpeed is imported lazily: it is installed here (CPU, gloo backend in one process) but the torch
-   engine must not pay its import time.
-5. ZeRO-3 partitions the model's parameters in place: outside DeepSpeed's forward hooks each holds an
-   empty placeholder, so `save_pretrained` (Policy.save: the trainer's checkpoint policy, which a resume
-   and the final export load) would write empty tensors. The ZeRO-3 engine therefore wraps the model's
-   `save_pretrained` to gather the full weights first (`full_weights()`; every rank gathers, HF writes).
-   The engine checkpoint itself restores the fp32 shards and optimizer state on resume.
+- **No loss rescaling.** The update loop (update.py) only calls `backward(loss)` and `step() -> grad_norm`; it
+  does its own exact micro-batch weighting, so engines never rescale the loss (DeepSpeed's `scale_wrt_gas` is
+  off) and the loop marks the last backward of each mini-batch as the accumulation boundary. (DeepSpeed
+  0.19.8 on CPU/gloo: ZeRO 0-2 match the torch engine exactly with accumulation; ZeRO-3 matches with
+  one backward per step but NOT across several backward calls, in unmanaged mode, with explicit
+  boundaries and with plain managed gradient_accumulation_steps alike (grad norm 2.71 vs 2.66 on the
+  tiny policy). Until that is understood on GPUs, a ZeRO-3 engine refuses accumulation:
+  `accumulates = False`, and update.py then requires micro_batch_size >= mini_batch_size.)
+- **AdamW with clipping.** Optimizer: AdamW (reference: lr 1e-6, weight decay 1e-2, constant schedule) with
+  grad-norm clipping (reference 1.0). Only parameters with requires_grad are optimised.
+- **Checkpoint state.** State for checkpoints: `state_dict()` / `load_state_dict()` of the optimizer for the
+  torch engine; the DeepSpeed engine saves its own (sharded) checkpoint directory `<epoch
+  dir>/deepspeed/state/` under a fixed tag, without DeepSpeed's `latest` pointer file (the trainer's
+  `checkpoints/latest` is the one pointer), and loads that tag back into a freshly built engine.
+- **Lazy DeepSpeed import.** DeepSpeed is imported lazily: it is installed here (CPU, gloo backend in one
+  process) but the torch engine must not pay its import time.
+- **ZeRO-3 gathered save.** ZeRO-3 partitions the model's parameters in place: outside DeepSpeed's forward
+  hooks each holds an empty placeholder, so `save_pretrained` (Policy.save: the trainer's checkpoint policy,
+  which a resume and the final export load) would write empty tensors. The ZeRO-3 engine therefore wraps the
+  model's `save_pretrained` to gather the full weights first (`full_weights()`; every rank gathers, HF
+  writes). The engine checkpoint itself restores the fp32 shards and optimizer state on resume.
 """
 
 from __future__ import annotations
@@ -144,10 +144,10 @@ class DeepSpeedEngine:
         self.model = model
         self.module = self.engine  # ZeRO-3 gathers partitioned weights in the wrapper's forward hooks
         self.zero_stage = zero_stage
-        self.accumulates = zero_stage < 3  # decision 1
+        self.accumulates = zero_stage < 3  # decision "No loss rescaling"
         self.max_grad_norm = max_grad_norm
         if zero_stage == 3 and callable(getattr(model, "save_pretrained", None)):
-            _gather_on_save_pretrained(model)  # decision 5
+            _gather_on_save_pretrained(model)  # decision "ZeRO-3 gathered save"
 
     @contextlib.contextmanager
     def full_weights(self) -> Iterator[None]:
@@ -160,8 +160,9 @@ class DeepSpeedEngine:
             yield
 
     def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
-        # Our update loop weights micro-batches itself (update.py decision 3), and tells us which
-        # backward closes the mini-batch: DeepSpeed reduces (ZeRO-2/3: reduce-scatters) gradients there.
+        # Our update loop weights micro-batches itself (update.py, decision "Exact micro-batching"), and tells
+        # us which backward closes the mini-batch: DeepSpeed reduces (ZeRO-2/3: reduce-scatters) gradients
+        # there.
         self.engine.set_gradient_accumulation_boundary(boundary)
         self.engine.backward(loss, scale_wrt_gas=False)
 
@@ -175,9 +176,10 @@ class DeepSpeedEngine:
         return float(self.engine.get_global_grad_norm())
 
     CHECKPOINT_TAG = "state"
-    """DeepSpeed's tag (sub-directory) of the engine checkpoint inside `<epoch dir>/deepspeed`. Decision 3:
-    one fixed tag and no DeepSpeed `latest` pointer file - the trainer's own `checkpoints/latest` names
-    the epoch. (A tag named "latest" collided with that pointer file: IsADirectoryError, issue 16.)"""
+    """DeepSpeed's tag (sub-directory) of the engine checkpoint inside `<epoch dir>/deepspeed`.
+    Decision "Checkpoint state": one fixed tag and no DeepSpeed `latest` pointer file - the trainer's own
+    `checkpoints/latest` names the epoch. (A tag named "latest" collided with that pointer file:
+    IsADirectoryError, issue 16.)"""
 
     def save(self, directory: Path) -> None:
         self.engine.save_checkpoint(
@@ -206,8 +208,8 @@ def _gathered(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _gather_on_save_pretrained(model: torch.nn.Module) -> None:
-    """Decision 5: the model's own `save_pretrained` (Policy.save: checkpoints, exports) gathers its ZeRO-3
-    shards first, so it writes the full weights instead of the empty local placeholders."""
+    """Decision "ZeRO-3 gathered save": the model's own `save_pretrained` (Policy.save: checkpoints, exports)
+    gathers its ZeRO-3 shards first, so it writes the full weights instead of the empty local placeholders."""
     save = model.save_pretrained
 
     @functools.wraps(save)

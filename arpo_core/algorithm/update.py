@@ -1,39 +1,41 @@
 """The GRPO/ARPO policy update: trajectories + advantages -> clipped policy-gradient optimizer steps.
 
 Decisions:
-1. One trajectory = one sequence (docs/method.md §1), or several when its screenshots exceed the history
-   window (decision 8); its advantage is given to every assistant token. Sequences are encoded once per
-   update (images processed once) and reused for the old-log-prob pass and every PPO epoch.
-2. Old log-probs are recomputed by the trainer under the current weights before the update, in eval
-   mode and without grad, not taken from the inference engine (docs/method.md §1). For a replayed
-   trajectory this is the current policy too: ARPO applies no staleness correction. When the update is
-   one optimizer step on fresh weights (ppo_epochs 1 and one mini-batch holding every sequence), that
-   recomputation equals the training forward's own log-probs, so those are used (detached) and the
-   extra no-grad forward is skipped: the ratio is exactly 1, as the recomputation gives up to float
-   noise. This removes ARPO's overhead over a bare fwd+bwd+step in that case (benchmarks/results/
-   update_overhead.json: +37% with the extra forward).
-3. Micro-batching is exact: each micro-batch's loss is weighted so that the sum over micro-batches
-   equals the loss of the whole mini-batch in one piece. For `token-mean` the weight is (masked tokens in
-   the micro-batch) / (masked tokens in the mini-batch); for the `seq-mean-*` modes it is
-   (sequences in the micro-batch) / (sequences in the mini-batch). A plain average of per-micro-batch
-   token-means would silently turn token-mean into seq-mean-token-mean at micro-batch 1.
-4. A mini-batch (`mini_batch_size` trajectories) is one optimizer step; the reference takes 2 optimizer
-   steps of 64 trajectories per 128-trajectory iteration. Mini-batches are drawn in a seeded order (the
-   caller's `seed`, the "minibatch" stream of seeds.py).
-5. The optimizer and gradient clipping live behind a small `Engine` interface so the same loop drives
-   the plain torch engine here and DeepSpeed on GPUs (engines.py).
-6. No logging inside: the function returns `UpdateStats` (means over micro-batches weighted like the
-   loss) and the caller logs them.
-7. The settings are read from params' `train` section as it is (`TrainConfig`: micro/mini batch sizes,
-   ppo_epochs, bf16, and `train.loss` for the clips, KL and aggregation); no copy of its fields here.
-8. A trajectory longer than the history window is encoded as several windows (sequences.py decision 3),
-   each sequence carrying its trajectory's index (`source`). The trajectory stays the unit of the
-   update: mini-batches are drawn over trajectories and take all their windows (`mini_batch_size`
-   counts trajectories, so windows never add optimizer steps), and the `seq-mean-*` aggregations
-   average over trajectories (a row of seq-mean-token-mean weighs its share of its trajectory's
-   tokens, a row of the token-sum modes weighs 1). Micro-batches count sequences (they bound memory).
-   With every trajectory in one sequence all of this reduces to the former per-sequence loop, draw
-   for draw.
+- **Trajectory as sequence.** One trajectory = one sequence (docs/method.md §1), or several when its
+  screenshots exceed the history window (decision "Windowed trajectories"); its advantage is given to every
+  assistant token. Sequences are encoded once per update (images processed once) and reused for the
+  old-log-prob pass and every PPO epoch.
+- **Recomputed old log-probs.** Old log-probs are recomputed by the trainer under the current weights before
+  the update, in eval mode and without grad, not taken from the inference engine (docs/method.md §1). For a
+  replayed trajectory this is the current policy too: ARPO applies no staleness correction. When the update is
+  one optimizer step on fresh weights (ppo_epochs 1 and one mini-batch holding every sequence), that
+  recomputation equals the training forward's own log-probs, so those are used (detached) and the
+  extra no-grad forward is skipped: the ratio is exactly 1, as the recomputation gives up to float
+  noise. This removes ARPO's overhead over a bare fwd+bwd+step in that case (benchmarks/results/
+  update_overhead.json: +37% with the extra forward).
+- **Exact micro-batching.** Micro-batching is exact: each micro-batch's loss is weighted so that the sum over
+  micro-batches equals the loss of the whole mini-batch in one piece. For `token-mean` the weight is (masked
+  tokens in the micro-batch) / (masked tokens in the mini-batch); for the `seq-mean-*` modes it is
+  (sequences in the micro-batch) / (sequences in the mini-batch). A plain average of per-micro-batch
+  token-means would silently turn token-mean into seq-mean-token-mean at micro-batch 1.
+- **Seeded mini-batches.** A mini-batch (`mini_batch_size` trajectories) is one optimizer step; the reference
+  takes 2 optimizer steps of 64 trajectories per 128-trajectory iteration. Mini-batches are drawn in a seeded
+  order (the caller's `seed`, the "minibatch" stream of seeds.py).
+- **Engine interface.** The optimizer and gradient clipping live behind a small `Engine` interface so the same
+  loop drives the plain torch engine here and DeepSpeed on GPUs (engines.py).
+- **No logging inside.** No logging inside: the function returns `UpdateStats` (means over micro-batches
+  weighted like the loss) and the caller logs them.
+- **Settings from params.** The settings are read from params' `train` section as it is (`TrainConfig`:
+  micro/mini batch sizes, ppo_epochs, bf16, and `train.loss` for the clips, KL and aggregation); no copy of
+  its fields here.
+- **Windowed trajectories.** A trajectory longer than the history window is encoded as several windows
+  (sequences.py, decision "History windows"), each sequence carrying its trajectory's index (`source`). The
+  trajectory stays the unit of the update: mini-batches are drawn over trajectories and take all their windows
+  (`mini_batch_size` counts trajectories, so windows never add optimizer steps), and the `seq-mean-*`
+  aggregations average over trajectories (a row of seq-mean-token-mean weighs its share of its trajectory's
+  tokens, a row of the token-sum modes weighs 1). Micro-batches count sequences (they bound memory).
+  With every trajectory in one sequence all of this reduces to the former per-sequence loop, draw
+  for draw.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class UpdateStats(NamedTuple):
     ref_kl: float | None = None
     """Token-mean KL estimate to the reference policy (None without one)."""
     n_trajectories: int | None = None
-    """Trajectories the sequences came from (decision 8; None: one sequence each)."""
+    """Trajectories the sequences came from (decision "Windowed trajectories"; None: one sequence each)."""
 
     def as_metrics(self) -> dict[str, float]:
         extra = {"loss/ref_kl": self.ref_kl} if self.ref_kl is not None else {}
@@ -120,8 +122,8 @@ class UpdateStats(NamedTuple):
 def encode_trajectories(
     policy: Policy, trajs: Sequence[Trajectory], *, system: str, history_images: int | None
 ) -> list[EncodedSequence]:
-    """The training sequences of `trajs` in order: one per trajectory, or its windows (decision 8), each
-    with `source` = the index of its trajectory in `trajs`."""
+    """The training sequences of `trajs` in order: one per trajectory, or its windows
+    (decision "Windowed trajectories"), each with `source` = the index of its trajectory in `trajs`."""
     out: list[EncodedSequence] = []
     for i, t in enumerate(trajs):
         for seq in encode_trajectory_windows(policy, t, system=system, history_images=history_images):
@@ -131,7 +133,8 @@ def encode_trajectories(
 
 
 def trajectory_units(seqs: Sequence[EncodedSequence]) -> list[list[int]]:
-    """The sequence indices of each trajectory, in order of first appearance (decision 8)."""
+    """The sequence indices of each trajectory, in order of first appearance
+    (decision "Windowed trajectories")."""
     units: dict[object, list[int]] = {}
     for i, s in enumerate(seqs):
         units.setdefault(("own", i) if s.source is None else s.source, []).append(i)
@@ -193,8 +196,9 @@ def ppo_update(
     ref_logps: Sequence[torch.Tensor] | None = None,
 ) -> UpdateStats:
     """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,) (the windows of one
-    trajectory carry its advantage), with params' `train` settings `cfg` (decision 7); `seed` orders the
-    mini-batches (decision 4), which are drawn over trajectories (decision 8).
+    trajectory carry its advantage), with params' `train` settings `cfg` (decision "Settings from params");
+    `seed` orders the mini-batches (decision "Seeded mini-batches"), which are drawn over trajectories
+    (decision "Windowed trajectories").
 
     Sequences whose advantage is exactly 0 still count in the token-mean denominator (as in verl: they
     dilute the batch) but contribute no gradient; callers that want to skip them filter first.
@@ -205,7 +209,8 @@ def ppo_update(
     if n == 0:
         return UpdateStats(0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0, 0, 0)
     units = trajectory_units(seqs)
-    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(units)  # dec. 2
+    # decision "Recomputed old log-probs"
+    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= len(units)
     if old_logps is None and not on_policy:
         old_logps = compute_logps(
             policy, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16, module=engine.module
@@ -220,7 +225,8 @@ def ppo_update(
         raise ValueError("kl_coef > 0 needs ref_logps (log-probs of a reference policy)")
     n_masked = [sum(s.assistant_mask[1:]) for s in seqs]
     seq_weighted = loss_cfg.agg != "token-mean"
-    row_w = torch.ones(n)  # decision 8: a row's weight in the seq-mean-* modes
+    # decision "Windowed trajectories": a row's weight in the seq-mean-* modes
+    row_w = torch.ones(n)
     if loss_cfg.agg == "seq-mean-token-mean":
         for members in units:
             total = max(1, sum(n_masked[i] for i in members))
