@@ -5,60 +5,60 @@ This module turns such text into typed `Action`s, writes the canonical text back
 prompt), maps coordinates between the image the model saw and the screen, and renders pyautogui code.
 
 Decisions:
-1. Model text is untrusted input. The reference parser calls `eval` on it; here a small hand-written
-   scanner reads the call syntax ``name(key='value', ...)`` and nothing in this module ever evaluates,
-   compiles or imports anything derived from model text. All regexes are compiled at import time.
-2. Strict by default, with a short, documented list of tolerances. A reply that is not accepted raises
-   `ActionParseError` whose message says what is wrong and where; the rollout turns it into the format
-   penalty (docs/method.md §1). Accepted beyond the canonical form:
-   a. leading/trailing whitespace, CRLF line ends, spaces around ``(``, ``=``, ``,`` and ``)``, and one
-      trailing comma in the argument list;
-   b. a missing thought (the reply starts with ``Action:``) -> thought ``""``; ``Action:`` on the same
-      line as the thought (then the first ``Action:`` preceded by whitespace splits; a line that starts
-      with ``Action:`` always wins over a mid-line one, so a thought may mention "Action:" mid-line);
-   c. ``Reflection: R\\nAction_Summary: S`` -> thought S (as the reference parser: the summary is the
-      thought), ``Reflection: R`` alone -> R, ``Action_Summary: S`` -> S;
-   d. actions separated by any whitespace that contains a newline (canonical: one blank line);
-   e. single or double quotes; raw newlines inside a quoted string are kept;
-   f. in ``type``/``finished`` content, an unescaped quote of the delimiting kind (``content='I'm
-      here'``, common in real UI-TARS output) when the strict reading fails: the content then ends at
-      the first such quote followed by ``)`` and the end of the line or reply;
-   g. scroll direction in any letter case; scroll without start_box (scroll at the current pointer);
-      ``finished()`` without content (content None); ``type(content='')``.
-   Anything else is an error: text before the first label, unknown action or argument names, positional
-   or duplicate arguments, missing required arguments, unknown key names (checked against pyautogui's
-   key list after normalisation), a bad scroll direction, negative / NaN / infinite coordinates, and
-   any trailing text after the last action.
-3. Escapes inside quoted strings follow Python for the sequences UI-TARS is told to use: ``\\\\``,
-   ``\\'``, ``\\"``, ``\\n``, ``\\t``, ``\\r``. Any other backslash pair is kept literally (as Python
-   keeps unknown escapes); ``\\x``/``\\u`` escapes are NOT decoded. `format_action` escapes exactly
-   these, so ``parse_response(format_response(t, a))`` returns ``(t.strip(), a)`` for every content.
-4. Box forms ``'(x,y)'``, ``'[x,y]'``, ``'<|box_start|>(x,y)<|box_end|>'``, ``'<point>x y</point>'``,
-   ``'<bbox>x1 y1 x2 y2</bbox>'`` and any 4-number box (its centre) are accepted, ints or floats.
-   `Action.point` is always a float pair. The canonical written form is ``'(x,y)'`` with integer
-   coordinates (a special-token-free form survives decoding with ``skip_special_tokens``); the other
-   forms are available through ``box_style``.
-5. `Action.key` keeps the key string as written; `normalize_keys` maps it to pyautogui names
-   (lower case, ``arrowleft`` -> ``left``, ``control`` -> ``ctrl``, ``cmd`` -> ``command``, ...). The
-   key list is copied from pyautogui 0.9.54 (`KEYBOARD_KEYS`): importing pyautogui needs a display.
-6. Coordinates: UI-TARS-1.5 / Qwen2.5-VL answer in absolute pixels of the smart_resized image
-   (mode ``"absolute"``: x * W / w'); UI-TARS-1.0 answered in 0-1000 relative units (mode
-   ``"relative1000"``: x * W / 1000). Sizes are always (width, height) except `smart_resize`, which
-   keeps Qwen's (height, width) order. `to_screen` clamps to the screen; `to_model` clamps its
-   input to the screen, so its output lies inside the model frame.
-7. `to_pyautogui` returns one string per action, each either pyautogui code (for non-ASCII text also a
-   fixed X11 typing helper, decision 8) or one of the OSWorld markers ``"DONE"`` (finished),
-   ``"FAIL"`` (call_user) and ``"WAIT"`` (wait): a caller executes the
-   code strings in order and stops at DONE/FAIL (``cmd in PYAUTOGUI_MARKERS`` tells them apart). This
-   is the list of actions OSWorld's UI-TARS agent hands to ``DesktopEnv.step``. All user text is
-   emitted with `repr()` of a str, so quotes, backslashes, newlines and code in content are typed
-   literally; horizontal scrolls use ``pyautogui.hscroll`` (the reference silently drops them).
-8. `type` text with any non-ASCII character (accents, CJK, emoji: pyautogui.write has no key for them
-   and drops them silently on X11, as it drops control characters) is rendered as the fixed helper
-   `X11_TYPE_HELPER` followed by one call whose only argument is `ascii()` of the text: the rendered code
-   stays pure ASCII, the text is a single string literal (never code, never a shell word), and the
-   helper types it through XTEST with keycodes bound to the characters' keysyms. Pure-ASCII text keeps
-   `pyautogui.write`. A trailing newline is still `pyautogui.press('enter')`.
+- **Untrusted model text.** Model text is untrusted input. The reference parser calls `eval` on it; here a
+  small hand-written scanner reads the call syntax ``name(key='value', ...)`` and nothing in this module ever
+  evaluates, compiles or imports anything derived from model text. All regexes are compiled at import time.
+- **Strict parsing with tolerances.** Strict by default, with a short, documented list of tolerances. A reply
+  that is not accepted raises `ActionParseError` whose message says what is wrong and where; the rollout turns
+  it into the format penalty (docs/method.md §1). Accepted beyond the canonical form:
+  a. leading/trailing whitespace, CRLF line ends, spaces around ``(``, ``=``, ``,`` and ``)``, and one
+     trailing comma in the argument list;
+  b. a missing thought (the reply starts with ``Action:``) -> thought ``""``; ``Action:`` on the same
+     line as the thought (then the first ``Action:`` preceded by whitespace splits; a line that starts
+     with ``Action:`` always wins over a mid-line one, so a thought may mention "Action:" mid-line);
+  c. ``Reflection: R\\nAction_Summary: S`` -> thought S (as the reference parser: the summary is the
+     thought), ``Reflection: R`` alone -> R, ``Action_Summary: S`` -> S;
+  d. actions separated by any whitespace that contains a newline (canonical: one blank line);
+  e. single or double quotes; raw newlines inside a quoted string are kept;
+  f. in ``type``/``finished`` content, an unescaped quote of the delimiting kind (``content='I'm
+     here'``, common in real UI-TARS output) when the strict reading fails: the content then ends at
+     the first such quote followed by ``)`` and the end of the line or reply;
+  g. scroll direction in any letter case; scroll without start_box (scroll at the current pointer);
+     ``finished()`` without content (content None); ``type(content='')``.
+  Anything else is an error: text before the first label, unknown action or argument names, positional
+  or duplicate arguments, missing required arguments, unknown key names (checked against pyautogui's
+  key list after normalisation), a bad scroll direction, negative / NaN / infinite coordinates, and
+  any trailing text after the last action.
+- **Python string escapes.** Escapes inside quoted strings follow Python for the sequences UI-TARS is told to
+  use: ``\\\\``, ``\\'``, ``\\"``, ``\\n``, ``\\t``, ``\\r``. Any other backslash pair is kept literally (as
+  Python keeps unknown escapes); ``\\x``/``\\u`` escapes are NOT decoded. `format_action` escapes exactly
+  these, so ``parse_response(format_response(t, a))`` returns ``(t.strip(), a)`` for every content.
+- **Box forms.** Box forms ``'(x,y)'``, ``'[x,y]'``, ``'<|box_start|>(x,y)<|box_end|>'``, ``'<point>x
+  y</point>'``, ``'<bbox>x1 y1 x2 y2</bbox>'`` and any 4-number box (its centre) are accepted, ints or floats.
+  `Action.point` is always a float pair. The canonical written form is ``'(x,y)'`` with integer
+  coordinates (a special-token-free form survives decoding with ``skip_special_tokens``); the other
+  forms are available through ``box_style``.
+- **Key names.** `Action.key` keeps the key string as written; `normalize_keys` maps it to pyautogui names
+  (lower case, ``arrowleft`` -> ``left``, ``control`` -> ``ctrl``, ``cmd`` -> ``command``, ...). The
+  key list is copied from pyautogui 0.9.54 (`KEYBOARD_KEYS`): importing pyautogui needs a display.
+- **Coordinate modes.** Coordinates: UI-TARS-1.5 / Qwen2.5-VL answer in absolute pixels of the smart_resized
+  image (mode ``"absolute"``: x * W / w'); UI-TARS-1.0 answered in 0-1000 relative units (mode
+  ``"relative1000"``: x * W / 1000). Sizes are always (width, height) except `smart_resize`, which
+  keeps Qwen's (height, width) order. `to_screen` clamps to the screen; `to_model` clamps its
+  input to the screen, so its output lies inside the model frame.
+- **pyautogui rendering.** `to_pyautogui` returns one string per action, each either pyautogui code (for
+  non-ASCII text also a fixed X11 typing helper, decision "X11 typing helper") or one of the OSWorld markers
+  ``"DONE"`` (finished), ``"FAIL"`` (call_user) and ``"WAIT"`` (wait): a caller executes the
+  code strings in order and stops at DONE/FAIL (``cmd in PYAUTOGUI_MARKERS`` tells them apart). This
+  is the list of actions OSWorld's UI-TARS agent hands to ``DesktopEnv.step``. All user text is
+  emitted with `repr()` of a str, so quotes, backslashes, newlines and code in content are typed
+  literally; horizontal scrolls use ``pyautogui.hscroll`` (the reference silently drops them).
+- **X11 typing helper.** `type` text with any non-ASCII character (accents, CJK, emoji: pyautogui.write has no
+  key for them and drops them silently on X11, as it drops control characters) is rendered as the fixed helper
+  `X11_TYPE_HELPER` followed by one call whose only argument is `ascii()` of the text: the rendered code
+  stays pure ASCII, the text is a single string literal (never code, never a shell word), and the
+  helper types it through XTEST with keycodes bound to the characters' keysyms. Pure-ASCII text keeps
+  `pyautogui.write`. A trailing newline is still `pyautogui.press('enter')`.
 """
 
 from __future__ import annotations
@@ -192,7 +192,8 @@ _ACTION_NAMES = (*ACTION_KINDS, "select")
 _KEY_KINDS = frozenset({"hotkey", "press", "keydown", "keyup"})
 _CONTENT_KINDS = frozenset({"type", "finished"})
 
-# Escapes UI-TARS is told to use in content (decision 3); anything else keeps its backslash.
+# Escapes UI-TARS is told to use in content (decision "Python string escapes"); anything else keeps its
+# backslash.
 _UNESCAPE = {"\\": "\\", "'": "'", '"': '"', "n": "\n", "t": "\t", "r": "\r"}
 _ESCAPE = {"\\": "\\\\", "'": "\\'", "\n": "\\n", "\t": "\\t", "\r": "\\r"}
 
@@ -254,7 +255,7 @@ def _parse_number(token: str, box: str) -> float:
 
 
 def parse_box(box: str) -> tuple[float, float]:
-    """A box string in any accepted form (decision 4) -> (x, y); the centre for 4-number boxes."""
+    """A box string in any accepted form (decision "Box forms") -> (x, y); the centre for 4-number boxes."""
     inner = box.strip()
     m = _BOX_TOKENS_RE.fullmatch(inner)
     if m:
@@ -279,7 +280,7 @@ def parse_box(box: str) -> tuple[float, float]:
 
 
 def _unescape(raw: str) -> str:
-    """Decode the escapes of decision 3 in the body of a quoted string."""
+    """Decode the escapes of decision "Python string escapes" in the body of a quoted string."""
     out = []
     i, n = 0, len(raw)
     while i < n:
@@ -753,8 +754,8 @@ def {X11_TYPE_CALL}(text, interval=0.01):
         pyautogui.write(run)
     d.close()
 """
-"""Decision 8: the code that types text with characters pyautogui has no key for. It runs on the desktop
-after OSWorld's prefix (`import pyautogui; import time; ...; ` - hence the first line is a simple
+"""Decision "X11 typing helper": the code that types text with characters pyautogui has no key for. It runs on
+the desktop after OSWorld's prefix (`import pyautogui; import time; ...; ` - hence the first line is a simple
 statement) and needs only pyautogui's own X library (python-xlib with XTEST). pyautogui writes the
 ASCII runs; every other character is typed through a spare keycode bound to its keysym (Latin-1, or
 0x1000000 + code point) that STAYS bound, so no client can look a key up after its keycode was re-bound
@@ -778,7 +779,8 @@ def to_pyautogui(
     drag_duration: float = 0.5,
     scroll_amount: int = 5,
 ) -> list[str]:
-    """Render screen-pixel actions as pyautogui commands: one string per action (decision 7).
+    """Render screen-pixel actions as pyautogui commands: one string per action
+    (decision "pyautogui rendering").
 
     Each entry is either Python code calling only `pyautogui.*` (non-ASCII type() text: the fixed
     X11_TYPE_HELPER and one call of it on the text), or a marker from PYAUTOGUI_MARKERS
@@ -786,7 +788,7 @@ def to_pyautogui(
     Coordinates are rounded to ints and, given screen_size = (W, H), clamped to the screen.
     A scroll is `scroll_amount` wheel clicks: up +N / down -N with pyautogui.scroll, right +N / left -N
     with pyautogui.hscroll. type() content is written with repr() and a trailing newline becomes
-    pyautogui.press('enter'); non-ASCII content goes through X11_TYPE_HELPER (decision 8).
+    pyautogui.press('enter'); non-ASCII content goes through X11_TYPE_HELPER (decision "X11 typing helper").
     Raises ValueError for an invalid action.
     """
     out = []
@@ -822,7 +824,7 @@ def to_pyautogui(
             if text.isascii():
                 if text or not enter:
                     lines.append(f"pyautogui.write({text!r})")
-            else:  # decision 8
+            else:  # decision "X11 typing helper"
                 lines.append(f"{X11_TYPE_HELPER}{X11_TYPE_CALL}({text!a})")
             if enter:
                 lines.append("pyautogui.press('enter')")

@@ -1,23 +1,24 @@
 """Trajectory rewards: task success plus a format penalty, safe checkers, OSWorld scoring rules.
 
 Design decisions:
-1. A trajectory has one scalar reward, given to every assistant token of it (docs/method.md §1):
-   `reward = success + (format_penalty if a reply could not be parsed else 0)`.
-2. The format penalty is a parameter because paper and code disagree: the paper's penalty is -1; the
-   reference code computes `success + 0.5 * format_reward` with `format_reward = -1`, i.e. -0.5.
-   params' `train.loss.format_penalty` holds the value (default the paper's -1.0), so no default here.
-3. A checker (the environment's success test) is untrusted code that reads files, windows and pages
-   of a desktop that may have crashed: any exception scores 0, as in the reference code. Its result is
-   also sanitised: NaN and +-inf score 0 (a broken checker must not award success), finite values are
-   clamped to [0, 1] (OSWorld checkers may return fractions; nothing outside [0, 1] is a success
-   degree). `score_or_error` also returns the error text so a rollout can record it (`env_error`).
-4. "OSWorld Hard" (ARPO paper): a trajectory that runs into the step limit and whose last action is
-   FAIL (`call_user`) scores 0. Without this rule an agent on an infeasible task is paid for running
-   out of steps, and on any task can learn to answer FAIL late as a hedge.
-5. Infeasible tasks (OSWorld evaluator func `infeasible`) score 1 only when the agent's last action is
-   FAIL. FAIL is the parsed action kind `call_user` (arpo_core.actions) or `FAIL`, the name OSWorld's
-   own action space and its `action_history` use for the same thing.
-6. Pure functions on Python floats: no tensors, no logging; callers turn lists into tensors.
+- **Scalar reward.** A trajectory has one scalar reward, given to every assistant token of it (docs/method.md
+  §1): `reward = success + (format_penalty if a reply could not be parsed else 0)`.
+- **Format penalty parameter.** The format penalty is a parameter because paper and code disagree: the paper's
+  penalty is -1; the reference code computes `success + 0.5 * format_reward` with `format_reward = -1`, i.e.
+  -0.5. params' `train.loss.format_penalty` holds the value (default the paper's -1.0), so no default here.
+- **Untrusted checkers.** A checker (the environment's success test) is untrusted code that reads files,
+  windows and pages of a desktop that may have crashed: any exception scores 0, as in the reference code. Its
+  result is also sanitised: NaN and +-inf score 0 (a broken checker must not award success), finite values are
+  clamped to [0, 1] (OSWorld checkers may return fractions; nothing outside [0, 1] is a success
+  degree). `score_or_error` also returns the error text so a rollout can record it (`env_error`).
+- **OSWorld Hard.** "OSWorld Hard" (ARPO paper): a trajectory that runs into the step limit and whose last
+  action is FAIL (`call_user`) scores 0. Without this rule an agent on an infeasible task is paid for running
+  out of steps, and on any task can learn to answer FAIL late as a hedge.
+- **Infeasible tasks.** Infeasible tasks (OSWorld evaluator func `infeasible`) score 1 only when the agent's
+  last action is FAIL. FAIL is the parsed action kind `call_user` (arpo_core.actions) or `FAIL`, the name
+  OSWorld's own action space and its `action_history` use for the same thing.
+- **Pure functions.** Pure functions on Python floats: no tensors, no logging; callers turn lists into
+  tensors.
 """
 
 from __future__ import annotations

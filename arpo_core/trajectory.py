@@ -1,20 +1,21 @@
 """Step and Trajectory, and their Parquet form: the project's one data contract (docs/design.md).
 
 Decisions:
-1. One Parquet row per step; the trajectory's fields are repeated on each of its rows. A file is
-   self-describing and can be filtered with any Parquet tool (e.g. `success == true and epoch == 3`).
-2. Screenshots are stored as PNG bytes, never as pixel tensors: a 160x210 MiniWoB frame is a few KB,
-   and the reference code's fp32 processor tensors cost ~0.75 GB per 1080p trajectory (docs/method.md §1).
-   A trajectory is re-tokenised from these rows whenever it is trained on or replayed.
-3. Generated token ids are kept per step (optional) so a replayed or re-trained reply is scored on the
-   exact tokens that were sampled, not on a re-tokenisation of its text.
-4. Writes are atomic: a temp file in the same directory, fsync, then `os.replace`. A reader never sees a
-   half-written file, and a run killed mid-write leaves the previous file intact.
-5. Reading checks the schema and names the missing or mistyped column instead of failing later.
-6. Columns added after the first release carry a default (`_ADDED_STEP_COLUMNS`): a file written
-   before a column existed reads with that default, so old Parquet files stay readable; a column that is
-   present must still have the right type. The first such column is `train_reply` (False: the reply is
-   context, never a target, e.g. a demo's deliberate miss, arpo_core/offline/demonstrations.py).
+- **Row per step.** One Parquet row per step; the trajectory's fields are repeated on each of its rows. A file
+  is self-describing and can be filtered with any Parquet tool (e.g. `success == true and epoch == 3`).
+- **PNG screenshots.** Screenshots are stored as PNG bytes, never as pixel tensors: a 160x210 MiniWoB frame is
+  a few KB, and the reference code's fp32 processor tensors cost ~0.75 GB per 1080p trajectory (docs/method.md
+  §1). A trajectory is re-tokenised from these rows whenever it is trained on or replayed.
+- **Token ids kept.** Generated token ids are kept per step (optional) so a replayed or re-trained reply is
+  scored on the exact tokens that were sampled, not on a re-tokenisation of its text.
+- **Atomic writes.** Writes are atomic: a temp file in the same directory, fsync, then `os.replace`. A reader
+  never sees a half-written file, and a run killed mid-write leaves the previous file intact.
+- **Checked schema.** Reading checks the schema and names the missing or mistyped column instead of failing
+  later.
+- **Defaulted added columns.** Columns added after the first release carry a default (`_ADDED_STEP_COLUMNS`):
+  a file written before a column existed reads with that default, so old Parquet files stay readable; a column
+  that is present must still have the right type. The first such column is `train_reply` (False: the reply is
+  context, never a target, e.g. a demo's deliberate miss, arpo_core/offline/demonstrations.py).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ __all__ = [
 
 class SchemaError(InputError):
     """A Parquet file that does not follow the trajectory schema; the message names the column. A bad
-    input: not retried (errors.py decision 1)."""
+    input: not retried (errors.py, decision "NotRetryable marker")."""
 
 
 def png_bytes(image: Image.Image) -> bytes:
@@ -155,7 +156,7 @@ _STEP_FIELDS = [
 ]
 _ADDED_STEP_COLUMNS: dict[str, object] = {"train_reply": True}
 """Step columns newer than the first schema -> the value of rows of files written without them
-(decision 6)."""
+(decision "Defaulted added columns")."""
 SCHEMA = pa.schema(_TRAJ_FIELDS + _STEP_FIELDS)
 _TRAJ_NAMES = [n for n, _ in _TRAJ_FIELDS]
 _STEP_NAMES = [n for n, _ in _STEP_FIELDS]
@@ -190,7 +191,8 @@ def _check_schema(schema: pa.Schema, where: str) -> None:
 def trajectories_from_table(table: pa.Table, where: str = "table") -> list[Trajectory]:
     """Rebuild trajectories from rows; rows of one trajectory must be contiguous (as written)."""
     _check_schema(table.schema, where)
-    for name, default in _ADDED_STEP_COLUMNS.items():  # decision 6: a file older than the column
+    for name, default in _ADDED_STEP_COLUMNS.items():
+        # decision "Defaulted added columns": a file older than the column
         if name not in table.schema.names:
             table = table.append_column(
                 pa.field(name, SCHEMA.field(name).type),
@@ -215,7 +217,7 @@ def trajectories_from_table(table: pa.Table, where: str = "table") -> list[Traje
 def write_trajectories(path: str | os.PathLike, trajs: Sequence[Trajectory]) -> Path:
     """Write atomically: temp file in the target directory, fsync, rename. Returns the path. On a full
     disk the error says how much the table needs (its Arrow size: the PNG screenshots that dominate it
-    do not compress) and how much is free (fileio decision 4)."""
+    do not compress) and how much is free (fileio.py, decision "Clear output errors")."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     table = trajectories_to_table(trajs)

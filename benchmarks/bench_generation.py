@@ -14,9 +14,10 @@ Profile (issue 19 item 4): each batch size is also timed with ONE new token (`pr
 vision tower, M-RoPE positions and the prompt forward) so the decode part is `(batched_s - prefill_s)`
 over `tokens - 1` steps; `finding` in the results file says which part limits the batched speedup.
 `stock_decode` repeats the batch-8 measurement with the stock transformers forward for every decode
-step (generate.py decision 11), so the lean decoder's gain is on record beside the ratio;
-`unshared_head` repeats it with every row's prompt head through the language model (generate.py
-decision 12 switched off), and times both generators' batched calls in alternation for the gain.
+step (generate.py, decision "Lean decode steps"), so the lean decoder's gain is on record beside the ratio;
+`unshared_head` repeats it with every row's prompt head through the language model (generate.py,
+decision "Shared prompt head" switched off), and times both generators' batched calls in alternation for the
+gain.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def screen(i: int) -> Image.Image:
 
 class NoStop(HFGenerator):
     """Generation that never stops early, so every row yields max_new_tokens tokens: the stop ids are
-    never drawn (like the vision tokens, generate.py decision 6)."""
+    never drawn (like the vision tokens, generate.py, decision "Vision tokens banned")."""
 
     def banned_ids(self) -> list[int]:
         return sorted({*super().banned_ids(), self.policy.im_end_id, self.policy.pad_id})
@@ -72,14 +73,15 @@ def finding(rows: list[dict], stock: dict, unshared: dict, head: tuple[int, int]
         f"({'meets' if r['speedup'] >= 4 else 'misses'} the 4x goal). The profile: the prompt forward "
         f"(prefill) is compute on a CPU, its work grows with the tokens of every row, and {head[0]} of a "
         f"prompt's {head[1]} tokens are the head all 8 rows share. Computing that head once per call instead of "
-        f"once per row (generate.py decision 12) made the batched prefill "
+        f'once per row (generate.py, decision "Shared prompt head") made the batched prefill '
         f"{unshared['shared_head_gain_prefill']:.2f}x and the batched call "
         f"{unshared['shared_head_gain_batched']:.2f}x faster (A/B in alternation; without it: "
         f"{unshared['speedup']:.2f}x over one at a time); a single prompt has nothing to share, so one-at-a-time is unchanged. The "
         f"prefill is now {100 * r['prefill_frac_of_batched']:.0f}% of the batched call and batches "
         f"{r['prefill_speedup']:.2f}x (what remains per row: resizing the screenshot, the vision tower, "
         f"the row's own tokens); with free decoding the bound is one_at_a_time_s / prefill_s = "
-        f"{bound:.2f}x. Decode steps run through the lean decoder (generate.py decision 11), which made the "
+        f"{bound:.2f}x. Decode steps run through the lean decoder "
+        f'(generate.py, decision "Lean decode steps"), which made the '
         f"batched call {stock['lean_decoder_gain_batched']:.2f}x and one-at-a-time "
         f"{stock['lean_decoder_gain_one_at_a_time']:.2f}x faster than the stock forward (stock: "
         f"{stock['speedup']:.2f}x batched over one at a time): removing per-step overhead helps the "
@@ -161,7 +163,8 @@ def main() -> None:
             }
         )
         print(rows[-1], flush=True)
-    # The same batch-8 measurement with the stock forward for every decode step (generate.py decision 11)
+    # The same batch-8 measurement with the stock forward for every decode step (generate.py,
+    # decision "Lean decode steps")
     stock = NoStop(policy, system="compact", history_images=None)
     stock.lean_decode = False
     tb, ts = time_batch(stock, prompts, 8, args.repeats, args.tokens, sampled)
@@ -175,9 +178,10 @@ def main() -> None:
         "lean_decoder_gain_one_at_a_time": ts / lean8["one_at_a_time_s"],
     }
     print("stock decode", stock_row, flush=True)
-    # ... and with every row's prompt head through the language model (generate.py decision 12): the
-    # ratio of that generator, and its batched call A/B-timed against the default one in alternation
-    # (3x the repeats), since the gain (~10%) is within this machine's drift between two measurements
+    # ... and with every row's prompt head through the language model (generate.py,
+    # decision "Shared prompt head"): the ratio of that generator, and its batched call A/B-timed against the
+    # default one in alternation (3x the repeats), since the gain (~10%) is within this machine's drift
+    # between two measurements
     plain = NoStop(policy, system="compact", history_images=None)
     plain.share_prefix = False
     tb, ts = time_batch(plain, prompts, 8, args.repeats, args.tokens, sampled)

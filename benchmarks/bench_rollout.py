@@ -1,6 +1,7 @@
 """Rollout throughput, step-synchronous vs asynchronous: env steps/s, episodes/s and env utilization of
-`run_episodes` with 4, 8, 16 parallel MiniWoB envs in `sync` and `async` mode (rollout.py decision 1),
-batched inference on a real tiny policy; wall time split into env / inference / overhead.
+`run_episodes` with 4, 8, 16 parallel MiniWoB envs in `sync` and `async` mode (rollout.py,
+decision "Sync and async schedules"), batched inference on a real tiny policy; wall time split into env /
+inference / overhead.
 
 Run from the repository root:
 
@@ -9,40 +10,41 @@ Run from the repository root:
         --out /tmp/rollout.json                             # a short check
 
 Decisions:
-1. The policy is a real tiny Qwen2.5-VL (`build_tiny_policy(size='xs', rope_theta=5.0, mrope=[2,7,7])`
-   in a temp dir, or `--policy DIR`) run by `HFGenerator`: inference cost is the real batched
-   generation. Its replies are random text, which would end every episode at step 1 as a format error
-   (no env step at all), so the generator wrapper keeps the sampled tokens and their cost but replaces
-   the reply TEXT with a random `click(start_box=...)` inside the model image, drawn from the reply's
-   own sampling seed (rollout.py decision 5: the same job list gives the same clicks in every mode and
-   pool size; the record checks that both modes produced the same trajectories). Episodes therefore run
-   to `--max-steps` or to the task's own end, as a trained policy's would.
-2. Every reply has exactly `--reply-tokens` tokens (the stop tokens, and all other special tokens, are
-   masked out as in bench_generation.py), so inference cost does not depend on when a random model
-   happens to stop.
-3. Modes: `sync` and `async` are `run_episodes`' two schedules on the same pool and the same jobs, one
-   after the other for each pool size (so both see the same machine load); `--batch-wait` is async's
-   `batch_wait_s`. `--one-at-a-time` splits every batch into batch-1 calls (a non-batched baseline).
-4. Timings come from `run_episodes` metrics: `time/env_wait_s` (the loop blocked on env calls),
-   `time/inference_s` (generate calls), `time/other_s` (parsing, PNG encoding, prompts, bookkeeping),
-   `rollout/env_utilization` (each env's busy time in resets/steps/evaluations, i.e. the pool's
-   `EnvResult.elapsed_s`, over n_envs x wall time). A pool proxy (`TimedPool`) adds the latency of each
-   reset / step / evaluate call. One warm-up episode per env runs before the timed repeats (Chromium
-   and the page cache warm up); pool start time is reported separately. Medians over `--repeats`.
-5. torch uses one thread (params.yaml project.torch_threads; on a busy 2-core machine more threads spin),
-   and the load average before/after is recorded because other jobs lower the numbers.
-6. `machine_cpu_busy`: the fraction of all cores' time that was busy during the run (/proc/stat),
-   whoever used it (Chromium, the workers, the generator). Async can only win the CPU time that sync
-   leaves idle (its envs waiting for the generator, the generator waiting for the slowest env): on a
-   machine whose cores are already busy under sync, async cannot be much faster, whatever its schedule.
-7. `--step-pauses`: each value is a run of every pool size and mode with envs that sleep that long after
-   each step's actions (MiniWoBEnv `step_pause_s`, miniwob_env.py decision 11), i.e. envs whose step time is
-   partly waiting, as an OSWorld VM on another host is (OSWorld's `DesktopEnv.step(pause=...)`; this
-   project's local desktop pauses `env.osworld.settle_s` = 0.5 s). With pause 0 MiniWoB's step time is
-   this machine's CPU (Chromium), which the generator competes for. Ratios of a pause p > 0 carry the
-   suffix `_pause<p>`.
-8. The generator's prompts use params.yaml's `policy.system_prompt` and `policy.history_images` (the
-   pipeline's own prompt; `--history-images all` keeps every screenshot, as presets/paper.yaml does).
+- **Real tiny policy.** The policy is a real tiny Qwen2.5-VL (`build_tiny_policy(size='xs', rope_theta=5.0,
+  mrope=[2,7,7])` in a temp dir, or `--policy DIR`) run by `HFGenerator`: inference cost is the real batched
+  generation. Its replies are random text, which would end every episode at step 1 as a format error
+  (no env step at all), so the generator wrapper keeps the sampled tokens and their cost but replaces
+  the reply TEXT with a random `click(start_box=...)` inside the model image, drawn from the reply's
+  own sampling seed (rollout.py, decision "Per-step sampling seeds": the same job list gives the same clicks
+  in every mode and pool size; the record checks that both modes produced the same trajectories). Episodes
+  therefore run to `--max-steps` or to the task's own end, as a trained policy's would.
+- **Fixed reply length.** Every reply has exactly `--reply-tokens` tokens (the stop tokens, and all other
+  special tokens, are masked out as in bench_generation.py), so inference cost does not depend on when a
+  random model happens to stop.
+- **Modes.** Modes: `sync` and `async` are `run_episodes`' two schedules on the same pool and the same jobs,
+  one after the other for each pool size (so both see the same machine load); `--batch-wait` is async's
+  `batch_wait_s`. `--one-at-a-time` splits every batch into batch-1 calls (a non-batched baseline).
+- **Loop timings.** Timings come from `run_episodes` metrics: `time/env_wait_s` (the loop blocked on env
+  calls), `time/inference_s` (generate calls), `time/other_s` (parsing, PNG encoding, prompts, bookkeeping),
+  `rollout/env_utilization` (each env's busy time in resets/steps/evaluations, i.e. the pool's
+  `EnvResult.elapsed_s`, over n_envs x wall time). A pool proxy (`TimedPool`) adds the latency of each
+  reset / step / evaluate call. One warm-up episode per env runs before the timed repeats (Chromium
+  and the page cache warm up); pool start time is reported separately. Medians over `--repeats`.
+- **One torch thread.** torch uses one thread (params.yaml project.torch_threads; on a busy 2-core machine
+  more threads spin), and the load average before/after is recorded because other jobs lower the numbers.
+- **Machine CPU busy.** `machine_cpu_busy`: the fraction of all cores' time that was busy during the run
+  (/proc/stat), whoever used it (Chromium, the workers, the generator). Async can only win the CPU time that
+  sync leaves idle (its envs waiting for the generator, the generator waiting for the slowest env): on a
+  machine whose cores are already busy under sync, async cannot be much faster, whatever its schedule.
+- **Step pauses.** `--step-pauses`: each value is a run of every pool size and mode with envs that sleep that
+  long after each step's actions (MiniWoBEnv `step_pause_s`, miniwob_env.py, decision "Step pause"), i.e. envs
+  whose step time is partly waiting, as an OSWorld VM on another host is (OSWorld's
+  `DesktopEnv.step(pause=...)`; this project's local desktop pauses `env.osworld.settle_s` = 0.5 s). With
+  pause 0 MiniWoB's step time is this machine's CPU (Chromium), which the generator competes for. Ratios of a
+  pause p > 0 carry the suffix `_pause<p>`.
+- **Pipeline prompt.** The generator's prompts use params.yaml's `policy.system_prompt` and
+  `policy.history_images` (the pipeline's own prompt; `--history-images all` keeps every screenshot, as
+  presets/paper.yaml does).
 """
 
 from __future__ import annotations
@@ -85,9 +87,9 @@ TASKS = ("click-test", "click-button", "click-link", "click-dialog")
 
 
 class FixedLengthGenerator(NoStop):
-    """HFGenerator whose replies always have `max_new_tokens` tokens (decision 2) and never contain a
-    special token: a random policy samples `<|image_pad|>` now and then, and that id fed back as reply
-    history breaks the next prompt's image-token count (get_rope_index raises StopIteration)."""
+    """HFGenerator whose replies always have `max_new_tokens` tokens (decision "Fixed reply length") and never
+    contain a special token: a random policy samples `<|image_pad|>` now and then, and that id fed back as
+    reply history breaks the next prompt's image-token count (get_rope_index raises StopIteration)."""
 
     def banned_ids(self) -> list[int]:
         return sorted(self.policy.tokenizer.added_tokens_decoder)  # every special/added token id
@@ -95,9 +97,9 @@ class FixedLengthGenerator(NoStop):
 
 class ClickingGenerator:
     """Real generation, reply text replaced by a random click in model-image pixels drawn from the
-    prompt's own seed (decision 1).
+    prompt's own seed (decision "Real tiny policy").
 
-    `one_at_a_time` splits each batch into batch-1 calls (decision 3). `batch_sizes` records the size
+    `one_at_a_time` splits each batch into batch-1 calls (decision "Modes"). `batch_sizes` records the size
     of every batch the rollout loop asked for."""
 
     def __init__(self, inner, min_pixels: int, max_pixels: int, one_at_a_time: bool = False):
@@ -204,15 +206,16 @@ def cpu_times() -> tuple[int, int] | None:
 
 
 def cpu_busy(before: tuple[int, int] | None, after: tuple[int, int] | None) -> float:
-    """Fraction of the machine's CPU time (all cores) that was busy between two `cpu_times` (decision 6)."""
+    """Fraction of the machine's CPU time (all cores) that was busy between two `cpu_times`
+    (decision "Machine CPU busy")."""
     if before is None or after is None or after[1] == before[1]:
         return float("nan")
     return round((after[0] - before[0]) / (after[1] - before[1]), 4)
 
 
 def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig, pause: float = 0.0) -> list[dict]:
-    """Every mode of `args.modes` on one pool of `n` envs, the same jobs each (decision 3); the envs
-    sleep `pause` seconds after each step's actions (decision 7)."""
+    """Every mode of `args.modes` on one pool of `n` envs, the same jobs each (decision "Modes"); the envs
+    sleep `pause` seconds after each step's actions (decision "Step pauses")."""
     gen = ClickingGenerator(
         FixedLengthGenerator(policy, system=args.system_prompt, history_images=args.history_images),
         cfg.min_pixels,
@@ -225,7 +228,7 @@ def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig, pause: fl
     start_s = time.perf_counter() - t0
     out = []
     try:
-        warm = run_episodes(pool, gen, make_jobs(args.tasks, n, 10_000), cfg)  # decision 4
+        warm = run_episodes(pool, gen, make_jobs(args.tasks, n, 10_000), cfg)  # decision "Loop timings"
         assert not warm.failed, warm.failed
         per_mode: dict[str, list[dict]] = {m: [] for m in args.modes}
         sigs: dict[str, list] = {m: [] for m in args.modes}
@@ -276,12 +279,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--step-pauses",
         type=lambda s: [float(x) for x in s.split(",")],
         default=[0.0],
-        help="env step_pause_s values, comma-separated (decision 7)",
+        help='env step_pause_s values, comma-separated (decision "Step pauses")',
     )
     ap.add_argument("--backends", type=strs, default=["process"])
-    ap.add_argument("--modes", type=strs, default=["sync", "async"], help="rollout modes (decision 3)")
+    ap.add_argument("--modes", type=strs, default=["sync", "async"], help='rollout modes (decision "Modes")')
     ap.add_argument("--batch-wait", type=float, default=0.0, help="async batch_wait_s")
-    ap.add_argument("--one-at-a-time", action="store_true", help="batch-1 generate calls (decision 3)")
+    ap.add_argument("--one-at-a-time", action="store_true", help='batch-1 generate calls (decision "Modes")')
     ap.add_argument("--episodes", type=int, default=16, help="episodes per timed run")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--max-steps", type=int, default=5)
@@ -294,7 +297,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--history-images",
         type=lambda v: None if v == "all" else int(v),
         default=params.history_images,
-        help="screenshots per prompt (decision 7; 'all': every step's); default: params.yaml's",
+        help='screenshots per prompt (decision "Pipeline prompt"; '
+        "'all': every step's); default: params.yaml's",
     )
     ap.add_argument("--system-prompt", default=params.system_prompt, help="default: params.yaml's")
     ap.add_argument("--out", type=Path, default=Path("benchmarks/results/rollout.json"))
@@ -326,7 +330,7 @@ def ratios(results: list[dict]) -> dict[str, float]:
 
 
 def bounds(results: list[dict]) -> dict[str, float]:
-    """What async could win over each sync run, from the sync run's own numbers (decision 6):
+    """What async could win over each sync run, from the sync run's own numbers (decision "Machine CPU busy"):
     `cpu_bound_<n>[_pause<p>]` = 1 / machine_cpu_busy, the most async can gain while doing the same CPU
     work per step (it does more: smaller generation batches), and `gen_hidden_<n>[_pause<p>]` =
     1 / (1 - inference share of sync's wall time), the gain from hiding sync's generation behind env

@@ -7,8 +7,8 @@ Both sides use the same pre-encoded sequences (trajectories of 1-3 screenshots),
 size and the same AdamW engine. "bare" = one forward of the padded batch, a mean NLL on the assistant
 tokens, backward, optimizer step. "arpo" = `update.ppo_update`: old log-probs + forward + clipped loss +
 backward + step; here the update is one on-policy optimizer step, so the old log-probs are the training
-forward's own (update.py decision 2; before that fix they cost an extra no-grad forward, +37%; the
-before/after is in the results file). Reported separately:
+forward's own (update.py, decision "Recomputed old log-probs"; before that fix they cost an extra no-grad
+forward, +37%; the before/after is in the results file). Reported separately:
 `arpo_no_old` (old log-probs given), which isolates the loss/bookkeeping overhead from the extra
 forward that the algorithm itself asks for.
 """

@@ -11,29 +11,29 @@ shape) on a machine without one.
     .venv/bin/python benchmarks/gpu_bench.py --tiny --parts config,zero2,zero3 --out /tmp/gpu_tiny.json
 
 Decisions:
-1. Shape from Qwen2.5-VL-7B-Instruct's published config.json (hidden 3584, 28 layers, 28 heads, 4 KV
-   heads, intermediate 18944, vocab 152064, untied embeddings; vision depth 32, hidden 1280, 16 heads,
-   intermediate 3420, window 112, full attention at blocks 7/15/23/31), written in the transformers-4
-   config format (`rope_scaling: {type: mrope}`) that vLLM's pinned transformers reads and transformers 5
-   still accepts. About 8.3B parameters (checked on the meta device, no allocation).
-2. Token ids come from the project's tiny tokenizer (its Qwen special tokens), which stands in for the
-   152k Qwen tokenizer: no download. The vocab stays 152064, so sampled ids can exceed the tokenizer's
-   vocabulary; vLLM therefore runs with `detokenize=False` and `ignore_eos=True` (every request yields
-   exactly `--gen-tokens` tokens: comparable numbers).
-3. vLLM loads with `load_format='dummy'` (random weights, no checkpoint). Pixel budget is the ARPO
-   reference's (min 3136, max 2,116,800 pixels: a 1920x1080 screenshot becomes 1932x1092 = 2691 image
-   tokens; a 160x210 MiniWoB screen 168x224 = 48 tokens).
-4. Training step: `deepspeed.initialize` directly with torch's AdamW (fused on CUDA), bf16, gradient
-   checkpointing, one sample of one screenshot + `--train-text-tokens` text tokens, labels on the text.
-   Not `arpo_core/algorithm/engines.py`: on CUDA it asks DeepSpeed for its own AdamW (FusedAdam), which is
-   JIT-compiled and needs nvcc, unknown on the target box. The optimizer states are the same size.
-   Memory note: on ONE GPU ZeRO shards nothing; full fine-tuning keeps bf16 weights + bf16 grads + fp32
-   master + two fp32 Adam moments = 16 bytes/param = ~124 GiB at 8.3B, so the full model is close to an
-   H200's 141 GB; `--freeze-vision` (LM only, ~7.6B) leaves more headroom. An out-of-memory error is
-   recorded as a result, not a crash.
-5. Every GPU part runs in its own subprocess with a time limit (vLLM keeps its memory until the process
-   ends; a crash or a hang in one part does not lose the others) and writes a partial JSON that the
-   parent merges into `--out`. Default limits sum to < 8 minutes.
+- **Qwen2.5-VL-7B shape.** Shape from Qwen2.5-VL-7B-Instruct's published config.json (hidden 3584, 28 layers,
+  28 heads, 4 KV heads, intermediate 18944, vocab 152064, untied embeddings; vision depth 32, hidden 1280, 16
+  heads, intermediate 3420, window 112, full attention at blocks 7/15/23/31), written in the transformers-4
+  config format (`rope_scaling: {type: mrope}`) that vLLM's pinned transformers reads and transformers 5
+  still accepts. About 8.3B parameters (checked on the meta device, no allocation).
+- **Tiny tokenizer ids.** Token ids come from the project's tiny tokenizer (its Qwen special tokens), which
+  stands in for the 152k Qwen tokenizer: no download. The vocab stays 152064, so sampled ids can exceed the
+  tokenizer's vocabulary; vLLM therefore runs with `detokenize=False` and `ignore_eos=True` (every request
+  yields exactly `--gen-tokens` tokens: comparable numbers).
+- **Dummy vLLM weights.** vLLM loads with `load_format='dummy'` (random weights, no checkpoint). Pixel budget
+  is the ARPO reference's (min 3136, max 2,116,800 pixels: a 1920x1080 screenshot becomes 1932x1092 = 2691
+  image tokens; a 160x210 MiniWoB screen 168x224 = 48 tokens).
+- **DeepSpeed training step.** Training step: `deepspeed.initialize` directly with torch's AdamW (fused on
+  CUDA), bf16, gradient checkpointing, one sample of one screenshot + `--train-text-tokens` text tokens,
+  labels on the text. Not `arpo_core/algorithm/engines.py`: on CUDA it asks DeepSpeed for its own AdamW
+  (FusedAdam), which is JIT-compiled and needs nvcc, unknown on the target box. The optimizer states are the
+  same size. Memory note: on ONE GPU ZeRO shards nothing; full fine-tuning keeps bf16 weights + bf16 grads +
+  fp32 master + two fp32 Adam moments = 16 bytes/param = ~124 GiB at 8.3B, so the full model is close to an
+  H200's 141 GB; `--freeze-vision` (LM only, ~7.6B) leaves more headroom. An out-of-memory error is
+  recorded as a result, not a crash.
+- **Subprocess parts.** Every GPU part runs in its own subprocess with a time limit (vLLM keeps its memory
+  until the process ends; a crash or a hang in one part does not lose the others) and writes a partial JSON
+  that the parent merges into `--out`. Default limits sum to < 8 minutes.
 """
 
 from __future__ import annotations
@@ -63,7 +63,7 @@ MAX_PIXELS = 2_116_800
 SIZES = {"miniwob": (160, 210), "1080p": (1920, 1080)}
 """Screenshot sizes (width, height) of the generation benchmark."""
 PART_TIMEOUT_S = {"vllm": 240, "zero2": 100, "zero3": 100}
-"""Per-part limits (decision 5): sum 440 s plus process starts, under 8 minutes."""
+"""Per-part limits (decision "Subprocess parts"): sum 440 s plus process starts, under 8 minutes."""
 
 
 @dataclass(frozen=True)
@@ -97,7 +97,7 @@ QWEN25VL_7B = Shape(
     fullatt_blocks=(7, 15, 23, 31),
     mrope_section=(16, 24, 24),
 )
-"""Qwen2.5-VL-7B-Instruct's published dimensions (decision 1)."""
+"""Qwen2.5-VL-7B-Instruct's published dimensions (decision "Qwen2.5-VL-7B shape")."""
 
 TINY = Shape(
     hidden=64,
@@ -141,7 +141,8 @@ QWEN_7B_TOKEN_IDS = {
 
 
 def qwen25vl_config(shape: Shape, token_ids: dict[str, int] | None = None) -> dict[str, Any]:
-    """config.json of a Qwen2.5-VL model of `shape` (decision 1); `token_ids` maps TOKEN_KEYS to ids."""
+    """config.json of a Qwen2.5-VL model of `shape` (decision "Qwen2.5-VL-7B shape"); `token_ids` maps
+    TOKEN_KEYS to ids."""
     if 2 * sum(shape.mrope_section) != shape.hidden // shape.heads:
         raise ValueError(
             f"mrope_section {shape.mrope_section} must sum to head_dim/2 = {shape.hidden // shape.heads // 2}"
@@ -225,8 +226,9 @@ def image_tokens(width: int, height: int, min_pixels: int = MIN_PIXELS, max_pixe
 
 
 def prepare_model_dir(model_dir: Path, shape: Shape) -> dict[str, Any]:
-    """Write config.json, generation_config.json, tokenizer and processor files (decision 2) in the
-    stock Qwen2.5-VL formats, no weights. Needs the CPU env (the project's tokenizer trainer)."""
+    """Write config.json, generation_config.json, tokenizer and processor files
+    (decision "Tiny tokenizer ids") in the stock Qwen2.5-VL formats, no weights. Needs the CPU env (the
+    project's tokenizer trainer)."""
     try:
         from arpo_core.policy.model import SIZES as TINY_SIZES
         from arpo_core.policy.model import default_corpus, train_tokenizer
@@ -347,7 +349,8 @@ def train_step_bench(
     device: str = "cuda",
 ) -> dict[str, Any]:
     """Median step time (forward + backward + optimizer step) and peak memory of a DeepSpeed ZeRO step
-    (decision 4). bf16 on CUDA, fp32 on CPU (gloo, for tests). The first step is a warm-up."""
+    (decision "DeepSpeed training step"). bf16 on CUDA, fp32 on CPU (gloo, for tests). The first step is a
+    warm-up."""
     import deepspeed
     import torch
     from transformers import Qwen2_5_VLForConditionalGeneration
@@ -439,7 +442,8 @@ def screenshot(width: int, height: int, i: int):
 def vllm_bench(
     model_dir: Path, batches: dict[str, int], gen_tokens: int, enforce_eager: bool
 ) -> dict[str, Any]:
-    """Generation throughput of batched one-image requests per screenshot size (decisions 2, 3)."""
+    """Generation throughput of batched one-image requests per screenshot size (decisions "Tiny tokenizer ids"
+    and "Dummy vLLM weights")."""
     from vllm import LLM, SamplingParams
 
     t0 = time.perf_counter()
@@ -513,7 +517,7 @@ def shape_of(args: argparse.Namespace) -> Shape:
 
 
 def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
-    """One GPU part in this process (the child side of decision 5)."""
+    """One GPU part in this process (the child side of decision "Subprocess parts")."""
     config = json.loads((args.model_dir / "config.json").read_text())
     if part == "vllm":
         batches = {"miniwob": args.batch_miniwob, "1080p": args.batch_1080p}
@@ -637,7 +641,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             record["results"]["config"] = {
                 "params": n,
                 "params_b": round(n["total"] / 1e9, 3),
-                "full_finetune_state_gib": round(16 * n["total"] / GIB, 1),  # decision 4
+                # decision "DeepSpeed training step"
+                "full_finetune_state_gib": round(16 * n["total"] / GIB, 1),
                 "image_tokens": {k: image_tokens(*v) for k, v in SIZES.items()},
             }
         else:

@@ -4,26 +4,27 @@ driven by the project's own rollout loop (`arpo_core.algorithm.rollout.run_episo
     .venv/bin/python benchmarks/rollout_sim.py      # writes benchmarks/results/rollout_sim.json (~1 min)
 
 Decisions:
-1. Not a re-implementation: `run_episodes` is called with a `SimPool` (the EnvPool interface: submit_*
-   returning futures), a `SimGenerator` (the Generator interface) and a `SimClock` (rollout.py's `Clock`:
-   `now`, `wait`). Env calls finish at simulated times; a generate call advances the clock by the cost
-   model's latency; `SimClock.wait` jumps to the next finishing call (or the loop's batch deadline). So the
-   sync/async scheduling measured here is exactly the code the pipeline runs.
-2. Replies come from each prompt's own sampling seed (rollout.py decision 5): a click, or
-   `finished()` with probability `--p-finish` per step; so both modes play the same episodes (same step
-   counts, checked: the trajectories' signature is compared) and only the schedule differs.
-3. Env latencies (seconds) are drawn from a per-env stream (`derive_seed("sim_env", seed, env, call)`),
-   lognormal around a median with a spread, plus a rare slow tail; the numbers and where they come from
-   are in `ASSUMPTIONS` and recorded with the results.
-4. The generation cost model (`gen_latency`) is a roofline of a 7B Qwen2.5-VL on H200-class GPUs:
-   prefill of the prompt's new tokens (one 1080p screenshot = 2,691 visual tokens plus the step's text;
-   history reused from the prefix cache) at a fixed token rate, then `reply_tokens` decode steps, each
-   costing a fixed per-step time plus reading every row's KV cache from HBM. The batch is split over
-   `replicas` data-parallel engines; one generate call at a time (the loop's generator is one blocking
-   call). All constants are assumptions, in `ASSUMPTIONS`.
-5. Utilization: `rollout/env_utilization` from the loop's own metrics (env busy time / n_envs x wall);
-   generator utilization = inference time / wall. Epoch = `--iterations` calls of 128 jobs (16 tasks x
-   groups of 8), rollout time only (the update and the weight sync are not modelled).
+- **Real loop simulated.** Not a re-implementation: `run_episodes` is called with a `SimPool` (the EnvPool
+  interface: submit_* returning futures), a `SimGenerator` (the Generator interface) and a `SimClock`
+  (rollout.py's `Clock`: `now`, `wait`). Env calls finish at simulated times; a generate call advances the
+  clock by the cost model's latency; `SimClock.wait` jumps to the next finishing call (or the loop's batch
+  deadline). So the sync/async scheduling measured here is exactly the code the pipeline runs.
+- **Seeded replies.** Replies come from each prompt's own sampling seed (rollout.py,
+  decision "Per-step sampling seeds"): a click, or `finished()` with probability `--p-finish` per step; so
+  both modes play the same episodes (same step counts, checked: the trajectories' signature is compared) and
+  only the schedule differs.
+- **Env latencies.** Env latencies (seconds) are drawn from a per-env stream (`derive_seed("sim_env", seed,
+  env, call)`), lognormal around a median with a spread, plus a rare slow tail; the numbers and where they
+  come from are in `ASSUMPTIONS` and recorded with the results.
+- **Generation cost model.** The generation cost model (`gen_latency`) is a roofline of a 7B Qwen2.5-VL on
+  H200-class GPUs: prefill of the prompt's new tokens (one 1080p screenshot = 2,691 visual tokens plus the
+  step's text; history reused from the prefix cache) at a fixed token rate, then `reply_tokens` decode steps,
+  each costing a fixed per-step time plus reading every row's KV cache from HBM. The batch is split over
+  `replicas` data-parallel engines; one generate call at a time (the loop's generator is one blocking
+  call). All constants are assumptions, in `ASSUMPTIONS`.
+- **Utilization.** Utilization: `rollout/env_utilization` from the loop's own metrics (env busy time / n_envs
+  x wall); generator utilization = inference time / wall. Epoch = `--iterations` calls of 128 jobs (16 tasks x
+  groups of 8), rollout time only (the update and the weight sync are not modelled).
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class SimFuture:
 
 
 class SimClock:
-    """rollout.py's `Clock` over simulated seconds (decision 1)."""
+    """rollout.py's `Clock` over simulated seconds (rollout_sim.py, decision "Real loop simulated")."""
 
     def __init__(self) -> None:
         self.t = 0.0
@@ -152,8 +153,8 @@ class SimClock:
 
 
 class SimPool:
-    """The EnvPool interface over simulated OSWorld-like desktops (decision 3). An env runs its calls one
-    after another, like EnvPool's per-env executor."""
+    """The EnvPool interface over simulated OSWorld-like desktops (decision "Env latencies"). An env runs its
+    calls one after another, like EnvPool's per-env executor."""
 
     def __init__(self, n: int, clock: SimClock, seed: int = 0, env: dict[str, Any] | None = None):
         self.n, self.clock, self.seed = n, clock, seed
@@ -202,7 +203,8 @@ class SimPool:
 
 
 def gen_latency(n_images: Sequence[int], g: dict[str, Any] | None = None) -> float:
-    """Seconds for one generate call whose prompts hold `n_images` screenshots each (decision 4)."""
+    """Seconds for one generate call whose prompts hold `n_images` screenshots each
+    (decision "Generation cost model")."""
     g = dict(ASSUMPTIONS["generation"], **(g or {}))
     if not n_images:
         return 0.0
@@ -219,8 +221,8 @@ def gen_latency(n_images: Sequence[int], g: dict[str, Any] | None = None) -> flo
 
 
 class SimGenerator:
-    """The Generator interface: replies drawn from each prompt's seed (decision 2), the clock advanced by
-    the cost model (decision 4)."""
+    """The Generator interface: replies drawn from each prompt's seed (decision "Seeded replies"), the clock
+    advanced by the cost model (decision "Generation cost model")."""
 
     def __init__(self, clock: SimClock, p_finish: float, g: dict[str, Any] | None = None):
         self.clock, self.p_finish, self.g = clock, p_finish, g

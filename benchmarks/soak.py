@@ -6,9 +6,9 @@ Rollouts are reproducible (an episode's seed comes from the run seed, epoch, job
 timing), so every episode the reference stored must be stored by the soaked run too, once:
 - episodes lost = reference episodes missing from the soaked run's Parquet files (keyed by file, stage,
   epoch, task, group and sample), extra = the other way round;
-- every kill must be counted: at least one of the run's own warning lines (one per fault, pool.py
-  decision 7; the way a user sees them) names the killed worker: a killed worker is found by its next
-  call, a failed start or the pool's close, and replaced; a killed browser is found by the next step
+- every kill must be counted: at least one of the run's own warning lines (one per fault, pool.py,
+  decision "Fault counting"; the way a user sees them) names the killed worker: a killed worker is found by
+  its next call, a failed start or the pool's close, and replaced; a killed browser is found by the next step
   (fatal), by the reset that replaces it, or by the env when the pool closes it.
 
 Only pool processes are killed: env workers (their own process group, a private `arpo-envworker-` temp
@@ -44,7 +44,8 @@ VENV_BIN = Path(sys.executable).parent
 FAULT_LINE = re.compile(
     r"(?:(\d\d:\d\d:\d\d\.\d{3}) .*?)?env fault (\w+): env (\d+), task (\S+), worker (\S+): (.*)"
 )
-"""A pool fault line (pool.py decision 7) in the run log: time, kind, env, task, worker pid, message."""
+"""A pool fault line (pool.py, decision "Fault counting") in the run log: time, kind, env, task, worker pid,
+message."""
 
 
 # ------------------------------------------------------------------------------------------- processes

@@ -1,33 +1,36 @@
 """`arpo-train`: the whole pipeline as one Prefect flow composing the stage flows as subflows.
 
 Decisions:
-1. The flow only composes: stage order and the up-to-date check; every stage is its own subflow (and
-   MLflow run) with the stage's name, so the Prefect UI, `dvc.yaml` and MLflow show the same names.
-2. A stage whose stamp matches its params, inputs and code (flows/spec.py) is skipped and says so;
-   `force=True` re-runs everything. Because upstream outputs are part of a stage's key, re-running an
-   early stage re-runs everything downstream of it whose inputs actually changed.
-3. Deployment parameters are strings (params file, preset name, dotted overrides), the same inputs as
-   `arpo run` and `dvc exp run -S`, so a deployment run is reproducible from its parameters alone.
-4. Progress: one line when a stage starts, is skipped or ends (with its wall time and headline
-   metrics), through `print` with `log_prints` so it reaches the terminal and the Prefect UI.
-5. One MLflow parent run per pipeline run, named by the variant (tracking/mlflow_runs.py decision 7), with
-   the variant's full effective params and the keys it changes against the params file alone (tag
-   `arpo.changed`); the stage runs it executes are its children. The flow run has the same name.
-6. `targets` (e.g. ["evaluate"]) runs only those stages and the stages they need (their inputs'
-   producers, recursively; `table.upstream`), like `dvc repro TARGET`; the others are not looked at.
-7. Ctrl-C is never lost. CPython drops an exception raised while a finalizer or weakref callback runs
-   ("Exception ignored in ..."), so a KeyboardInterrupt that lands there vanished and the run went on
-   (seen: Ctrl-C during `select`, the pipeline finished). `arpo run` installs `on_interrupt`, which
-   records the interrupt before raising; the flow checks the record before every stage and stops there.
-8. The flow holds the working tree's lock (flows/services.py `run_lock`) from its start to its end, so a
-   deployment's flow run is one run for the lock, as an `arpo run` is (before, each stage took and
-   released it, and the pipeline's MLflow run was outside it); inside `arpo run` it is the CLI's lock,
-   re-entered. Taking it over from a dead holder closes what that run left open.
-9. A deployment's flow run stops cleanly when told to (the worker's second Ctrl-C sends it SIGINT;
-   Prefect's worker, stopping, sends SIGTERM, which Prefect's engine raises as TerminationSignal):
-   either ends the flow through its normal exit path, so the stage and pipeline runs end KILLED in
-   MLflow (tracking decision 9), Prefect records the flow run Crashed, the lock is released and the
-   env workers stopped.
+- **Composing flow.** The flow only composes: stage order and the up-to-date check; every stage is its own
+  subflow (and MLflow run) with the stage's name, so the Prefect UI, `dvc.yaml` and MLflow show the same
+  names.
+- **Stage stamps skip.** A stage whose stamp matches its params, inputs and code (flows/spec.py) is skipped
+  and says so; `force=True` re-runs everything. Because upstream outputs are part of a stage's key, re-running
+  an early stage re-runs everything downstream of it whose inputs actually changed.
+- **String parameters.** Deployment parameters are strings (params file, preset name, dotted overrides), the
+  same inputs as `arpo run` and `dvc exp run -S`, so a deployment run is reproducible from its parameters
+  alone.
+- **Progress lines.** Progress: one line when a stage starts, is skipped or ends (with its wall time and
+  headline metrics), through `print` with `log_prints` so it reaches the terminal and the Prefect UI.
+- **Parent MLflow run.** One MLflow parent run per pipeline run, named by the variant
+  (tracking/mlflow_runs.py, decision "Nested runs"), with the variant's full effective params and the keys it
+  changes against the params file alone (tag `arpo.changed`); the stage runs it executes are its children. The
+  flow run has the same name.
+- **Target stages.** `targets` (e.g. ["evaluate"]) runs only those stages and the stages they need (their
+  inputs' producers, recursively; `table.upstream`), like `dvc repro TARGET`; the others are not looked at.
+- **Ctrl-C never lost.** Ctrl-C is never lost. CPython drops an exception raised while a finalizer or weakref
+  callback runs ("Exception ignored in ..."), so a KeyboardInterrupt that lands there vanished and the run
+  went on (seen: Ctrl-C during `select`, the pipeline finished). `arpo run` installs `on_interrupt`, which
+  records the interrupt before raising; the flow checks the record before every stage and stops there.
+- **Lock held throughout.** The flow holds the working tree's lock (flows/services.py `run_lock`) from its
+  start to its end, so a deployment's flow run is one run for the lock, as an `arpo run` is (before, each
+  stage took and released it, and the pipeline's MLflow run was outside it); inside `arpo run` it is the CLI's
+  lock, re-entered. Taking it over from a dead holder closes what that run left open.
+- **Clean stop.** A deployment's flow run stops cleanly when told to (the worker's second Ctrl-C sends it
+  SIGINT; Prefect's worker, stopping, sends SIGTERM, which Prefect's engine raises as TerminationSignal):
+  either ends the flow through its normal exit path, so the stage and pipeline runs end KILLED in
+  MLflow (mlflow_runs.py, decision "Never left running"), Prefect records the flow run Crashed, the lock is
+  released and the env workers stopped.
 """
 
 from __future__ import annotations
@@ -87,7 +90,8 @@ def headline(metrics: dict[str, float]) -> str:
 
 
 def changed_params(params: str, p: object) -> dict[str, object]:
-    """Decision 5: {dotted key: value} of the effective params that differ from the params file alone."""
+    """Decision "Parent MLflow run": {dotted key: value} of the effective params that differ from the params
+    file alone."""
     base = flatten(to_dict(load_params_once(params)))
     return {k: v for k, v in flatten(to_dict(p)).items() if base.get(k, object()) != v}
 
@@ -95,8 +99,8 @@ def changed_params(params: str, p: object) -> dict[str, object]:
 def start_pipeline_run(
     params: str, preset: str | None, overrides: list[str] | None, p: object, pid: str, door: str = "flow"
 ) -> str:
-    """Decision 5: the parent MLflow run of this pipeline run, named by variant and front door (runner
-    decision 10); returns its id."""
+    """Decision "Parent MLflow run": the parent MLflow run of this pipeline run, named by variant and front
+    door (runner.py, decision "Front door tag"); returns its id."""
     c = mlflow_runs.client(".")
     exp = mlflow_runs.ensure_experiment(c, p.project.name, ".")
     variant = variant_name(preset, overrides)
@@ -128,17 +132,17 @@ def arpo_train(
 ) -> dict[str, dict[str, float]]:
     """Every stage of the stage table in order (init_policy -> ground -> demos -> sft -> baseline -> select
     -> train -> rft, dpo, kto -> evaluate -> compare), skipping up-to-date stages; with `targets`, only
-    those stages and the stages they need (decision 6). Returns each executed stage's metrics. Holds the
-    working tree's lock for the whole run (decision 8)."""
+    those stages and the stages they need (decision "Target stages"). Returns each executed stage's metrics.
+    Holds the working tree's lock for the whole run (decision "Lock held throughout")."""
     ctx = FlowRunContext.get()
     door = pipeline_front_door(ctx)
     old_door = os.environ.get(FRONT_DOOR_ENV)
-    os.environ[FRONT_DOOR_ENV] = door  # the stage runs' tag (runner decision 10)
+    os.environ[FRONT_DOOR_ENV] = door  # the stage runs' tag (runner.py, decision "Front door tag")
     old_sigint = _record_interrupts()
     try:
         with run_lock(".", command=f"arpo-train ({door})"):
             if ctx is not None and ctx.flow_run is not None:
-                crash_dead_flow_runs()  # services.py decision 4
+                crash_dead_flow_runs()  # services.py, decision "Dead run cleanup"
             return _pipeline(params, preset, overrides, force, targets, ctx, door)
     finally:
         if old_sigint is not None:
@@ -150,9 +154,9 @@ def arpo_train(
 
 
 def _record_interrupts() -> object | None:
-    """Decision 7 for a deployment's flow run (where no CLI installed it): SIGINT goes through
-    `on_interrupt` while the flow runs, when it is Python's default handler and this is the main thread;
-    returns the handler to restore, or None when nothing was changed."""
+    """Decision "Ctrl-C never lost" for a deployment's flow run (where no CLI installed it): SIGINT goes
+    through `on_interrupt` while the flow runs, when it is Python's default handler and this is the main
+    thread; returns the handler to restore, or None when nothing was changed."""
     if threading.current_thread() is not threading.main_thread():
         return None
     current = signal.getsignal(signal.SIGINT)
@@ -164,8 +168,8 @@ def _record_interrupts() -> object | None:
 
 
 def pipeline_front_door(ctx: object) -> str:
-    """Runner decision 10: `arpo run` (set by the CLI), `deployment <flow>/<name>` for a deployment's
-    flow run, else `flow` (the flow called some other way)."""
+    """runner.py, decision "Front door tag": `arpo run` (set by the CLI), `deployment <flow>/<name>` for a
+    deployment's flow run, else `flow` (the flow called some other way)."""
     if os.environ.get(FRONT_DOOR_ENV):
         return os.environ[FRONT_DOOR_ENV]
     fr = getattr(ctx, "flow_run", None)
@@ -200,7 +204,7 @@ def _pipeline(
         for i, name in enumerate(wanted, 1):
             stage_flow = FLOWS[name]
             tag = f"[arpo-train] {i}/{len(wanted)} {name}"
-            if INTERRUPTED.is_set():  # decision 7: an interrupt the interpreter swallowed
+            if INTERRUPTED.is_set():  # decision "Ctrl-C never lost": an interrupt the interpreter swallowed
                 print(f"{tag}: not started (interrupted)")
                 raise KeyboardInterrupt(f"interrupted before stage {name}")
             if not force and is_up_to_date(p, SPECS[name], Path(".")):
@@ -217,7 +221,8 @@ def _pipeline(
                 parent_run_id=parent,
             )
             print(f"{tag}: done in {time.monotonic() - t0:.0f} s  {headline(results[name])}")
-    except BaseException as e:  # KILLED for an interrupt, FAILED for an error (tracking decision 9)
+    except BaseException as e:
+        # KILLED for an interrupt, FAILED for an error (mlflow_runs.py, decision "Never left running")
         error = e
         raise
     finally:

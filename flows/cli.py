@@ -206,7 +206,8 @@ def stage(
 ) -> None:
     """Run one pipeline stage without Prefect (each DVC stage's cmd), tracked in MLflow; a stage whose
     stamp matches its params, inputs, code and outputs is skipped, as `arpo run` skips it
-    (flows/spec.py decision 6), so `dvc repro` after an `arpo run` only records what is there.
+    (flows/spec.py, decision "One staleness authority"), so `dvc repro` after an `arpo run` only records what
+    is there.
 
     Data-parallel training (docs/scale-out.md): `torchrun --nproc-per-node N .venv/bin/arpo stage train`
     (or `--nnodes`, or the deepspeed launcher), or `arpo stage train --nproc-per-node N`. Rank 0 is the
@@ -254,7 +255,7 @@ def _launch_ranks(n: int, params: Path, set_: list[str], preset: str | None, for
     copies of `arpo stage train` on this machine under this command's run lock. A rank that dies ends the
     job at once (the launcher stops the others; a hung rank ends at `train.distributed.timeout_s`), and
     the error names the rank, how it ended and its last step from the ranks' heartbeats
-    (distributed.py decision 7). Run the same command again to resume, with any number of ranks."""
+    (distributed.py, decision "Rank heartbeats"). Run the same command again to resume, with any number of ranks."""
     from arpo_core.algorithm.distributed import launch_ranks
     from arpo_core.algorithm.engines import free_port
     from arpo_core.pipeline.table import stage as stage_of
@@ -317,7 +318,8 @@ def run(
     with _locked("arpo run " + " ".join(sys.argv[2:])):
         from flows.services import own_session_server
 
-        own_session_server()  # services.py decision 1: Ctrl-C must not reach the temporary server
+        # services.py, decision "Prefect server session": Ctrl-C must not reach the temporary server
+        own_session_server()
         os.environ[FRONT_DOOR_ENV] = "arpo run"
         arpo_train(
             params=str(params), preset=preset, overrides=list(set_), force=force, targets=list(target) or None
@@ -432,7 +434,8 @@ def view(
         try:
             got = read_trajectories(path)
             trajs += got
-            sources += [str(path)] * len(got)  # each episode labelled with its file (viewer decision 6)
+            # each episode labelled with its file (viewer.py, decision "Episode provenance")
+            sources += [str(path)] * len(got)
         except (FileNotFoundError, ValueError) as e:
             typer.secho(f"error: {path}: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(2) from e

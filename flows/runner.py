@@ -1,60 +1,62 @@
 """Running one stage with tracking: the part every stage flow shares, also used by `arpo stage` (DVC).
 
 Decisions:
-1. One code path for the three front doors. A stage flow (Prefect), `arpo stage NAME` (what each DVC
-   stage's `cmd` runs) and `arpo run` all end in `StageRun.execute`: load params, open the MLflow run
-   named after the stage, call the stage's task (tasks/stages.py) with the stage table's arguments, write
-   `metrics/<stage>.json`, log params, metrics and artifacts, write the stage stamp (flows/spec.py),
-   close the run FINISHED or FAILED. Nothing here depends on which stage it is: what differs between
-   stages is in the stage object (arpo_core/pipeline/stage.py): its fields and tracking hooks.
-2. `call(task, ...)` runs a Prefect task as a task run inside a flow run, and as its plain function
-   (`task.fn`) outside one. DVC stages run outside Prefect: a flow run needs an API server, and a
-   temporary one costs 10-20 s per process on this machine (measured), 8x per `dvc repro`. So under
-   DVC there are no Prefect retries (DVC itself re-runs a failed stage); everything else is identical.
-3. Paths are relative to the working directory, which is the project root for all three front doors
-   (DVC runs commands there; the Prefect deployment's pull step sets it), because params.yaml's suite
-   paths are relative too.
-4. A stage writes its outputs beside the previous ones and they replace them only when it succeeds
-   (issue 34 item 4): each output path `dir/name` is passed to the stage as its staging path
-   `dir/.name.staging` (same filesystem, so the swap is a rename; git- and DVC-ignored), and after the
-   stage returns every staged output is moved into place (`commit_outputs`: a file by one atomic
-   rename, a directory by renaming the previous one to `dir/.name.previous`, the staged one into place,
-   then deleting the previous; a kill between the two renames is repaired at the next start, which
-   puts the previous output back). A stage that fails (disk full, a bad input, a bug, a kill) leaves
-   the previous outputs, their stamp and everything downstream as they were. The staging area belongs
-   to one configuration: a marker `.arpo/stamps/<stage>.running` holds the key of the attempt in
-   progress; an attempt with the same key (a Prefect retry, or the same run restarted after a kill)
-   keeps the staged outputs and resumes from them (the train stage from its last epoch checkpoint,
-   which lives in the staging area while it runs); an attempt with another key empties it first, so
-   the train stage never "resumes" an ARPO run's finished epochs as a GRPO run. The price: room for the
-   old and the new outputs until the swap.
-5. A stage with an `epoch_history(outputs...)` hook (train) has its per-epoch rows logged at
-   step = epoch and written to `plots/<stage>_epochs.csv` (the columns DVC plots); per-iteration
-   metrics go to MLflow under `iter/<key>` through the task's `on_metrics` hook.
-6. Params are parsed once per process for a given (file contents, preset, overrides): the pipeline flow
-   and every stage flow it calls share the same `Params` object (`load_params_once`).
-7. What a run logs: its effective params (own + upstream, flows/spec.py decision 4) plus the stage
-   stage's `tracked_params(p)` hook where it has one (the trained policy's `method`); the summary metrics
-   to `metrics/<stage>.json` and the breakdowns to `metrics/details/<stage>.json` (spec decision 5),
-   all of them to MLflow; each `policy` artifact as an MLflow model (tracking/policy_model.py) linked to
-   the run's metrics; the evaluations' metrics linked to the models of the stages that produced the
-   evaluated policies (the stage's `model_inputs`, role -> input argument).
-8. Inside a Prefect flow run each stage publishes artifacts: a Markdown summary (variant, headline
-   metrics, MLflow run) and, where it evaluated policies, a table of success per role, mode and split.
-9. Viewer pages of a stage are rewritten as a whole: the stage's page directory is emptied first, so a
-   re-run with another configuration leaves no pages of the earlier one.
-10. Every run says which front door started it (tag `arpo.front_door`: `arpo run`, `deployment
-   arpo-train/<name>`, `dvc`, `dvc exp`, `arpo stage`), and a pipeline run's name ends with it
-   (`quick · arpo run`, `quick · deployment arpo-train/quick`): a deployment run and an `arpo run` of
-   the same preset were two runs named `quick` (issue 34 item 6).
-11. The metric a user compares first comes first in MLflow (issue 32 item 3). MLflow's compare page
-   plots the first metric key in sort order and its chart view opens on the section of keys without a
-   `/`; a stage's `headline(p, metrics)` hook (evaluate, rft / dpo / kto, train, compare) gives that
-   metric again under a key with no `/` and a leading `_`, which sorts before every `eval/...` key:
-   `_success_rate` (the trained policy's greedy in-domain success), `_delta_vs_base` (compare: the
-   trained arm's paired delta), `_rollout_success_rate` (train). A stage run that tracks a
-   `method` different from the stage's name is named with it, `evaluate · grpo`, `train · arpo`,
-   `compare · arpo`, so the runs list tells the arms apart (before: all named `evaluate`).
+- **One code path.** One code path for the three front doors. A stage flow (Prefect), `arpo stage NAME` (what
+  each DVC stage's `cmd` runs) and `arpo run` all end in `StageRun.execute`: load params, open the MLflow run
+  named after the stage, call the stage's task (tasks/stages.py) with the stage table's arguments, write
+  `metrics/<stage>.json`, log params, metrics and artifacts, write the stage stamp (flows/spec.py),
+  close the run FINISHED or FAILED. Nothing here depends on which stage it is: what differs between
+  stages is in the stage object (arpo_core/pipeline/stage.py): its fields and tracking hooks.
+- **Prefect tasks outside flows.** `call(task, ...)` runs a Prefect task as a task run inside a flow run, and
+  as its plain function (`task.fn`) outside one. DVC stages run outside Prefect: a flow run needs an API
+  server, and a temporary one costs 10-20 s per process on this machine (measured), 8x per `dvc repro`. So
+  under DVC there are no Prefect retries (DVC itself re-runs a failed stage); everything else is identical.
+- **Relative paths.** Paths are relative to the working directory, which is the project root for all three
+  front doors (DVC runs commands there; the Prefect deployment's pull step sets it), because params.yaml's
+  suite paths are relative too.
+- **Staged outputs.** A stage writes its outputs beside the previous ones and they replace them only when it
+  succeeds (issue 34 item 4): each output path `dir/name` is passed to the stage as its staging path
+  `dir/.name.staging` (same filesystem, so the swap is a rename; git- and DVC-ignored), and after the
+  stage returns every staged output is moved into place (`commit_outputs`: a file by one atomic
+  rename, a directory by renaming the previous one to `dir/.name.previous`, the staged one into place,
+  then deleting the previous; a kill between the two renames is repaired at the next start, which
+  puts the previous output back). A stage that fails (disk full, a bad input, a bug, a kill) leaves
+  the previous outputs, their stamp and everything downstream as they were. The staging area belongs
+  to one configuration: a marker `.arpo/stamps/<stage>.running` holds the key of the attempt in
+  progress; an attempt with the same key (a Prefect retry, or the same run restarted after a kill)
+  keeps the staged outputs and resumes from them (the train stage from its last epoch checkpoint,
+  which lives in the staging area while it runs); an attempt with another key empties it first, so
+  the train stage never "resumes" an ARPO run's finished epochs as a GRPO run. The price: room for the
+  old and the new outputs until the swap.
+- **Epoch history.** A stage with an `epoch_history(outputs...)` hook (train) has its per-epoch rows logged at
+  step = epoch and written to `plots/<stage>_epochs.csv` (the columns DVC plots); per-iteration
+  metrics go to MLflow under `iter/<key>` through the task's `on_metrics` hook.
+- **Params parsed once.** Params are parsed once per process for a given (file contents, preset, overrides):
+  the pipeline flow and every stage flow it calls share the same `Params` object (`load_params_once`).
+- **What a run logs.** What a run logs: its effective params (own + upstream, flows/spec.py,
+  decision "Effective params") plus the stage stage's `tracked_params(p)` hook where it has one (the trained
+  policy's `method`); the summary metrics to `metrics/<stage>.json` and the breakdowns to
+  `metrics/details/<stage>.json` (spec.py, decision "Short metrics files"), all of them to MLflow; each
+  `policy` artifact as an MLflow model (tracking/policy_model.py) linked to the run's metrics; the
+  evaluations' metrics linked to the models of the stages that produced the evaluated policies (the stage's
+  `model_inputs`, role -> input argument).
+- **Prefect artifacts.** Inside a Prefect flow run each stage publishes artifacts: a Markdown summary
+  (variant, headline metrics, MLflow run) and, where it evaluated policies, a table of success per role, mode
+  and split.
+- **Viewer pages rewritten.** Viewer pages of a stage are rewritten as a whole: the stage's page directory is
+  emptied first, so a re-run with another configuration leaves no pages of the earlier one.
+- **Front door tag.** Every run says which front door started it (tag `arpo.front_door`: `arpo run`,
+  `deployment arpo-train/<name>`, `dvc`, `dvc exp`, `arpo stage`), and a pipeline run's name ends with it
+  (`quick · arpo run`, `quick · deployment arpo-train/quick`): a deployment run and an `arpo run` of
+  the same preset were two runs named `quick` (issue 34 item 6).
+- **Headline metric first.** The metric a user compares first comes first in MLflow (issue 32 item 3).
+  MLflow's compare page plots the first metric key in sort order and its chart view opens on the section of
+  keys without a `/`; a stage's `headline(p, metrics)` hook (evaluate, rft / dpo / kto, train, compare) gives
+  that metric again under a key with no `/` and a leading `_`, which sorts before every `eval/...` key:
+  `_success_rate` (the trained policy's greedy in-domain success), `_delta_vs_base` (compare: the
+  trained arm's paired delta), `_rollout_success_rate` (train). A stage run that tracks a
+  `method` different from the stage's name is named with it, `evaluate · grpo`, `train · arpo`,
+  `compare · arpo`, so the runs list tells the arms apart (before: all named `evaluate`).
 """
 
 from __future__ import annotations
@@ -121,12 +123,12 @@ PLOT_COLUMNS = (
 
 
 def staging_path(out: Path) -> Path:
-    """Decision 4: where a stage writes output `out` while it runs."""
+    """Decision "Staged outputs": where a stage writes output `out` while it runs."""
     return out.parent / f".{out.name}.staging"
 
 
 def previous_path(out: Path) -> Path:
-    """Decision 4: where the previous output `out` waits during the swap."""
+    """Decision "Staged outputs": where the previous output `out` waits during the swap."""
     return out.parent / f".{out.name}.previous"
 
 
@@ -138,8 +140,8 @@ def _remove(path: Path) -> None:
 
 
 def recover_outputs(outs: Sequence[Path]) -> None:
-    """Decision 4: finish or undo a swap a kill interrupted. A previous output whose place is empty goes
-    back (the staged one stays, for a resume); one whose place is filled is deleted."""
+    """Decision "Staged outputs": finish or undo a swap a kill interrupted. A previous output whose place is
+    empty goes back (the staged one stays, for a resume); one whose place is filled is deleted."""
     for out in outs:
         prev = previous_path(out)
         if prev.exists():
@@ -150,8 +152,8 @@ def recover_outputs(outs: Sequence[Path]) -> None:
 
 
 def commit_outputs(outs: Sequence[Path]) -> None:
-    """Decision 4: move every staged output into place; an output the stage did not write this time is
-    removed (what it held came from an earlier run)."""
+    """Decision "Staged outputs": move every staged output into place; an output the stage did not write this
+    time is removed (what it held came from an earlier run)."""
     for out in outs:
         staged, prev = staging_path(out), previous_path(out)
         if not staged.exists():
@@ -169,7 +171,8 @@ def commit_outputs(outs: Sequence[Path]) -> None:
 
 
 def call(task: Any, *args: Any, **kwargs: Any) -> Any:
-    """Run a Prefect task as a task run inside a flow run, or its plain function outside (decision 2)."""
+    """Run a Prefect task as a task run inside a flow run, or its plain function outside
+    (decision "Prefect tasks outside flows")."""
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is not None:
@@ -178,11 +181,11 @@ def call(task: Any, *args: Any, **kwargs: Any) -> Any:
 
 
 FRONT_DOOR_ENV = "ARPO_FRONT_DOOR"
-"""Decision 10: the front door a pipeline run came through, set for its stage runs."""
+"""Decision "Front door tag": the front door a pipeline run came through, set for its stage runs."""
 
 
 def front_door() -> str:
-    """Decision 10: 'dvc' / 'dvc exp' (a DVC stage), else what the pipeline run set ('arpo run',
+    """Decision "Front door tag": 'dvc' / 'dvc exp' (a DVC stage), else what the pipeline run set ('arpo run',
     'deployment arpo-train/quick'), else 'arpo stage'."""
     if os.environ.get("DVC_STAGE"):
         return "dvc exp" if os.environ.get("DVC_EXP_NAME") else "dvc"
@@ -207,7 +210,8 @@ def _load(params: str, digest: str, preset: str | None, overrides: tuple[str, ..
 def load_params_once(
     params: str | os.PathLike = "params.yaml", overrides: Sequence[str] = (), preset: str | None = None
 ) -> Params:
-    """Decision 6: `load_params`, parsed once per (file contents, preset, overrides) in a process."""
+    """Decision "Params parsed once": `load_params`, parsed once per (file contents, preset, overrides) in a
+    process."""
     digest = hashlib.sha256(Path(params).read_bytes()).hexdigest() if Path(params).exists() else ""
     return _load(str(params), digest, preset, tuple(overrides))
 
@@ -265,7 +269,7 @@ class StageRun:
                 "arpo.key": key,
                 "arpo.variant": self.variant,
                 "arpo.pipeline_id": self.pipeline_id,
-                "arpo.front_door": front_door(),  # decision 10
+                "arpo.front_door": front_door(),  # decision "Front door tag"
             },
         )
         marker = self._prepare_outputs(key)
@@ -274,11 +278,11 @@ class StageRun:
         error: BaseException | None = None
         t0 = time.monotonic()
         try:
-            staged = {k: staging_path(v) for k, v in self._outputs().items()}  # decision 4
+            staged = {k: staging_path(v) for k, v in self._outputs().items()}  # decision "Staged outputs"
             result = call(TASKS[self.name], self.name, self.p, self.root, self._log_iteration, staged)
             commit_outputs(list(self._outputs().values()))
             metrics = {k: float(v) for k, v in result.items() if isinstance(v, int | float)}
-            if self.spec.headline is not None:  # decision 11
+            if self.spec.headline is not None:  # decision "Headline metric first"
                 metrics.update(self.spec.headline(self.p, metrics))
             metrics[f"time/{self.name}_s"] = time.monotonic() - t0
             summary, details = split_metrics(metrics)
@@ -290,32 +294,34 @@ class StageRun:
             marker.unlink(missing_ok=True)
             publish_artifacts(self.name, self.variant, summary, metrics, self.run_id)
             return metrics
-        except BaseException as e:  # KILLED for an interrupt, FAILED for an error (tracking decision 9)
+        except BaseException as e:
+            # KILLED for an interrupt, FAILED for an error (mlflow_runs.py, decision "Never left running")
             error = e
             raise
         finally:
             mlflow_runs.finish_run(self.client, self.run_id, mlflow_runs.end_status(error))
 
     def run_name(self) -> str:
-        """Decision 11: the stage, with the arm when the run tracks one (`evaluate · grpo`)."""
+        """Decision "Headline metric first": the stage, with the arm when the run tracks one (`evaluate ·
+        grpo`)."""
         method = str(self.params().get("method") or "")
         return f"{self.name} · {method}" if method and method != self.name else self.name
 
     def params(self) -> dict[str, Any]:
-        """Decision 7: what this run logs as params."""
+        """Decision "What a run logs": what this run logs as params."""
         extra = self.spec.tracked_params
         return {**effective_params(self.p, self.spec), **(extra(self.p) if extra else {})}
 
     def _log_iteration(self, step: int, metrics: dict[str, float]) -> None:
-        """Decision 5: per-iteration metrics under `iter/<key>`."""
+        """Decision "Epoch history": per-iteration metrics under `iter/<key>`."""
         assert self.run_id is not None
         mlflow_runs.log_metrics(
             self.client, self.run_id, {f"iter/{k}": v for k, v in metrics.items()}, step=step
         )
 
     def _prepare_outputs(self, key: str) -> Path:
-        """Decision 4: repair an interrupted swap, empty the staging area unless an interrupted attempt
-        with the same key left it (then it is resumed); returns the marker of this attempt. The
+        """Decision "Staged outputs": repair an interrupted swap, empty the staging area unless an interrupted
+        attempt with the same key left it (then it is resumed); returns the marker of this attempt. The
         previous outputs are not touched."""
         outs = list(self._outputs().values())
         recover_outputs(outs)
@@ -332,7 +338,7 @@ class StageRun:
         c, run_id = self.client, self.run_id
         assert run_id is not None
         last = 0
-        if self.spec.epoch_history is not None:  # decision 5
+        if self.spec.epoch_history is not None:  # decision "Epoch history"
             rows = self.spec.epoch_history(**self._outputs())
             for row in rows:
                 mlflow_runs.log_metrics(c, run_id, row, step=int(row.get("epoch", 0)))
@@ -362,8 +368,8 @@ class StageRun:
                 mlflow_runs.log_artifacts(c, run_id, page, "viewer")
 
     def _log_linked_metrics(self, metrics: dict[str, float]) -> None:
-        """Decision 7: metrics of role `r` (`eval/r/...`) linked to the model of the stage whose output
-        the stage's `model_inputs[r]` argument reads; the rest plainly."""
+        """Decision "What a run logs": metrics of role `r` (`eval/r/...`) linked to the model of the stage
+        whose output the stage's `model_inputs[r]` argument reads; the rest plainly."""
         assert self.run_id is not None
         rest = dict(metrics)
         for role, arg in self.spec.model_inputs.items():
@@ -383,8 +389,8 @@ class StageRun:
         return None
 
     def _log_model(self, path: Path, step: int) -> None:
-        """Decision 7: the policy checkpoint at `path` as the run's MLflow model, named by its method
-        (`arpo`, `grpo`, `rft`, ...) or the stage."""
+        """Decision "What a run logs": the policy checkpoint at `path` as the run's MLflow model, named by its
+        method (`arpo`, `grpo`, `rft`, ...) or the stage."""
         from tracking.policy_model import log_policy_model
 
         if not (path / "config.json").exists() and not any(path.glob("*")):
@@ -414,7 +420,7 @@ class StageRun:
 
         pages = []
         stage_dir = self.root / VIEWER_DIR / self.name
-        if stage_dir.exists():  # decision 9
+        if stage_dir.exists():  # decision "Viewer pages rewritten"
             shutil.rmtree(stage_dir)
         for path, _ in self._artifacts():
             files = (
@@ -442,7 +448,7 @@ class StageRun:
 
 
 # ------------------------------------------------------------------------------------------------
-# Prefect artifacts (decision 8)
+# Prefect artifacts (decision "Prefect artifacts")
 
 SUMMARY_ROWS = 24
 
@@ -482,8 +488,8 @@ def summary_markdown(stage: str, variant: str, summary: dict[str, float], run_id
 def publish_artifacts(
     stage: str, variant: str, summary: dict[str, float], metrics: dict[str, float], run_id: str | None
 ) -> list[str]:
-    """Decision 8: the stage's Prefect artifacts, inside a flow run only (none under DVC); returns
-    their keys."""
+    """Decision "Prefect artifacts": the stage's Prefect artifacts, inside a flow run only (none under DVC);
+    returns their keys."""
     from prefect.context import FlowRunContext
 
     if FlowRunContext.get() is None:

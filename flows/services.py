@@ -1,27 +1,28 @@
 """The services a local run starts beside its flow (Prefect's temporary API server, Ray), and stopping them.
 
 Decisions:
-1. The temporary Prefect server runs in a session of its own. Prefect starts it (when no
-   PREFECT_API_URL is set) as a plain child, so it shared the terminal's foreground process group: a
-   Ctrl-C killed it together with the run, and the flow engine then retried its crash-state update
-   against a dead server for about 4 minutes and ended with `ConnectError` (issue 34 item 1). In its own
-   session the server never sees the terminal's SIGINT; the run marks its Prefect and MLflow runs, and
-   only then stops the server (`stop_services`, on every way out of `arpo run`). If the run is killed
-   outright, the guardian (arpo_core/infra/guardian.py) removes the server's whole group, which it leads.
-2. `own_session_server()` registers the server under the key Prefect's clients look up
-   (`SubprocessASGIServer()`, port None) before any client asks, so every client of the run (flow
-   engine, log and event workers) uses this one. Its command is Prefect 3.9's own
-   (`SubprocessASGIServer._run_uvicorn_command`) with `start_new_session=True` added; it is copied,
-   not patched in, because that method builds and starts the Popen in one call.
-3. The run's last log records still queued for the API are sent before the server stops: stopped before
-   them, the server left Prefect's log worker retrying at exit (~2 min, then 'Error logging to API').
-4. What a dead run left open is closed by the next one (issue 34 items 5, 6). Every front door takes
-   the working tree's lock through `run_lock` here; when that takes the lock over from a dead holder
-   (arpo_core/infra/lock.py decision 8), the dead run's MLflow runs still RUNNING (found by its lock token,
-   tracking decision 9) end KILLED, its temp folder is gone (lock.py decision 7), and the Prefect flow
-   runs of its pipeline runs, with their stage subflows, are set Crashed by the next `arpo-train` flow
-   run that has an API to talk to (`crash_dead_flow_runs`; an `arpo stage` under DVC has none). A
-   failure here is a warning: it never stops the new run.
+- **Prefect server session.** The temporary Prefect server runs in a session of its own. Prefect starts it
+  (when no PREFECT_API_URL is set) as a plain child, so it shared the terminal's foreground process group: a
+  Ctrl-C killed it together with the run, and the flow engine then retried its crash-state update
+  against a dead server for about 4 minutes and ended with `ConnectError` (issue 34 item 1). In its own
+  session the server never sees the terminal's SIGINT; the run marks its Prefect and MLflow runs, and
+  only then stops the server (`stop_services`, on every way out of `arpo run`). If the run is killed
+  outright, the guardian (arpo_core/infra/guardian.py) removes the server's whole group, which it leads.
+- **One registered server.** `own_session_server()` registers the server under the key Prefect's clients look
+  up (`SubprocessASGIServer()`, port None) before any client asks, so every client of the run (flow
+  engine, log and event workers) uses this one. Its command is Prefect 3.9's own
+  (`SubprocessASGIServer._run_uvicorn_command`) with `start_new_session=True` added; it is copied,
+  not patched in, because that method builds and starts the Popen in one call.
+- **Logs flushed.** The run's last log records still queued for the API are sent before the server stops:
+  stopped before them, the server left Prefect's log worker retrying at exit (~2 min, then 'Error logging to
+  API').
+- **Dead run cleanup.** What a dead run left open is closed by the next one (issue 34 items 5, 6). Every front
+  door takes the working tree's lock through `run_lock` here; when that takes the lock over from a dead holder
+  (arpo_core/infra/lock.py, decision "Takeover record"), the dead run's MLflow runs still RUNNING (found by
+  its lock token, mlflow_runs.py, decision "Never left running") end KILLED, its temp folder is gone (lock.py,
+  decision "Private temp folder"), and the Prefect flow runs of its pipeline runs, with their stage subflows,
+  are set Crashed by the next `arpo-train` flow run that has an API to talk to (`crash_dead_flow_runs`; an
+  `arpo stage` under DVC has none). A failure here is a warning: it never stops the new run.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ __all__ = [
 ]
 
 INTERRUPTED = threading.Event()
-"""Set by `on_interrupt` (flows/arpo_train.py decision 7). Here, not in the flow's module, so `arpo
-stage` installs it without importing Prefect and MLflow (an up-to-date stage then takes about a second)."""
+"""Set by `on_interrupt` (flows/arpo_train.py, decision "Ctrl-C never lost"). Here, not in the flow's module,
+so `arpo stage` installs it without importing Prefect and MLflow (an up-to-date stage then takes about a
+second)."""
 
 
 def on_interrupt(signum: int, frame: object) -> None:
@@ -63,12 +65,14 @@ def on_interrupt(signum: int, frame: object) -> None:
 log = logging.getLogger("arpo.lock")
 
 DEAD_FLOW_RUNS: list[str] = []
-"""Prefect flow run ids of the pipeline runs of dead holders, for `crash_dead_flow_runs` (decision 4)."""
+"""Prefect flow run ids of the pipeline runs of dead holders, for `crash_dead_flow_runs`
+(decision "Dead run cleanup")."""
 
 
 @contextlib.contextmanager
 def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Iterator[dict[str, Any] | None]:
-    """arpo_core.infra.lock.run_lock, closing what a dead previous holder left open (decision 4)."""
+    """arpo_core.infra.lock.run_lock, closing what a dead previous holder left open
+    (decision "Dead run cleanup")."""
     with _run_lock(root, command=command) as holder:
         previous = (holder or {}).get("previous")
         if previous:
@@ -77,8 +81,8 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
 
 
 def close_dead_run(root: str | os.PathLike, previous: dict[str, Any]) -> None:
-    """Decision 4: the dead holder's MLflow runs end KILLED; its pipeline runs' flow run ids are kept
-    for `crash_dead_flow_runs`."""
+    """Decision "Dead run cleanup": the dead holder's MLflow runs end KILLED; its pipeline runs' flow run ids
+    are kept for `crash_dead_flow_runs`."""
     token = str(previous.get("token") or "")
     if not token:
         return
@@ -101,8 +105,8 @@ def close_dead_run(root: str | os.PathLike, previous: dict[str, Any]) -> None:
 
 
 def crash_dead_flow_runs() -> int:
-    """Decision 4, inside a flow run: set Crashed the dead runs' flow runs (and their subflow runs)
-    that are not in a final state; returns how many."""
+    """Decision "Dead run cleanup", inside a flow run: set Crashed the dead runs' flow runs (and their subflow
+    runs) that are not in a final state; returns how many."""
     from uuid import UUID
 
     from prefect.client.orchestration import get_client
@@ -134,8 +138,8 @@ def crash_dead_flow_runs() -> int:
 
 
 def own_session_server() -> object | None:
-    """Decision 2: make the temporary server Prefect would start one in its own session; returns it, or
-    None when a server is configured (PREFECT_API_URL) or temporary servers are off."""
+    """Decision "One registered server": make the temporary server Prefect would start one in its own session;
+    returns it, or None when a server is configured (PREFECT_API_URL) or temporary servers are off."""
     import prefect
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, PREFECT_SERVER_EPHEMERAL_ENABLED, get_current_settings
@@ -173,7 +177,8 @@ def own_session_server() -> object | None:
                     **server_env,
                     **get_current_settings().to_environment_variables(exclude_unset=True),
                 },
-                start_new_session=True,  # decision 1: out of the terminal's process group
+                # decision "Prefect server session": out of the terminal's process group
+                start_new_session=True,
             )
 
     existing = SubprocessASGIServer._instances.get(None)
@@ -184,7 +189,7 @@ def own_session_server() -> object | None:
 
 def stop_services() -> None:
     """Stop Prefect's temporary API server and Ray if this run started them (only if imported), after
-    sending the run's queued log records (decision 3)."""
+    sending the run's queued log records (decision "Logs flushed")."""
     handlers = sys.modules.get("prefect.logging.handlers")
     if handlers is not None:
         with contextlib.suppress(Exception):

@@ -1,32 +1,32 @@
 """When a stage's outputs are up to date, and the `dvc.yaml` that says the same to DVC.
 
 Decisions:
-1. The stage table (`arpo_core/pipeline/table.py`) declares every stage's deps (code derived from its
-   imports, data, inputs), params keys, outputs and metrics file. `dvc_yaml()` renders `dvc.yaml` from
-   it (`arpo dvc-yaml` writes the file; tests/test_dvc.py checks the committed file equals it), so
-   `dvc repro` and `arpo run` re-run a stage for the same reasons.
-2. Up to date = a stamp written after the stage succeeded matches now. The stamp stores a key (hash of
-   the stage's params values + the content of its deps, code included: that is the code version) and a
-   fingerprint of the outputs as written. A changed param, input or code file changes the key; a
-   deleted or replaced output (e.g. `dvc checkout` of another experiment) changes the fingerprint.
-   Either one re-runs the stage. Stamps live in `.arpo/stamps/<stage>.json` (git- and DVC-ignored) so
-   they never alter a DVC-tracked output. A stamp keeps the last STAMP_HISTORY (key, outputs) pairs it
-   recorded, so outputs brought back as they were (`dvc checkout` / `dvc exp apply` of an earlier
-   experiment, with its params) are up to date again instead of re-running.
-6. The stamp is the one staleness authority (docs/design.md, "When a stage re-runs"): `arpo run`
-   skips a stage whose stamp matches, and so does `arpo stage` (every DVC stage's cmd), so `dvc repro`
-   after an `arpo run` or a deployment run only records what is there, and both front doors re-run a
-   stage for exactly the same reasons. DVC still decides which commands to call (dvc.lock) and caches
-   and versions the outputs; `--force` on either command re-runs regardless.
-3. Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`, dotfiles
-   and temp names are skipped so that running Python does not make code look changed (the same
-   patterns are in .dvcignore for DVC's own hashes).
-4. A stage's *effective* params are its own plus those of every stage upstream of it (the stages whose
-   outputs it reads, transitively): the stage key needs only its own (upstream outputs are hashed as
-   deps), but a tracked run must show everything its result depends on.
-5. Metrics files are short: `metrics/<stage>.json` (what `dvc metrics show` reads) holds the summary
-   keys; per-task, per-domain and per-level breakdowns go to `metrics/details/<stage>.json`, a plain
-   output, not a DVC metric. MLflow gets both.
+- **Stage table.** The stage table (`arpo_core/pipeline/table.py`) declares every stage's deps (code derived
+  from its imports, data, inputs), params keys, outputs and metrics file. `dvc_yaml()` renders `dvc.yaml` from
+  it (`arpo dvc-yaml` writes the file; tests/test_dvc.py checks the committed file equals it), so
+  `dvc repro` and `arpo run` re-run a stage for the same reasons.
+- **Stamps.** Up to date = a stamp written after the stage succeeded matches now. The stamp stores a key (hash
+  of the stage's params values + the content of its deps, code included: that is the code version) and a
+  fingerprint of the outputs as written. A changed param, input or code file changes the key; a
+  deleted or replaced output (e.g. `dvc checkout` of another experiment) changes the fingerprint.
+  Either one re-runs the stage. Stamps live in `.arpo/stamps/<stage>.json` (git- and DVC-ignored) so
+  they never alter a DVC-tracked output. A stamp keeps the last STAMP_HISTORY (key, outputs) pairs it
+  recorded, so outputs brought back as they were (`dvc checkout` / `dvc exp apply` of an earlier
+  experiment, with its params) are up to date again instead of re-running.
+- **One staleness authority.** The stamp is the one staleness authority (docs/design.md,
+  "When a stage re-runs"): `arpo run` skips a stage whose stamp matches, and so does `arpo stage` (every DVC
+  stage's cmd), so `dvc repro` after an `arpo run` or a deployment run only records what is there, and both
+  front doors re-run a stage for exactly the same reasons. DVC still decides which commands to call (dvc.lock)
+  and caches and versions the outputs; `--force` on either command re-runs regardless.
+- **File hashes.** Hashes are sha256 over (relative path, bytes) of the files in sorted order; `__pycache__`,
+  dotfiles and temp names are skipped so that running Python does not make code look changed (the same
+  patterns are in .dvcignore for DVC's own hashes).
+- **Effective params.** A stage's *effective* params are its own plus those of every stage upstream of it (the
+  stages whose outputs it reads, transitively): the stage key needs only its own (upstream outputs are hashed
+  as deps), but a tracked run must show everything its result depends on.
+- **Short metrics files.** Metrics files are short: `metrics/<stage>.json` (what `dvc metrics show` reads)
+  holds the summary keys; per-task, per-domain and per-level breakdowns go to `metrics/details/<stage>.json`,
+  a plain output, not a DVC metric. MLflow gets both.
 """
 
 from __future__ import annotations
@@ -100,15 +100,15 @@ def stage_params(p: Params, spec: Stage) -> dict[str, Any]:
 
 def upstream(spec: Stage) -> tuple[Stage, ...]:
     """Every stage whose outputs `spec` reads, directly or through other stages, in table order
-    (decision 4; the table's one graph walk). `upstream(SPECS['evaluate'])` -> init_policy, ground,
-    demos, sft, baseline, select, train."""
+    (decision "Effective params"; the table's one graph walk). `upstream(SPECS['evaluate'])` -> init_policy,
+    ground, demos, sft, baseline, select, train."""
     return tuple(SPECS[n] for n in table_upstream([spec.name]) if n != spec.name)
 
 
 def effective_params(p: Params, spec: Stage) -> dict[str, Any]:
-    """Decision 4: the params that determine a stage's outputs: its own (`stage_params`), every upstream
-    stage's, and its constants (the offline stages' `method`). What its MLflow run logs, so two runs
-    of a stage differ in params whenever their results can differ (the evaluate runs of ARPO and GRPO
+    """Decision "Effective params": the params that determine a stage's outputs: its own (`stage_params`),
+    every upstream stage's, and its constants (the offline stages' `method`). What its MLflow run logs, so two
+    runs of a stage differ in params whenever their results can differ (the evaluate runs of ARPO and GRPO
     differ in `train.replay.enabled`)."""
     out: dict[str, Any] = {}
     for s in (*upstream(spec), spec):
@@ -118,7 +118,7 @@ def effective_params(p: Params, spec: Stage) -> dict[str, Any]:
 
 
 # ------------------------------------------------------------------------------------------------
-# Hashes and stamps (decisions 2-3)
+# Hashes and stamps (decisions "Stamps" and "File hashes")
 
 SKIP_DIRS = {"__pycache__"}
 
@@ -167,7 +167,7 @@ def read_stamp(root: Path, name: str) -> dict[str, Any] | None:
 
 
 STAMP_HISTORY = 16
-"""How many earlier (key, outputs) pairs a stamp remembers besides its newest (decision 2)."""
+"""How many earlier (key, outputs) pairs a stamp remembers besides its newest (decision "Stamps")."""
 
 
 def _entries(stamp: Mapping[str, Any] | None) -> list[dict[str, Any]]:
@@ -180,7 +180,7 @@ def _entries(stamp: Mapping[str, Any] | None) -> list[dict[str, Any]]:
 
 def write_stamp(root: Path, spec: Stage, key: str, extra: Mapping[str, Any] | None = None) -> None:
     """Record that `spec`'s outputs, as they are now, were produced from `key` (atomic replace); the
-    earlier records stay in `history` (decision 2), an identical pair replaced by the new one."""
+    earlier records stay in `history` (decision "Stamps"), an identical pair replaced by the new one."""
     path = stamp_path(root, spec.name)
     path.parent.mkdir(parents=True, exist_ok=True)
     entry = {"key": key, "outs": fingerprint(spec.outs, root), "time": time.time(), **(extra or {})}
@@ -198,7 +198,7 @@ def dvc_outs(spec: Stage) -> tuple[str, ...]:
 def matching_stamp(p: Params, spec: Stage, root: Path) -> dict[str, Any] | None:
     """The stamp record that produced `spec`'s outputs as they are now with these params, inputs and
     code, or None (the stage must run): every file it writes exists, and its key and the outputs'
-    fingerprint equal one recorded pair (decision 2)."""
+    fingerprint equal one recorded pair (decision "Stamps")."""
     entries = _entries(read_stamp(root, spec.name))
     if not entries or not all((root / o).exists() for o in dvc_outs(spec)):
         return None
@@ -207,13 +207,13 @@ def matching_stamp(p: Params, spec: Stage, root: Path) -> dict[str, Any] | None:
 
 
 def is_up_to_date(p: Params, spec: Stage, root: Path) -> bool:
-    """True when the stage ran with this key and its outputs are as that run left them (decision 2);
-    the one test both `arpo run` and `arpo stage` (DVC) apply (decision 6)."""
+    """True when the stage ran with this key and its outputs are as that run left them (decision "Stamps");
+    the one test both `arpo run` and `arpo stage` (DVC) apply (decision "One staleness authority")."""
     return matching_stamp(p, spec, root) is not None
 
 
 # ------------------------------------------------------------------------------------------------
-# dvc.yaml (decision 1)
+# dvc.yaml (decision "Stage table")
 
 DVC_HEADER = """\
 # GENERATED from the stage table (arpo_core/pipeline/table.py) by `arpo dvc-yaml`; do not edit by hand
@@ -240,7 +240,7 @@ stay blank offline)."""
 
 DETAIL_PARTS = frozenset({"task", "domain", "all", "time", "faults", "first", "last"})
 """Path components that mark a breakdown (per task, per domain, both splits pooled, timings, fault
-counts, first/last optimiser steps) rather than a headline number (decision 5)."""
+counts, first/last optimiser steps) rather than a headline number (decision "Short metrics files")."""
 HEADLINE_ENDS = (
     "success_rate",
     "hit_rate",
@@ -259,9 +259,10 @@ times (all in the details file and MLflow)."""
 
 
 def is_detail(key: str) -> bool:
-    """Decision 5: a breakdown key ('eval/trained/greedy/task/miniwob/click-button/success_rate',
-    'task/miniwob/x/episodes', 'iter/...', 'rollout/faults/timeouts') rather than a headline one
-    ('eval/trained/greedy/in_domain/success_rate', 'rollout/success_rate')."""
+    """Decision "Short metrics files": a breakdown key
+    ('eval/trained/greedy/task/miniwob/click-button/success_rate', 'task/miniwob/x/episodes', 'iter/...',
+    'rollout/faults/timeouts') rather than a headline one ('eval/trained/greedy/in_domain/success_rate',
+    'rollout/success_rate')."""
     parts = key.split("/")
     if parts[0] in ("iter", "task", "time") or DETAIL_PARTS & set(parts[:-1]):
         return True
@@ -273,14 +274,15 @@ def is_detail(key: str) -> bool:
 
 
 def split_metrics(metrics: Mapping[str, float]) -> tuple[dict[str, float], dict[str, float]]:
-    """(summary, details) of a stage's metrics (decision 5)."""
+    """(summary, details) of a stage's metrics (decision "Short metrics files")."""
     summary = {k: v for k, v in metrics.items() if not is_detail(k)}
     details = {k: v for k, v in metrics.items() if is_detail(k)}
     return summary, details
 
 
 def details_path(spec: Stage) -> str:
-    """Where a stage's breakdown metrics go (decision 5): a DVC output, not a DVC metric."""
+    """Where a stage's breakdown metrics go (decision "Short metrics files"): a DVC output, not a DVC
+    metric."""
     return f"metrics/details/{spec.name}.json"
 
 
@@ -295,7 +297,8 @@ def dvc_yaml() -> str:
             "deps": list(s.deps),
             "params": list(s.params),
             # persist: DVC deletes a stage's outputs before its command runs unless told not to; the
-            # runner replaces them itself, and only once the stage succeeded (flows/runner.py decision 4)
+            # runner replaces them itself, and only once the stage succeeded (flows/runner.py,
+            # decision "Staged outputs")
             "outs": [{o: {"persist": True}} for o in dvc_outs(s) if o != s.metrics],
             "metrics": [{s.metrics: {"persist": True}}],
         }

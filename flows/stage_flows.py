@@ -2,15 +2,16 @@
 params section `NAME` = MLflow run `NAME`).
 
 Decisions:
-1. The flows are generated, not written one file each: every stage flow has the same body (a
-   `StageRun`, flows/runner.py) and the same parameters (the strings `arpo run` and `dvc exp run -S`
-   take), so one factory over `arpo_core/pipeline/table.py` is the whole definition and a new stage
-   needs a table row, not another module.
-2. Parameters are strings (params file, preset name, dotted overrides), so a flow run is reproducible from
-   its parameters alone; `pipeline_id` links the stage runs of one pipeline run in MLflow and
-   `parent_run_id` nests them under the pipeline's MLflow run.
-3. Flow runs are named by stage and variant (`train | quick | train.replay.enabled=false`), not
-   Prefect's random adjective-animal names, so the UI's run list says what each run was.
+- **Generated flows.** The flows are generated, not written one file each: every stage flow has the same body
+  (a `StageRun`, flows/runner.py) and the same parameters (the strings `arpo run` and `dvc exp run -S`
+  take), so one factory over `arpo_core/pipeline/table.py` is the whole definition and a new stage
+  needs a table row, not another module.
+- **String parameters.** Parameters are strings (params file, preset name, dotted overrides), so a flow run is
+  reproducible from its parameters alone; `pipeline_id` links the stage runs of one pipeline run in MLflow and
+  `parent_run_id` nests them under the pipeline's MLflow run.
+- **Named flow runs.** Flow runs are named by stage and variant (`train | quick |
+  train.replay.enabled=false`), not Prefect's random adjective-animal names, so the UI's run list says what
+  each run was.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ def _stage_flow(s: Stage) -> Flow:
 
 
 def run_name(prefix: str | None = None) -> Callable[[], str]:
-    """Decision 3: a flow run's name from its parameters, '<prefix> | <variant>' (or the variant)."""
+    """Decision "Named flow runs": a flow run's name from its parameters, '<prefix> | <variant>' (or the
+    variant)."""
 
     def name() -> str:
         from prefect.runtime import flow_run

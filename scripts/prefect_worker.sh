@@ -76,7 +76,7 @@ stop_worker() {
     trap - INT TERM
   fi
   # The worker may have taken the next scheduled run in the second it took to notice: stopping the worker
-  # then terminates that one, which marks itself on the way out (flows/arpo_train.py decision 9).
+  # then terminates that one, which marks itself on the way out (flows/arpo_train.py, decision "Clean stop").
   stop_worker_now
   echo "[prefect_worker] worker stopped"
   exit 0

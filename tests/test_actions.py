@@ -109,7 +109,7 @@ VALID = [
     ),
     ("Reflection: only reflect\nAction: wait()", "only reflect", [Action("wait")]),
     ("Action_Summary: summary\nAction: wait()", "summary", [Action("wait")]),
-    # tolerances (module docstring, decision 2)
+    # tolerances (module docstring, actions.py, decision "Strict parsing with tolerances")
     ("Thought: same line Action: wait()", "same line", [Action("wait")]),
     ("  \n Thought:  padded  \r\nAction:   wait( )  \r\n\r\n", "padded", [Action("wait")]),
     ("Thought: mentions Action: mid-line\nAction: wait()", "mentions Action: mid-line", [Action("wait")]),
@@ -150,7 +150,7 @@ def test_every_action_kind_is_covered_by_valid_cases() -> None:
         (r"'C:\\new'", "C:\\new"),  # \\ then n: a backslash and an 'n', not a newline
         (r"'\\n'", "\\n"),
         (r"'keep \d'", "keep \\d"),  # unknown escapes keep their backslash, as in Python
-        (r"'\x41'", "\\x41"),  # \x is not decoded (decision 3)
+        (r"'\x41'", "\\x41"),  # \x is not decoded (actions.py, decision "Python string escapes")
         ("'both \\' and \"'", "both ' and \""),
         (r"'end\\'", "end\\"),
     ],
@@ -895,7 +895,8 @@ def test_typed_text_is_exact(content: str) -> None:
 )
 def test_non_ascii_text_goes_through_the_x11_helper_exactly(content: str) -> None:
     """Issue 16: pyautogui.write drops what it has no key for; non-ASCII text is typed by the X11 helper
-    (decision 8) with the text as one ASCII string literal, a trailing newline still pressing Enter."""
+    (actions.py, decision "X11 typing helper") with the text as one ASCII string literal, a trailing newline
+    still pressing Enter."""
     reply = format_response("t", [Action("type", content=content)])
     (code,) = to_pyautogui(parse_response(reply).actions)
     assert code.startswith(X11_TYPE_HELPER) and code.isascii()

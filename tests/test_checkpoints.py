@@ -1,7 +1,8 @@
-"""Checkpoint integrity (issue 34 item 3, trainer decision 13): every checkpoint carries a manifest and is
-checked when written and when loaded; a damaged `latest` pointer or newest checkpoint falls back to the
-newest good one with a warning naming the file; rotation keeps the last verified checkpoint; a restart
-from scratch is said. Real checkpoints of the tiny policy (the trainer harness, ~3 s per run)."""
+"""Checkpoint integrity (issue 34 item 3, trainer.py, decision "Checkpoint integrity"): every checkpoint
+carries a manifest and is checked when written and when loaded; a damaged `latest` pointer or newest
+checkpoint falls back to the newest good one with a warning naming the file; rotation keeps the last verified
+checkpoint; a restart from scratch is said. Real checkpoints of the tiny policy (the trainer harness, ~3 s per
+run)."""
 
 from __future__ import annotations
 

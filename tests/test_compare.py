@@ -129,8 +129,9 @@ def test_compare_without_a_held_out_suite(tmp_path):
 
 
 def test_compare_reports_the_tasks_training_reached(tmp_path):
-    """Decision 6: with training rollouts on click-test only, each method also gets a `trained` cell on
-    click-test alone (rate, interval, paired delta), apart from the whole in-domain suite's."""
+    """compare.py, decision "Trained-task view": with training rollouts on click-test only, each method also
+    gets a `trained` cell on click-test alone (rate, interval, paired delta), apart from the whole in-domain
+    suite's."""
     d = tmp_path / "data" / "eval"
     write_trajectories(d / "base.parquet", episodes("base", {IN: [0], "click-button": [0, 1]}))
     write_trajectories(d / "arpo.parquet", episodes("arpo", {IN: [0, 1, 2, 3], "click-button": [0]}))

@@ -1,7 +1,7 @@
 """What a killed run leaves is closed by the next one (issue 34 items 5, 6): the lock takeover of a dead
-holder removes its private temp folder (arpo_core/infra/lock.py decision 7) and ends its MLflow runs KILLED
-(flows/services.py decision 4); a SIGKILL of a whole `arpo run` process tree leaves no RUNNING run,
-Running flow run or temp folder once the next run has started."""
+holder removes its private temp folder (arpo_core/infra/lock.py, decision "Private temp folder") and ends its
+MLflow runs KILLED (flows/services.py, decision "Dead run cleanup"); a SIGKILL of a whole `arpo run` process
+tree leaves no RUNNING run, Running flow run or temp folder once the next run has started."""
 
 from __future__ import annotations
 

@@ -22,7 +22,8 @@ from arpo_core.algorithm.trainer import latest_checkpoint
 OVERRIDES = ["--preset", "quick", "-S", "train.engine=deepspeed", "-S", "env.backend=ray"]
 OUT = Path("models/arpo")
 STAGED = Path("models/.arpo.staging")
-"""Where the train stage writes while it runs (flows/runner.py decision 4): a killed run's checkpoints."""
+"""Where the train stage writes while it runs (flows/runner.py, decision "Staged outputs"): a killed run's
+checkpoints."""
 
 
 def _run(cmd: list[str], project: Path, env: dict[str, str], log: Path, timeout_s: float) -> None:
@@ -81,8 +82,8 @@ def test_quick_pipeline_deepspeed_ray_checkpoint_and_resume(tmp_path):
         assert not (ds / "latest").exists()
 
     # 2. a 3-epoch train stage (a new configuration: its outputs start over in the staging area beside the
-    # 2-epoch run's, flows/runner.py decision 4) killed once an epoch is checkpointed; the same command
-    # again resumes from that checkpoint
+    # 2-epoch run's, flows/runner.py, decision "Staged outputs") killed once an epoch is checkpointed; the
+    # same command again resumes from that checkpoint
     cmd = [arpo, "stage", "train", *OVERRIDES, "-S", "train.epochs=3"]
     proc = start(cmd, project, env, tmp_path / "train-killed.log")
     try:

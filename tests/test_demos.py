@@ -211,7 +211,8 @@ class FaultyPool:
 
 @pytest.mark.parametrize("method", ["submit_reset", "submit_step", "submit_call", "submit_evaluate"])
 def test_a_demo_hit_by_an_env_fault_is_played_again_identically(pool, method):
-    """Decision 8: no demo is lost to an env fault, and the one played again is the undisturbed one."""
+    """demonstrations.py, decision "Fault replays": no demo is lost to an env fault, and the one played again
+    is the undisturbed one."""
     jobs = jobs_for(["click-test-2", "enter-text"], [7])
     clean = play_oracle_episodes(pool, jobs, max_steps=MAX_STEPS, recovery_rate=1.0, max_misses=2)
     faulty = FaultyPool(pool, {method: 2})
@@ -226,8 +227,9 @@ def test_a_demo_hit_by_an_env_fault_is_played_again_identically(pool, method):
 
 
 def test_misses_do_not_count_against_the_step_limit(pool):
-    """Decision 7: a long task (login-user: 5 oracle steps) still succeeds after many misses; the demo
-    then has more than max_steps steps, max_steps of them the oracle's."""
+    """demonstrations.py, decision "Misses beyond limit": a long task (login-user: 5 oracle steps) still
+    succeeds after many misses; the demo then has more than max_steps steps, max_steps of them the
+    oracle's."""
     jobs = jobs_for(["login-user"], [7, 8, 9])
     res = play_oracle_episodes(pool, jobs, max_steps=6, recovery_rate=1.0, max_misses=7)
     assert res.errors == [] and res.n_failed == 0 and len(res.trajectories) == len(jobs)
@@ -274,8 +276,9 @@ def test_every_oracle_task_recovers_from_misses(pool):
 
 
 def test_brief_thoughts_keep_the_oracles_actions(pool, tmp_path):
-    """demos.py decision 9: with thoughts="brief" every reply, misses included, is the fixed Thought with
-    exactly the actions (and misses) of the oracle's own demo of the same job; a bad style is refused."""
+    """demonstrations.py, decision "Brief thoughts": with thoughts="brief" every reply, misses included, is
+    the fixed Thought with exactly the actions (and misses) of the oracle's own demo of the same job; a bad
+    style is refused."""
     from arpo_core.offline.demonstrations import BRIEF_THOUGHT
 
     jobs = jobs_for(["click-test-2", "enter-text"], [7, 8])

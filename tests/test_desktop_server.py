@@ -406,8 +406,9 @@ def _pids_running(text: str) -> list[int]:
 
 @pytest.mark.parametrize("how", ["setsid", "setsid_env_cleared", "server_sigkilled"])
 def test_a_process_that_left_the_session_dies_with_the_desktop(how):
-    """Decision 4: `setsid` (own session, its parent gone) does not get a command out of the desktop;
-    nor does clearing the environment while the server lives; nor a SIGKILLed server."""
+    """desktop_server.py, decision "Three cleanup nets": `setsid` (own session, its parent gone) does not get
+    a command out of the desktop; nor does clearing the environment while the server lives; nor a SIGKILLed
+    server."""
     d = ds.LocalDesktop(screen_size=(320, 240))
     info = d.start()
     tag = f"{time.monotonic_ns() % 10**6}.5"  # a unique duration names the test's sleep
@@ -434,9 +435,9 @@ def _threads(pid: int) -> int:
 
 
 def test_idle_and_slow_connections_time_out_and_threads_are_bounded():
-    """Decision 9: 30 idle TCP connections (no token) hold at most `max_workers` threads, and only for
-    `idle_timeout_s`; a client trickling a request is cut at `request_timeout_s`; the desktop serves
-    again once they are gone."""
+    """desktop_server.py, decision "Bounded connections": 30 idle TCP connections (no token) hold at most
+    `max_workers` threads, and only for `idle_timeout_s`; a client trickling a request is cut at
+    `request_timeout_s`; the desktop serves again once they are gone."""
     import socket
 
     d = ds.LocalDesktop(screen_size=(320, 240), idle_timeout_s=1.0, request_timeout_s=3.0, max_workers=4)

@@ -1,9 +1,9 @@
 """Disk full, one writer kind at a time (issue 32 item 4): every stage output reports it as train's
-checkpoint does (fileio decision 4): one line saying what, where, about how many MB it needed and how
-many are free, and that the previous output is intact (it is: stages write to staging paths, flows/runner.py
-decision 4). Copies of the versioned checkpoint (ground), Parquet trajectory files and policy saves;
-JSON/text and checkpoints are in tests/test_fileio.py. ENOSPC is simulated by making the writing call
-raise it; as root, one case also runs on a real 1 MB tmpfs mounted over models/."""
+checkpoint does (fileio.py, decision "Clear output errors"): one line saying what, where, about how many MB it
+needed and how many are free, and that the previous output is intact (it is: stages write to staging paths,
+flows/runner.py, decision "Staged outputs"). Copies of the versioned checkpoint (ground), Parquet trajectory
+files and policy saves; JSON/text and checkpoints are in tests/test_fileio.py. ENOSPC is simulated by making
+the writing call raise it; as root, one case also runs on a real 1 MB tmpfs mounted over models/."""
 
 from __future__ import annotations
 

@@ -26,7 +26,8 @@ def _paths(entries: list) -> list[str]:
 
 def test_every_output_persists_so_a_failed_stage_keeps_the_last_good_one():
     """DVC deletes a stage's outputs before running it unless they persist; the runner swaps them in
-    itself once the stage succeeded (runner decision 4), so every out, metric and plot persists."""
+    itself once the stage succeeded (runner.py, decision "Staged outputs"), so every out, metric and plot
+    persists."""
     for name, stage in DVC["stages"].items():
         for key in ("outs", "metrics", "plots"):
             for entry in stage.get(key, []):
@@ -48,8 +49,8 @@ def _lookup(tree, dotted):
 
 
 def test_dvc_yaml_is_the_stage_table():
-    """dvc.yaml is generated from the stage table (flows/spec.py decision 1): the committed file must
-    equal the generation, so DVC and `arpo run` re-run a stage for the same reasons."""
+    """dvc.yaml is generated from the stage table (flows/spec.py, decision "Stage table"): the committed file
+    must equal the generation, so DVC and `arpo run` re-run a stage for the same reasons."""
     assert (ROOT / "dvc.yaml").read_text() == dvc_yaml(), "dvc.yaml is stale: run `arpo dvc-yaml`"
     assert tuple(DVC["stages"]) == STAGE_NAMES
     res = CliRunner().invoke(app, ["dvc-yaml", "--check", "--out", str(ROOT / "dvc.yaml")])
@@ -65,8 +66,9 @@ def test_dvc_yaml_check_fails_on_a_stale_file(tmp_path):
 
 @pytest.mark.parametrize("name", STAGE_NAMES)
 def test_stage_deps_cover_every_project_module_it_imports(name):
-    """table decision 2: every arpo_core file the stage's module reaches through imports (any depth,
-    function-level too) is a dep, itself or through its directory; every dep exists or is an output."""
+    """stage.py, decision "Derived code deps": every arpo_core file the stage's module reaches through imports
+    (any depth, function-level too) is a dep, itself or through its directory; every dep exists or is an
+    output."""
     spec = SPECS[name]
     reached = import_closure(spec.module)
     for f in reached:
@@ -136,7 +138,7 @@ def test_dvc_plots_are_images_a_stage_writes():
 
 def test_metrics_files_are_summaries_and_details_are_plain_outputs():
     """`dvc metrics show` reads metrics/<stage>.json only; the breakdowns file of each stage is an
-    output DVC tracks but does not show as metrics (spec decision 5)."""
+    output DVC tracks but does not show as metrics (spec.py, decision "Short metrics files")."""
     for name, stage in DVC["stages"].items():
         assert _paths(stage["metrics"]) == [f"metrics/{name}.json"]
         assert f"metrics/details/{name}.json" in _paths(stage["outs"])

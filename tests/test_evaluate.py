@@ -308,7 +308,8 @@ def test_evaluate_policy_with_fake_pool_and_generator():
 
 
 class CountingPool(FakePool):
-    """FakePool whose fault counters (pool.py decision 7) grow by one timeout per reset of 'good'."""
+    """FakePool whose fault counters (pool.py, decision "Fault counting") grow by one timeout per reset of
+    'good'."""
 
     def __init__(self, n: int):
         super().__init__(n)

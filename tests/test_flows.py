@@ -61,7 +61,8 @@ def test_stage_params_flattens_sections_and_keeps_cross_keys():
     got = stage_params(p, SPECS["select"])
     assert got["select.min_successes"] == 3
     assert got["env.in_domain_suite"] == "x.yaml"
-    assert "env.n_envs" not in got  # operational settings are not inputs (spec decision 2)
+    # operational settings are not inputs (stage.py, decision "Read params keys")
+    assert "env.n_envs" not in got
     assert all(
         k.startswith(("select.", "env.in_domain_suite", "env.out_of_domain_suite", "env.kind")) for k in got
     )
@@ -137,8 +138,8 @@ def test_stamp_up_to_date_until_params_inputs_or_outputs_change(tmp_path):
 
 def test_outputs_brought_back_with_their_params_are_up_to_date_again(tmp_path):
     """`dvc exp apply` / `dvc checkout` of an earlier experiment restores its params and outputs; the
-    stamp remembers earlier (key, outputs) pairs, so neither front door re-runs the stage then (spec
-    decision 2), and the MLflow run it names is that experiment's. A pair is remembered once."""
+    stamp remembers earlier (key, outputs) pairs, so neither front door re-runs the stage then (spec.py,
+    decision "Stamps"), and the MLflow run it names is that experiment's. A pair is remembered once."""
     _fake_select_inputs(tmp_path)
     spec = SPECS["select"]
     p1, p2 = parse_params({}), parse_params({"select": {"min_successes": 4}})
@@ -246,8 +247,8 @@ def test_arpo_train_targets_run_only_the_needed_stages(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore::pytest.PytestUnraisableExceptionWarning")  # the swallowed interrupt
 def test_an_interrupt_the_interpreter_swallowed_stops_the_run_before_the_next_stage(monkeypatch):
-    """arpo_train decision 7: a Ctrl-C raised inside a finalizer is dropped by CPython ('Exception ignored
-    in ...'); the handler's record still stops the flow before the next stage."""
+    """arpo_train.py, decision "Ctrl-C never lost": a Ctrl-C raised inside a finalizer is dropped by CPython
+    ('Exception ignored in ...'); the handler's record still stops the flow before the next stage."""
     import gc
     import signal
     import weakref
@@ -277,7 +278,8 @@ def test_an_interrupt_the_interpreter_swallowed_stops_the_run_before_the_next_st
             at.arpo_train.fn(params=str(ROOT / "params.yaml"), preset="quick")
     finally:
         at.INTERRUPTED.clear()
-    assert called == ["init_policy", "ground"] and finished == ["KILLED"]  # tracking decision 9
+    # mlflow_runs.py, decision "Never left running"
+    assert called == ["init_policy", "ground"] and finished == ["KILLED"]
 
 
 def test_arpo_run_names_an_unknown_target():
@@ -290,7 +292,8 @@ def test_arpo_run_names_an_unknown_target():
 
 
 def test_env_stages_and_only_those_are_retried():
-    """tasks decision 2: retries exactly where the stage table says a stage runs envs."""
+    """stages.py, decision "Env-stage retries": retries exactly where the stage table says a stage runs
+    envs."""
     from tasks.stages import TASKS
 
     for s in SPECS.values():
@@ -314,11 +317,13 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
         preset="quick", pipeline_id="pipe-1"
     )  # the flow body, no Prefect server
     assert metrics["init_policy/parameters"] > 0 and metrics["time/init_policy_s"] > 0
-    assert not stale.exists()  # outputs of another configuration are removed first (runner decision 4)
+    # outputs of another configuration are removed first (runner.py, decision "Staged outputs")
+    assert not stale.exists()
     summary = json.loads((tmp_path / "metrics" / "init_policy.json").read_text())
     details = json.loads((tmp_path / "metrics" / "details" / "init_policy.json").read_text())
     assert summary == {"init_policy/parameters": metrics["init_policy/parameters"]}
-    assert summary | details == metrics  # the rest in the details file (spec decision 5)
+    # the rest in the details file (spec.py, decision "Short metrics files")
+    assert summary | details == metrics
     stamp = read_stamp(Path("."), "init_policy")
     p = load_params("params.yaml", preset="quick")
     assert is_up_to_date(p, SPECS["init_policy"], Path("."))
@@ -333,7 +338,8 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
     assert run.data.params["init_policy.size"] == "xs"
     assert run.data.metrics["init_policy/parameters"] == metrics["init_policy/parameters"]
     arts = {a.path for a in c.list_artifacts(run.info.run_id)}
-    assert arts == {"metrics"}  # the policy is a logged model, not a plain artifact (runner decision 7)
+    # the policy is a logged model, not a plain artifact (runner.py, decision "What a run logs")
+    assert arts == {"metrics"}
     (model_out,) = run.outputs.model_outputs
     assert stamp["mlflow_model_ids"] == {"init_policy": model_out.model_id}
     model = c.get_logged_model(model_out.model_id)
@@ -344,8 +350,9 @@ def test_stage_run_tracks_metrics_params_artifacts_and_stamp(tmp_path, monkeypat
     assert exp.artifact_location == (tmp_path / "mlruns" / "arpo-embedded").resolve().as_uri()
     assert exp.tags["mlflow.experimentKind"] == "custom_model_development"  # not the GenAI overview
 
-    # `arpo stage` (every DVC stage's cmd) asks the same stamp as `arpo run` (spec decision 6): up to
-    # date, it runs nothing and opens no MLflow run; --force runs it
+    # `arpo stage` (every DVC stage's cmd) asks the same stamp as `arpo run` (spec.py,
+    # decision "One staleness authority"): up to date, it runs nothing and opens no MLflow run; --force runs
+    # it
     from typer.testing import CliRunner
 
     from flows.cli import app
@@ -395,8 +402,8 @@ def test_logged_policy_model_loads_back_and_answers(tmp_path, monkeypatch, one_t
 
 
 def test_effective_params_carry_the_upstream_stages(tmp_path):
-    """ARPO's and GRPO's evaluate runs differ in params (spec decision 4): the evaluate stage's
-    effective params include train's, its own `method`, and every upstream stage's sections."""
+    """ARPO's and GRPO's evaluate runs differ in params (spec.py, decision "Effective params"): the evaluate
+    stage's effective params include train's, its own `method`, and every upstream stage's sections."""
     from flows.spec import effective_params, upstream
 
     assert [s.name for s in upstream(SPECS["evaluate"])] == [
@@ -508,8 +515,9 @@ def _dvc_dir_files(project: Path, out: str) -> dict[str, str]:
 def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_outputs(tmp_path):
     """The deployment three times (the pipeline; again: nothing runs; the GRPO ablation: train, evaluate,
     compare), the MLflow runs and Prefect artifacts they made, then DVC on the outputs they left: it
-    re-runs nothing (one staleness authority, spec decision 6), records them, and an experiment re-runs
-    the stages its param reaches. One pipeline run for all three front doors (issue 30 item 6)."""
+    re-runs nothing (one staleness authority, spec.py, decision "One staleness authority"), records them, and
+    an experiment re-runs the stages its param reaches. One pipeline run for all three front doors (issue 30
+    item 6)."""
     project = oh.copy_project(tmp_path / "proj")
     (project / "scripts").mkdir()
     for name in ("prefect_env.sh", "prefect_server.sh", "prefect_worker.sh"):
@@ -562,7 +570,8 @@ def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_output
             timeout=660,
         )  # fmt: skip
         assert grpo.returncode == 0 and "Completed" in grpo.stdout, grpo.stdout + grpo.stderr
-        # Prefect: flow runs named by variant, each stage's artifacts (runner decision 8)
+        # Prefect: flow runs named by variant, each stage's artifacts (runner.py,
+        # decision "Prefect artifacts")
         wide = {**cli_env, "COLUMNS": "400"}  # rich tables would cut the names
         flow_runs = oh.run(["prefect", "flow-run", "ls", "--limit", "60"], project, wide, timeout=120)
         artifacts = oh.run(["prefect", "artifact", "ls"], project, wide, timeout=120)
@@ -593,7 +602,7 @@ def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_output
         "quick | train.replay.enabled=false · deployment arpo-train/quick",
         "quick · deployment arpo-train/quick",
         "quick · deployment arpo-train/quick",
-    ]  # fmt: skip  (runner decision 10: the front door in the name)
+    ]  # fmt: skip  (runner.py, decision "Front door tag": the front door in the name)
     first = parents[-1]["run"]
     rows = [r for r in mlflow_runs.run_rows(c, "arpo-embedded") if r["parent"] == first]
     assert sorted(r["stage"] for r in rows) == sorted(STAGE_NAMES)
@@ -643,8 +652,9 @@ def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_output
 
     # DVC on the same outputs (issue 30 item 6: one quick pipeline run serves the Prefect, MLflow and DVC
     # checks). params.yaml := the variant on disk (the quick preset, GRPO): `dvc repro` calls every
-    # stage's `arpo stage`, each finds its stamp current and only says so (spec decision 6), and DVC
-    # records the outputs as they are in dvc.lock; again, nothing to do.
+    # stage's `arpo stage`, each finds its stamp current and only says so (spec.py,
+    # decision "One staleness authority"), and DVC records the outputs as they are in dvc.lock; again, nothing
+    # to do.
     denv = oh.base_env(project) | {"PYTHONPATH": str(project)}
     grpo_params = oh.run(
         ["arpo", "params", "--preset", "quick", "-S", "train.replay.enabled=false"], project, denv, 120
@@ -715,9 +725,9 @@ def test_quick_pipeline_through_a_prefect_deployment_then_dvc_on_the_same_output
 
 
 def test_stage_runs_name_their_arm_and_lead_with_their_headline(tmp_path, monkeypatch):
-    """runner decision 11 (issue 32 item 3): `evaluate · grpo` / `compare · grpo` in MLflow and in `arpo
-    runs`, each run's first metric in sort order (what MLflow's compare page plots first) its headline:
-    the trained policy's success for evaluate, the paired delta for compare."""
+    """runner.py, decision "Headline metric first" (issue 32 item 3): `evaluate · grpo` / `compare · grpo` in
+    MLflow and in `arpo runs`, each run's first metric in sort order (what MLflow's compare page plots first)
+    its headline: the trained policy's success for evaluate, the paired delta for compare."""
     from typer.testing import CliRunner
 
     from flows.cli import app

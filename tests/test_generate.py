@@ -90,7 +90,8 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 12}
 
 
 def test_batched_equals_one_at_a_time_sampled(policy):
-    """Prompt b is sampled with its own seed `seeds[b]` (generate.py decision 1), whatever its row."""
+    """Prompt b is sampled with its own seed `seeds[b]` (generate.py, decision "Own decode loop"), whatever
+    its row."""
     gen = HFGenerator(policy, system="compact", history_images=None)
     seeds = [7, 1234567890123, 7]  # equal seeds for different prompts are fine: each has its own generator
     batched = gen.generate(prompts(), seeds=seeds, **SAMPLED)
@@ -193,9 +194,9 @@ def test_generation_logprobs_match_recomputed(policy, system, temperature, top_p
 
 @pytest.mark.parametrize("k", [1, 2])
 def test_history_window_logprobs_match_recomputed(policy, k):
-    """sequences.py decision 3: with a history window K shorter than the episode, every reply recomputed
-    over the trajectory's windows (as training encodes it) has the log-probs it was sampled with; one
-    sequence of the whole episode gives the earlier replies other contexts (checked to differ)."""
+    """sequences.py, decision "History windows": with a history window K shorter than the episode, every reply
+    recomputed over the trajectory's windows (as training encodes it) has the log-probs it was sampled with;
+    one sequence of the whole episode gives the earlier replies other contexts (checked to differ)."""
     gen = HFGenerator(policy, system="compact", history_images=k)
     trajs, gen_logps = _rollout(gen, ["Click the red box.", "Enter the text."], [3, 2], 1.0, 1.0)
     for traj, expected in zip(trajs, gen_logps, strict=True):
@@ -218,8 +219,9 @@ def test_history_window_logprobs_match_recomputed(policy, k):
 
 
 def test_logprob_gap_over_history_windows(policy):
-    """The trainer's generator-vs-trainer diagnostic pairs each reply with its own window's sums (update.py
-    decision 8): on episodes sampled at K = 1 every reply is compared and the gap is float noise."""
+    """The trainer's generator-vs-trainer diagnostic pairs each reply with its own window's sums (update.py,
+    decision "Windowed trajectories"): on episodes sampled at K = 1 every reply is compared and the gap is
+    float noise."""
     import dataclasses
 
     from arpo_core.algorithm.trainer import logprob_gap
@@ -302,8 +304,8 @@ def test_vision_tokens_never_generated_and_logps_stay_raw(tmp_path):
 
 @pytest.mark.parametrize("size", ["xs", "s"])
 def test_lean_decoder_equals_the_stock_forward(tmp_path, size):
-    """decode.py decision 3: decode steps through `LeanDecoder` give the stock forward's tokens, and
-    log-probs within float rounding, greedy and sampled, over a left-padded batch with history."""
+    """decode.py, decision "Same arithmetic": decode steps through `LeanDecoder` give the stock forward's
+    tokens, and log-probs within float rounding, greedy and sampled, over a left-padded batch with history."""
     from arpo_core.policy.decode import LeanDecoder
 
     pol = build_tiny_policy(tmp_path / size, size=size, seed=1)
@@ -336,8 +338,8 @@ def test_lean_decoder_equals_the_stock_forward(tmp_path, size):
 
 
 def test_lean_decoder_only_where_it_applies(policy):
-    """decode.py decision 4: a model in training mode or with a non-stock attention kernel takes the
-    stock forward."""
+    """decode.py, decision "Applicability check": a model in training mode or with a non-stock attention
+    kernel takes the stock forward."""
     from arpo_core.policy.decode import LeanDecoder
 
     model = policy.model
@@ -398,9 +400,9 @@ def test_shared_prefix_len_stops_at_the_first_difference_or_image():
 
 @pytest.mark.parametrize("system", ["compact", "uitars"])
 def test_shared_prompt_head_changes_no_reply(policy, system):
-    """generate.py decision 12: the batch's shared head computed once gives the same tokens as the
-    unshared prefill, and log-probs within float rounding, greedy and sampled, over prompts of different
-    lengths (so padding sits between the head and each row's rest)."""
+    """generate.py, decision "Shared prompt head": the batch's shared head computed once gives the same tokens
+    as the unshared prefill, and log-probs within float rounding, greedy and sampled, over prompts of
+    different lengths (so padding sits between the head and each row's rest)."""
     shared = HFGenerator(policy, system=system, history_images=None)
     plain = HFGenerator(policy, system=system, history_images=None)
     plain.share_prefix = False

@@ -151,9 +151,9 @@ def test_ctrl_c_in_a_terminal_stops_arpo_run_within_seconds(tmp_path):
 
 
 def test_the_temporary_server_prefect_would_start_is_the_own_session_one(monkeypatch):
-    """services.py decision 2, without starting it: after `own_session_server()`, the server every
-    Prefect client asks for (`SubprocessASGIServer()`) is the one started in a session of its own; with
-    a server configured there is none to make."""
+    """services.py, decision "One registered server", without starting it: after `own_session_server()`, the
+    server every Prefect client asks for (`SubprocessASGIServer()`) is the one started in a session of its
+    own; with a server configured there is none to make."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, temporary_settings
 
@@ -171,8 +171,8 @@ def test_the_temporary_server_prefect_would_start_is_the_own_session_one(monkeyp
 
 
 def test_own_session_server_command_is_prefects_own(monkeypatch):
-    """services.py decision 2: the copied command stays Prefect's (a Prefect upgrade that changes it
-    fails here), with only start_new_session added."""
+    """services.py, decision "One registered server": the copied command stays Prefect's (a Prefect upgrade
+    that changes it fails here), with only start_new_session added."""
     from prefect.server.api.server import SubprocessASGIServer
     from prefect.settings import PREFECT_API_URL, temporary_settings
 

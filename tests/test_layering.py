@@ -210,9 +210,10 @@ def test_reading_the_stage_table_imports_no_torch():
 
 def test_an_up_to_date_arpo_stage_imports_no_prefect_mlflow_or_torch():
     """`dvc repro` calls `arpo stage NAME` for every stage; one that is up to date loads the CLI, the run
-    lock and guardian, the interrupt handler and the stamp check, and exits (flows/spec.py decision 6).
-    With Prefect and MLflow imported on that path each call took 15-25 s on a loaded 2-core machine
-    and a `dvc repro` of twelve up-to-date stages ran past ten minutes; without them, 2-3 s."""
+    lock and guardian, the interrupt handler and the stamp check, and exits (flows/spec.py,
+    decision "One staleness authority"). With Prefect and MLflow imported on that path each call took 15-25 s
+    on a loaded 2-core machine and a `dvc repro` of twelve up-to-date stages ran past ten minutes; without
+    them, 2-3 s."""
     statement = (
         "import flows.cli, flows.services, flows.spec, arpo_core.infra.guardian; "
         "from flows.services import INTERRUPTED, on_interrupt, run_lock, stop_services"

@@ -194,7 +194,7 @@ def test_guardian_removes_children_of_a_run_that_ended(how):
 
 
 # ------------------------------------------------------------------------------------------------
-# DVC beside a live run (lock.py decision 6): real DVC, outputs byte-identical
+# DVC beside a live run (lock.py, decision "DVC repository lock"): real DVC, outputs byte-identical
 
 
 def _tree_bytes(project: Path) -> dict[str, bytes]:
@@ -256,7 +256,7 @@ def test_dvc_beside_a_live_run_changes_nothing_and_says_why(tmp_path):  # ~12 s:
 
 
 def test_a_run_holds_dvcs_lock_with_dvcs_own_primitive(tmp_path):
-    """lock.py decision 6, against zc.lockfile itself (DVC's default repository lock)."""
+    """lock.py, decision "DVC repository lock", against zc.lockfile itself (DVC's default repository lock)."""
     import zc.lockfile
 
     (tmp_path / ".dvc").mkdir()

@@ -49,8 +49,9 @@ def test_screen_size_is_miniwobs_task_area():
 
 
 def test_an_episode_does_not_see_the_one_before(env):
-    """Decision 8: a hover left by the previous episode (click-tab's tabs change colour under the
-    pointer) and a fresh page load leave no trace in the next episode's first screenshot."""
+    """miniwob_env.py, decision "Parked pointer": a hover left by the previous episode (click-tab's tabs
+    change colour under the pointer) and a fresh page load leave no trace in the next episode's first
+    screenshot."""
     tab = task("click-tab")
     first = np.asarray(env.reset(tab, seed=0).screenshot)  # the first episode after a page load
     target = [e for e in env.dom_elements() if e.visible and e.topmost and e.tag == "a"][-1]
@@ -132,7 +133,8 @@ def test_right_click_target_scores_one_wrong_scores_zero(env):
 
 
 class ScriptCounter:
-    """Counts the driver's execute_script calls (decision 10: round trips per step)."""
+    """Counts the driver's execute_script calls (miniwob_env.py, decision "Few round trips": round trips per
+    step)."""
 
     def __init__(self, driver):
         self.driver, self.calls = driver, 0
@@ -190,8 +192,9 @@ def test_click_on_empty_space_keeps_episode_open_and_finished_ends_it(env):
 
 
 def test_a_focused_text_field_looks_the_same_whenever_it_is_captured(env):
-    """Decision 9: the text caret blinks (about 0.5 s on, 0.5 s off), so a screenshot of a focused field
-    depended on when it was taken; the caret is hidden and every capture is the same."""
+    """miniwob_env.py, decision "Hidden caret": the text caret blinks (about 0.5 s on, 0.5 s off), so a
+    screenshot of a focused field depended on when it was taken; the caret is hidden and every capture is the
+    same."""
     env.reset(task("enter-text"), seed=4)
     shots = [np.asarray(env.step([Action("click", point=el(env, id="tt").center)]).observation.screenshot)]
     for _ in range(6):  # 6 captures 0.3 s apart span both phases of the blink

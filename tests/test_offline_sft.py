@@ -173,9 +173,10 @@ def test_sft_loss_covers_exactly_the_trained_replies(tmp_path, one_thread):
 
 
 def test_sft_over_history_windows_is_the_token_mean_of_every_window(tmp_path, one_thread):
-    """offline_baselines.py decisions 6-7 at K = 1: the first step's loss is the token-mean NLL over every trained
-    reply, each in its own window, although the windows are sorted and cut into several forwards; and it
-    differs from the one-sequence encoding (earlier replies without their screenshot)."""
+    """behaviour_cloning.py, decisions "Cloned replies" and "Length-sorted forwards" at K = 1: the first
+    step's loss is the token-mean NLL over every trained reply, each in its own window, although the windows
+    are sorted and cut into several forwards; and it differs from the one-sequence encoding (earlier replies
+    without their screenshot)."""
     from arpo_core.policy.sequences import encode_trajectory_windows
 
     policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)

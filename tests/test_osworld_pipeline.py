@@ -116,7 +116,8 @@ def test_osworld_pipeline_runs_every_stage_on_local_desktops(tmp_path):
     assert {t.task_id for t in demos} == set(CI_TASKS[:3])  # one demo per in-domain task
 
     metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
-    for policy in ("base", "trained"):  # metric names by role (evaluate decision 2)
+    for policy in ("base", "trained"):
+        # metric names by role (evaluate.py, decision "Trajectory files and keys")
         for split in ("in_domain", "out_of_domain"):
             assert f"eval/{policy}/greedy/{split}/success_rate" in metrics, sorted(metrics)[:20]
     episodes = read_trajectories(project / "data" / "eval" / "base.parquet")

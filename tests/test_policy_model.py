@@ -49,7 +49,7 @@ def test_mrope_section(head_dim, expected):
     assert sum(mrope_section(head_dim)) == head_dim // 2
 
 
-# Pinned parameter counts (default corpus -> 1,028 tokens, tied embeddings); model.py decision 3.
+# Pinned parameter counts (default corpus -> 1,028 tokens, tied embeddings); model.py, decision "Model sizes".
 @pytest.mark.parametrize(("size", "params"), [("xs", 741_632), ("s", 5_074_816), ("m", 36_508_928)])
 def test_parameter_counts(size, params):
     tok = train_tokenizer(default_corpus(), SIZES[size].vocab)
@@ -189,8 +189,8 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
 
 
 def test_linear_patch_embed_is_the_conv3d_it_replaces(built):
-    """model.py decision 7: the patch embedding as a matrix product gives the stock Conv3d's output and
-    gradient, keeps the state dict, and survives deepcopy (grow_depth)."""
+    """model.py, decision "Linear patch embedding": the patch embedding as a matrix product gives the stock
+    Conv3d's output and gradient, keeps the state dict, and survives deepcopy (grow_depth)."""
     from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
 
     from arpo_core.policy.model import LinearPatchEmbed
@@ -226,8 +226,9 @@ def test_linear_patch_embed_is_the_conv3d_it_replaces(built):
     ],
 )
 def test_image_inputs_equal_the_stock_processor(budget, sizes):
-    """model.py decision 8: the direct computation is the stock processor's, bit for bit (RGB and RGBA
-    inputs, several images in one call), and a processor configured otherwise takes the stock call."""
+    """model.py, decision "Array image inputs": the direct computation is the stock processor's, bit for bit
+    (RGB and RGBA inputs, several images in one call), and a processor configured otherwise takes the stock
+    call."""
     from transformers import Qwen2VLImageProcessorPil
 
     from arpo_core.policy.model import image_inputs

@@ -212,8 +212,9 @@ def test_close_leaves_no_process(backend):
 
 def test_a_killed_worker_group_leaves_no_process_crash_handlers_included(monkeypatch):
     """Chromium's crash handlers re-parent to init and name neither the env nor its profile: they only
-    carry the environment, and the browser's reaper kills them by its mark (miniwob decision 7), so
-    SIGKILL of the worker's group (a timeout, a second Ctrl-C) leaves nothing behind."""
+    carry the environment, and the browser's reaper kills them by its mark (miniwob_env.py,
+    decision "Process hygiene"), so SIGKILL of the worker's group (a timeout, a second Ctrl-C) leaves nothing
+    behind."""
     import uuid
 
     from test_interrupt import _cmdline, marked

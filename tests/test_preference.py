@@ -278,7 +278,8 @@ class RecordingEngine:
 
 @pytest.mark.parametrize("method", ["dpo", "kto"])
 def test_micro_batching_is_exact(policy_dir, one_thread, method):
-    """One optimizer step's gradient does not depend on micro_batch_size (decision 8)."""
+    """One optimizer step's gradient does not depend on micro_batch_size (preference.py,
+    decision "Training loops")."""
     data = pref_data()
     grads = []
     for mb in (4, 1):

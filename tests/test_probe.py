@@ -170,7 +170,8 @@ def test_target_record_json_round_trip():
 
 
 def test_first_step_targets_are_deterministic_given_the_seed():
-    """MiniWoB single-step tasks: reset(seed) fixes the instance (the pairing of probe decision 3)."""
+    """MiniWoB single-step tasks: reset(seed) fixes the instance (the pairing of probe.py,
+    decision "Episode pairing")."""
     from arpo_core.analysis.probe import first_step_targets
     from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
 

@@ -56,7 +56,8 @@ def test_window_drops_images_but_keeps_reply_text():
 
 
 def test_generation_prompt_is_prefix_of_trajectory():
-    """Decision 1: the step-2 prompt is a prefix of the 2-step trajectory's segments."""
+    """prompt.py, decision "Prompt segments": the step-2 prompt is a prefix of the 2-step trajectory's
+    segments."""
     prompt = build_segments("Do it.", 2, REPLIES[:1], system="uitars", history_images=None)
     traj = build_segments("Do it.", 2, REPLIES, system="uitars", history_images=None)
     assert traj[: len(prompt)] == prompt

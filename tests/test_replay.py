@@ -282,9 +282,9 @@ def test_disabled_draws_nothing():
 
 
 def test_two_failed_groups_of_one_task_are_filled_independently():
-    """train.groups_per_task > 1 (trainer decision 2): every all-failed group of a task is filled on its
-    own, each with its own uniform draw (with replacement): the same stored success or two different
-    ones, as the buffer's RNG falls."""
+    """train.groups_per_task > 1 (trainer.py, decision "ARPO order of operations"): every all-failed group of
+    a task is filled on its own, each with its own uniform draw (with replacement): the same stored success or
+    two different ones, as the buffer's RNG falls."""
     picks = []
     for seed in range(12):
         buf = ReplayBuffer(ReplayConfig(seed=seed))

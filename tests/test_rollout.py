@@ -104,7 +104,8 @@ def tasks(*ids):
 @pytest.mark.parametrize("extra", [{}, {"groups_per_task": 1}])
 def test_group_jobs_layout(extra):
     """One group per task (the default, and groups_per_task=1): group g is task g, on instance seed + g.
-    Pinned: the jobs, so the env seeds and sampling seeds (decision 5) of groups_per_task=1 never move."""
+    Pinned: the jobs, so the env seeds and sampling seeds (rollout.py, decision "Per-step sampling seeds") of
+    groups_per_task=1 never move."""
     jobs = make_group_jobs(tasks("a", "b"), group_size=3, seed=10, first_group=4, **extra)
     assert [(j.task.task_id, j.group_id, j.sample_idx, j.seed) for j in jobs] == [
         ("a", 4, 0, 10),
@@ -254,7 +255,8 @@ def signature(res):
 
 
 def test_sampling_seed_is_derived_from_job_and_step():
-    """Decision 5: step s of job j is sampled with derive_seed('sample', seed, epoch, iteration, j, s)."""
+    """rollout.py, decision "Per-step sampling seeds": step s of job j is sampled with derive_seed('sample',
+    seed, epoch, iteration, j, s)."""
     gen = ScriptedGenerator({"a": GOOD, "b": GOOD})
     jobs = make_group_jobs(tasks("a", "b"), group_size=2, seed=0)
     run_episodes(FakePool(n=4, steps_to_done=2), gen, jobs, rollout_cfg(seed=5), epoch=3, iteration=1)
@@ -279,7 +281,8 @@ def test_trajectories_do_not_depend_on_the_number_of_envs(n_envs):
 
 @pytest.mark.parametrize("mode", MODES)
 def test_retried_episode_equals_a_clean_one(mode):
-    """A job re-run after an env fault (decision 3) draws the same seeds: the same episode comes out."""
+    """A job re-run after an env fault (rollout.py, decision "Env fault retries") draws the same seeds: the
+    same episode comes out."""
     jobs = make_group_jobs(tasks("a", "b"), group_size=2, seed=0)
     cfg = rollout_cfg(max_steps=3, seed=2, mode=mode)
     clean = run_episodes(FakePool(n=2, steps_to_done=3), SeededReplies(), jobs, cfg)
@@ -316,8 +319,9 @@ class DelayedPool:
 
 @pytest.mark.parametrize(("n_envs", "batch_wait_s"), [(2, 0.0), (4, 0.0), (4, 0.005), (9, 0.01)])
 def test_async_and_sync_modes_give_identical_trajectories(n_envs, batch_wait_s):
-    """Decision 1 + 5: the schedule (who shares a batch, when an env steps) changes, the episodes, their
-    order, retries and metrics of results do not. Envs answer after random delays from other threads."""
+    """rollout.py, decisions "Sync and async schedules" and "Per-step sampling seeds": the schedule (who
+    shares a batch, when an env steps) changes, the episodes, their order, retries and metrics of results do
+    not. Envs answer after random delays from other threads."""
     jobs = make_group_jobs(tasks("a", "b", "c"), group_size=3, seed=0)
     faults = {"faults": {("b", 1): 1}, "step_faults": {("c", 2): 1}}
     runs = {}
@@ -423,8 +427,9 @@ def one_env_run(grounded):
 @pytest.mark.slow
 @pytest.mark.parametrize(("backend", "n_envs"), [("process", 4), ("ray", 1), ("ray", 4)])
 def test_same_jobs_same_trajectories_with_any_pool(grounded, one_env_run, backend, n_envs, request):
-    """Decision 5 on real MiniWoB and the real sampler: 1 env (every episode alone, in job order) and 4
-    envs (episodes batched together as envs free up), process or Ray workers: the same trajectories."""
+    """rollout.py, decision "Per-step sampling seeds" on real MiniWoB and the real sampler: 1 env (every
+    episode alone, in job order) and 4 envs (episodes batched together as envs free up), process or Ray
+    workers: the same trajectories."""
     if backend == "ray":
         request.getfixturevalue("ray_session")
     jobs, cfg, ref = one_env_run
@@ -473,8 +478,8 @@ def test_tiny_policy_on_real_miniwob(tmp_path):
 
 
 class CountingPool(FakePool):
-    """FakePool with the EnvPool's fault counters (pool.py decision 7): each injected fault counts one
-    `browser_crashes` (reset) or `timeouts` (step) for its task."""
+    """FakePool with the EnvPool's fault counters (pool.py, decision "Fault counting"): each injected fault
+    counts one `browser_crashes` (reset) or `timeouts` (step) for its task."""
 
     def __init__(self, *a, **k):
         super().__init__(*a, **k)

@@ -133,9 +133,9 @@ def test_history_window_in_training_sequence(policy):
 
 @pytest.mark.parametrize("k", [1, 2, 3, None])
 def test_history_windows_train_each_reply_once_in_its_generation_context(policy, k):
-    """Decision 3: each window is the generation prompt of its last step plus that reply (token for
-    token); every trained reply is a target in exactly one window; untrained steps (a recovery demo's
-    misses) are context only and a window with nothing to train is left out."""
+    """sequences.py, decision "History windows": each window is the generation prompt of its last step plus
+    that reply (token for token); every trained reply is a target in exactly one window; untrained steps (a
+    recovery demo's misses) are context only and a window with nothing to train is left out."""
     replies = ["Thought: a.\nAction: click(start_box='(1,2)')", "b", "c", "Thought: d.\nAction: wait()"]
     traj = trajectory(replies)
     traj.steps[0].train_reply = traj.steps[1].train_reply = False

@@ -1,5 +1,6 @@
 """The stage objects (arpo_core/pipeline/stage.py): the table holds them directly, the front doors look
-nothing up by name, and each stage's params keys cover what its code reads (stage decision 3)."""
+nothing up by name, and each stage's params keys cover what its code reads (stage.py,
+decision "Read params keys")."""
 
 from __future__ import annotations
 

@@ -1,8 +1,9 @@
-"""A stage's previous outputs are replaced only when it succeeds (issue 34 item 4, flows/runner.py
-decision 4): outputs are written to a staging path beside the old ones and swapped in at the end; a
-failed attempt leaves the old outputs and their stamp byte-identical, a retry with the same key resumes
+"""A stage's previous outputs are replaced only when it succeeds (issue 34 item 4, flows/runner.py,
+decision "Staged outputs"): outputs are written to a staging path beside the old ones and swapped in at the
+end; a failed attempt leaves the old outputs and their stamp byte-identical, a retry with the same key resumes
 from what it staged, another key starts over; an interrupted swap is repaired. Errors a retry cannot fix
-(disk full, a truncated input) are not retried by Prefect (tasks/stages.py decision 5)."""
+(disk full, a truncated input) are not retried by Prefect (tasks/stages.py,
+decision "Non-retryable errors")."""
 
 from __future__ import annotations
 

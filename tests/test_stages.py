@@ -86,7 +86,8 @@ def test_offline_baselines_train_and_save_a_loadable_policy(workdir, method):
 
 
 def test_offline_stage_without_usable_data_records_why_and_trains_nothing(workdir, tmp_path):
-    """Offline decision 3: RFT on rollouts without a success writes skipped.json, no policy."""
+    """offline_baselines.py, decision "Skipped baselines": RFT on rollouts without a success writes
+    skipped.json, no policy."""
     fails = [traj("click-button", k, 0.0, 100) for k in range(3)]
     write_trajectories(tmp_path / "baseline" / "in_domain.parquet", fails)
     m = offline_baselines.train_offline(
@@ -144,7 +145,7 @@ def test_no_demos_means_no_behaviour_cloning_the_grounded_policy_passes_through(
 
 def test_demos_stage_reports_the_env_faults_of_its_pool(tmp_path, monkeypatch):
     """Faults while the oracles play become demos/faults/<kind> (as rollouts' rollout/faults/<kind>), the
-    ones the pool finds when it closes included (rollouts.py decision 5)."""
+    ones the pool finds when it closes included (rollouts.py, decision "Pool-life faults")."""
     from arpo_core.offline.demonstrations import DemoResult
 
     class Pool:
@@ -170,8 +171,8 @@ def test_demos_stage_reports_the_env_faults_of_its_pool(tmp_path, monkeypatch):
 
 
 def test_a_worker_that_dies_after_its_last_call_is_in_the_stage_faults():
-    """rollouts.py decision 5 on a real pool: a worker killed between calls is found only by the close,
-    and `pool_faults` read after the `with make_pool(...)` block counts it."""
+    """rollouts.py, decision "Pool-life faults" on a real pool: a worker killed between calls is found only by
+    the close, and `pool_faults` read after the `with make_pool(...)` block counts it."""
     import os
     import signal
 
@@ -210,8 +211,8 @@ def test_pixel_budget_reads_both_layouts(workdir, tmp_path):
 @pytest.mark.slow
 @pytest.mark.timeout(600)
 def test_train_stage_evaluates_during_training_on_the_same_instances(workdir, tmp_path):
-    """pipeline/train.py decision 4: every epoch (during_training=1) the policy is evaluated on the
-    evaluate stage's first instances; metrics land in the checkpointed history, episodes on disk."""
+    """pipeline/train.py, decision "Learning curves": every epoch (during_training=1) the policy is evaluated
+    on the evaluate stage's first instances; metrics land in the checkpointed history, episodes on disk."""
     from arpo_core.pipeline import train
     from arpo_core.trajectory import read_trajectories
 

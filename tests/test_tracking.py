@@ -142,7 +142,7 @@ def test_differing_params_compare_runs_of_the_same_stage():
 
 
 def test_experiment_is_tagged_for_model_training(store, tmp_path):
-    """tracking decision 8, also for an experiment made before the tag existed."""
+    """mlflow_runs.py, decision "Experiment kind", also for an experiment made before the tag existed."""
     old = store.create_experiment("old", artifact_location=(tmp_path / "old").as_uri())
     assert mlflow_runs.ensure_experiment(store, "old", tmp_path) == old
     new = mlflow_runs.ensure_experiment(store, "new", tmp_path)
@@ -183,7 +183,8 @@ def test_run_rows_filter_by_stage_newest_first(store, tmp_path):
     assert mlflow_runs.run_rows(store, "no-such-experiment") == []
     parents = mlflow_runs.run_rows(store, "arpo-embedded", "pipeline")
     assert [r["variant"] for r in parents] == ["grpo", "default"]
-    assert [r["parent"] for r in rows] == [p["run"] for p in parents]  # stage runs nest (decision 7)
+    # stage runs nest (mlflow_runs.py, decision "Nested runs")
+    assert [r["parent"] for r in rows] == [p["run"] for p in parents]
     assert store.get_run(parents[0]["run"]).info.run_name == "grpo"  # the parent is named by variant
 
 
@@ -258,7 +259,8 @@ def _rss_kb(pid: int) -> int:
 
 
 def test_queued_dvc_experiments_use_the_projects_store(tmp_path, monkeypatch):
-    """tracking decision 6: a temporary DVC experiment workspace logs into its project's mlflow.db."""
+    """mlflow_runs.py, decision "One store per project": a temporary DVC experiment workspace logs into its
+    project's mlflow.db."""
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     exp = tmp_path / "proj" / ".dvc" / "tmp" / "exps" / "tmpab12cd" / "sub"
     exp.mkdir(parents=True)

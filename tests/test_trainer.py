@@ -79,11 +79,12 @@ def test_group_with_missing_rollout_is_dropped():
 
 
 def test_task_metrics_on_a_crafted_batch():
-    """Decision 10 by hand. Task a: two all-failed groups (groups_per_task=2) and a stored success -> both
-    filled (each on its own, decision 2). Task b: a mixed group (1 success of 4) and an all-failed one,
-    nothing stored before -> triggered, not filled; its success is stored after the update. Task
-    "click:odd?": a group with an env-failed job (3 episodes, 1 success) -> dropped from the update,
-    its success still stored. Task d: every job env-failed -> no episodes, no success rate."""
+    """trainer.py, decision "Per-task metrics" by hand. Task a: two all-failed groups (groups_per_task=2) and
+    a stored success -> both filled (each on its own, trainer.py, decision "ARPO order of operations"). Task
+    b: a mixed group (1 success of 4) and an all-failed one, nothing stored before -> triggered, not filled;
+    its success is stored after the update. Task "click:odd?": a group with an env-failed job (3 episodes, 1
+    success) -> dropped from the update, its success still stored. Task d: every job env-failed -> no
+    episodes, no success rate."""
     buf = ReplayBuffer(ReplayConfig(seed=0))
     buf.add([traj("a", 9, 0, 1.0, epoch=0)])  # an earlier iteration's success of a
     fresh = (
@@ -101,7 +102,7 @@ def test_task_metrics_on_a_crafted_batch():
         (2, False),
         (3, False),
     ]
-    buf.add(fresh)  # after the update (decision 2)
+    buf.add(fresh)  # after the update (trainer.py, decision "ARPO order of operations")
     tasks = [TaskSpec("fake", t) for t in ("a", "b", "click:odd?", "d")]
     m = task_metrics(tasks, fresh, batch.fills, buf.sizes())
     assert m == {
@@ -129,7 +130,8 @@ def test_task_metrics_on_a_crafted_batch():
 
 
 def test_epoch_summary_sums_counts_weights_rates_by_episodes_and_keeps_the_buffer_at_the_end():
-    """Decision 11 by hand on two iteration rows (8 then 4 episodes; task a in both, b in the second)."""
+    """trainer.py, decision "Epoch summary reduction" by hand on two iteration rows (8 then 4 episodes; task a
+    in both, b in the second)."""
     rows = [
         {
             "rollout/episodes": 8.0,
@@ -219,9 +221,9 @@ def test_train_loop_checkpoints_every_epoch_and_fills_groups(policy_dir, tmp_pat
     last = seen[-1][2]
     assert last["replay/groups_failed"] >= last["replay/groups_filled"]
 
-    # Per-task metrics (decision 10) of the run pinned in test_groups_per_task_1_plays_the_pinned_episodes:
-    # epoch 1 every group fails; epoch 2 'easy' succeeds 3 times of 4 (its buffer keeps all 3), nothing
-    # was stored before, so nothing is filled
+    # Per-task metrics (trainer.py, decision "Per-task metrics") of the run pinned in
+    # test_groups_per_task_1_plays_the_pinned_episodes: epoch 1 every group fails; epoch 2 'easy' succeeds 3
+    # times of 4 (its buffer keeps all 3), nothing was stored before, so nothing is filled
     for _, it, m in seen:
         tasks = {k.split("/")[2] for k in m if k.startswith("task/")}
         assert len(tasks) == (2 if it == 0 else 1) and m["train/groups"] == len(tasks)
@@ -291,7 +293,7 @@ success, replayed) per trajectory (harness.episodes)."""
 
 def test_groups_per_task_1_plays_the_pinned_episodes(policy_dir, tmp_path):
     """groups_per_task=1 (the default) keeps the jobs, env instances, sampling seeds and so the
-    trajectories of one group per task exactly as they were (decision 9)."""
+    trajectories of one group per task exactly as they were (trainer.py, decision "Derived randomness")."""
     torch.set_num_threads(1)
     harness.run(policy_dir, tmp_path, *harness.configs(2, groups_per_task=1))
     assert harness.episodes(tmp_path) == PINNED
@@ -423,7 +425,8 @@ def test_sigkill_mid_epoch_then_resume_matches_uninterrupted(policy_dir, tmp_pat
 
 
 def test_task_order_and_update_seeds_are_derived_from_the_run_seed(policy_dir, tmp_path):
-    """Trainer decision 9: the same run seed gives the same trajectories, another seed other ones."""
+    """trainer.py, decision "Derived randomness": the same run seed gives the same trajectories, another seed
+    other ones."""
     torch.set_num_threads(1)
     cfg, policy_cfg = harness.configs(1)
     harness.run(policy_dir, tmp_path / "a", cfg, policy_cfg)
@@ -456,7 +459,7 @@ def test_task_order_and_update_seeds_are_derived_from_the_run_seed(policy_dir, t
 def test_arpo_and_grpo_share_their_first_epoch_on_real_miniwob(tmp_path):
     """train.replay.enabled true (ARPO) and false (GRPO) differ only in what replay does to later
     groups: their first epoch's rollouts (the grounded tiny policy sampling on real MiniWoB) are the
-    same, episode for episode (trainer decision 9)."""
+    same, episode for episode (trainer.py, decision "Derived randomness")."""
     import functools
 
     from arpo_core.envs.base import load_suite

@@ -140,8 +140,8 @@ def test_mistyped_column_is_named(tmp_path):
 
 
 def test_train_reply_round_trips_and_old_files_read_as_trained(tmp_path):
-    """Decision 6: `train_reply` is stored per step; a file written before the column existed reads
-    with every reply trained, and a mistyped column is still an error."""
+    """trajectory.py, decision "Defaulted added columns": `train_reply` is stored per step; a file written
+    before the column existed reads with every reply trained, and a mistyped column is still an error."""
     t = make_traj(3)
     t.steps[0].train_reply = False
     path = write_trajectories(tmp_path / "t.parquet", [t, make_traj(1, sample_idx=1)])

@@ -80,7 +80,8 @@ class RecordingEngine:
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_micro_batching_is_exact(policy_dir, agg):
-    """Gradient with micro-batch 1 == gradient of the whole mini-batch in one forward (decision 3)."""
+    """Gradient with micro-batch 1 == gradient of the whole mini-batch in one forward (update.py,
+    decision "Exact micro-batching")."""
     policy = load_policy(policy_dir)
     trajs = [traj(POS), traj(NEG, n_steps=2), traj(POS + " ", color=(0, 0, 200)), traj(NEG, n_steps=3)]
     seqs = encode_trajectories(policy, trajs, system="compact", history_images=None)
@@ -137,8 +138,9 @@ def test_first_step_is_on_policy_ratio_one(policy_dir):
 
 
 def test_single_on_policy_step_skips_the_old_logp_forward_with_the_same_gradient(policy_dir, monkeypatch):
-    """ppo_epochs 1 and one mini-batch: the training forward's own log-probs are the old ones (decision 2);
-    the gradient equals the one with explicitly recomputed old log-probs, and no extra forward runs."""
+    """ppo_epochs 1 and one mini-batch: the training forward's own log-probs are the old ones (update.py,
+    decision "Recomputed old log-probs"); the gradient equals the one with explicitly recomputed old
+    log-probs, and no extra forward runs."""
     import arpo_core.algorithm.update as update
 
     policy = load_policy(policy_dir)
@@ -226,10 +228,10 @@ def test_deepspeed_zero3_update_matches_torch(policy_dir):
 
 @pytest.mark.parametrize("agg", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum"])
 def test_windows_keep_the_trajectory_as_the_unit(policy_dir, agg):
-    """update.py decision 8: trajectories longer than the history window (K = 1) are encoded as one
-    sequence per step; mini-batches still count trajectories, and the loss at ratio 1 is the per-trajectory
-    aggregate: token-mean sum(-A_j N_j) / sum N_j, seq-mean-token-mean mean_j(-A_j), seq-mean-token-sum
-    mean_j(-A_j N_j), for any micro-batch size."""
+    """update.py, decision "Windowed trajectories": trajectories longer than the history window (K = 1) are
+    encoded as one sequence per step; mini-batches still count trajectories, and the loss at ratio 1 is the
+    per-trajectory aggregate: token-mean sum(-A_j N_j) / sum N_j, seq-mean-token-mean mean_j(-A_j),
+    seq-mean-token-sum mean_j(-A_j N_j), for any micro-batch size."""
     policy = load_policy(policy_dir)
     trajs = [traj(POS, n_steps=3), traj(NEG, n_steps=1), traj(POS, n_steps=2), traj(NEG, n_steps=3)]
     seqs = encode_trajectories(policy, trajs, system="compact", history_images=1)

@@ -240,10 +240,11 @@ def test_arpo_view_command_writes_page_and_filters(tmp_path):
     page = out.read_text()
     data = json.loads(page.split('<script type="application/json" id="data">')[1].split("</script>")[0])
     assert [e["task"] for e in data["episodes"]] == ["miniwob/click-button", "miniwob/click-button"]
-    # combined files: each episode says which file and which policy it came from (decision 6)
+    # combined files: each episode says which file and which policy it came from (viewer.py,
+    # decision "Episode provenance")
     assert [e["source"] for e in data["episodes"]] == [str(src / "a.parquet"), str(src / "b.parquet")]
     assert [e["policy"] for e in data["episodes"]] == ["train/run1", "train/run1"]
-    assert out.stat().st_mode & 0o777 == 0o644  # readable like any other report (decision 7)
+    assert out.stat().st_mode & 0o777 == 0o644  # readable like any other report (decision "Readable pages")
     res = runner.invoke(app, ["view", str(tmp_path / "missing.parquet"), "--out", str(out)])
     assert res.exit_code == 2 and "missing.parquet" in res.output
     res = runner.invoke(app, ["view", str(src), "--out", str(out), "--task", "nope"])
@@ -270,7 +271,8 @@ def test_episode_labels_policy_and_source(tmp_path):
 
 
 def test_stage_viewer_pages_are_replaced_on_rerun(tmp_path, monkeypatch):
-    """runner decision 9: a stage that re-runs leaves no page of an earlier configuration."""
+    """runner.py, decision "Viewer pages rewritten": a stage that re-runs leaves no page of an earlier
+    configuration."""
     from arpo_core.config import load_params
     from arpo_core.trajectory import write_trajectories
     from flows.runner import VIEWER_DIR, StageRun
@@ -291,8 +293,9 @@ def test_stage_viewer_pages_are_replaced_on_rerun(tmp_path, monkeypatch):
 
 
 def test_arpo_view_default_title_names_what_the_page_shows(tmp_path):
-    """viewer decision 8 (issue 32 item 3): training episodes shown from a training folder and an
-    evaluation folder are titled as training episodes of that folder, not 'trajectories, eval'."""
+    """viewer.py, decision "Descriptive title" (issue 32 item 3): training episodes shown from a training
+    folder and an evaluation folder are titled as training episodes of that folder, not 'trajectories,
+    eval'."""
     from typer.testing import CliRunner
 
     from arpo_core.trajectory import write_trajectories

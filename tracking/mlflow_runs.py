@@ -1,33 +1,35 @@
 """MLflow tracking for the pipeline: one experiment per pipeline, one run per stage, same names.
 
 Decisions:
-1. The store is local by default: sqlite at `<root>/mlflow.db`, artifacts under `<root>/mlruns`
-   (MLflow 3 refuses the plain file store). `MLFLOW_TRACKING_URI` overrides it (e.g. a shared
-   `mlflow server`); the artifact location is then the server's.
-2. All calls go through `MlflowClient` with an explicit run id, never the fluent `mlflow.start_run`
-   stack: Prefect runs tasks in worker threads and the fluent active-run state is per thread, while
-   an explicit id works from any thread (the train task logs per-iteration metrics from its thread).
-3. Metrics are logged in batches (`log_batch`, at most 1000 per call, MLflow's limit), with a step for
-   per-iteration and per-epoch series; params are a stage's params flattened to dotted keys.
-4. Tags link the run to the code and data it came from: `mlflow.source.git.commit` (MLflow's own key,
-   shown in the UI), `arpo.stage`, `arpo.key` (the stage's input hash, flows/spec.py), `arpo.pipeline_id`
-   (shared by the stage runs of one pipeline run), `arpo.preset` / `arpo.overrides` (the ablation), and
-   under DVC `dvc.exp_name` / `dvc.baseline_rev`.
-5. No telemetry: MLflow's usage telemetry is switched off by the environment set in flows/__init__.py.
-6. One store per project, also for queued DVC experiments: `dvc exp run --queue` / `--run-all` run each
-   experiment in a temporary copy of the workspace under `<project>/.dvc/tmp/exps/`, whose own
-   `mlflow.db` would vanish with it. `store_root` maps such a directory back to the project, so every
-   seed and arm of a study lands in the project's MLflow experiment (`arpo runs`, the MLflow UI).
-7. Runs nest: a pipeline run (`arpo run`, a deployment run) is a parent run named by its variant
-   (`quick | train.replay.enabled=false`, tag `arpo.stage=pipeline`) and every stage run it executes
-   is its child (`mlflow.parentRunId`), named by the stage. Stage runs carry their effective params
-   (flows/spec.py decision 4) and are selected by the tag `arpo.stage`, not by name.
-8. The experiment is a model-training experiment: tag `mlflow.experimentKind=custom_model_development`
-   (the tag the MLflow 3 UI reads to choose its layout; without it an experiment with no runs opens on
-   the GenAI overview).
-9. A run never stays RUNNING (issue 34 items 1, 5, 6): it ends FINISHED, FAILED (an error) or KILLED (a
-   Ctrl-C, a stop signal); a run whose process died without ending it (SIGKILL) is closed KILLED by the
-   next run that takes the working tree's lock over from the dead holder (`close_runs_of`).
+- **Local store.** The store is local by default: sqlite at `<root>/mlflow.db`, artifacts under
+  `<root>/mlruns` (MLflow 3 refuses the plain file store). `MLFLOW_TRACKING_URI` overrides it (e.g. a shared
+  `mlflow server`); the artifact location is then the server's.
+- **Explicit run ids.** All calls go through `MlflowClient` with an explicit run id, never the fluent
+  `mlflow.start_run` stack: Prefect runs tasks in worker threads and the fluent active-run state is per
+  thread, while an explicit id works from any thread (the train task logs per-iteration metrics from its
+  thread).
+- **Batched metrics.** Metrics are logged in batches (`log_batch`, at most 1000 per call, MLflow's limit),
+  with a step for per-iteration and per-epoch series; params are a stage's params flattened to dotted keys.
+- **Provenance tags.** Tags link the run to the code and data it came from: `mlflow.source.git.commit`
+  (MLflow's own key, shown in the UI), `arpo.stage`, `arpo.key` (the stage's input hash, flows/spec.py),
+  `arpo.pipeline_id` (shared by the stage runs of one pipeline run), `arpo.preset` / `arpo.overrides` (the
+  ablation), and under DVC `dvc.exp_name` / `dvc.baseline_rev`.
+- **No telemetry.** No telemetry: MLflow's usage telemetry is switched off by the environment set in
+  flows/__init__.py.
+- **One store per project.** One store per project, also for queued DVC experiments: `dvc exp run --queue` /
+  `--run-all` run each experiment in a temporary copy of the workspace under `<project>/.dvc/tmp/exps/`, whose
+  own `mlflow.db` would vanish with it. `store_root` maps such a directory back to the project, so every
+  seed and arm of a study lands in the project's MLflow experiment (`arpo runs`, the MLflow UI).
+- **Nested runs.** Runs nest: a pipeline run (`arpo run`, a deployment run) is a parent run named by its
+  variant (`quick | train.replay.enabled=false`, tag `arpo.stage=pipeline`) and every stage run it executes
+  is its child (`mlflow.parentRunId`), named by the stage. Stage runs carry their effective params
+  (flows/spec.py, decision "Effective params") and are selected by the tag `arpo.stage`, not by name.
+- **Experiment kind.** The experiment is a model-training experiment: tag
+  `mlflow.experimentKind=custom_model_development` (the tag the MLflow 3 UI reads to choose its layout;
+  without it an experiment with no runs opens on the GenAI overview).
+- **Never left running.** A run never stays RUNNING (issue 34 items 1, 5, 6): it ends FINISHED, FAILED (an
+  error) or KILLED (a Ctrl-C, a stop signal); a run whose process died without ending it (SIGKILL) is closed
+  KILLED by the next run that takes the working tree's lock over from the dead holder (`close_runs_of`).
 """
 
 from __future__ import annotations
@@ -63,14 +65,16 @@ MAX_METRICS = 1000
 MAX_PARAMS = 100
 MAX_PARAM_CHARS = 6000
 EXPERIMENT_KIND = ("mlflow.experimentKind", "custom_model_development")
-"""Decision 8: the experiment tag MLflow 3's UI reads (values genai_development / custom_model_development)."""
+"""Decision "Experiment kind": the experiment tag MLflow 3's UI reads (values genai_development /
+custom_model_development)."""
 PIPELINE = "pipeline"
-"""`arpo.stage` of a pipeline's parent run (decision 7)."""
+"""`arpo.stage` of a pipeline's parent run (decision "Nested runs")."""
 
 
 def store_root(root: str | os.PathLike = ".") -> Path:
     """The project directory whose local store `root` uses: `root` itself, or, inside a DVC
-    experiment's temporary workspace `<project>/.dvc/tmp/exps/...`, that project (decision 6)."""
+    experiment's temporary workspace `<project>/.dvc/tmp/exps/...`, that project
+    (decision "One store per project")."""
     path = Path(root).resolve()
     parts = path.parts
     for i in range(len(parts) - 3):
@@ -80,7 +84,8 @@ def store_root(root: str | os.PathLike = ".") -> Path:
 
 
 def tracking_uri(root: str | os.PathLike = ".") -> str:
-    """`MLFLOW_TRACKING_URI` if set, else sqlite at `<project>/mlflow.db` (decisions 1, 6)."""
+    """`MLFLOW_TRACKING_URI` if set, else sqlite at `<project>/mlflow.db` (decisions "Local store" and
+    "One store per project")."""
     env = os.environ.get("MLFLOW_TRACKING_URI")
     if env:
         return env
@@ -96,7 +101,8 @@ def ensure_experiment(c: MlflowClient, name: str, root: str | os.PathLike = ".")
     """Id of experiment `name`, created (artifacts under `<root>/mlruns` for a local store) if new."""
     exp = c.get_experiment_by_name(name)
     if exp is not None:
-        if exp.tags.get(EXPERIMENT_KIND[0]) is None:  # decision 8, also for stores made before it
+        if exp.tags.get(EXPERIMENT_KIND[0]) is None:
+            # decision "Experiment kind", also for stores made before it
             c.set_experiment_tag(exp.experiment_id, *EXPERIMENT_KIND)
         return exp.experiment_id
     location = None
@@ -117,9 +123,9 @@ def git_commit(root: str | os.PathLike = ".") -> str | None:
 
 
 def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
-    """Tags of a stage run (decision 4); None values are left out. `arpo.run_token` is the working
-    tree's lock token of the run (arpo_core/infra/lock.py decision 8), how a later run finds what a dead one
-    left RUNNING (decision 9)."""
+    """Tags of a stage run (decision "Provenance tags"); None values are left out. `arpo.run_token` is the
+    working tree's lock token of the run (arpo_core/infra/lock.py, decision "Takeover record"), how a later
+    run finds what a dead one left RUNNING (mlflow_runs.py, decision "Never left running")."""
     tags: dict[str, Any] = {
         "arpo.stage": stage,
         "mlflow.source.git.commit": git_commit(root),
@@ -139,7 +145,7 @@ def start_run(
     parent_run_id: str | None = None,
 ) -> str:
     """A new run named `name` (a stage, or a pipeline's variant), nested under `parent_run_id` if given
-    (decision 7); returns its id."""
+    (decision "Nested runs"); returns its id."""
     tags = dict(tags or {})
     if parent_run_id:
         tags["mlflow.parentRunId"] = parent_run_id
@@ -161,8 +167,8 @@ def log_params(c: MlflowClient, run_id: str, params: Mapping[str, Any]) -> None:
 def log_metrics(
     c: MlflowClient, run_id: str, metrics: Mapping[str, Any], step: int = 0, model_id: str | None = None
 ) -> int:
-    """Log the numeric entries of `metrics` at `step` in batches (decision 3), linked to logged model
-    `model_id` if given; returns how many."""
+    """Log the numeric entries of `metrics` at `step` in batches (decision "Batched metrics"), linked to
+    logged model `model_id` if given; returns how many."""
     now = int(time.time() * 1000)
     items = [
         Metric(k, float(v), now, step, model_id=model_id)
@@ -184,8 +190,8 @@ def log_artifacts(c: MlflowClient, run_id: str, path: str | os.PathLike, artifac
 
 
 def end_status(error: BaseException | None) -> str:
-    """The MLflow status a run ends with (decision 9): FINISHED without an error, FAILED for an error
-    (an `Exception`), KILLED when it was interrupted or told to stop (the other BaseExceptions:
+    """The MLflow status a run ends with (decision "Never left running"): FINISHED without an error, FAILED
+    for an error (an `Exception`), KILLED when it was interrupted or told to stop (the other BaseExceptions:
     KeyboardInterrupt, SystemExit from a signal handler, Prefect's TerminationSignal for SIGTERM)."""
     if error is None:
         return RunStatus.to_string(RunStatus.FINISHED)
@@ -203,8 +209,8 @@ def finish_run(c: MlflowClient, run_id: str, ok: bool | str) -> None:
 
 
 def close_runs_of(c: MlflowClient, token: str, reason: str) -> list[dict[str, str]]:
-    """Decision 9: end KILLED every RUNNING run (any experiment of the store) whose `arpo.run_token` is
-    `token`, the lock token of a run that died, with tag `arpo.ended` = `reason`. Returns
+    """Decision "Never left running": end KILLED every RUNNING run (any experiment of the store) whose
+    `arpo.run_token` is `token`, the lock token of a run that died, with tag `arpo.ended` = `reason`. Returns
     {"run", "stage", "pipeline_id"} of each run closed."""
     if not token.isalnum():  # a lock token is hex; anything else never reaches a filter string
         return []
@@ -285,7 +291,7 @@ def comparison_table(
             str(r.get("run", ""))[:8],
             str(
                 r.get("name") or r.get("stage", "")
-            ),  # the run's name: `evaluate · grpo` (runner decision 11)
+            ),  # the run's name: `evaluate · grpo` (runner.py, decision "Headline metric first")
             str(r.get("variant", "")),
             str(r.get("status", "")),
             _fmt(r.get("minutes")),

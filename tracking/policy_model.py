@@ -2,17 +2,19 @@
 `mlflow.pyfunc.load_model("models:/<model_id>")`.
 
 Decisions:
-1. Flavour pyfunc with a `PythonModel` around the project's own loader: the policy is a Qwen2.5-VL
-   checkpoint directory (tokenizer, image processor, weights) that `arpo_core.policy.model.load_policy`
-   loads, and what a user wants back from MLflow is "give it a screenshot and an instruction, get the
-   UI-TARS reply", which pyfunc's `predict` expresses directly. The checkpoint directory is the model's
-   artifact `policy` (copied into the model, not referenced), the prompt settings its `model_config`.
-2. Logged with the run's id (`Model.log(run_id=...)`), not through the fluent active-run stack (tracking
-   decision 2); MLflow then links the run's metrics at `step` to the model. The logged model itself is
-   created first, in the run's experiment, with the run's params: without an active run MLflow would
-   file it under the fluent default experiment ("Default"), away from the run's "Logged models".
-3. Requirements are pinned from the installed versions instead of inferred: inference loads the model
-   in a subprocess (tens of seconds per model here) to guess what we already know.
+- **Pyfunc wrapper.** Flavour pyfunc with a `PythonModel` around the project's own loader: the policy is a
+  Qwen2.5-VL checkpoint directory (tokenizer, image processor, weights) that
+  `arpo_core.policy.model.load_policy` loads, and what a user wants back from MLflow is "give it a screenshot
+  and an instruction, get the UI-TARS reply", which pyfunc's `predict` expresses directly. The checkpoint
+  directory is the model's artifact `policy` (copied into the model, not referenced), the prompt settings its
+  `model_config`.
+- **Logged by run id.** Logged with the run's id (`Model.log(run_id=...)`), not through the fluent active-run
+  stack (mlflow_runs.py, decision "Explicit run ids"); MLflow then links the run's metrics at `step` to the
+  model. The logged model itself is created first, in the run's experiment, with the run's params: without an
+  active run MLflow would file it under the fluent default experiment ("Default"), away from the run's
+  "Logged models".
+- **Pinned requirements.** Requirements are pinned from the installed versions instead of inferred: inference
+  loads the model in a subprocess (tens of seconds per model here) to guess what we already know.
 """
 
 from __future__ import annotations
@@ -97,8 +99,9 @@ def log_policy_model(
     config: dict[str, Any],
     step: int = 0,
 ) -> str:
-    """Log the checkpoint at `policy_dir` as run `run_id`'s model `name` (decisions 1-3); returns its
-    model id. The run's metrics at `step` are linked to it, so log them first."""
+    """Log the checkpoint at `policy_dir` as run `run_id`'s model `name` (decisions "Pyfunc wrapper",
+    "Logged by run id" and "Pinned requirements"); returns its model id. The run's metrics at `step` are
+    linked to it, so log them first."""
     with _tracking_uri(tracking_uri):
         c = mlflow.MlflowClient(tracking_uri)
         run = c.get_run(run_id)

@@ -5,19 +5,21 @@ seed, with `evaluate.during_training > 0`; docs/orchestration.md "A replay study
 reads what they logged and writes `replay_effect.json`, a Markdown summary and a plot.
 
 Decisions:
-1. A study's runs are the FINISHED `train` runs of the experiment that evaluated during training,
-   optionally only those whose variant contains `--variant`. The arm is named by the method and the group
-   size (`arpo_g4`, `grpo_g16`); the training seed is `train.seed` (or `project.seed` when null). Two runs of the same arm and seed:
-   the newest counts, and the older is listed as superseded.
-2. Each run's evaluation episodes and history come from its own artifacts (`evaluations/`, the last
-   checkpoint's `state.json`), so the numbers are those of the logged run, not of whatever is in the
-   working tree now. The base's episodes come from the newest `evaluate` run (`base.parquet`, the same
-   instances), the hard/control split from the newest `baseline` run's rollouts (study decision 1).
-3. A study is of one in-domain suite: with `suite` (the `env.in_domain_suite` of the params `arpo study`
-   is given, e.g. `--preset replay-instances`), only runs of that suite count, so the family study and
-   the pinned-instance study can share one MLflow experiment. A suite of pinned instances gives the
-   instance document (arpo_core/analysis/study.py decisions 5-8, `replay_instances.*`), any other the replay
-   effect document (`replay_effect.*`).
+- **Study runs.** A study's runs are the FINISHED `train` runs of the experiment that evaluated during
+  training, optionally only those whose variant contains `--variant`. The arm is named by the method and the
+  group size (`arpo_g4`, `grpo_g16`); the training seed is `train.seed` (or `project.seed` when null). Two
+  runs of the same arm and seed: the newest counts, and the older is listed as superseded.
+- **Run artifacts.** Each run's evaluation episodes and history come from its own artifacts (`evaluations/`,
+  the last checkpoint's `state.json`), so the numbers are those of the logged run, not of whatever is in the
+  working tree now. The base's episodes come from the newest `evaluate` run (`base.parquet`, the same
+  instances), the hard/control split from the newest `baseline` run's rollouts (study.py,
+  decision "Data-defined hard suite").
+- **One suite per study.** A study is of one in-domain suite: with `suite` (the `env.in_domain_suite` of the
+  params `arpo study` is given, e.g. `--preset replay-instances`), only runs of that suite count, so the
+  family study and the pinned-instance study can share one MLflow experiment. A suite of pinned instances
+  gives the instance document (arpo_core/analysis/study.py, decisions "Pinned-instance splits",
+  "Final evaluation success", "Per-instance replay activity" and "Compared arms", `replay_instances.*`), any
+  other the replay effect document (`replay_effect.*`).
 """
 
 from __future__ import annotations
@@ -38,9 +40,9 @@ __all__ = ["gather", "instance_study", "write_instance_study", "write_study"]
 
 
 def _arm(params: dict[str, str]) -> str:
-    """Decision 1: the run's logged `method` (arpo_core/pipeline/common.py `method_name`, the one rule)
-    with the group size after the method, and `_preload` (train.replay.preload baseline) before `_blind`:
-    `arpo_g8`, `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind`."""
+    """Decision "Study runs": the run's logged `method` (arpo_core/pipeline/common.py `method_name`, the one
+    rule) with the group size after the method, and `_preload` (train.replay.preload baseline) before
+    `_blind`: `arpo_g8`, `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind`."""
     method = params.get("method", "?")
     base, blind = method.removesuffix("_blind"), method.endswith("_blind")
     name = f"{base}_g{params.get('train.group_size', '?')}"
@@ -66,8 +68,8 @@ def _download(c: Any, run_id: str, path: str, dst: Path) -> Path:
 def gather(
     experiment: str, variant: str | None = None, root: str = ".", suite: str | None = None
 ) -> tuple[list[ArmRun], list[Trajectory], list[Trajectory], Scorer, dict[str, Any]]:
-    """Decisions 1-3: (runs, baseline rollouts, base evaluation episodes, how the evaluation scored an
-    episode, provenance)."""
+    """Decisions "Study runs", "Run artifacts" and "One suite per study": (runs, baseline rollouts, base
+    evaluation episodes, how the evaluation scored an episode, provenance)."""
     c = mlflow_runs.client(root)
     tmp = Path(tempfile.mkdtemp(prefix="arpo-study-"))
     chosen: dict[tuple[str, int], Any] = {}
@@ -309,7 +311,7 @@ def replay_study(
 
 
 # --------------------------------------------------------------------------------------------------
-# The pinned-instance study (decision 3)
+# The pinned-instance study (decision "One suite per study")
 
 SPLIT_LABELS = {"train": "training instances", "heldout": "held-out instances"}
 

@@ -1,28 +1,29 @@
 """Group-relative (GRPO) advantages from trajectory rewards.
 
 Design decisions:
-1. Rewards come group-contiguous: `rewards[g * G:(g + 1) * G]` are the G rollouts of group g (one
-   task). This is how rollout lays out a batch and how replay fills a group; a batch whose length is
-   not a multiple of G is an error, never silently regrouped.
-2. The reference code's rule (verl's `compute_grpo_outcome_advantage`) is scale "group" with eps 1e-6:
-   `A_i = (r_i - mean(group)) / (std(group) + eps)`, UNBIASED std (`torch.std`). Scale and eps have no
-   defaults here: params' `train.loss` (LossSection) holds them.
-3. The scale is chosen from a small registry, with TRL's names (`GRPOConfig.scale_rewards`):
-   - "group": divide by the group's std (GRPO; verl `norm_adv_by_std_in_grpo=True`).
-   - "batch": mean still per group, divide by the unbiased std of the WHOLE batch of rewards (TRL's
-     `rewards.std()` for `scale_rewards="batch"`, after "Tricks or Traps? A Deep Dive into RL for LLM
-     Reasoning"): a group with tiny variance is not blown up to unit scale.
-   - "none": `r - mean(group)` (Dr. GRPO, arXiv 2503.20783; verl `norm_adv_by_std_in_grpo=False`).
-   TRL uses eps 1e-4 where verl and the ARPO code use 1e-6: eps is a parameter.
-4. A group of size 1 has advantage 0 (no baseline to compare against: the same as TRL). verl instead
-   uses mean 0 / std 1 for a singleton, i.e. A = r; we do not, since an unnormalised raw reward next to
-   normalised ones would dominate the batch.
-5. An all-equal group (all-fail, all-success, all 0.7) gets advantage exactly 0 under every scale.
-   This needs an explicit rule: in float32 the mean of eight 0.7s differs from 0.7 by ~6e-8, and
-   divided by (std 0 + eps 1e-6) that rounding error becomes advantages of +-0.056 (verl's formula has
-   this defect). Constant groups are the "no gradient" case experience replay exists to fix, so they
-   must give no gradient.
-6. Advantages carry no gradient (computed under no_grad semantics: inputs are detached).
+- **Group-contiguous rewards.** Rewards come group-contiguous: `rewards[g * G:(g + 1) * G]` are the G rollouts
+  of group g (one task). This is how rollout lays out a batch and how replay fills a group; a batch whose
+  length is not a multiple of G is an error, never silently regrouped.
+- **Reference GRPO rule.** The reference code's rule (verl's `compute_grpo_outcome_advantage`) is scale
+  "group" with eps 1e-6: `A_i = (r_i - mean(group)) / (std(group) + eps)`, UNBIASED std (`torch.std`). Scale
+  and eps have no defaults here: params' `train.loss` (LossSection) holds them.
+- **Scale registry.** The scale is chosen from a small registry, with TRL's names
+  (`GRPOConfig.scale_rewards`):
+  - "group": divide by the group's std (GRPO; verl `norm_adv_by_std_in_grpo=True`).
+  - "batch": mean still per group, divide by the unbiased std of the WHOLE batch of rewards (TRL's
+    `rewards.std()` for `scale_rewards="batch"`, after "Tricks or Traps? A Deep Dive into RL for LLM
+    Reasoning"): a group with tiny variance is not blown up to unit scale.
+  - "none": `r - mean(group)` (Dr. GRPO, arXiv 2503.20783; verl `norm_adv_by_std_in_grpo=False`).
+  TRL uses eps 1e-4 where verl and the ARPO code use 1e-6: eps is a parameter.
+- **Singleton groups.** A group of size 1 has advantage 0 (no baseline to compare against: the same as TRL).
+  verl instead uses mean 0 / std 1 for a singleton, i.e. A = r; we do not, since an unnormalised raw reward
+  next to normalised ones would dominate the batch.
+- **All-equal groups.** An all-equal group (all-fail, all-success, all 0.7) gets advantage exactly 0 under
+  every scale. This needs an explicit rule: in float32 the mean of eight 0.7s differs from 0.7 by ~6e-8, and
+  divided by (std 0 + eps 1e-6) that rounding error becomes advantages of +-0.056 (verl's formula has
+  this defect). Constant groups are the "no gradient" case experience replay exists to fix, so they
+  must give no gradient.
+- **No gradient.** Advantages carry no gradient (computed under no_grad semantics: inputs are detached).
 """
 
 from __future__ import annotations
@@ -98,5 +99,6 @@ def group_advantages(rewards: Tensor, group_size: int, *, scale: str, eps: float
         return torch.zeros_like(g).view(-1)
     centred = g - g.mean(dim=1, keepdim=True)  # (n_groups, G)
     constant = g.amax(dim=1, keepdim=True) == g.amin(dim=1, keepdim=True)  # (n_groups, 1)
-    centred = centred.masked_fill(constant, 0.0)  # exact 0, not mean-rounding noise / eps (decision 5)
+    # exact 0, not mean-rounding noise / eps (decision "All-equal groups")
+    centred = centred.masked_fill(constant, 0.0)
     return (centred / ADVANTAGE_SCALES[scale](g, eps)).view(-1)

@@ -2,40 +2,40 @@
 is split, and the few collectives that make R ranks compute what one process computes.
 
 Decisions:
-1. Standard launch, no launcher of our own: `torchrun` (or the `deepspeed` launcher) starts R copies of
-   `arpo stage train`, one per GPU or CPU slot, on one or several nodes, and sets RANK / WORLD_SIZE /
-   LOCAL_RANK / MASTER_ADDR / MASTER_PORT. `Ranks.from_env` joins that process group (NCCL on GPUs,
-   gloo on CPU) with a collective timeout (`train.distributed.timeout_s`): a rank that hangs ends the
-   job with a timeout error instead of hanging it, and a rank that dies is seen at once by torchrun,
-   which stops the others. Without those variables there is no process group at all (`SINGLE`): one
-   process, exactly the code path of a run that never heard of ranks.
-2. A group never spans ranks (`split_jobs`): rank r plays groups r, r + R, r + 2R, ... of the
-   iteration's job list, with the jobs' GLOBAL indices, so every reply draws the seed it would draw in
-   one process (rollout.py decision 5) and the same job list gives the same trajectories with any R.
-3. One buffer, one owner: rank 0 gathers the iteration's trajectories (`gather`), merges them back into
-   job order and runs the one-process code on them - replay fill, group advantages, the buffer add,
-   metrics, the trajectories file - then sends each rank its share of the filled batch (`scatter`).
-   Rewards, advantages, replay fills and selection are therefore those of the one-process run; only
-   rank 0 checkpoints the buffer.
-4. The update is split by trajectory, not by group (`assign_units`): trajectory i of the filled batch
-   goes to rank i mod R. Every rank draws the same mini-batch order over ALL trajectories (the
-   "minibatch" seed) and, per mini-batch, trains on the trajectories it holds. The loss is normalised
-   globally: token-mean divides by the mini-batch's masked tokens summed over ranks, the seq-mean modes by
-   its trajectories over all ranks (update.py decision "Global normalisation"), and gradients are summed
-   over ranks, so a mini-batch spread over R ranks gives the gradient of the same mini-batch in one
-   process (up to float summation order).
-5. Gradient reduction: the torch engine all-reduces (sums) every gradient before clipping and the step,
-   as DDP does, but once per optimizer step (no bucketing; on GPUs DDP would overlap it with the
-   backward); DeepSpeed reduces itself and AVERAGES over its data-parallel ranks, so its engine scales
-   the loss by R first (engines.py). The parameters are broadcast from rank 0 once at the start.
-6. Lockstep for ZeRO-3: every forward of a ZeRO-3 model gathers its shards from all ranks, so all ranks
-   must run the same number of forwards. The update pads each rank's micro-batches of a mini-batch to the
-   largest count over ranks with zero-weight passes over one of its own sequences (`lockstep` plans), and
-   generation runs on an unpartitioned copy of the policy that receives the weights after every update
-   (trainer decision 12's sync path), because a rank's sampling loop cannot be kept in step with another's.
-7. Ranks report where they are (`Heartbeat`): each rank rewrites `<dir>/rank-<r>.json` (epoch,
-   iteration, phase, pid, time) at every phase, so when a rank dies the launcher's failure can be
-   turned into one line naming the rank and its last step (`describe_failure`).
+- **Standard launchers.** Standard launch, no launcher of our own: `torchrun` (or the `deepspeed` launcher)
+  starts R copies of `arpo stage train`, one per GPU or CPU slot, on one or several nodes, and sets RANK /
+  WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT. `Ranks.from_env` joins that process group (NCCL on
+  GPUs, gloo on CPU) with a collective timeout (`train.distributed.timeout_s`): a rank that hangs ends the job
+  with a timeout error instead of hanging it, and a rank that dies is seen at once by torchrun, which stops
+  the others. Without those variables there is no process group at all (`SINGLE`): one process, exactly the
+  code path of a run that never heard of ranks.
+- **Whole groups per rank.** A group never spans ranks (`split_jobs`): rank r plays groups r, r + R, r + 2R,
+  ... of the iteration's job list, with the jobs' GLOBAL indices, so every reply draws the seed it would draw
+  in one process (rollout.py, decision "Per-step sampling seeds") and the same job list gives the same trajectories with any R.
+- **One buffer owner.** One buffer, one owner: rank 0 gathers the iteration's trajectories (`gather`), merges
+  them back into job order and runs the one-process code on them - replay fill, group advantages, the buffer
+  add, metrics, the trajectories file - then sends each rank its share of the filled batch (`scatter`).
+  Rewards, advantages, replay fills and selection are therefore those of the one-process run; only rank 0
+  checkpoints the buffer.
+- **Split by trajectory.** The update is split by trajectory, not by group (`assign_units`): trajectory i of
+  the filled batch goes to rank i mod R. Every rank draws the same mini-batch order over ALL trajectories (the
+  "minibatch" seed) and, per mini-batch, trains on the trajectories it holds. The loss is normalised globally:
+  token-mean divides by the mini-batch's masked tokens summed over ranks, the seq-mean modes by its
+  trajectories over all ranks (update.py, decision "Global normalisation"), and gradients are summed over
+  ranks, so a mini-batch spread over R ranks gives the gradient of the same mini-batch in one process (up to
+  float summation order).
+- **Summed gradients.** Gradient reduction: the torch engine all-reduces (sums) every gradient before clipping
+  and the step, as DDP does, but once per optimizer step (no bucketing; on GPUs DDP would overlap it with the
+  backward); DeepSpeed reduces itself and AVERAGES over its data-parallel ranks, so its engine scales the loss
+  by R first (engines.py). The parameters are broadcast from rank 0 once at the start.
+- **ZeRO-3 lockstep.** Lockstep for ZeRO-3: every forward of a ZeRO-3 model gathers its shards from all ranks,
+  so all ranks must run the same number of forwards. The update pads each rank's micro-batches of a mini-batch
+  to the largest count over ranks with zero-weight passes over one of its own sequences (`lockstep` plans),
+  and generation runs on an unpartitioned copy of the policy that receives the weights after every update
+  (trainer.py, decision "Weight sync"), because a rank's sampling loop cannot be kept in step with another's.
+- **Rank heartbeats.** Ranks report where they are (`Heartbeat`): each rank rewrites `<dir>/rank-<r>.json`
+  (epoch, iteration, phase, pid, time) at every phase, so when a rank dies the launcher's failure can be
+  turned into one line naming the rank and its last step (`describe_failure`).
 """
 
 from __future__ import annotations
@@ -75,7 +75,7 @@ class Ranks:
 
     @property
     def main(self) -> bool:
-        """Rank 0: owns the buffer, the outputs, the logs (decision 3)."""
+        """Rank 0: owns the buffer, the outputs, the logs (decision "One buffer owner")."""
         return self.rank == 0
 
     @property
@@ -84,7 +84,7 @@ class Ranks:
 
     @classmethod
     def from_env(cls, timeout_s: float = 1800.0, backend: str = "auto") -> Ranks:
-        """Decision 1: join the launcher's process group (idempotent), or `SINGLE` without a launcher."""
+        """Decision "Standard launchers": join the launcher's process group (idempotent), or `SINGLE` without a launcher."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return SINGLE
@@ -117,7 +117,7 @@ class Ranks:
         return buf.to(values.device, values.dtype)
 
     def all_reduce_max(self, values: torch.Tensor) -> torch.Tensor:
-        """The element-wise maximum over ranks (lockstep counts, decision 6)."""
+        """The element-wise maximum over ranks (lockstep counts, decision "ZeRO-3 lockstep")."""
         if not self.distributed:
             return values.clone()
         buf = values.detach().to(self._device(), torch.float64)
@@ -125,7 +125,7 @@ class Ranks:
         return buf.to(values.device, values.dtype)
 
     def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Decision 5: sum every parameter's gradient over ranks in place (a missing gradient counts as
+        """Decision "Summed gradients": sum every parameter's gradient over ranks in place (a missing gradient counts as
         zero and is created), one flat buffer per call."""
         if not self.distributed or not params:
             return
@@ -141,7 +141,7 @@ class Ranks:
             offset += n
 
     def broadcast_params(self, module: torch.nn.Module) -> None:
-        """Decision 5: every rank starts from rank 0's weights (buffers included)."""
+        """Decision "Summed gradients": every rank starts from rank 0's weights (buffers included)."""
         if not self.distributed:
             return
         dev = self._device()
@@ -186,7 +186,7 @@ SINGLE = Ranks()
 
 
 def split_jobs(jobs: Sequence[T], world: int, rank: int) -> list[tuple[int, T]]:
-    """Decision 2: (global index, job) of the jobs rank `rank` plays: whole groups, round-robin.
+    """Decision "Whole groups per rank": (global index, job) of the jobs rank `rank` plays: whole groups, round-robin.
 
     `jobs` are group-contiguous with a `group_id` attribute (rollout.py `make_group_jobs`)."""
     groups: list[int] = []
@@ -199,7 +199,7 @@ def split_jobs(jobs: Sequence[T], world: int, rank: int) -> list[tuple[int, T]]:
 
 
 def assign_units(n_units: int, world: int) -> list[list[int]]:
-    """Decision 4: the trajectory indices each rank trains on (i mod R)."""
+    """Decision "Split by trajectory": the trajectory indices each rank trains on (i mod R)."""
     return [list(range(r, n_units, world)) for r in range(world)]
 
 
@@ -209,7 +209,7 @@ def object_bytes(obj: Any) -> int:
 
 
 class Heartbeat:
-    """Decision 7: `<directory>/rank-<r>.json`, rewritten at every phase."""
+    """Decision "Rank heartbeats": `<directory>/rank-<r>.json`, rewritten at every phase."""
 
     def __init__(self, directory: str | os.PathLike, ranks: Ranks) -> None:
         self.path = Path(directory) / f"rank-{ranks.rank}.json"
@@ -253,7 +253,7 @@ def where(record: dict[str, Any] | None) -> str:
 def launch_ranks(
     n: int, argv: Sequence[str], heartbeat_dir: str | os.PathLike, port: int, max_restarts: int = 0
 ) -> str | None:
-    """Decision 7: run `python argv...` as `n` ranks on this machine with torch's elastic launcher (what
+    """Decision "Rank heartbeats": run `python argv...` as `n` ranks on this machine with torch's elastic launcher (what
     `torchrun --nproc-per-node n` runs); None when every rank succeeded, else one line naming each
     failed rank, how it ended and its last step. A rank that dies makes the launcher stop the others
     at once (no rank waits for its collective timeout)."""
@@ -288,7 +288,7 @@ def launch_ranks(
 
 
 def describe_failure(directory: str | os.PathLike, failed: dict[int, str], since: float = 0.0) -> str:
-    """Decision 7: one line naming each failed rank (rank -> how it ended, e.g. 'signal 9') and its last
+    """Decision "Rank heartbeats": one line naming each failed rank (rank -> how it ended, e.g. 'signal 9') and its last
     step, from the heartbeats written after `since`."""
     beats = {r: b for r, b in read_heartbeats(directory).items() if b.get("time", 0.0) >= since}
     parts = [f"rank {r} {how} at {where(beats.get(r))}" for r, how in sorted(failed.items())]

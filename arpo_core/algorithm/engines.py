@@ -1,37 +1,37 @@
 """Training engines behind one small interface: plain torch (one process) and DeepSpeed (ZeRO 1/2/3).
 
 Decisions:
-1. The update loop (update.py) only calls `backward(loss)` and `step() -> grad_norm`; it does its own
-   exact micro-batch weighting, so engines never rescale the loss (DeepSpeed's `scale_wrt_gas` is off)
-   and the loop marks the last backward of each mini-batch as the accumulation boundary. (DeepSpeed
-   0.19.8 on CPU/gloo: ZeRO 0-2 match the torch engine exactly with accumulation; ZeRO-3 matches with
-   one backward per step but NOT across several backward calls, in unmanaged mode, with explicit
-   boundaries and with plain managed gradient_accumulation_steps alike (grad norm 2.71 vs 2.66 on the
-   tiny policy). Until that is understood on GPUs, a ZeRO-3 engine refuses accumulation:
-   `accumulates = False`, and update.py then requires micro_batch_size >= mini_batch_size.)
-2. Optimizer: AdamW (reference: lr 1e-6, weight decay 1e-2, constant schedule) with grad-norm clipping
-   (reference 1.0). Only parameters with requires_grad are optimised.
-3. State for checkpoints: `state_dict()` / `load_state_dict()` of the optimizer for the torch engine; the
-   DeepSpeed engine saves its own (sharded) checkpoint directory `<epoch dir>/deepspeed/state/` under a
-   fixed tag, without DeepSpeed's `latest` pointer file (the trainer's `checkpoints/latest` is the one
-   pointer), and loads that tag back into a freshly built engine.
-4. DeepSpeed is imported lazily: it is installed here (CPU, gloo backend in one process) but the torch
-   engine must not pay its import time.
-5. ZeRO-3 partitions the model's parameters in place: outside DeepSpeed's forward hooks each holds an
-   empty placeholder, so `save_pretrained` (Policy.save: the trainer's checkpoint policy, which a resume
-   and the final export load) would write empty tensors. The ZeRO-3 engine therefore wraps the model's
-   `save_pretrained` to gather the full weights first (`full_weights()`; every rank gathers, HF writes).
-   The engine checkpoint itself restores the fp32 shards and optimizer state on resume.
-6. Data-parallel ranks (distributed.py decision 5). The torch engine sums every gradient over the ranks
-   before clipping (the update loop has already weighted each rank's loss by the global denominator,
-   update.py decision 9), like DDP but once per optimizer step. DeepSpeed averages gradients over its
-   data-parallel ranks inside the boundary backward, so its engine multiplies the loss by R first; it
-   needs every rank to call the backward the same number of times (`reduces_in_backward`), and under
-   ZeRO-3 every forward gathers shards from all ranks (`gathers_in_forward`): the update loop keeps the
-   ranks in step for both. Both engines checkpoint the number of ranks; the torch engine's optimizer
-   state is whole on every rank and resumes on any number of ranks; a DeepSpeed checkpoint is sharded
-   by rank: resumed on the same number it restores exactly, on another one the weights come from the
-   checkpoint's policy and the optimizer starts afresh, said in one warning line.
+- **No loss rescaling.** The update loop (update.py) only calls `backward(loss)` and `step() -> grad_norm`; it
+  does its own exact micro-batch weighting, so engines never rescale the loss (DeepSpeed's `scale_wrt_gas` is
+  off) and the loop marks the last backward of each mini-batch as the accumulation boundary. (DeepSpeed
+  0.19.8 on CPU/gloo: ZeRO 0-2 match the torch engine exactly with accumulation; ZeRO-3 matches with
+  one backward per step but NOT across several backward calls, in unmanaged mode, with explicit
+  boundaries and with plain managed gradient_accumulation_steps alike (grad norm 2.71 vs 2.66 on the
+  tiny policy). Until that is understood on GPUs, a ZeRO-3 engine refuses accumulation:
+  `accumulates = False`, and update.py then requires micro_batch_size >= mini_batch_size.)
+- **AdamW with clipping.** Optimizer: AdamW (reference: lr 1e-6, weight decay 1e-2, constant schedule) with
+  grad-norm clipping (reference 1.0). Only parameters with requires_grad are optimised.
+- **Checkpoint state.** State for checkpoints: `state_dict()` / `load_state_dict()` of the optimizer for the
+  torch engine; the DeepSpeed engine saves its own (sharded) checkpoint directory `<epoch
+  dir>/deepspeed/state/` under a fixed tag, without DeepSpeed's `latest` pointer file (the trainer's
+  `checkpoints/latest` is the one pointer), and loads that tag back into a freshly built engine.
+- **Lazy DeepSpeed import.** DeepSpeed is imported lazily: it is installed here (CPU, gloo backend in one
+  process) but the torch engine must not pay its import time.
+- **ZeRO-3 gathered save.** ZeRO-3 partitions the model's parameters in place: outside DeepSpeed's forward
+  hooks each holds an empty placeholder, so `save_pretrained` (Policy.save: the trainer's checkpoint policy,
+  which a resume and the final export load) would write empty tensors. The ZeRO-3 engine therefore wraps the
+  model's `save_pretrained` to gather the full weights first (`full_weights()`; every rank gathers, HF
+  writes). The engine checkpoint itself restores the fp32 shards and optimizer state on resume.
+- **Data-parallel ranks.** (distributed.py, decision "Summed gradients"). The torch engine sums every gradient
+  over the ranks before clipping (the update loop has already weighted each rank's loss by the global
+  denominator, update.py, decision "Global normalisation"), like DDP but once per optimizer step. DeepSpeed
+  averages gradients over its data-parallel ranks inside the boundary backward, so its engine multiplies the
+  loss by R first; it needs every rank to call the backward the same number of times (`reduces_in_backward`),
+  and under ZeRO-3 every forward gathers shards from all ranks (`gathers_in_forward`): the update loop keeps
+  the ranks in step for both. Both engines checkpoint the number of ranks; the torch engine's optimizer state
+  is whole on every rank and resumes on any number of ranks; a DeepSpeed checkpoint is sharded by rank:
+  resumed on the same number it restores exactly, on another one the weights come from the checkpoint's policy
+  and the optimizer starts afresh, said in one warning line.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ __all__ = ["DeepSpeedEngine", "TorchEngine", "free_port", "make_engine"]
 
 
 class TorchEngine:
-    """AdamW + grad-norm clipping on one device; gradients summed over data-parallel ranks (decision 6)."""
+    """AdamW + grad-norm clipping on one device; gradients summed over data-parallel ranks (decision "Data-parallel ranks")."""
 
     reduces_in_backward = False
     gathers_in_forward = False
@@ -83,7 +83,7 @@ class TorchEngine:
         loss.backward()
 
     def step(self) -> float:
-        self.ranks.all_reduce_grads(self.params)  # decision 6
+        self.ranks.all_reduce_grads(self.params)  # decision "Data-parallel ranks"
         norm = torch.nn.utils.clip_grad_norm_(self.params, self.max_grad_norm)
         if not math.isfinite(float(norm)):
             # A non-finite gradient would poison AdamW's moments: skip the step, keep the weights.
@@ -177,10 +177,10 @@ class DeepSpeedEngine:
         self.model = model
         self.module = self.engine  # ZeRO-3 gathers partitioned weights in the wrapper's forward hooks
         self.zero_stage = zero_stage
-        self.accumulates = zero_stage < 3  # decision 1
+        self.accumulates = zero_stage < 3  # decision "No loss rescaling"
         self.max_grad_norm = max_grad_norm
         if zero_stage == 3 and callable(getattr(model, "save_pretrained", None)):
-            _gather_on_save_pretrained(model)  # decision 5
+            _gather_on_save_pretrained(model)  # decision "ZeRO-3 gathered save"
 
     @contextlib.contextmanager
     def full_weights(self) -> Iterator[None]:
@@ -193,10 +193,11 @@ class DeepSpeedEngine:
             yield
 
     def backward(self, loss: torch.Tensor, boundary: bool = True) -> None:
-        # Our update loop weights micro-batches itself (update.py decision 3), and tells us which
-        # backward closes the mini-batch: DeepSpeed reduces (ZeRO-2/3: reduce-scatters) gradients there.
+        # Our update loop weights micro-batches itself (update.py, decision "Exact micro-batching"), and tells
+        # us which backward closes the mini-batch: DeepSpeed reduces (ZeRO-2/3: reduce-scatters) gradients
+        # there.
         self.engine.set_gradient_accumulation_boundary(boundary)
-        # DeepSpeed averages over its data-parallel ranks; the loop's losses are shares of a sum (dec. 6)
+        # DeepSpeed averages over its data-parallel ranks; the loop's losses are shares of a sum
         self.engine.backward(loss * self.ranks.world, scale_wrt_gas=False)
 
     def step(self) -> float:
@@ -209,9 +210,10 @@ class DeepSpeedEngine:
         return float(self.engine.get_global_grad_norm())
 
     CHECKPOINT_TAG = "state"
-    """DeepSpeed's tag (sub-directory) of the engine checkpoint inside `<epoch dir>/deepspeed`. Decision 3:
-    one fixed tag and no DeepSpeed `latest` pointer file - the trainer's own `checkpoints/latest` names
-    the epoch. (A tag named "latest" collided with that pointer file: IsADirectoryError, issue 16.)"""
+    """DeepSpeed's tag (sub-directory) of the engine checkpoint inside `<epoch dir>/deepspeed`.
+    Decision "Checkpoint state": one fixed tag and no DeepSpeed `latest` pointer file - the trainer's own
+    `checkpoints/latest` names the epoch. (A tag named "latest" collided with that pointer file:
+    IsADirectoryError, issue 16.)"""
 
     def save(self, directory: Path) -> None:
         """Every rank writes its shards (a collective: all ranks call it, on a shared filesystem)."""
@@ -230,7 +232,9 @@ class DeepSpeedEngine:
         saved = (
             json.loads((path / "ranks.json").read_text())["ranks"] if (path / "ranks.json").exists() else 1
         )
-        if saved != self.ranks.world:  # decision 6: the weights come from the checkpoint's policy
+        if (
+            saved != self.ranks.world
+        ):  # decision "Data-parallel ranks": the weights come from the checkpoint's policy
             _log.warning(
                 "the DeepSpeed optimizer state in %s was sharded over %d rank(s), this run has %d: the "
                 "weights resume from the checkpoint's policy, the optimizer state starts afresh",
@@ -255,8 +259,8 @@ def _gathered(model: torch.nn.Module) -> Iterator[None]:
 
 
 def _gather_on_save_pretrained(model: torch.nn.Module) -> None:
-    """Decision 5: the model's own `save_pretrained` (Policy.save: checkpoints, exports) gathers its ZeRO-3
-    shards first, so it writes the full weights instead of the empty local placeholders."""
+    """Decision "ZeRO-3 gathered save": the model's own `save_pretrained` (Policy.save: checkpoints, exports)
+    gathers its ZeRO-3 shards first, so it writes the full weights instead of the empty local placeholders."""
     save = model.save_pretrained
 
     @functools.wraps(save)

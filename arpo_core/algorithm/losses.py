@@ -1,50 +1,52 @@
 """Clipped token-level policy loss (PPO/GRPO with dual clip), KL-to-reference estimators, aggregation.
 
 Design decisions:
-1. The per-token objective is verl's `compute_policy_loss` (volcengine/verl,
-   verl/trainer/ppo/core_algos.py), which the ARPO reference code (an EasyR1/verl fork) uses:
-       ratio = exp(clamp(logps - old_logps, -20, 20))
-       pg1 = -A * ratio;  pg2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)
-       clipped = max(pg1, pg2)
-       per_token = min(clipped, -A * clip_dual) where A < 0 else clipped        (dual clip)
-   ARPO: clip_low 0.2, clip_high 0.3 (asymmetric, "clip-higher"), clip_dual 3.0 (docs/method.md §2).
-   The [-20, 20] clamp of the log-ratio is verl's guard against exp overflow; it only bites where the
-   token is clipped anyway. `clip_dual=None` switches the dual clip off; otherwise it must be > 1.
-2. Clip fractions are over masked tokens of the whole batch, each a disjoint event where the gradient
-   of that token is cut (and the token is not counted when A = 0):
-       low  = A < 0 and ratio < 1 - clip_low
-       high = A > 0 and ratio > 1 + clip_high
-       dual = A < 0 and ratio > clip_dual   (the -A * ratio term exceeds -A * clip_dual)
-   low + high is verl's `pg_clipfrac`; dual is verl's `pg_clipfrac_lower`.
-3. KL to a reference policy is added per token BEFORE aggregation (`per_token += kl_coef * kl`, as TRL
-   and verl's `use_kl_loss` do). Estimators from a registry, named after Schulman's "Approximating KL
-   divergence" (verl's names in brackets), with d = logps - ref_logps:
-       k1 = d  ["kl"];   k2 = 0.5 * d^2  ["mse"];
-       k3 = exp(-d) + d - 1  ["low_var_kl"], with -d clamped to [-20, 20] and the result to [-10, 10]
-   exactly as verl does (k3 >= 0, so the upper clamp at 10 is the one that acts: beyond it the token's
-   KL gradient is cut, which keeps a rare huge log-ratio from dominating the update). ARPO runs with
-   kl_coef 0; `ref_logps` may then be None.
-4. Aggregation from a registry, matching verl's `agg_loss` (B sequences, T padded length, m the mask):
-       "token-mean":              sum(l * m) / sum(m)                         (ARPO / verl default)
-       "seq-mean-token-mean":     mean_b( sum_t(l * m) / sum_t(m) )            (TRL "grpo")
-       "seq-mean-token-sum":      mean_b( sum_t(l * m) )
-       "seq-mean-token-sum-norm": sum(l * m) / sum_norm,  sum_norm = T unless given
-   The last one is verl's Dr. GRPO mode: verl divides the batch sum by `loss_mask.shape[-1]` (the padded
-   response length, not multiplied by B), and notes that the divisor should really be a constant over
-   training; `sum_norm` lets a caller fix it (e.g. the max response length). TRL's "dr_grpo" divides by
-   B * max_completion_length instead, i.e. verl's value / B. Denominators are clamped at 1 so a fully
-   masked batch or row gives 0, not NaN (TRL's `.clamp(min=1.0)`; verl adds 1e-8).
-5. Masked tokens never reach the arithmetic: logps, old_logps and ref_logps are replaced by 0 under the
-   mask before anything else, so padding that holds -inf or NaN cannot turn into a NaN loss or gradient.
-   The mask is read as boolean (nonzero = assistant token). old_logps, ref_logps and advantages are
-   detached; the math runs in float32 whatever the input dtype (bf16 log-probs lose the small ratios).
-6. The output is a typed `LossOutput` (TorchRL style): `loss` carries the graph; every other field is a
-   detached scalar tensor for metrics. No `.item()`, no logging: the caller decides what to sync.
-   `approx_kl` is cleanrl's k3 estimate of KL(old || new) from the sampled tokens,
-   mean((ratio - 1) - log ratio); verl logs the k1 form mean(old - new) as `ppo_kl`.
-7. The loss settings (clips, KL, aggregation) are required keyword arguments without defaults:
-   `LossSection` (params `train.loss`) holds the only defaults, so no caller can run a clip range other
-   than the one params name by forgetting an argument.
+- **Dual clip.** The per-token objective is verl's `compute_policy_loss` (volcengine/verl,
+  verl/trainer/ppo/core_algos.py), which the ARPO reference code (an EasyR1/verl fork) uses:
+      ratio = exp(clamp(logps - old_logps, -20, 20))
+      pg1 = -A * ratio;  pg2 = -A * clamp(ratio, 1 - clip_low, 1 + clip_high)
+      clipped = max(pg1, pg2)
+      per_token = min(clipped, -A * clip_dual) where A < 0 else clipped        (dual clip)
+  ARPO: clip_low 0.2, clip_high 0.3 (asymmetric, "clip-higher"), clip_dual 3.0 (docs/method.md §2).
+  The [-20, 20] clamp of the log-ratio is verl's guard against exp overflow; it only bites where the
+  token is clipped anyway. `clip_dual=None` switches the dual clip off; otherwise it must be > 1.
+- **Clip fractions.** Clip fractions are over masked tokens of the whole batch, each a disjoint event where
+  the gradient of that token is cut (and the token is not counted when A = 0):
+      low  = A < 0 and ratio < 1 - clip_low
+      high = A > 0 and ratio > 1 + clip_high
+      dual = A < 0 and ratio > clip_dual   (the -A * ratio term exceeds -A * clip_dual)
+  low + high is verl's `pg_clipfrac`; dual is verl's `pg_clipfrac_lower`.
+- **KL before aggregation.** KL to a reference policy is added per token BEFORE aggregation (`per_token +=
+  kl_coef * kl`, as TRL and verl's `use_kl_loss` do). Estimators from a registry, named after Schulman's
+  "Approximating KL divergence" (verl's names in brackets), with d = logps - ref_logps:
+      k1 = d  ["kl"];   k2 = 0.5 * d^2  ["mse"];
+      k3 = exp(-d) + d - 1  ["low_var_kl"], with -d clamped to [-20, 20] and the result to [-10, 10]
+  exactly as verl does (k3 >= 0, so the upper clamp at 10 is the one that acts: beyond it the token's
+  KL gradient is cut, which keeps a rare huge log-ratio from dominating the update). ARPO runs with
+  kl_coef 0; `ref_logps` may then be None.
+- **Loss aggregation.** Aggregation from a registry, matching verl's `agg_loss` (B sequences, T padded length,
+  m the mask):
+      "token-mean":              sum(l * m) / sum(m)                         (ARPO / verl default)
+      "seq-mean-token-mean":     mean_b( sum_t(l * m) / sum_t(m) )            (TRL "grpo")
+      "seq-mean-token-sum":      mean_b( sum_t(l * m) )
+      "seq-mean-token-sum-norm": sum(l * m) / sum_norm,  sum_norm = T unless given
+  The last one is verl's Dr. GRPO mode: verl divides the batch sum by `loss_mask.shape[-1]` (the padded
+  response length, not multiplied by B), and notes that the divisor should really be a constant over
+  training; `sum_norm` lets a caller fix it (e.g. the max response length). TRL's "dr_grpo" divides by
+  B * max_completion_length instead, i.e. verl's value / B. Denominators are clamped at 1 so a fully
+  masked batch or row gives 0, not NaN (TRL's `.clamp(min=1.0)`; verl adds 1e-8).
+- **Masked tokens excluded.** Masked tokens never reach the arithmetic: logps, old_logps and ref_logps are
+  replaced by 0 under the mask before anything else, so padding that holds -inf or NaN cannot turn into a NaN
+  loss or gradient. The mask is read as boolean (nonzero = assistant token). old_logps, ref_logps and
+  advantages are detached; the math runs in float32 whatever the input dtype (bf16 log-probs lose the small
+  ratios).
+- **Typed loss output.** The output is a typed `LossOutput` (TorchRL style): `loss` carries the graph; every
+  other field is a detached scalar tensor for metrics. No `.item()`, no logging: the caller decides what to
+  sync. `approx_kl` is cleanrl's k3 estimate of KL(old || new) from the sampled tokens,
+  mean((ratio - 1) - log ratio); verl logs the k1 form mean(old - new) as `ppo_kl`.
+- **No loss defaults.** The loss settings (clips, KL, aggregation) are required keyword arguments without
+  defaults: `LossSection` (params `train.loss`) holds the only defaults, so no caller can run a clip range
+  other than the one params name by forgetting an argument.
 """
 
 from __future__ import annotations
@@ -159,7 +161,8 @@ def aggregate(
 
     `sum_norm` is the divisor of "seq-mean-token-sum-norm" (None: T = mask.shape[-1], as verl).
     `row_weights` (B,) scale each row's contribution in the `seq-mean-*` modes (a trajectory split into
-    several rows, update.py decision 8); "token-mean" takes none, its unit is the token.
+    several rows, update.py, decision "Windowed trajectories"); "token-mean" takes none, its unit is the
+    token.
     """
     if agg not in AGGREGATIONS:
         raise ValueError(f"unknown agg {agg!r}; valid: {sorted(AGGREGATIONS)}")
@@ -245,7 +248,8 @@ def policy_loss(
 
     on = mask.bool()  # (B, T)
     m = on.float()  # (B, T)
-    # Zero the padding first: -inf / NaN there must not reach exp() or the backward pass (decision 5).
+    # Zero the padding first: -inf / NaN there must not reach exp() or the backward pass
+    # (decision "Masked tokens excluded").
     logps = torch.where(on, logps.float(), 0.0)  # (B, T)
     old_logps = torch.where(on, old_logps.detach().float(), 0.0)  # (B, T)
     adv = advantages.detach().float()

@@ -13,34 +13,35 @@ mean < 0.2`, puts the drawn item FIRST and drops the group's first fresh rollout
 `update_replay_buffer_batch(task_configs, batch)` with the FRESH batch.
 
 Decisions:
-1. Keyed by `Trajectory.key` = (task_domain, task_id): OSWorld ids repeat across domains, and the
-   reference keys by id alone (a known defect, docs/method.md §1).
-2. Stored: trajectories whose signal > `success_threshold` (strictly; exactly 0.1 is not stored), at most
-   `capacity_per_task` per key, oldest evicted first (the reference's append + pop(0)).
-3. Signal: the reference triggers and stores on the environment checker's score (`eval_results`), not
-   on the trained reward (success + 0.5 * format term). `ReplayConfig.signal` picks `"success"` (the
-   reference, default) or `"reward"`; they differ only when a format penalty or reward shaping is on.
-4. Trigger: population std (ddof=0, `np.std` in the reference) < `trigger_std` and mean <
-   `trigger_mean`. Note that the GRPO advantage uses the unbiased std; the trigger does not.
-5. Slot: the replayed trajectory replaces slot 0 (the reference prepends it and drops
-   `cur_batch[:1]`). The copy is marked `replayed=True`, keeps its stored reward, success, steps,
-   token ids and `policy_version` (its behaviour policy, so staleness = current - policy_version), and
-   takes the slot's run_id / stage / epoch / group_id / sample_idx so it sits in this batch's group.
-6. Draw: uniform over the key's stored items with the buffer's own seeded `random.Random`; its state is
-   saved, so a resumed run makes the same draws as an uninterrupted one. The reference uses the global
-   `random` module (unseeded, not checkpointed).
-7. Replayed items are never re-stored: as in the reference the buffer is updated with the fresh batch
-   (call `add` with the fresh rollouts after `apply`), and `add` also skips `replayed=True` items and
-   items already stored (same run/stage/epoch/group/sample/policy version), so passing the filled
-   groups by mistake cannot grow the buffer with copies of itself.
-8. `enabled=False` (the GRPO ablation; the reference's flag is read by nothing) leaves every group
-   unchanged and draws nothing, but still counts failed groups and "fillable" ones (a stored success
-   existed), so the ablation reports how often replay would have acted.
-9. Persistence: a Parquet file of the stored trajectories (PNG bytes and token ids, never pixel
-   tensors) plus `manifest.json` with config, RNG state, counters, and the per-key FIFO order
-   (rewards round-trip exactly: the Parquet schema stores them as float64). The Parquet file has a fresh name per
-   save and the manifest is replaced atomically last, so a crash mid-save leaves the previous save
-   loadable; superseded Parquet files are deleted only after the new manifest is in place.
+- **Task key.** Keyed by `Trajectory.key` = (task_domain, task_id): OSWorld ids repeat across domains, and the
+  reference keys by id alone (a known defect, docs/method.md §1).
+- **Storage rule.** Stored: trajectories whose signal > `success_threshold` (strictly; exactly 0.1 is not
+  stored), at most `capacity_per_task` per key, oldest evicted first (the reference's append + pop(0)).
+- **Replay signal.** Signal: the reference triggers and stores on the environment checker's score
+  (`eval_results`), not on the trained reward (success + 0.5 * format term). `ReplayConfig.signal` picks
+  `"success"` (the reference, default) or `"reward"`; they differ only when a format penalty or reward shaping
+  is on.
+- **Trigger rule.** Trigger: population std (ddof=0, `np.std` in the reference) < `trigger_std` and mean <
+  `trigger_mean`. Note that the GRPO advantage uses the unbiased std; the trigger does not.
+- **Slot zero replacement.** Slot: the replayed trajectory replaces slot 0 (the reference prepends it and
+  drops `cur_batch[:1]`). The copy is marked `replayed=True`, keeps its stored reward, success, steps,
+  token ids and `policy_version` (its behaviour policy, so staleness = current - policy_version), and
+  takes the slot's run_id / stage / epoch / group_id / sample_idx so it sits in this batch's group.
+- **Seeded draws.** Draw: uniform over the key's stored items with the buffer's own seeded `random.Random`;
+  its state is saved, so a resumed run makes the same draws as an uninterrupted one. The reference uses the
+  global `random` module (unseeded, not checkpointed).
+- **No re-storing.** Replayed items are never re-stored: as in the reference the buffer is updated with the
+  fresh batch (call `add` with the fresh rollouts after `apply`), and `add` also skips `replayed=True` items
+  and items already stored (same run/stage/epoch/group/sample/policy version), so passing the filled
+  groups by mistake cannot grow the buffer with copies of itself.
+- **Disabled buffer counts.** `enabled=False` (the GRPO ablation; the reference's flag is read by nothing)
+  leaves every group unchanged and draws nothing, but still counts failed groups and "fillable" ones (a stored
+  success existed), so the ablation reports how often replay would have acted.
+- **Persistence.** Persistence: a Parquet file of the stored trajectories (PNG bytes and token ids, never
+  pixel tensors) plus `manifest.json` with config, RNG state, counters, and the per-key FIFO order
+  (rewards round-trip exactly: the Parquet schema stores them as float64). The Parquet file has a fresh name
+  per save and the manifest is replaced atomically last, so a crash mid-save leaves the previous save
+  loadable; superseded Parquet files are deleted only after the new manifest is in place.
 """
 
 from __future__ import annotations

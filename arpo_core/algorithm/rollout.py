@@ -1,50 +1,52 @@
 """Groups of episodes over an env pool with batched inference (docs/method.md §1, "Rollout system").
 
 Decisions:
-1. Two schedules of the same loop (`RolloutConfig.mode`, params' `env.rollout.mode`), one policy
-   version per call. `sync` (step-synchronous, the reference's): once every pending reset and step has
-   come back, every live episode's prompt goes to the generator as ONE batch, the parsed actions go to
-   the envs in parallel, and the loop waits for all of them before the next batch. `async`: an env
-   steps as soon as ITS reply is ready, and the generator takes whatever prompts are ready when it is
-   free: at once when no other env call is pending, else once the oldest waiting prompt has waited
-   `batch_wait_s` (a bounded wait to fill the batch); so no env idles while another is slow and no
-   generation waits for the slowest env. In both, a finished episode is evaluated at once through the
-   pool's futures while the others keep stepping, and its env immediately takes the next queued job (the
-   per-env executor runs the reset after the evaluation), so with more jobs than envs no env idles until
-   the queue is empty. Results do not depend on the mode (decision 5): the same trajectories, retries
-   and output order. The loop is a small state object (`_Rollout`) whose methods are its phases: `start`
-   (an env takes a job), `collect` (route the env calls that came back), `batch_due`, `generate`,
-   `step` (send each reply's actions), `wait`, `fault`, `finish`.
-2. A reply that does not parse is a format error: the step is recorded (parse_ok False), the episode
-   ends without touching the env, success is 0 and the reward gets the format penalty (docs/method.md §1).
-   Model text is never executed: it goes through `parse_response` only.
-3. Env faults (timeout, crashed browser, failed reset) are not policy failures: the episode is re-run
-   from the start on a (restarted) env up to `env_retries` times; a job that still fails is reported in
-   `RolloutResult.failed` and never as a trajectory, so it cannot enter the GRPO statistics.
-4. Coordinates: the model answers in model-image pixels (the smart_resized screenshot it saw);
-   `to_screen` maps them to the env's screen before stepping, and the stored `actions_json` holds the
-   screen coordinates actually sent.
-5. Reproducible: the reply of step s of job j (its index in the job list) is sampled with the seed
-   `derive_seed("sample", cfg.seed, epoch, iteration, j, s)` (seeds.py), never from its batch row, the
-   round of the loop, its env or the time it ran. Which envs are free when, and so who shares a batch,
-   depends on timing; the replies do not (the generator seeds each prompt on its own, generate.py
-   decision 1), and a re-run after an env fault draws the same seeds as a clean run. The same job list
-   gives the same trajectories with 1 or 8 envs, process or Ray workers.
-6. Time is split into env (the loop blocked waiting on env calls), inference (generation) and the rest,
-   so a benchmark can see who waits for whom.
-8. Env faults are metrics: the pool's fault counters (pool.py decision 7) during the call become
-   `rollout/faults/<kind>` (every kind, 0 included) and `task/<domain>/<task_id>/env_faults`.
-7. `RolloutConfig` has no defaults for what params own (sampling, step limit, reply length, format
-   penalty, pixel budget, coordinate mode, seed): the caller builds it from params.yaml. The scheduling
-   settings (mode, batch_wait_s) change speed, never results, and default to params.yaml's values.
-9. Time and waiting go through a `Clock` (`RealClock`: time.monotonic + concurrent.futures.wait), so the
-   very same loop runs under a simulated clock with fake envs and a generation cost model
-   (benchmarks/rollout_sim.py, the paper's 128 OSWorld envs). `rollout/env_utilization` is the envs'
-   busy time (the pool's `EnvResult.elapsed_s` of every reset, step and evaluation) over n_envs x wall
-   time; `rollout/mean_batch` and `rollout/generate_calls` show how the generator was fed.
-10. Data-parallel ranks (distributed.py decision 2) each play part of an iteration's job list under the
-   jobs' indices in the WHOLE list (`orders`), so every reply draws its one-process seed; rank 0 merges
-   the parts back (`merge_results`) into what one call over the whole list returns.
+- **Sync and async schedules.** Two schedules of the same loop (`RolloutConfig.mode`, params'
+  `env.rollout.mode`), one policy version per call. `sync` (step-synchronous, the reference's): once every
+  pending reset and step has come back, every live episode's prompt goes to the generator as ONE batch, the
+  parsed actions go to the envs in parallel, and the loop waits for all of them before the next batch.
+  `async`: an env steps as soon as ITS reply is ready, and the generator takes whatever prompts are ready when
+  it is free: at once when no other env call is pending, else once the oldest waiting prompt has waited
+  `batch_wait_s` (a bounded wait to fill the batch); so no env idles while another is slow and no
+  generation waits for the slowest env. In both, a finished episode is evaluated at once through the
+  pool's futures while the others keep stepping, and its env immediately takes the next queued job (the
+  per-env executor runs the reset after the evaluation), so with more jobs than envs no env idles until
+  the queue is empty. Results do not depend on the mode (decision "Per-step sampling seeds"): the same
+  trajectories, retries and output order. The loop is a small state object (`_Rollout`) whose methods are its
+  phases: `start` (an env takes a job), `collect` (route the env calls that came back), `batch_due`,
+  `generate`, `step` (send each reply's actions), `wait`, `fault`, `finish`.
+- **Format errors.** A reply that does not parse is a format error: the step is recorded (parse_ok False), the
+  episode ends without touching the env, success is 0 and the reward gets the format penalty (docs/method.md
+  §1). Model text is never executed: it goes through `parse_response` only.
+- **Env fault retries.** Env faults (timeout, crashed browser, failed reset) are not policy failures: the
+  episode is re-run from the start on a (restarted) env up to `env_retries` times; a job that still fails is
+  reported in `RolloutResult.failed` and never as a trajectory, so it cannot enter the GRPO statistics.
+- **Screen coordinates.** Coordinates: the model answers in model-image pixels (the smart_resized screenshot
+  it saw); `to_screen` maps them to the env's screen before stepping, and the stored `actions_json` holds the
+  screen coordinates actually sent.
+- **Per-step sampling seeds.** Reproducible: the reply of step s of job j (its index in the job list) is
+  sampled with the seed `derive_seed("sample", cfg.seed, epoch, iteration, j, s)` (seeds.py), never from its
+  batch row, the round of the loop, its env or the time it ran. Which envs are free when, and so who shares a
+  batch, depends on timing; the replies do not (the generator seeds each prompt on its own, generate.py,
+  decision "Own decode loop"), and a re-run after an env fault draws the same seeds as a clean run. The same
+  job list gives the same trajectories with 1 or 8 envs, process or Ray workers.
+- **Time split.** Time is split into env (the loop blocked waiting on env calls), inference (generation) and
+  the rest, so a benchmark can see who waits for whom.
+- **Fault metrics.** Env faults are metrics: the pool's fault counters (pool.py, decision "Fault counting")
+  during the call become `rollout/faults/<kind>` (every kind, 0 included) and
+  `task/<domain>/<task_id>/env_faults`.
+- **No params defaults.** `RolloutConfig` has no defaults for what params own (sampling, step limit, reply
+  length, format penalty, pixel budget, coordinate mode, seed): the caller builds it from params.yaml. The
+  scheduling settings (mode, batch_wait_s) change speed, never results, and default to params.yaml's values.
+- **Injectable clock.** Time and waiting go through a `Clock` (`RealClock`: time.monotonic +
+  concurrent.futures.wait), so the very same loop runs under a simulated clock with fake envs and a generation
+  cost model (benchmarks/rollout_sim.py, the paper's 128 OSWorld envs). `rollout/env_utilization` is the envs'
+  busy time (the pool's `EnvResult.elapsed_s` of every reset, step and evaluation) over n_envs x wall
+  time; `rollout/mean_batch` and `rollout/generate_calls` show how the generator was fed.
+- **Ranks' job indices.** Data-parallel ranks (distributed.py, decision "Whole groups per rank") each play
+  part of an iteration's job list under the jobs' indices in the WHOLE list (`orders`), so every reply draws
+  its one-process seed; rank 0 merges the parts back (`merge_results`) into what one call over the whole list
+  returns.
 """
 
 from __future__ import annotations
@@ -87,12 +89,13 @@ __all__ = [
 ]
 
 ROLLOUT_MODES = ("sync", "async")
-"""Decision 1: how env steps and generation interleave within one `run_episodes` call."""
+"""Decision "Sync and async schedules": how env steps and generation interleave within one `run_episodes`
+call."""
 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    """How episodes are played; built by the caller from params (decision 7)."""
+    """How episodes are played; built by the caller from params (decision "No params defaults")."""
 
     max_steps: int
     """Episode step limit (reference 15)."""
@@ -111,13 +114,13 @@ class RolloutConfig:
     coord_mode: str
     """'absolute' (UI-TARS-1.5 / Qwen2.5-VL pixels) or 'relative1000' (UI-TARS-1.0)."""
     seed: int
-    """Run seed of sampling; each reply's seed derives from it (decision 5)."""
+    """Run seed of sampling; each reply's seed derives from it (decision "Per-step sampling seeds")."""
     env_retries: int = 2
     """Re-runs of an episode hit by an env fault before it is reported failed."""
     mode: Literal["sync", "async"] = "async"
-    """Decision 1: `sync` (step-synchronous rounds) or `async` (an env steps as soon as its reply is
-    ready). Speed only, never the episodes (decision 5), so, like env_retries, it has a default: the one
-    of params.yaml's `env.rollout.mode`."""
+    """Decision "Sync and async schedules": `sync` (step-synchronous rounds) or `async` (an env steps as soon
+    as its reply is ready). Speed only, never the episodes (decision "Per-step sampling seeds"), so, like
+    env_retries, it has a default: the one of params.yaml's `env.rollout.mode`."""
     batch_wait_s: float = 0.0
     """Async mode: how long the oldest ready prompt may wait for others to join its batch (params'
     `env.rollout.batch_wait_s`)."""
@@ -134,8 +137,8 @@ class EpisodeJob:
     task: TaskSpec
     seed: int
     """Env seed of the episode (MiniWoB: the task instance). A pinned instance's job always carries the
-    task's own seed, whatever the job builder proposed (suites.py decision 3): a training group, a
-    baseline row and an evaluation of `click-link@0017` all play that one instance."""
+    task's own seed, whatever the job builder proposed (suites.py, decision "Fixed instances"): a training
+    group, a baseline row and an evaluation of `click-link@0017` all play that one instance."""
     group_id: int = 0
     sample_idx: int = 0
 
@@ -173,14 +176,14 @@ class RolloutResult:
     """Jobs that hit env faults `env_retries + 1` times, with the last error, in job order."""
     metrics: dict[str, float] = field(default_factory=dict)
     orders: list[int] = field(default_factory=list)
-    """Each trajectory's index in the job list its call was given (decision 10: the whole iteration's)."""
+    """Each trajectory's index in the job list its call was given (decision "Ranks' job indices": the whole iteration's)."""
 
 
 @dataclass
 class _Episode:
     job: EpisodeJob
     order: int
-    """Index of the job in the job list (decision 5)."""
+    """Index of the job in the job list (decision "Per-step sampling seeds")."""
     env_idx: int = -1
     attempts: int = 0
     obs: Observation | None = None
@@ -198,8 +201,8 @@ def _model_size(screen: tuple[int, int], cfg: RolloutConfig) -> tuple[int, int]:
 
 
 class Clock(Protocol):
-    """Time and waiting as the loop sees them (decision 9): the real clock, or a simulated one
-    (benchmarks/rollout_sim.py) under which the same loop drives fake envs and a generation cost model."""
+    """Time and waiting as the loop sees them (decision "Injectable clock"): the real clock, or a simulated
+    one (benchmarks/rollout_sim.py) under which the same loop drives fake envs and a generation cost model."""
 
     def now(self) -> float:
         """Seconds on a monotonic clock."""
@@ -221,7 +224,8 @@ class RealClock:
 
 
 class _Rollout:
-    """The state of one `run_episodes` call; each method is one phase of the loop (decision 1)."""
+    """The state of one `run_episodes` call; each method is one phase of the loop
+    (decision "Sync and async schedules")."""
 
     def __init__(
         self,
@@ -264,8 +268,9 @@ class _Rollout:
                 self.wait()
 
     def batch_due(self) -> bool:
-        """Decision 1: sync generates once no reset or step is pending (every live episode in one batch);
-        async once nothing else can join soon, or the oldest waiting prompt has waited `batch_wait_s`."""
+        """Decision "Sync and async schedules": sync generates once no reset or step is pending (every live
+        episode in one batch); async once nothing else can join soon, or the oldest waiting prompt has waited
+        `batch_wait_s`."""
         if not self.resets and not self.steps:
             return True
         if self.cfg.mode == "sync":
@@ -287,7 +292,8 @@ class _Rollout:
 
     # ---- an env takes a job, gives one back
     def start(self, ep: _Episode, env_idx: int) -> None:
-        """A fresh attempt of `ep` on `env_idx`: everything of an earlier attempt is dropped (decision 3)."""
+        """A fresh attempt of `ep` on `env_idx`: everything of an earlier attempt is dropped
+        (decision "Env fault retries")."""
         ep.env_idx = env_idx
         ep.attempts += 1
         ep.obs, ep.screenshots, ep.replies, ep.steps = None, [], [], []
@@ -306,7 +312,8 @@ class _Rollout:
         self.release(ep.env_idx)
 
     def fault(self, ep: _Episode, error: str) -> None:
-        """Decision 3: re-run first, on the next free env (the pool restarts broken workers), or give up."""
+        """Decision "Env fault retries": re-run first, on the next free env (the pool restarts broken
+        workers), or give up."""
         self.n_env_faults += 1
         if ep.attempts > self.cfg.env_retries:
             self.failed.append((ep.order, ep.job, error))
@@ -355,7 +362,8 @@ class _Rollout:
                 self.ready[env_idx] = (ep, now)
 
     def generate(self) -> dict[int, Generation]:
-        """One batched generation for every ready episode, each reply with its own seed (decision 5)."""
+        """One batched generation for every ready episode, each reply with its own seed
+        (decision "Per-step sampling seeds")."""
         order = sorted(self.ready)
         prompts, seeds = [], []
         for env_idx in order:
@@ -379,7 +387,8 @@ class _Rollout:
 
     def step(self, gens: dict[int, Generation]) -> None:
         """Record each reply and send its actions to its env at once (the loop collects the results
-        later); a reply that does not parse ends its episode (decision 2: no env step, no evaluation)."""
+        later); a reply that does not parse ends its episode (decision "Format errors": no env step, no
+        evaluation)."""
         for env_idx, gen in gens.items():
             ep = self.ready.pop(env_idx)[0]
             actions = self._record(ep, gen)
@@ -449,12 +458,12 @@ def run_episodes(
     clock: Clock | None = None,
     orders: Sequence[int] | None = None,
 ) -> RolloutResult:
-    """Run every job to completion over `pool` (decision 1). `epoch` and `iteration` name this call in
-    the sampling seeds (decision 5): two calls with the same job list, config, epoch and iteration give
-    the same episodes. `progress` (tqdm-like, optional) is advanced by one per finished episode.
-    `clock`: the loop's time and waiting (decision 9; default the real clock). `orders`: each job's index
-    in the whole iteration's job list when `jobs` is a data-parallel rank's part of it (decision 10);
-    default their positions in `jobs`."""
+    """Run every job to completion over `pool` (decision "Sync and async schedules"). `epoch` and `iteration`
+    name this call in the sampling seeds (decision "Per-step sampling seeds"): two calls with the same job
+    list, config, epoch and iteration give the same episodes. `progress` (tqdm-like, optional) is advanced by
+    one per finished episode. `clock`: the loop's time and waiting (decision "Injectable clock"; default the
+    real clock). `orders`: each job's index in the whole iteration's job list when `jobs` is a data-parallel
+    rank's part of it (decision "Ranks' job indices"); default their positions in `jobs`."""
     clock = clock or RealClock()
     t_start = clock.now()
     faults_before = _faults(pool)
@@ -495,7 +504,7 @@ def episode_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
-    """Decision 10: the data-parallel ranks' results of one iteration as one call's would be: episodes
+    """Decision "Ranks' job indices": the data-parallel ranks' results of one iteration as one call's would be: episodes
     back in job order, failures in job order, episode rates recomputed over all episodes, counts summed,
     times the slowest rank's, utilisation the ranks' mean, batch size weighted by generate calls."""
     if len(parts) == 1:
@@ -523,15 +532,16 @@ def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
 
 
 def _faults(pool) -> tuple[dict[str, int], dict[tuple[str, str], dict[str, int]]]:
-    """The pool's fault counters (pool.py decision 7), empty for a pool-like object without them."""
+    """The pool's fault counters (pool.py, decision "Fault counting"), empty for a pool-like object without
+    them."""
     counts = getattr(pool, "fault_counts", None)
     per_task = getattr(pool, "task_fault_counts", None)
     return (counts() if counts else {}), (per_task() if per_task else {})
 
 
 def _fault_metrics(before, after) -> dict[str, float]:
-    """Decision 8: `rollout/faults/<kind>` for every kind and `task/<domain>/<task_id>/env_faults` for
-    each task with a fault, counted during this call."""
+    """Decision "Fault metrics": `rollout/faults/<kind>` for every kind and
+    `task/<domain>/<task_id>/env_faults` for each task with a fault, counted during this call."""
     out = {f"rollout/faults/{k}": float(v - before[0].get(k, 0)) for k, v in after[0].items()}
     for key, kinds in after[1].items():
         old = before[1].get(key, {})

@@ -6,22 +6,22 @@ A task the base agent never solves gives all-failed GRPO groups and nothing for 
 store, so it costs rollouts and teaches nothing.
 
 Decisions:
-1. A rollout counts as a success when its checker score is strictly greater than `success_threshold`
-   (default 0.1, the replay buffer's threshold), so "selected" means exactly "the replay buffer would
-   have had something to store for it". OSWorld's fractional scores in (0, 0.1] are not successes.
-2. Rules, applied in this order, each naming the reason a task is dropped: `excluded` (keys passed by the
-   caller), `infeasible` (keys passed by the caller: `Trajectory` has no feasibility field, and the
-   suite file, not the rollouts, knows which tasks are infeasible), `too_few_successes`
-   (< `min_successes`, default 1), `always_solved` (only when `max_success_rate` is set: a task solved
-   in every rollout gives all-success groups with zero advantage too; off by default, as in the paper),
-   then `over_cap`.
-3. Cap: the paper does not say how its 32-task subset was drawn. `cap_mode="random"` (default) draws a
-   seeded uniform sample of the eligible tasks, which keeps the suite's difficulty mix;
-   `cap_mode="top"` keeps the highest success counts (ties by key), i.e. the easiest tasks.
-4. Deterministic: tasks are sorted by key before any sampling and the sample uses its own
-   `random.Random(seed)`, so the same baseline and parameters give the same selection anywhere.
-5. The result records every task seen with n, successes, rate and its reason, and the parameters used;
-   `write_selection` writes it as JSON atomically (temp file + fsync + rename).
+- **Success threshold.** A rollout counts as a success when its checker score is strictly greater than
+  `success_threshold` (default 0.1, the replay buffer's threshold), so "selected" means exactly "the replay
+  buffer would have had something to store for it". OSWorld's fractional scores in (0, 0.1] are not successes.
+- **Ordered drop rules.** Rules, applied in this order, each naming the reason a task is dropped: `excluded`
+  (keys passed by the caller), `infeasible` (keys passed by the caller: `Trajectory` has no feasibility field,
+  and the suite file, not the rollouts, knows which tasks are infeasible), `too_few_successes`
+  (< `min_successes`, default 1), `always_solved` (only when `max_success_rate` is set: a task solved
+  in every rollout gives all-success groups with zero advantage too; off by default, as in the paper),
+  then `over_cap`.
+- **Task cap.** Cap: the paper does not say how its 32-task subset was drawn. `cap_mode="random"` (default)
+  draws a seeded uniform sample of the eligible tasks, which keeps the suite's difficulty mix;
+  `cap_mode="top"` keeps the highest success counts (ties by key), i.e. the easiest tasks.
+- **Deterministic selection.** Deterministic: tasks are sorted by key before any sampling and the sample uses
+  its own `random.Random(seed)`, so the same baseline and parameters give the same selection anywhere.
+- **Recorded selection.** The result records every task seen with n, successes, rate and its reason, and the
+  parameters used; `write_selection` writes it as JSON atomically (temp file + fsync + rename).
 """
 
 from __future__ import annotations

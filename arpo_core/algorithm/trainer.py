@@ -1,110 +1,113 @@
 """The ARPO/GRPO epoch loop: rollout groups -> replay fill -> advantages -> update -> buffer -> checkpoint.
 
 Decisions:
-1. One iteration = `tasks_per_iteration` tasks x `groups_per_task` groups x `group_size` rollouts
-   (docs/method.md §1-2; the reference has one group per task). Each group of a task plays its own task
-   instance (env seed) under its own group id, unique within the iteration (rollout.py
-   `make_group_jobs`), so G=4 x 4 groups gives an update the 16 rollouts per task of G=16 x 1 while the
-   group baseline stays per instance. Tasks are visited in a seeded order per epoch; an epoch is one
-   pass over the task set. `train` only composes three phases: `_restore_or_start`, `_run_iteration`
-   (rollout -> `prepare_batch` (replay fill + advantages) -> update -> buffer add -> trajectories
-   written) and `_end_epoch` (summary, `on_epoch`, checkpoint).
-2. ARPO order of operations as the reference: fresh groups are filled from the buffer (all-failed group
-   + stored success -> one slot replaced), advantages are computed on the filled groups, the update runs,
-   and only then the buffer is updated with the FRESH rollouts (replay.py decision 7). With
-   groups_per_task > 1 every all-failed group of a task is filled on its own: each draws uniformly from
-   the task's stored successes with the buffer's RNG, independently (with replacement, as the
-   reference's one `get_pos` call per group), so two groups may get the same stored success or two
-   different ones. A sibling group's success of the same iteration is not in the buffer yet and is never
-   drawn: it is already in the batch, fresh.
-3. A group with an env-failed job (rollout.py decision 3) is dropped from the update: GRPO statistics
-   need the group's G samples, and an env fault says nothing about the policy.
-4. Every ablation switch of the paper is a parameter (train.replay.enabled, train.use_selection, loss
-   clip/KL/aggregation, format penalty, group size, groups per task, lr); nothing is hard-wired. The
-   params sections arrive as they are (`TrainConfig`, `PolicyConfig`), never copied into a settings
-   class of our own.
-5. Checkpoint at the end of every epoch, atomically: the whole directory is written under a temp name
-   and renamed, then the `latest` pointer file is replaced. It holds the policy (save_pretrained), the
-   engine/optimizer state, the replay buffer, the RNG states, the epoch counter, the policy version and
-   the metric history. A run killed at any point resumes from the last complete epoch; the partial
-   epoch is re-run from its start with the same seeds, so the replay buffer and epoch count equal an
-   uninterrupted run's.
-   Every checkpoint is verified when written and when loaded (decision 13).
-6. `policy_version` counts optimizer updates (iterations); stored on each trajectory so replay
-   staleness can be measured.
-7. Evaluation and metric logging are callbacks (`on_iteration`, `on_epoch`): the library does not know
-   MLflow (docs/design.md), and the per-epoch evaluation's results go into the checkpointed history.
-8. `train.loss.kl_coef > 0` keeps a frozen reference policy: the run's starting policy (`policy_dir`,
-   also on resume - the reference never moves), loaded once, in eval mode, without gradients. Its
-   per-token log-probs of every update batch enter the loss as the KL penalty (losses.py decision 3).
-   ARPO's default is 0: no reference is loaded and no extra forward runs.
-9. Every random choice derives from the run seed and its place in the run (seeds.py): the epoch's task
-   order from ("task_order", seed, epoch), an iteration's env instances from ("env", seed, epoch, it)
-   (group g of the job list plays instance base + g; with groups_per_task=1 group g is task g), its
-   samples from ("sample", seed, epoch, it, job, step) inside the rollout, its mini-batch order from
-   ("minibatch", seed, epoch, it). Nothing depends on the replay buffer or on timing, so ARPO and GRPO
-   (train.replay.enabled true / false) play the same first iteration, episode for episode.
-10. Per-task metrics (`task_metrics`) in every iteration's row, so a run shows which tasks triggered
-    replay: `task/<domain>/<task_id>/{episodes, success_rate, all_fail_groups, replay_fills,
-    buffer_size}`, names cleaned as evaluation.py's per-task keys are (MLflow's key alphabet).
-    `all_fail_groups` counts the complete groups that met the replay trigger (replay.py decision 4; also
-    with replay disabled), `replay_fills` those filled from the buffer, `buffer_size` the task's stored
-    successes after the iteration's buffer add; `success_rate` is over the task's finished fresh
-    episodes (absent when none finished), so the episode-weighted mean of the tasks' rates is
-    `rollout/success_rate`.
-11. The epoch summary (`epoch_summary`, a history row) reduces the iteration rows by what a key means,
-    not by one blanket mean: counts are SUMMED over the epoch (`task/.../{episodes, all_fail_groups,
-    replay_fills}`, `train/groups`, `train/replayed` (= groups filled), `rollout/{episodes, env_faults,
-    failed_jobs}`); per-episode rates (`task/.../success_rate`, `rollout/{success_rate,
-    format_error_rate, mean_steps, mean_reward}`) are averaged over the episodes, each row weighted by
-    its episode count, not over iterations; the buffer's state (`task/.../buffer_size`, and `replay/*`:
-    counters and rates since the buffer was created) is its value at the epoch's end (the last row
-    holding the key; a task's size changes only in its own iteration); everything else (losses, clip
-    fractions, times, `train/nonzero_adv_frac`) is the mean over iterations. Until issue 15 every key was
-    the mean over iterations: the history's counts were per-iteration means and `replay/*` the mean of
-    running totals. `logprob/*max*` keys are the maximum over the epoch's iterations.
-12. A generator that holds its own copy of the weights (the vLLM backend, generate.py decision 8) gets
-    the policy's new weights after every update (`sync_weights`, after the update's last optimizer step,
-    before the next rollout; `before_update` first lets it free GPU memory), and once when it is built.
-    Its log-probs are only a diagnostic: the update's old log-probs are the trainer's recomputation
-    (`compute_logps` under the behaviour weights, passed to `ppo_update`), and the fresh replies' summed
-    log-probs are compared with the generator's (`logprob/gen_vs_train_max_abs`: the largest |difference|
-    of one reply's sum; `..._per_token`: that difference over the reply's tokens, max and mean). With
-    the HF backend the generator is the trained model itself: nothing to sync or compare.
-13. Checkpoint integrity (issue 34). A checkpoint's last file is its manifest (`checkpoint.json`: size
-    and sha256 of every other file, computed from the bytes on disk after each is fsynced); before the
-    directory is renamed into place it is checked (`checkpoint_problem` without hashes: the manifest
-    reads back and matches the tree, and every file passes its format check, fileio decision 5, which
-    is what catches a writer that stopped short without an error). Loading checks sizes and hashes
-    against the manifest. `latest_checkpoint` returns the newest checkpoint that passes: the one the
-    `latest` pointer names, else (pointer empty, garbage, naming a missing or damaged directory) the
-    newest `epoch-NNNN` that passes, with one warning line per problem naming the file and what is
-    wrong. A run whose checkpoints directory holds something but no usable checkpoint says so before
-    it starts from epoch 1. Checkpoints written before manifests existed still load: without a manifest
-    only the format checks apply (state.json and rng.pt, the policy's config.json and the replay
-    manifest present, every safetensors/torch/JSON/Parquet file whole), which catch truncation without
-    hashing. Rotation keeps the new checkpoint and the newest older one that passes, whatever their
-    names sort to; anything else goes (damaged ones, and newer ones left by an earlier run, which would
-    otherwise shadow this run's in a fallback). Hashing costs one read of the checkpoint per write and
-    per load (about 1 s per GB); results are cached per process by the manifest's identity, so the
-    stage's later calls do not hash again.
-14. Buffer preload (`train.replay.preload`, off by default as in the reference): the caller passes the
-    baseline's rollouts; their successes of the trained tasks enter the buffer before epoch 1 by the
-    buffer's own rules, so an all-failed group can be filled from the first iteration on. A resumed run
-    takes the buffer from its checkpoint, which already holds them (or their successors).
-15. The image-blind control arm (`train.image_blind`): the policy (and the frozen reference) is marked
-    `image_blind`, so every forward of it - generation, old log-probs, the update - sees blank
-    screenshots of the same size; the stored trajectories keep the real ones.
-16. Data-parallel ranks (`ranks`, distributed.py): each rank plays its share of the iteration's groups
-   with its own env pool and generator; rank 0 merges the episodes, fills and computes advantages with
-   the one buffer it owns, adds to it, writes the trajectories and the metrics, and sends each rank its
-   trajectories of the update, which normalises over all ranks (update.py decision 9). Checkpoints:
-   rank 0 writes the policy, buffer, RNG and state; every rank joins what is collective (DeepSpeed's
-   sharded engine state; a ZeRO-3 policy's gathered weights). On resume rank 0 picks the checkpoint and
-   every rank loads it, so a run resumes with any number of ranks (engines.py decision 6 for what a
-   DeepSpeed optimizer state needs). Under ZeRO-3 over several ranks the generator and the evaluations
-   run on an unpartitioned copy of the policy synced after every update (distributed.py decision 6).
-   Each rank reports its phase to a heartbeat file (distributed.py decision 7).
+- **Iteration shape.** One iteration = `tasks_per_iteration` tasks x `groups_per_task` groups x `group_size`
+  rollouts (docs/method.md §1-2; the reference has one group per task). Each group of a task plays its own
+  task instance (env seed) under its own group id, unique within the iteration (rollout.py
+  `make_group_jobs`), so G=4 x 4 groups gives an update the 16 rollouts per task of G=16 x 1 while the
+  group baseline stays per instance. Tasks are visited in a seeded order per epoch; an epoch is one
+  pass over the task set. `train` only composes three phases: `_restore_or_start`, `_run_iteration`
+  (rollout -> `prepare_batch` (replay fill + advantages) -> update -> buffer add -> trajectories
+  written) and `_end_epoch` (summary, `on_epoch`, checkpoint).
+- **ARPO order of operations.** ARPO order of operations as the reference: fresh groups are filled from the
+  buffer (all-failed group + stored success -> one slot replaced), advantages are computed on the filled
+  groups, the update runs, and only then the buffer is updated with the FRESH rollouts (replay.py,
+  decision "No re-storing"). With
+  groups_per_task > 1 every all-failed group of a task is filled on its own: each draws uniformly from
+  the task's stored successes with the buffer's RNG, independently (with replacement, as the
+  reference's one `get_pos` call per group), so two groups may get the same stored success or two
+  different ones. A sibling group's success of the same iteration is not in the buffer yet and is never
+  drawn: it is already in the batch, fresh.
+- **Env-failed groups dropped.** A group with an env-failed job (rollout.py, decision "Env fault retries") is
+  dropped from the update: GRPO statistics need the group's G samples, and an env fault says nothing about the
+  policy.
+- **Ablations are parameters.** Every ablation switch of the paper is a parameter (train.replay.enabled,
+  train.use_selection, loss clip/KL/aggregation, format penalty, group size, groups per task, lr); nothing is
+  hard-wired. The params sections arrive as they are (`TrainConfig`, `PolicyConfig`), never copied into a
+  settings class of our own.
+- **Atomic epoch checkpoints.** Checkpoint at the end of every epoch, atomically: the whole directory is
+  written under a temp name and renamed, then the `latest` pointer file is replaced. It holds the policy
+  (save_pretrained), the engine/optimizer state, the replay buffer, the RNG states, the epoch counter, the
+  policy version and the metric history. A run killed at any point resumes from the last complete epoch; the
+  partial epoch is re-run from its start with the same seeds, so the replay buffer and epoch count equal an
+  uninterrupted run's.
+  Every checkpoint is verified when written and when loaded (decision "Checkpoint integrity").
+- **Policy version.** `policy_version` counts optimizer updates (iterations); stored on each trajectory so
+  replay staleness can be measured.
+- **Logging by callbacks.** Evaluation and metric logging are callbacks (`on_iteration`, `on_epoch`): the
+  library does not know MLflow (docs/design.md), and the per-epoch evaluation's results go into the
+  checkpointed history.
+- **Frozen reference policy.** `train.loss.kl_coef > 0` keeps a frozen reference policy: the run's starting
+  policy (`policy_dir`, also on resume - the reference never moves), loaded once, in eval mode, without
+  gradients. Its per-token log-probs of every update batch enter the loss as the KL penalty (losses.py,
+  decision "KL before aggregation"). ARPO's default is 0: no reference is loaded and no extra forward runs.
+- **Derived randomness.** Every random choice derives from the run seed and its place in the run (seeds.py):
+  the epoch's task order from ("task_order", seed, epoch), an iteration's env instances from ("env", seed,
+  epoch, it) (group g of the job list plays instance base + g; with groups_per_task=1 group g is task g), its
+  samples from ("sample", seed, epoch, it, job, step) inside the rollout, its mini-batch order from
+  ("minibatch", seed, epoch, it). Nothing depends on the replay buffer or on timing, so ARPO and GRPO
+  (train.replay.enabled true / false) play the same first iteration, episode for episode.
+- **Per-task metrics.** Per-task metrics (`task_metrics`) in every iteration's row, so a run shows which tasks
+  triggered replay: `task/<domain>/<task_id>/{episodes, success_rate, all_fail_groups, replay_fills,
+  buffer_size}`, names cleaned as evaluation.py's per-task keys are (MLflow's key alphabet).
+  `all_fail_groups` counts the complete groups that met the replay trigger (replay.py,
+  decision "Trigger rule"; also with replay disabled), `replay_fills` those filled from the buffer,
+  `buffer_size` the task's stored successes after the iteration's buffer add; `success_rate` is over the
+  task's finished fresh episodes (absent when none finished), so the episode-weighted mean of the tasks' rates
+  is `rollout/success_rate`.
+- **Epoch summary reduction.** The epoch summary (`epoch_summary`, a history row) reduces the iteration rows
+  by what a key means, not by one blanket mean: counts are SUMMED over the epoch (`task/.../{episodes,
+  all_fail_groups, replay_fills}`, `train/groups`, `train/replayed` (= groups filled), `rollout/{episodes,
+  env_faults, failed_jobs}`); per-episode rates (`task/.../success_rate`, `rollout/{success_rate,
+  format_error_rate, mean_steps, mean_reward}`) are averaged over the episodes, each row weighted by
+  its episode count, not over iterations; the buffer's state (`task/.../buffer_size`, and `replay/*`:
+  counters and rates since the buffer was created) is its value at the epoch's end (the last row
+  holding the key; a task's size changes only in its own iteration); everything else (losses, clip
+  fractions, times, `train/nonzero_adv_frac`) is the mean over iterations. Until issue 15 every key was
+  the mean over iterations: the history's counts were per-iteration means and `replay/*` the mean of
+  running totals. `logprob/*max*` keys are the maximum over the epoch's iterations.
+- **Weight sync.** A generator that holds its own copy of the weights (the vLLM backend, generate.py,
+  decision "Generator backends") gets the policy's new weights after every update (`sync_weights`, after the
+  update's last optimizer step, before the next rollout; `before_update` first lets it free GPU memory), and
+  once when it is built. Its log-probs are only a diagnostic: the update's old log-probs are the trainer's
+  recomputation (`compute_logps` under the behaviour weights, passed to `ppo_update`), and the fresh replies'
+  summed log-probs are compared with the generator's (`logprob/gen_vs_train_max_abs`: the largest |difference|
+  of one reply's sum; `..._per_token`: that difference over the reply's tokens, max and mean). With
+  the HF backend the generator is the trained model itself: nothing to sync or compare.
+- **Checkpoint integrity.** Checkpoint integrity (issue 34). A checkpoint's last file is its manifest
+  (`checkpoint.json`: size and sha256 of every other file, computed from the bytes on disk after each is
+  fsynced); before the directory is renamed into place it is checked (`checkpoint_problem` without hashes: the
+  manifest reads back and matches the tree, and every file passes its format check, fileio.py,
+  decision "Cheap integrity checks", which is what catches a writer that stopped short without an error).
+  Loading checks sizes and hashes against the manifest. `latest_checkpoint` returns the newest checkpoint that
+  passes: the one the `latest` pointer names, else (pointer empty, garbage, naming a missing or damaged
+  directory) the newest `epoch-NNNN` that passes, with one warning line per problem naming the file and what
+  is wrong. A run whose checkpoints directory holds something but no usable checkpoint says so before
+  it starts from epoch 1. Checkpoints written before manifests existed still load: without a manifest
+  only the format checks apply (state.json and rng.pt, the policy's config.json and the replay
+  manifest present, every safetensors/torch/JSON/Parquet file whole), which catch truncation without
+  hashing. Rotation keeps the new checkpoint and the newest older one that passes, whatever their
+  names sort to; anything else goes (damaged ones, and newer ones left by an earlier run, which would
+  otherwise shadow this run's in a fallback). Hashing costs one read of the checkpoint per write and
+  per load (about 1 s per GB); results are cached per process by the manifest's identity, so the
+  stage's later calls do not hash again.
+- **Buffer preload.** Buffer preload (`train.replay.preload`, off by default as in the reference): the caller
+  passes the baseline's rollouts; their successes of the trained tasks enter the buffer before epoch 1 by the
+  buffer's own rules, so an all-failed group can be filled from the first iteration on. A resumed run
+  takes the buffer from its checkpoint, which already holds them (or their successors).
+- **Image-blind arm.** The image-blind control arm (`train.image_blind`): the policy (and the frozen
+  reference) is marked `image_blind`, so every forward of it - generation, old log-probs, the update - sees
+  blank screenshots of the same size; the stored trajectories keep the real ones.
+- **Data-parallel ranks.** (`ranks`, distributed.py): each rank plays its share of the iteration's groups with
+  its own env pool and generator; rank 0 merges the episodes, fills and computes advantages with the one
+  buffer it owns, adds to it, writes the trajectories and the metrics, and sends each rank its trajectories of
+  the update, which normalises over all ranks (update.py, decision "Global normalisation"). Checkpoints: rank
+  0 writes the policy, buffer, RNG and state; every rank joins what is collective (DeepSpeed's sharded engine
+  state; a ZeRO-3 policy's gathered weights). On resume rank 0 picks the checkpoint and every rank loads it,
+  so a run resumes with any number of ranks (engines.py, decision "Data-parallel ranks", for what a DeepSpeed
+  optimizer state needs). Under ZeRO-3 over several ranks the generator and the evaluations run on an
+  unpartitioned copy of the policy synced after every update (distributed.py, decision "ZeRO-3 lockstep").
+  Each rank reports its phase to a heartbeat file (distributed.py, decision "Rank heartbeats").
 """
 
 from __future__ import annotations
@@ -167,7 +170,7 @@ __all__ = [
 
 ENV_SEED_BITS = 40
 """Env instance seeds of training groups stay below 2^40: MiniWoB hands them to JavaScript, whose
-numbers are exact only below 2^53 (seeds.py decision 4), and group g adds g."""
+numbers are exact only below 2^53 (seeds.py, decision "Seed width"), and group g adds g."""
 
 
 @dataclass
@@ -180,13 +183,15 @@ class TrainState:
 
 
 CHECKPOINT_MANIFEST = "checkpoint.json"
-"""Decision 13: the last file of every checkpoint, sizes and sha256 of the others."""
+"""Decision "Checkpoint integrity": the last file of every checkpoint, sizes and sha256 of the others."""
 _EPOCH_DIR = re.compile(r"epoch-(\d{4,})")
 _LEGACY_REQUIRED = ("state.json", "rng.pt", "policy/config.json", "replay/manifest.json")
-"""What every checkpoint this project has written holds (decision 5), checked where no manifest is."""
+"""What every checkpoint this project has written holds (decision "Atomic epoch checkpoints"), checked where
+no manifest is."""
 _log = logging.getLogger("arpo.train")
 _verified: dict[str, tuple[int, int, int]] = {}
-"""Checkpoint dir -> identity (inode, size, mtime) of the manifest it passed with (decision 13 cache)."""
+"""Checkpoint dir -> identity (inode, size, mtime) of the manifest it passed with
+(decision "Checkpoint integrity" cache)."""
 _warned: set[str] = set()
 
 
@@ -206,7 +211,8 @@ def _epoch_dirs(ckpts: Path) -> list[Path]:
 
 
 def _write_manifest(ckpt: Path) -> None:
-    """Decision 13: sizes and hashes of every file under `ckpt` (each fsynced first), written last."""
+    """Decision "Checkpoint integrity": sizes and hashes of every file under `ckpt` (each fsynced first),
+    written last."""
     files = {}
     for f in sorted(p for p in ckpt.rglob("*") if p.is_file() and p.name != CHECKPOINT_MANIFEST):
         files[f.relative_to(ckpt).as_posix()] = {
@@ -222,9 +228,9 @@ def _manifest_id(manifest: Path) -> tuple[int, int, int]:
 
 
 def checkpoint_problem(ckpt: str | os.PathLike, hashes: bool = True) -> str | None:
-    """Decision 13: what is wrong with the checkpoint directory `ckpt` (naming the file), or None when it
-    is complete. With a manifest: every listed file present with its size (and, with `hashes`, its
-    sha256); without one (an older checkpoint) or without `hashes`: the format checks."""
+    """Decision "Checkpoint integrity": what is wrong with the checkpoint directory `ckpt` (naming the file),
+    or None when it is complete. With a manifest: every listed file present with its size (and, with `hashes`,
+    its sha256); without one (an older checkpoint) or without `hashes`: the format checks."""
     ckpt = Path(ckpt)
     if not ckpt.is_dir():
         return f"{ckpt} is missing"
@@ -268,9 +274,9 @@ def checkpoint_problem(ckpt: str | os.PathLike, hashes: bool = True) -> str | No
 
 
 def latest_checkpoint(out_dir: str | os.PathLike) -> Path | None:
-    """The newest complete, verified epoch checkpoint, or None (decision 13): the one `latest` names, else
-    the newest `epoch-NNNN` that passes `checkpoint_problem`; one warning line per problem found, naming
-    the file, what is wrong and which checkpoint is used instead."""
+    """The newest complete, verified epoch checkpoint, or None (decision "Checkpoint integrity"): the one
+    `latest` names, else the newest `epoch-NNNN` that passes `checkpoint_problem`; one warning line per
+    problem found, naming the file, what is wrong and which checkpoint is used instead."""
     ckpts = Path(out_dir) / "checkpoints"
     pointer = ckpts / "latest"
     dirs = _epoch_dirs(ckpts)
@@ -326,14 +332,16 @@ def _save_checkpoint(
     name = f"epoch-{state.epoch:04d}"
     tmp = ckpts / f".{name}.tmp"
     final = ckpts / name
-    if ranks.distributed:  # decision 16: the collective parts on every rank, the rest on rank 0
+    if (
+        ranks.distributed
+    ):  # decision "Data-parallel ranks": the collective parts on every rank, the rest on rank 0
         return _save_checkpoint_ranks(out_dir, policy, engine, replay, state, ranks)
     ckpts.mkdir(parents=True, exist_ok=True)
     for stale in ckpts.glob(".epoch-*.tmp"):  # partial checkpoints of a killed run
         shutil.rmtree(stale, ignore_errors=True)
     # Disk full: fail before writing when the last checkpoint's size does not fit, and on any write
-    # failure remove the partial temp dir and say what, where and how much (fileio decision 4); the
-    # previous checkpoint and `latest` stay as they were.
+    # failure remove the partial temp dir and say what, where and how much (fileio.py,
+    # decision "Clear output errors"); the previous checkpoint and `latest` stay as they were.
     previous = latest_checkpoint(out_dir)
     needed = tree_size(previous) if previous is not None else 0
     check_space(ckpts, needed, f"checkpoint {name}")
@@ -349,7 +357,7 @@ def _save_checkpoint(
                 indent=1,
             )
         )
-        _write_manifest(tmp)  # decision 13: last, once every other file is on disk
+        _write_manifest(tmp)  # decision "Checkpoint integrity": last, once every other file is on disk
         problem = checkpoint_problem(tmp, hashes=False)
         if problem is not None:
             raise RuntimeError(f"checkpoint {name} failed its check after writing: {problem}")
@@ -364,7 +372,7 @@ def _save_checkpoint(
 
 
 def _publish_checkpoint(ckpts: Path, tmp: Path, final: Path, state: TrainState) -> Path:
-    """Rename the checked temp dir into place, point `latest` at it, rotate (decisions 5, 13)."""
+    """Rename the checked temp dir into place, point `latest` at it, rotate (decisions "Atomic epoch checkpoints" and "Checkpoint integrity")."""
     name = final.name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -372,7 +380,7 @@ def _publish_checkpoint(ckpts: Path, tmp: Path, final: Path, state: TrainState) 
     _verified[str(final.resolve())] = _manifest_id(final / CHECKPOINT_MANIFEST)
     atomic_write_text(ckpts / "latest", name)
     # Keep the new checkpoint and the newest older one that passes its checks, the fallback in case the
-    # new one is damaged on disk later (decision 13); not simply the two last names.
+    # new one is damaged on disk later (decision "Checkpoint integrity"); not simply the two last names.
     fallback = next(
         (d for d in _epoch_dirs(ckpts) if int(d.name[6:]) < state.epoch and checkpoint_problem(d) is None),
         None,
@@ -386,7 +394,7 @@ def _publish_checkpoint(ckpts: Path, tmp: Path, final: Path, state: TrainState) 
 def _save_checkpoint_ranks(
     out_dir: Path, policy: Policy, engine, replay: ReplayBuffer, state: TrainState, ranks: Ranks
 ) -> Path:
-    """Decision 16: rank 0 prepares the temp dir; every rank writes its part of the engine state and
+    """Decision "Data-parallel ranks": rank 0 prepares the temp dir; every rank writes its part of the engine state and
     joins the gather of a ZeRO-3 policy; rank 0 writes the rest, checks, renames; every rank returns
     once the checkpoint is in place. A failure on rank 0 reaches the others as its error text."""
     ckpts = out_dir / "checkpoints"
@@ -446,7 +454,8 @@ def _fsync_dir(path: Path) -> None:
 
 
 def _load_reference(policy_dir: str | os.PathLike, policy: Policy) -> Policy:
-    """Decision 8: the frozen starting policy, on the trained policy's device and in its dtype."""
+    """Decision "Frozen reference policy": the frozen starting policy, on the trained policy's device and in
+    its dtype."""
     dtype = next(policy.model.parameters()).dtype
     ref = load_policy(policy_dir, dtype=dtype, device=str(policy.device))
     ref.image_blind = policy.image_blind  # the same (blank) inputs as the trained policy's forwards
@@ -456,7 +465,7 @@ def _load_reference(policy_dir: str | os.PathLike, policy: Policy) -> Policy:
 
 
 def _iteration_chunks(tasks: Sequence[TaskSpec], k: int, seed: int, epoch: int) -> list[list[TaskSpec]]:
-    """The epoch's tasks in a seeded order (decision 9), `k` per iteration."""
+    """The epoch's tasks in a seeded order (decision "Derived randomness"), `k` per iteration."""
     order = list(tasks)
     random.Random(derive_seed("task_order", seed, epoch)).shuffle(order)
     return [order[i : i + k] for i in range(0, len(order), k)]
@@ -484,10 +493,11 @@ class PreparedBatch:
 def prepare_batch(
     fresh: Sequence[Trajectory], replay: ReplayBuffer, group_size: int, *, scale: str, eps: float
 ) -> PreparedBatch:
-    """Decisions 2-3: complete groups only, replay fill, then group advantages. Does NOT add `fresh` to
-    the buffer (the caller does that after the update)."""
+    """Decisions "ARPO order of operations" and "Env-failed groups dropped": complete groups only, replay
+    fill, then group advantages. Does NOT add `fresh` to the buffer (the caller does that after the
+    update)."""
     groups = [g for g in _groups(fresh).values() if len(g) == group_size]
-    fills = replay.apply(groups)  # each group on its own (decision 2)
+    fills = replay.apply(groups)  # each group on its own (decision "ARPO order of operations")
     filled = [t for f in fills for t in f.group]
     if not filled:
         return PreparedBatch([], torch.zeros(0), 0, 0)
@@ -510,7 +520,8 @@ def task_metrics(
     fills: Sequence[FillResult],
     buffer_sizes: Mapping[tuple[str, str], int],
 ) -> dict[str, float]:
-    """Decision 10: one iteration's `task/<domain>/<task_id>/...` metrics for each task of `tasks`.
+    """Decision "Per-task metrics": one iteration's `task/<domain>/<task_id>/...` metrics for each task of
+    `tasks`.
 
     Args:
         fresh: the iteration's finished episodes (before replay).
@@ -549,12 +560,12 @@ class _Run:
     state: TrainState
     generator: Generator
     reference: Policy | None
-    """Decision 8: the frozen starting policy when train.loss.kl_coef > 0."""
+    """Decision "Frozen reference policy": the frozen starting policy when train.loss.kl_coef > 0."""
     ranks: Ranks = SINGLE
-    """Decision 16: this process's data-parallel rank."""
+    """Decision "Data-parallel ranks": this process's data-parallel rank."""
     gen_policy: Policy | None = None
     """The policy generation and evaluations run on: `policy` itself, or its unpartitioned copy under
-    ZeRO-3 over several ranks (decision 16)."""
+    ZeRO-3 over several ranks (decision "Data-parallel ranks")."""
     heartbeat: Callable[[int, int | None, str], None] | None = None
 
     def beat(self, epoch: int, it: int | None, phase: str) -> None:
@@ -572,13 +583,15 @@ def _restore_or_start(
     preload: Sequence[Trajectory] = (),
     ranks: Ranks = SINGLE,
 ) -> tuple[Policy, Any, ReplayBuffer, TrainState, Policy | None]:
-    """The last complete epoch's policy, engine, buffer, state and RNG states (decision 5), or a fresh
-    start from `policy_dir` with the global RNGs seeded from the run seed; and the frozen reference
-    policy when train.loss.kl_coef > 0 (decision 8). With ranks, rank 0 picks the checkpoint and every
-    rank loads it; only rank 0 holds the buffer (decision 16)."""
+    """The last complete epoch's policy, engine, buffer, state and RNG states
+    (decision "Atomic epoch checkpoints"), or a fresh start from `policy_dir` with the global RNGs seeded from
+    the run seed; and the frozen reference policy when train.loss.kl_coef > 0
+    (decision "Frozen reference policy"). With ranks, rank 0 picks the checkpoint and every rank loads it;
+    only rank 0 holds the buffer (decision "Data-parallel ranks")."""
     ckpt = latest_checkpoint(out_dir) if resume and ranks.main else None
     ckpt = ranks.broadcast(ckpt)
-    if ranks.main and resume and ckpt is None and any((out_dir / "checkpoints").glob("*")):  # decision 13
+    if ranks.main and resume and ckpt is None and any((out_dir / "checkpoints").glob("*")):
+        # decision "Checkpoint integrity": never silently
         _log.warning(
             "no usable checkpoint in %s (see the lines above): training starts again from epoch 1 from %s",
             out_dir / "checkpoints",
@@ -595,9 +608,10 @@ def _restore_or_start(
         policy = load_policy(policy_dir, device=device)
         state = TrainState()
         replay = ReplayBuffer(cfg.replay)
-        if cfg.replay.preload != "none" and ranks.main:  # decision 14: before epoch 1 only
+        if cfg.replay.preload != "none" and ranks.main:
+            # decision "Buffer preload": before epoch 1 only; a resumed buffer holds them
             replay.add(preload)
-    policy.image_blind = cfg.image_blind  # decision 15
+    policy.image_blind = cfg.image_blind  # decision "Image-blind arm"
     reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
     engine = make_engine(
         cfg.engine,
@@ -610,7 +624,7 @@ def _restore_or_start(
         ranks=ranks,
     )
     if cfg.engine == "torch":
-        ranks.broadcast_params(policy.model)  # distributed.py decision 5 (DeepSpeed does its own)
+        ranks.broadcast_params(policy.model)  # distributed.py, decision "Summed gradients"
     if ckpt is not None:
         engine.load(ckpt)
         _set_rng_state(torch.load(ckpt / "rng.pt", weights_only=False))
@@ -622,7 +636,7 @@ def _restore_or_start(
 
 
 class _UpdateShare(NamedTuple):
-    """Decision 16: what rank 0 sends a rank for the update."""
+    """Decision "Data-parallel ranks": what rank 0 sends a rank for the update."""
 
     trajectories: list[Trajectory]
     advantages: torch.Tensor
@@ -637,7 +651,7 @@ class _UpdateShare(NamedTuple):
 
 def _shares(batch: PreparedBatch, cfg: TrainConfig, ranks: Ranks) -> list[_UpdateShare]:
     """The update batch (zero advantages left out when asked) split by trajectory over the ranks
-    (distributed.py decision 4); a rank without any gets a padding copy of the first one."""
+    (distributed.py, decision "Split by trajectory"); a rank without any gets a padding copy of the first one."""
     adv = batch.advantages
     keep = [i for i in range(len(batch.trajectories)) if not (cfg.skip_zero_advantage and adv[i] == 0)]
     out = []
@@ -654,7 +668,7 @@ def _shares(batch: PreparedBatch, cfg: TrainConfig, ranks: Ranks) -> list[_Updat
 
 
 def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, float]:
-    """The policy update on this rank's share of a prepared batch (decisions 2, 8, 16); returns its
+    """The policy update on this rank's share of a prepared batch (decisions "ARPO order of operations", "Frozen reference policy" and "Data-parallel ranks"); returns its
     metrics (over all ranks)."""
     cfg, pc, ranks = run.cfg, run.policy_cfg, run.ranks
     kept = share.trajectories
@@ -666,7 +680,7 @@ def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, fl
         if run.reference is not None
         else None
     )
-    synced = callable(getattr(run.generator, "sync_weights", None))  # decision 12
+    synced = callable(getattr(run.generator, "sync_weights", None))  # decision "Weight sync"
     old_logps, extra = None, {}
     if synced:
         run.generator.before_update()
@@ -709,7 +723,7 @@ def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, fl
 
 
 def _reduce_gap(ranks: Ranks, gap: dict[str, float]) -> dict[str, float]:
-    """Decision 12's diagnostic over all ranks: maxima of the maxima, the per-token mean weighted by the
+    """The diagnostic of decision "Weight sync" over all ranks: maxima of the maxima, the per-token mean weighted by the
     replies compared."""
     if not ranks.distributed:
         return gap
@@ -737,10 +751,10 @@ def _reduce_gap(ranks: Ranks, gap: dict[str, float]) -> dict[str, float]:
 def logprob_gap(
     trajectories: Sequence[Trajectory], seqs: Sequence[Any], logps: Sequence[torch.Tensor]
 ) -> dict[str, float]:
-    """Decision 12's diagnostic: the generator's summed log-prob of each fresh reply (`gen_logprob_sum`)
-    against the trainer's recomputation (`logps`, one (L_i,) tensor per sequence of `seqs`; a
-    trajectory's windows, update.py decision 8, in step order). Replayed trajectories (an older
-    policy's) and replies without sampled tokens are left out."""
+    """Decision "Weight sync"'s diagnostic: the generator's summed log-prob of each fresh reply
+    (`gen_logprob_sum`) against the trainer's recomputation (`logps`, one (L_i,) tensor per sequence of
+    `seqs`; a trajectory's windows, update.py, decision "Windowed trajectories", in step order). Replayed
+    trajectories (an older policy's) and replies without sampled tokens are left out."""
     if len(logps) != len(seqs):
         raise ValueError(f"{len(logps)} log-prob rows for {len(seqs)} sequences")
     units = trajectory_units(seqs)
@@ -774,11 +788,11 @@ def _run_iteration(
     run: _Run, epoch: int, it: int, chunk: Sequence[TaskSpec], progress_factory: Callable[..., Any] | None
 ) -> dict[str, float]:
     """rollout -> prepare_batch (replay fill + advantages) -> update -> buffer add -> write trajectories.
-    With ranks (decision 16) each rank plays its groups, rank 0 does the batch work, every rank updates
+    With ranks (decision "Data-parallel ranks") each rank plays its groups, rank 0 does the batch work, every rank updates
     on its share; the metrics are rank 0's (an empty dict elsewhere)."""
     t0 = time.monotonic()
     cfg, ranks = run.cfg, run.ranks
-    env_seed = derive_seed("env", run.seed, epoch, it, bits=ENV_SEED_BITS)  # decision 9
+    env_seed = derive_seed("env", run.seed, epoch, it, bits=ENV_SEED_BITS)  # decision "Derived randomness"
     jobs = make_group_jobs(chunk, cfg.group_size, seed=env_seed, groups_per_task=cfg.groups_per_task)
     mine = split_jobs(jobs, ranks.world, ranks.rank) if ranks.distributed else list(enumerate(jobs))
     bar = (
@@ -825,7 +839,8 @@ def _run_iteration(
     assert batch is not None
     if batch.trajectories:
         metrics["train/nonzero_adv_frac"] = float((batch.advantages != 0).float().mean())
-    run.replay.add(res.trajectories)  # decision 2: after the update, fresh rollouts only
+    # decision "ARPO order of operations": after the update, fresh rollouts only
+    run.replay.add(res.trajectories)
     metrics.update(run.replay.stats().as_metrics())
     metrics.update(task_metrics(chunk, res.trajectories, batch.fills, run.replay.sizes()))
     metrics["train/groups"] = float(batch.n_groups)
@@ -843,8 +858,8 @@ def _end_epoch(
     rows: Sequence[dict[str, float]],
     on_epoch: Callable[[int, Policy], dict[str, Any] | None] | None,
 ) -> None:
-    """The epoch's summary (decision 11) plus `on_epoch`'s metrics into the history, then the checkpoint
-    (decision 5)."""
+    """The epoch's summary (decision "Epoch summary reduction") plus `on_epoch`'s metrics into the history,
+    then the checkpoint (decision "Atomic epoch checkpoints")."""
     summary: dict[str, Any] = epoch_summary(rows)
     summary["epoch"] = epoch
     summary["policy_version"] = run.state.policy_version
@@ -858,9 +873,9 @@ def _end_epoch(
 
 
 class _OnCopy:
-    """Decision 16: generation on an unpartitioned copy of a policy ZeRO-3 shards over several ranks
+    """Decision "Data-parallel ranks": generation on an unpartitioned copy of a policy ZeRO-3 shards over several ranks
     (every forward of the sharded one is a collective, and ranks sample different prompts). Synced from
-    the gathered weights after every update, through decision 12's path."""
+    the gathered weights after every update, through the path of decision "Weight sync"."""
 
     def __init__(self, inner: Any, copy: Policy, engine: Any) -> None:
         self.inner, self.copy, self.engine = inner, copy, engine
@@ -909,16 +924,17 @@ def train(
     Args:
         cfg: params' `train` section; policy_cfg: its `policy` section (prompt, history window).
         pool: an `EnvPool` (or anything with its submit_* API).
-        seed: the run seed (`project.seed`), root of every derived seed (decision 9).
+        seed: the run seed (`project.seed`), root of every derived seed (decision "Derived randomness").
         rollout: how training episodes are played (sampling, step limit, pixels), built from params.
         generator_factory: policy -> Generator; default `HFGenerator` with policy_cfg's prompt. A
-            generator with `sync_weights` gets the weights after every update (decision 12).
+            generator with `sync_weights` gets the weights after every update (decision "Weight sync").
         device: where the trained policy is loaded ("cuda" with the vLLM backend: colocated).
         preload: trajectories whose successes of `tasks` fill the buffer before epoch 1 when
-            `cfg.replay.preload` is not 'none' (decision 14).
-        ranks: this process's data-parallel rank (decision 16); `on_iteration`, `on_epoch` and
-            `progress_factory` are only called on rank 0, and only rank 0's returned history is whole.
-        heartbeat_dir: where each rank reports its phase (distributed.py decision 7); None: nowhere.
+            `cfg.replay.preload` is not 'none' (decision "Buffer preload").
+        ranks: this process's data-parallel rank (decision "Data-parallel ranks"); `on_iteration`, `on_epoch`
+            and `progress_factory` are only called on rank 0, and only rank 0's returned history is whole.
+        heartbeat_dir: where each rank reports its phase (distributed.py, decision "Rank heartbeats"); None:
+            nowhere.
 
     Trajectories go to `out_dir/trajectories/epoch-EEEE-iter-III.parquet` (filled groups, replayed flag
     set), checkpoints to `out_dir/checkpoints/`. Returns the final state (its history has one entry per
@@ -930,7 +946,7 @@ def train(
         policy_dir, out_dir, cfg, seed, resume, device, [t for t in preload if t.key in keys], ranks
     )
     gen_policy = policy
-    if ranks.distributed and getattr(engine, "gathers_in_forward", False):  # decision 16
+    if ranks.distributed and getattr(engine, "gathers_in_forward", False):  # decision "Data-parallel ranks"
         gen_policy = load_policy(policy_dir, device=device)
         gen_policy.image_blind = policy.image_blind
     generator = (
@@ -985,8 +1001,8 @@ _TASK_SUMMED = ("episodes", "all_fail_groups", "replay_fills", "env_faults")
 
 
 def _reduction(key: str) -> tuple[str, str | None]:
-    """How decision 11 reduces `key` over an epoch's rows: ('sum' | 'last' | 'max' | 'mean', None) or
-    ('per_episode', the key of its episode count)."""
+    """How decision "Epoch summary reduction" reduces `key` over an epoch's rows: ('sum' | 'last' | 'max' |
+    'mean', None) or ('per_episode', the key of its episode count)."""
     if key.startswith("task/"):
         task, _, name = key.rpartition("/")
         if name in _TASK_SUMMED:
@@ -1007,7 +1023,7 @@ def _reduction(key: str) -> tuple[str, str | None]:
 
 
 def epoch_summary(rows: Sequence[Mapping[str, float]]) -> dict[str, float]:
-    """Decision 11: an epoch's iteration rows (in order) -> one flat row of floats."""
+    """Decision "Epoch summary reduction": an epoch's iteration rows (in order) -> one flat row of floats."""
     out: dict[str, float] = {}
     for key in sorted({k for r in rows for k in r}):
         held = [r for r in rows if key in r]

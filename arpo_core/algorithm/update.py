@@ -1,50 +1,52 @@
 """The GRPO/ARPO policy update: trajectories + advantages -> clipped policy-gradient optimizer steps.
 
 Decisions:
-1. One trajectory = one sequence (docs/method.md §1), or several when its screenshots exceed the history
-   window (decision 8); its advantage is given to every assistant token. Sequences are encoded once per
-   update (images processed once) and reused for the old-log-prob pass and every PPO epoch.
-2. Old log-probs are recomputed by the trainer under the current weights before the update, in eval
-   mode and without grad, not taken from the inference engine (docs/method.md §1). For a replayed
-   trajectory this is the current policy too: ARPO applies no staleness correction. When the update is
-   one optimizer step on fresh weights (ppo_epochs 1 and one mini-batch holding every sequence), that
-   recomputation equals the training forward's own log-probs, so those are used (detached) and the
-   extra no-grad forward is skipped: the ratio is exactly 1, as the recomputation gives up to float
-   noise. This removes ARPO's overhead over a bare fwd+bwd+step in that case (benchmarks/results/
-   update_overhead.json: +37% with the extra forward).
-3. Micro-batching is exact: each micro-batch's loss is weighted so that the sum over micro-batches
-   equals the loss of the whole mini-batch in one piece. For `token-mean` the weight is (masked tokens in
-   the micro-batch) / (masked tokens in the mini-batch); for the `seq-mean-*` modes it is
-   (sequences in the micro-batch) / (sequences in the mini-batch). A plain average of per-micro-batch
-   token-means would silently turn token-mean into seq-mean-token-mean at micro-batch 1.
-4. A mini-batch (`mini_batch_size` trajectories) is one optimizer step; the reference takes 2 optimizer
-   steps of 64 trajectories per 128-trajectory iteration. Mini-batches are drawn in a seeded order (the
-   caller's `seed`, the "minibatch" stream of seeds.py).
-5. The optimizer and gradient clipping live behind a small `Engine` interface so the same loop drives
-   the plain torch engine here and DeepSpeed on GPUs (engines.py).
-6. No logging inside: the function returns `UpdateStats` (means over micro-batches weighted like the
-   loss) and the caller logs them.
-7. The settings are read from params' `train` section as it is (`TrainConfig`: micro/mini batch sizes,
-   ppo_epochs, bf16, and `train.loss` for the clips, KL and aggregation); no copy of its fields here.
-8. A trajectory longer than the history window is encoded as several windows (sequences.py decision 3),
-   each sequence carrying its trajectory's index (`source`). The trajectory stays the unit of the
-   update: mini-batches are drawn over trajectories and take all their windows (`mini_batch_size`
-   counts trajectories, so windows never add optimizer steps), and the `seq-mean-*` aggregations
-   average over trajectories (a row of seq-mean-token-mean weighs its share of its trajectory's
-   tokens, a row of the token-sum modes weighs 1). Micro-batches count sequences (they bound memory).
-   With every trajectory in one sequence all of this reduces to the former per-sequence loop, draw
-   for draw.
-9. Global normalisation across data-parallel ranks (distributed.py decisions 4-6): with a `Shard` each
-   rank holds some trajectories of the batch, named by their global index. Every rank draws the same
-   order over ALL trajectories and trains, per mini-batch, on those it holds; the loss denominator is
-   the whole mini-batch's (token-mean: its masked tokens summed over ranks, one all-reduce for every
-   mini-batch of the update up front; seq-mean modes: its trajectory count, known to every rank), and
-   the engine sums the gradients over ranks, so R ranks give the one-process gradient. An engine that
-   reduces inside the backward (DeepSpeed) needs every rank to call it the same number of times: a rank
-   with fewer micro-batches in a mini-batch runs zero-weight passes over one of its own sequences (or
-   a padding one, global index -1) until it has as many as the busiest rank; under ZeRO-3 the old
-   log-prob passes are padded the same way, since every ZeRO-3 forward is a collective. The returned
-   statistics are summed over ranks.
+- **Trajectory as sequence.** One trajectory = one sequence (docs/method.md §1), or several when its
+  screenshots exceed the history window (decision "Windowed trajectories"); its advantage is given to every
+  assistant token. Sequences are encoded once per update (images processed once) and reused for the
+  old-log-prob pass and every PPO epoch.
+- **Recomputed old log-probs.** Old log-probs are recomputed by the trainer under the current weights before
+  the update, in eval mode and without grad, not taken from the inference engine (docs/method.md §1). For a
+  replayed trajectory this is the current policy too: ARPO applies no staleness correction. When the update is
+  one optimizer step on fresh weights (ppo_epochs 1 and one mini-batch holding every sequence), that
+  recomputation equals the training forward's own log-probs, so those are used (detached) and the
+  extra no-grad forward is skipped: the ratio is exactly 1, as the recomputation gives up to float
+  noise. This removes ARPO's overhead over a bare fwd+bwd+step in that case (benchmarks/results/
+  update_overhead.json: +37% with the extra forward).
+- **Exact micro-batching.** Micro-batching is exact: each micro-batch's loss is weighted so that the sum over
+  micro-batches equals the loss of the whole mini-batch in one piece. For `token-mean` the weight is (masked
+  tokens in the micro-batch) / (masked tokens in the mini-batch); for the `seq-mean-*` modes it is
+  (sequences in the micro-batch) / (sequences in the mini-batch). A plain average of per-micro-batch
+  token-means would silently turn token-mean into seq-mean-token-mean at micro-batch 1.
+- **Seeded mini-batches.** A mini-batch (`mini_batch_size` trajectories) is one optimizer step; the reference
+  takes 2 optimizer steps of 64 trajectories per 128-trajectory iteration. Mini-batches are drawn in a seeded
+  order (the caller's `seed`, the "minibatch" stream of seeds.py).
+- **Engine interface.** The optimizer and gradient clipping live behind a small `Engine` interface so the same
+  loop drives the plain torch engine here and DeepSpeed on GPUs (engines.py).
+- **No logging inside.** No logging inside: the function returns `UpdateStats` (means over micro-batches
+  weighted like the loss) and the caller logs them.
+- **Settings from params.** The settings are read from params' `train` section as it is (`TrainConfig`:
+  micro/mini batch sizes, ppo_epochs, bf16, and `train.loss` for the clips, KL and aggregation); no copy of
+  its fields here.
+- **Windowed trajectories.** A trajectory longer than the history window is encoded as several windows
+  (sequences.py, decision "History windows"), each sequence carrying its trajectory's index (`source`). The
+  trajectory stays the unit of the update: mini-batches are drawn over trajectories and take all their windows
+  (`mini_batch_size` counts trajectories, so windows never add optimizer steps), and the `seq-mean-*`
+  aggregations average over trajectories (a row of seq-mean-token-mean weighs its share of its trajectory's
+  tokens, a row of the token-sum modes weighs 1). Micro-batches count sequences (they bound memory).
+  With every trajectory in one sequence all of this reduces to the former per-sequence loop, draw
+  for draw.
+- **Global normalisation.** Across data-parallel ranks (distributed.py, decisions "Split by trajectory",
+  "Summed gradients" and "ZeRO-3 lockstep"): with a `Shard` each rank holds some trajectories of the batch,
+  named by their global index. Every rank draws the same order over ALL trajectories and trains, per mini-
+  batch, on those it holds; the loss denominator is the whole mini-batch's (token-mean: its masked tokens
+  summed over ranks, one all-reduce for every mini-batch of the update up front; seq-mean modes: its
+  trajectory count, known to every rank), and the engine sums the gradients over ranks, so R ranks give the
+  one-process gradient. An engine that reduces inside the backward (DeepSpeed) needs every rank to call it the
+  same number of times: a rank with fewer micro-batches in a mini-batch runs zero-weight passes over one of
+  its own sequences (or a padding one, global index -1) until it has as many as the busiest rank; under ZeRO-3
+  the old log-prob passes are padded the same way, since every ZeRO-3 forward is a collective. The returned
+  statistics are summed over ranks.
 """
 
 from __future__ import annotations
@@ -98,7 +100,7 @@ class Engine(Protocol):
 
 
 class Shard(NamedTuple):
-    """Decision 9: this rank's part of an update spread over data-parallel ranks."""
+    """Decision "Global normalisation": this rank's part of an update spread over data-parallel ranks."""
 
     ranks: Ranks
     unit_ids: Sequence[int]
@@ -123,7 +125,7 @@ class UpdateStats(NamedTuple):
     ref_kl: float | None = None
     """Token-mean KL estimate to the reference policy (None without one)."""
     n_trajectories: int | None = None
-    """Trajectories the sequences came from (decision 8; None: one sequence each)."""
+    """Trajectories the sequences came from (decision "Windowed trajectories"; None: one sequence each)."""
 
     def as_metrics(self) -> dict[str, float]:
         extra = {"loss/ref_kl": self.ref_kl} if self.ref_kl is not None else {}
@@ -145,8 +147,8 @@ class UpdateStats(NamedTuple):
 def encode_trajectories(
     policy: Policy, trajs: Sequence[Trajectory], *, system: str, history_images: int | None
 ) -> list[EncodedSequence]:
-    """The training sequences of `trajs` in order: one per trajectory, or its windows (decision 8), each
-    with `source` = the index of its trajectory in `trajs`."""
+    """The training sequences of `trajs` in order: one per trajectory, or its windows
+    (decision "Windowed trajectories"), each with `source` = the index of its trajectory in `trajs`."""
     out: list[EncodedSequence] = []
     for i, t in enumerate(trajs):
         for seq in encode_trajectory_windows(policy, t, system=system, history_images=history_images):
@@ -156,7 +158,8 @@ def encode_trajectories(
 
 
 def trajectory_units(seqs: Sequence[EncodedSequence]) -> list[list[int]]:
-    """The sequence indices of each trajectory, in order of first appearance (decision 8)."""
+    """The sequence indices of each trajectory, in order of first appearance
+    (decision "Windowed trajectories")."""
     units: dict[object, list[int]] = {}
     for i, s in enumerate(seqs):
         units.setdefault(("own", i) if s.source is None else s.source, []).append(i)
@@ -187,7 +190,7 @@ def compute_logps(
     pad_to: int = 0,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of each sequence (unpadded, (L_i,) float32, 0 at position 0), in eval mode.
-    `pad_to`: run at least that many forwards (zero-work repeats of the first chunk; decision 9's lockstep
+    `pad_to`: run at least that many forwards (zero-work repeats of the first chunk; the lockstep of decision "Global normalisation"
     under ZeRO-3, where every forward is a collective); it needs at least one sequence."""
     was_training = policy.model.training
     policy.model.eval()
@@ -227,9 +230,10 @@ def ppo_update(
     shard: Shard | None = None,
 ) -> UpdateStats:
     """Clipped policy-gradient steps on `seqs` with per-sequence `advantages` (N,) (the windows of one
-    trajectory carry its advantage), with params' `train` settings `cfg` (decision 7); `seed` orders the
-    mini-batches (decision 4), which are drawn over trajectories (decision 8). With `shard`, `seqs` are
-    this rank's part of a batch spread over data-parallel ranks (decision 9).
+    trajectory carry its advantage), with params' `train` settings `cfg` (decision "Settings from params");
+    `seed` orders the mini-batches (decision "Seeded mini-batches"), which are drawn over trajectories
+    (decision "Windowed trajectories"). With `shard`, `seqs` are this rank's part of a batch spread over
+    data-parallel ranks (decision "Global normalisation").
 
     Sequences whose advantage is exactly 0 still count in the token-mean denominator (as in verl: they
     dilute the batch) but contribute no gradient; callers that want to skip them filter first.
@@ -251,10 +255,13 @@ def ppo_update(
     local_of = {g: k for k, g in enumerate(global_ids) if g >= 0}
     lockstep = ranks is not None and ranks.distributed and getattr(engine, "reduces_in_backward", False)
     lockstep_forward = lockstep and getattr(engine, "gathers_in_forward", False)
-    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= n_units  # dec. 2
+    # decision "Recomputed old log-probs"
+    on_policy = old_logps is None and cfg.ppo_epochs == 1 and cfg.mini_batch_size >= n_units
     if old_logps is None and not on_policy:
         pad = 0
-        if lockstep_forward:  # decision 9: as many old-log-prob forwards as the busiest rank
+        if (
+            lockstep_forward
+        ):  # decision "Global normalisation": as many old-log-prob forwards as the busiest rank
             calls = torch.tensor([float(math.ceil(n / cfg.micro_batch_size))])
             pad = int(ranks.all_reduce_max(calls)[0])  # type: ignore[union-attr]
         old_logps = compute_logps(
@@ -275,7 +282,8 @@ def ppo_update(
         raise ValueError("kl_coef > 0 needs ref_logps (log-probs of a reference policy)")
     n_masked = [sum(s.assistant_mask[1:]) for s in seqs]
     seq_weighted = loss_cfg.agg != "token-mean"
-    row_w = torch.ones(n)  # decision 8: a row's weight in the seq-mean-* modes
+    # decision "Windowed trajectories": a row's weight in the seq-mean-* modes
+    row_w = torch.ones(n)
     if loss_cfg.agg == "seq-mean-token-mean":
         for members in units:
             total = max(1, sum(n_masked[i] for i in members))
@@ -283,7 +291,7 @@ def ppo_update(
                 row_w[i] = n_masked[i] / total
 
     # The plan: every ppo epoch's order over ALL trajectories, cut into mini-batches; per mini-batch
-    # the local sequences, its denominator (decision 9) and how many micro-batch passes every rank runs.
+    # the local sequences, its denominator (decision "Global normalisation") and how many micro-batch passes every rank runs.
     gen = torch.Generator().manual_seed(seed)
     plan: list[tuple[list[int], int]] = []  # (local sequence indices, global trajectories in it)
     for _ in range(cfg.ppo_epochs):
@@ -311,7 +319,9 @@ def ppo_update(
         for j in range(n_pass):
             micro = mini[j * cfg.micro_batch_size : (j + 1) * cfg.micro_batch_size]
             boundary = j == n_pass - 1
-            if not micro:  # decision 9: a zero-weight pass keeps this rank in step with the others
+            if (
+                not micro
+            ):  # decision "Global normalisation": a zero-weight pass keeps this rank in step with the others
                 logps, _ = _forward(policy, seqs[:1], cfg.bf16, engine.module)
                 engine.backward(logps.sum() * 0.0, boundary=boundary)
                 continue
@@ -348,7 +358,9 @@ def ppo_update(
     keys = list(sums)
     real = [i for k, g in enumerate(global_ids) if g >= 0 for i in units[k]]  # padding left out
     counts = [float(len(real)), float(sum(n_masked[i] for i in real))]
-    if ranks is not None and ranks.distributed:  # decision 9: the batch's statistics, all ranks together
+    if (
+        ranks is not None and ranks.distributed
+    ):  # decision "Global normalisation": the batch's statistics, all ranks together
         reduced = ranks.all_reduce_sum(torch.tensor([sums[k] for k in keys] + counts, dtype=torch.float64))
         sums = {k: float(v) for k, v in zip(keys, reduced[: len(keys)], strict=True)}
         counts = [float(x) for x in reduced[len(keys) :]]

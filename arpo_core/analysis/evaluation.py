@@ -1,42 +1,43 @@
 """Evaluation: success rates by task / domain / split with 95% intervals, and running an evaluation.
 
 Decisions:
-1. Pure statistics first (`summarize`), on finished `Trajectory` objects plus a task -> split map, so
-   the same numbers come out of a live evaluation, a stored Parquet file or the training rollouts.
-   The output is a flat dict of floats with slash-namespaced keys (docs/design.md), the same in
-   `metrics/*.json` and MLflow: `{prefix}/{split}/success_rate`, `{prefix}/domain/{domain}/...`,
-   `{prefix}/task/{domain}/{task_id}/...` and `{prefix}/all/...`.
-2. A trajectory's score is the checker's success in [0, 1] (OSWorld can give fractions; they count
-   fractionally, as OSWorld's own average does). `scoring="osworld_hard"` replaces it by
-   `rewards.osworld_hard`: 0 when the episode used all `max_steps` steps and its last action is FAIL.
-   The rule and the step limit come from the evaluate section, always together (`Scorer.of`): no
-   function here has a default for either, so the compare stage, the study and the probe score an
-   episode as the evaluation did.
-3. Per task the interval is Wilson's score interval for a binomial proportion (k successes of n
-   episodes): unlike the normal (Wald) interval it stays inside [0, 1] and does not collapse to zero
-   width at 0/n or n/n, which is common with few episodes per task.
-4. Pooled rates (domain, split, all) are the mean of the per-task rates (every task weighs the same,
-   however many of its episodes finished; with equal counts this equals the episode mean). Episodes
-   are NOT independent draws across tasks (tasks differ in difficulty), so a pooled Wilson interval on
-   all episodes would be wrong. The question an evaluation answers is "how good is this policy on
-   these tasks", with the task set fixed and shared by every method compared, so the interval is the
-   stratified one: Var = sum_t Var_t / T^2, with each task's variance taken from its Agresti-Coull
-   adjusted rate p~_t = (k_t + z^2/2) / (n_t + z^2), Var_t = p~_t (1 - p~_t) / (n_t + z^2), so a task at
-   0/n or n/n still contributes uncertainty; the interval is rate +- z sqrt(Var), clipped to [0, 1].
-   It does not cover sampling of new tasks (task-level variance); with T tasks that would be the
-   between-task standard deviation / sqrt(T), much wider and not what a same-task comparison needs.
-5. `evaluate_policy` builds its own jobs (not `make_group_jobs`): episode k of every task gets env seed
-   `first_seed + k`, so N episodes of a task see N different instances, and every method evaluated with
-   the same first seed sees the same instances (a paired comparison: less variance between methods).
-   Choose a seed range disjoint from training's. How episodes are played (temperature - 0 is greedy -,
-   step limit, sampling seed) is the caller's `RolloutConfig`, built from params like every rollout's.
-6. Jobs hit by env faults come back in `failed` and never count as policy failures; their number is
-   reported as `{prefix}/all/failed_jobs`.
-7. A success rate alone does not show whether the policy looks at the screen (docs/method.md §7: a
-   constant click per task reached the image-blind ceiling). `click_spread_px` is an image-dependence
-   measure: per task, the RMS distance (screen pixels) of the first step's first click from its mean
-   over that task's episodes (needs >= 2 episodes with a click); pooled over tasks by the mean. Greedy
-   clicks that never move across instances give 0.
+- **Pure statistics.** Pure statistics first (`summarize`), on finished `Trajectory` objects plus a task ->
+  split map, so the same numbers come out of a live evaluation, a stored Parquet file or the training
+  rollouts. The output is a flat dict of floats with slash-namespaced keys (docs/design.md), the same in
+  `metrics/*.json` and MLflow: `{prefix}/{split}/success_rate`, `{prefix}/domain/{domain}/...`,
+  `{prefix}/task/{domain}/{task_id}/...` and `{prefix}/all/...`.
+- **Trajectory score.** A trajectory's score is the checker's success in [0, 1] (OSWorld can give fractions;
+  they count fractionally, as OSWorld's own average does). `scoring="osworld_hard"` replaces it by
+  `rewards.osworld_hard`: 0 when the episode used all `max_steps` steps and its last action is FAIL.
+  The rule and the step limit come from the evaluate section, always together (`Scorer.of`): no
+  function here has a default for either, so the compare stage, the study and the probe score an
+  episode as the evaluation did.
+- **Wilson intervals.** Per task the interval is Wilson's score interval for a binomial proportion (k
+  successes of n episodes): unlike the normal (Wald) interval it stays inside [0, 1] and does not collapse to
+  zero width at 0/n or n/n, which is common with few episodes per task.
+- **Pooled task means.** Pooled rates (domain, split, all) are the mean of the per-task rates (every task
+  weighs the same, however many of its episodes finished; with equal counts this equals the episode mean).
+  Episodes are NOT independent draws across tasks (tasks differ in difficulty), so a pooled Wilson interval on
+  all episodes would be wrong. The question an evaluation answers is "how good is this policy on
+  these tasks", with the task set fixed and shared by every method compared, so the interval is the
+  stratified one: Var = sum_t Var_t / T^2, with each task's variance taken from its Agresti-Coull
+  adjusted rate p~_t = (k_t + z^2/2) / (n_t + z^2), Var_t = p~_t (1 - p~_t) / (n_t + z^2), so a task at
+  0/n or n/n still contributes uncertainty; the interval is rate +- z sqrt(Var), clipped to [0, 1].
+  It does not cover sampling of new tasks (task-level variance); with T tasks that would be the
+  between-task standard deviation / sqrt(T), much wider and not what a same-task comparison needs.
+- **Paired evaluation seeds.** `evaluate_policy` builds its own jobs (not `make_group_jobs`): episode k of
+  every task gets env seed `first_seed + k`, so N episodes of a task see N different instances, and every
+  method evaluated with the same first seed sees the same instances (a paired comparison: less variance
+  between methods). Choose a seed range disjoint from training's. How episodes are played (temperature - 0 is
+  greedy -, step limit, sampling seed) is the caller's `RolloutConfig`, built from params like every
+  rollout's.
+- **Env faults excluded.** Jobs hit by env faults come back in `failed` and never count as policy failures;
+  their number is reported as `{prefix}/all/failed_jobs`.
+- **Click spread.** A success rate alone does not show whether the policy looks at the screen (docs/method.md
+  §7: a constant click per task reached the image-blind ceiling). `click_spread_px` is an image-dependence
+  measure: per task, the RMS distance (screen pixels) of the first step's first click from its mean
+  over that task's episodes (needs >= 2 episodes with a click); pooled over tasks by the mean. Greedy
+  clicks that never move across instances give 0.
 """
 
 from __future__ import annotations
@@ -82,7 +83,8 @@ Scoring = Literal["standard", "osworld_hard"]
 
 @dataclass(frozen=True)
 class Scorer:
-    """How one episode scores (decision 2): the rule and the step limit the episodes ran under."""
+    """How one episode scores (decision "Trajectory score"): the rule and the step limit the episodes ran
+    under."""
 
     rule: Scoring
     max_steps: int
@@ -128,7 +130,7 @@ class RateStats:
 
 
 def pooled_rate(per_task: Sequence[tuple[float, int]], z: float = Z95) -> RateStats:
-    """Mean of per-task rates with the stratified Agresti-Coull interval (decision 4).
+    """Mean of per-task rates with the stratified Agresti-Coull interval (decision "Pooled task means").
 
     Args:
         per_task: (k_t, n_t) per task: summed scores and episodes; tasks with n_t = 0 are skipped.
@@ -159,7 +161,7 @@ def last_action_kind(traj: Trajectory) -> str | None:
 
 
 def episode_score(traj: Trajectory, scoring: Scoring, max_steps: int) -> float:
-    """The score one episode contributes to success rates (decision 2)."""
+    """The score one episode contributes to success rates (decision "Trajectory score")."""
     success = min(1.0, max(0.0, float(traj.success)))
     if scoring == "standard":
         return success
@@ -228,13 +230,14 @@ def summarize(
     per_task: bool = True,
     z: float = Z95,
 ) -> dict[str, float]:
-    """Success statistics of finished episodes (decisions 1-4).
+    """Success statistics of finished episodes (decisions "Pure statistics", "Trajectory score",
+    "Wilson intervals" and "Pooled task means").
 
     Args:
         trajectories: evaluation episodes (any number per task).
         splits: (domain, task_id) -> split name ("in_domain", "out_of_domain", ...); every
             trajectory's task must be in it (a missing task is an error, not a silent "unknown").
-        scoring: "standard" (checker success) or "osworld_hard" (decision 2).
+        scoring: "standard" (checker success) or "osworld_hard" (decision "Trajectory score").
         max_steps: the episodes' step limit (for OSWorld-Hard's "hit the step limit").
         prefix: first key component, e.g. "eval" or "eval/greedy".
         per_task: also emit `{prefix}/task/{domain}/{task_id}/...` keys.
@@ -242,8 +245,8 @@ def summarize(
     Returns:
         A flat {key: float} dict: for each split, each domain and `all`: success_rate, success_ci_low,
         success_ci_high, episodes, tasks, format_error_rate, mean_steps and, where tasks have >= 2
-        episodes with a first-step click, click_spread_px (decision 7); per task the same with the
-        Wilson interval.
+        episodes with a first-step click, click_spread_px (decision "Click spread"); per task the same with
+        the Wilson interval.
     """
     bad = _RESERVED_SPLITS & set(splits.values())
     if bad:
@@ -292,14 +295,15 @@ class EvalResult:
     """`summarize` output plus `{prefix}/all/failed_jobs` and the rollout's time/ and env-fault metrics."""
     trajectories: list[Trajectory]
     failed: list[tuple[EpisodeJob, str]]
-    """(EpisodeJob, error) of jobs lost to env faults (decision 6)."""
+    """(EpisodeJob, error) of jobs lost to env faults (decision "Env faults excluded")."""
 
 
 def eval_jobs(
     tasks: Sequence[TaskSpec], episodes_per_task: int, seed: int, instance_episodes: int = 1
 ) -> list[EpisodeJob]:
-    """Episode k of every task runs env seed `seed + k` (decision 5); a pinned instance (suites.py
-    decision 3) plays `instance_episodes` episodes of itself; group_id = task index."""
+    """Episode k of every task runs env seed `seed + k` (decision "Paired evaluation seeds"); a pinned
+    instance (suites.py, decision "Fixed instances") plays `instance_episodes` episodes of itself; group_id =
+    task index."""
     if episodes_per_task < 1 or instance_episodes < 1:
         raise ValueError("episodes_per_task and instance_episodes must be >= 1")
     return [
@@ -344,7 +348,7 @@ def evaluate_policy(
         generator: the policy's `Generator`.
         rollout: how episodes are played: temperature (0 = greedy), max_steps, pixels, coordinate
             mode, format penalty, sampling seed.
-        first_seed: env seed of every task's first episode (decision 5).
+        first_seed: env seed of every task's first episode (decision "Paired evaluation seeds").
         scoring, prefix: see `summarize`.
     """
     jobs = eval_jobs(tasks, episodes_per_task, first_seed, instance_episodes)

@@ -5,40 +5,41 @@ A success rate alone does not show perception: on the single-step click tasks a 
 task reaches 29% (docs/method.md §7). These measures put a number beside every success rate.
 
 Decisions:
-1. Targets come from the DOM oracles (`envs.oracles.oracle_step`), not from a second copy of their
-   rules: the target element is the one the oracle's first click lands in. Among the visible elements
-   containing that point (smaller than half the screen, which drops <body> and layout wrappers), the
-   largest whose centre is the click point (within 0.5 px) wins - the oracle clicks centres, and a
-   button is larger than the icon centred inside it; when none is centred (the oracle's `free_point`
-   moved the click off a covered centre) the smallest element containing the point wins.
-2. Everything is in SCREEN pixels (the env's 160x210 task area): the oracle's actions and the stored
-   evaluation actions (`Trajectory` steps hold `to_screen`-mapped actions, so `evaluate.first_click`
-   is already in screen pixels). Boxes are (x0, y0, x1, y1), the format `grounding.best_constant_click`
-   takes; it does not care about the frame as long as boxes and clicks share it.
-3. Episodes are paired by (task_id, env seed). `evaluate.eval_jobs` gives episode k of every task the
-   env seed `first_seed + k` and stores k as the trajectory's `sample_idx`, so seed = first_seed +
-   sample_idx. MiniWoB single-step tasks are deterministic given `reset(seed)` (tested), and every
-   pairing is checked by the utterance: a trajectory whose instruction differs from its record's is
-   counted as `unpaired` and left out, so a wrong seed convention shows up as a number, not as noise.
-4. A click is a hit when it lies inside the target box (edges included, like `best_constant_click`).
-   Episodes without a first-step click (parse error, key action) count as misses in the hit rate and
-   are left out of correlations and spread (`clicks` says how many had one).
-5. The pooled `click_target_corr` is WITHIN-task: clicks and targets are centred on their per-task
-   means before one Pearson correlation over all episodes, per axis, and the two axes are averaged.
-   A raw pooled correlation would reward the image-blind failure itself: a constant click per task,
-   placed near each task's typical target, correlates with targets across tasks while ignoring the
-   screen. Within-task pooling gives that policy 0. The raw pooled value is reported beside it.
-6. Pearson of a constant sequence is 0 (`grounding.pearson`): a constant click "does not follow".
-7. The ceiling is the best point for the very instances it is scored on (in-sample), so with few
-   episodes it is biased upwards (with 10 instances a point can be fitted to most of them). Beside
-   it, `cv_hit_rate` is two-fold cross-validated: the point fitted on half of the instances, scored
-   on the other half. The in-sample value is the conservative bar for "above the blind ceiling".
-8. Two evaluations of the same instances are compared PAIRED (`paired_difference`): episode by episode
-   on (task_id, sample_idx) - the same env seed by decision 3 - with the utterance checked. The interval
-   of the difference is the normal one on the per-episode differences (each in [-1, 1]), and the exact
-   two-sided sign test (McNemar) on the discordant episodes gives the p-value. Pairing removes the
-   instance-difficulty variance that two independent intervals carry, so a 5-point change on 300
-   episodes can be told from noise when the two evaluations disagree on few instances.
+- **Oracle targets.** Targets come from the DOM oracles (`envs.oracles.oracle_step`), not from a second copy
+  of their rules: the target element is the one the oracle's first click lands in. Among the visible elements
+  containing that point (smaller than half the screen, which drops <body> and layout wrappers), the
+  largest whose centre is the click point (within 0.5 px) wins - the oracle clicks centres, and a
+  button is larger than the icon centred inside it; when none is centred (the oracle's `free_point`
+  moved the click off a covered centre) the smallest element containing the point wins.
+- **Screen pixels.** Everything is in SCREEN pixels (the env's 160x210 task area): the oracle's actions and
+  the stored evaluation actions (`Trajectory` steps hold `to_screen`-mapped actions, so `evaluate.first_click`
+  is already in screen pixels). Boxes are (x0, y0, x1, y1), the format `grounding.best_constant_click`
+  takes; it does not care about the frame as long as boxes and clicks share it.
+- **Episode pairing.** Episodes are paired by (task_id, env seed). `evaluate.eval_jobs` gives episode k of
+  every task the env seed `first_seed + k` and stores k as the trajectory's `sample_idx`, so seed = first_seed
+  + sample_idx. MiniWoB single-step tasks are deterministic given `reset(seed)` (tested), and every
+  pairing is checked by the utterance: a trajectory whose instruction differs from its record's is
+  counted as `unpaired` and left out, so a wrong seed convention shows up as a number, not as noise.
+- **Hit rule.** A click is a hit when it lies inside the target box (edges included, like
+  `best_constant_click`). Episodes without a first-step click (parse error, key action) count as misses in the
+  hit rate and are left out of correlations and spread (`clicks` says how many had one).
+- **Within-task correlation.** The pooled `click_target_corr` is WITHIN-task: clicks and targets are centred
+  on their per-task means before one Pearson correlation over all episodes, per axis, and the two axes are
+  averaged. A raw pooled correlation would reward the image-blind failure itself: a constant click per task,
+  placed near each task's typical target, correlates with targets across tasks while ignoring the
+  screen. Within-task pooling gives that policy 0. The raw pooled value is reported beside it.
+- **Constant Pearson zero.** Pearson of a constant sequence is 0 (`grounding.pearson`): a constant click
+  "does not follow".
+- **Cross-validated ceiling.** The ceiling is the best point for the very instances it is scored on
+  (in-sample), so with few episodes it is biased upwards (with 10 instances a point can be fitted to most of
+  them). Beside it, `cv_hit_rate` is two-fold cross-validated: the point fitted on half of the instances,
+  scored on the other half. The in-sample value is the conservative bar for "above the blind ceiling".
+- **Paired comparison.** Two evaluations of the same instances are compared PAIRED (`paired_difference`):
+  episode by episode on (task_id, sample_idx) - the same env seed by decision "Episode pairing" - with the
+  utterance checked. The interval of the difference is the normal one on the per-episode differences (each in
+  [-1, 1]), and the exact two-sided sign test (McNemar) on the discordant episodes gives the p-value. Pairing
+  removes the instance-difficulty variance that two independent intervals carry, so a 5-point change on 300
+  episodes can be told from noise when the two evaluations disagree on few instances.
 """
 
 from __future__ import annotations
@@ -117,7 +118,8 @@ def _edges(e: DomElement) -> Box:
 def target_element(
     dom: Sequence[DomElement], point: tuple[float, float], screen: tuple[int, int] = SCREEN_SIZE
 ) -> DomElement:
-    """The element a click at `point` targets (decision 1); ValueError when no element contains it."""
+    """The element a click at `point` targets (decision "Oracle targets"); ValueError when no element contains
+    it."""
     max_area = screen[0] * screen[1] / 2
     cands = [
         e
@@ -178,7 +180,8 @@ def _hits(point: tuple[float, float], boxes: Sequence[Box]) -> int:
 
 def cv_ceiling(boxes: Sequence[Box]) -> float | None:
     """Two-fold cross-validated constant-click hit rate: the best point of the even-indexed boxes
-    scored on the odd ones and vice versa (decision 7); None with fewer than 2 boxes."""
+    scored on the odd ones and vice versa (decision "Cross-validated ceiling"); None with fewer than 2
+    boxes."""
     if len(boxes) < 2:
         return None
     a, b = list(boxes[0::2]), list(boxes[1::2])
@@ -190,7 +193,8 @@ def blind_ceiling(records: Sequence[TargetRecord]) -> dict[str, dict[str, Any]]:
     """Per task: the best constant click and its hit rate over the task's records (the image-blind
     ceiling of docs/method.md §7) -> {task_id: {"point": [x, y], "hit_rate": r, "cv_hit_rate": r2,
     "n": n}}, plus "_mean" (the means of the per-task rates, how `evaluate.pooled_rate` pools
-    success). `hit_rate` is in-sample, `cv_hit_rate` two-fold cross-validated (decision 7)."""
+    success). `hit_rate` is in-sample, `cv_hit_rate` two-fold cross-validated
+    (decision "Cross-validated ceiling")."""
     by_task: dict[str, list[Box]] = defaultdict(list)
     for r in records:
         by_task[r.task_id].append(r.box)
@@ -217,7 +221,8 @@ def blind_ceiling(records: Sequence[TargetRecord]) -> dict[str, dict[str, Any]]:
 
 def within_corr(groups: Sequence[tuple[Sequence[float], Sequence[float]]]) -> float | None:
     """Pearson correlation of (a, b) pooled over groups after centring each group on its own means
-    (decision 5); None with fewer than 2 points. Groups of one point contribute nothing (centred to 0).
+    (decision "Within-task correlation"); None with fewer than 2 points. Groups of one point contribute
+    nothing (centred to 0).
 
     >>> within_corr([([0, 1], [5, 6]), ([10, 11], [0, 1])])
     1.0
@@ -245,7 +250,8 @@ def _mean_or_none(*vals: float | None) -> float | None:
 def click_alignment(
     trajectories: Sequence[Trajectory], records: Sequence[TargetRecord], first_seed: int
 ) -> dict[str, Any]:
-    """How the first clicks of evaluation episodes line up with their targets (decisions 2-6).
+    """How the first clicks of evaluation episodes line up with their targets (decisions "Screen pixels",
+    "Episode pairing", "Hit rule", "Within-task correlation" and "Constant Pearson zero").
 
     Args:
         trajectories: evaluation episodes from `evaluate.evaluate_policy` (or the evaluate stage) run
@@ -338,8 +344,8 @@ def _sign_test_p(wins: int, losses: int) -> float:
 def paired_difference(
     before: Sequence[Trajectory], after: Sequence[Trajectory], score: Scorer
 ) -> dict[str, Any]:
-    """`after` minus `before` on the episodes both evaluated (decision 8), each episode scored by `score`
-    (the evaluation's rule and step limit, `Scorer.of(e.osworld_hard, e.max_steps)`).
+    """`after` minus `before` on the episodes both evaluated (decision "Paired comparison"), each episode
+    scored by `score` (the evaluation's rule and step limit, `Scorer.of(e.osworld_hard, e.max_steps)`).
 
     Returns n (paired episodes), unpaired (episodes in only one, or whose utterances differ), before,
     after, delta (mean per-episode difference of scores clipped to [0, 1]), ci95 of delta, wins (after

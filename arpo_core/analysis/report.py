@@ -1,20 +1,20 @@
 """Comparison tables and plots of evaluation and training metrics.
 
 Decisions:
-1. Inputs are the flat metric dicts the project already writes (`evaluate.summarize` keys such as
-   `eval/in_domain/success_rate`, trainer history rows such as `rollout/success_rate` and
-   `replay/groups_filled`), so a report can be rebuilt from `metrics/*.json` alone.
-2. The comparison table puts every method on one row with each split's success rate, its 95%
-   interval and its episode count: a rate without its n and interval is how small-sample noise gets
-   reported as a result (docs/method.md §7: 20 episodes give +-0.10 per cell). Markdown for humans, CSV
-   for tools; `comparison_json` gives the compact `{method: {"in_domain": x, "out_of_domain": y,
-   "episodes": n}}` form of `benchmarks/results/comparison.json`.
-3. Plots use matplotlib's Agg backend (no display; selected per figure, not with the global
-   `matplotlib.use`, so importing this module changes nothing for the caller), are written atomically
-   (temp file + rename) and each function returns the PNG path. Colours are fixed per method name
-   so that ARPO is the same colour in every figure.
-4. Missing values are gaps, not zeros: a method without an out-of-domain evaluation shows "-" in the
-   table and a curve without a value at some epoch is simply not drawn there.
+- **Flat metric inputs.** Inputs are the flat metric dicts the project already writes (`evaluate.summarize`
+  keys such as `eval/in_domain/success_rate`, trainer history rows such as `rollout/success_rate` and
+  `replay/groups_filled`), so a report can be rebuilt from `metrics/*.json` alone.
+- **Rates with intervals.** The comparison table puts every method on one row with each split's success rate,
+  its 95% interval and its episode count: a rate without its n and interval is how small-sample noise gets
+  reported as a result (docs/method.md §7: 20 episodes give +-0.10 per cell). Markdown for humans, CSV
+  for tools; `comparison_json` gives the compact `{method: {"in_domain": x, "out_of_domain": y,
+  "episodes": n}}` form of `benchmarks/results/comparison.json`.
+- **Agg plots.** Plots use matplotlib's Agg backend (no display; selected per figure, not with the global
+  `matplotlib.use`, so importing this module changes nothing for the caller), are written atomically
+  (temp file + rename) and each function returns the PNG path. Colours are fixed per method name
+  so that ARPO is the same colour in every figure.
+- **Gaps not zeros.** Missing values are gaps, not zeros: a method without an out-of-domain evaluation shows
+  "-" in the table and a curve without a value at some epoch is simply not drawn there.
 """
 
 from __future__ import annotations
@@ -124,7 +124,7 @@ def comparison_json(
 
 def epoch_series(history: Sequence[Metrics], key: str, x_key: str = "epoch") -> list[tuple[float, float]]:
     """(x, value) points of `key` over history rows; x is the row's `x_key`, else its 1-based index.
-    Rows without a finite value of `key` are skipped (decision 4)."""
+    Rows without a finite value of `key` are skipped (decision "Gaps not zeros")."""
     pts = []
     for i, row in enumerate(history):
         v = _get(row, key)

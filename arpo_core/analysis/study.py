@@ -2,48 +2,50 @@
 
 A study is several runs of the train stage (arms x training seeds, e.g. DVC experiments), each
 evaluating its policy during training on the same instances (`evaluate.during_training`,
-pipeline/train.py decision 4). This module turns their stored evaluation episodes into the numbers a
-learning claim needs; it reads trajectories and returns plain dicts (the CLI gathers the runs from
+pipeline/train.py, decision "Learning curves"). This module turns their stored evaluation episodes into the
+numbers a learning claim needs; it reads trajectories and returns plain dicts (the CLI gathers the runs from
 MLflow and writes the files).
 
 Decisions:
-1. The hard suite is defined by the data, as the question asks: the in-domain tasks whose SAMPLED base
-   success in the baseline stage's rollouts is at most `hard_max` (default 0.25: all-fail groups, the
-   case replay exists for, are common there); the other trained tasks are controls. Only tasks the runs
-   trained on count (a task whose per-task training metrics appear in their history): one the task
-   selection dropped (no baseline success at all) gets no gradient of its own in any arm, so it would
-   only dilute the comparison; it is reported apart, as `untrained_tasks` with each arm's success there.
-   Runs with no per-task history (older ones) keep every evaluated task.
-2. An arm's success on a set of tasks: for each seed, the episode mean over the evaluations of the
-   second half of training (epochs > half the last evaluated epoch) per task, averaged over tasks (every
-   task weighs the same, as `evaluate.pooled_rate`), then the mean over seeds.
-3. ARPO minus GRPO is judged with a two-level bootstrap that includes seed-to-seed variance: each
-   replicate draws the seeds of each arm with replacement AND the evaluation instances (task, episode
-   index; shared by the two arms, so the comparison stays paired), then recomputes both arms' success
-   as in decision 2. The 95% interval is the 2.5-97.5 percentiles. With n seeds per arm the interval
-   cannot be narrower than the seed spread allows - a single seed gives an interval of instances only,
-   and the result says so (`seeds`).
-4. Everything the claim needs is reported beside it: per arm, per task and per seed success; the
-   base's success on the same instances; all-fail groups and replay fills from the training history;
-   and (when targets are given) click alignment of every arm and of the base, and the image-blind
-   ceiling (the best constant first click per task, `probe.blind_ceiling`) of the hard and control
-   tasks, so a gain can be told apart from a better constant click.
-5. A study on pinned instances (the paper's protocol, suites.py decision 3; `instance_effect`) is read
-   by split: `train`, the pinned instances trained on (ids `family@...`: the paper's in-domain numbers),
-   and `heldout`, fresh instances of the same families, both from the evaluations during training. Every
-   arm trained on the same selected instances (one base, one baseline, one selection), so no task is
-   dropped or split by difficulty here: the selection already kept the instances with a success.
-6. An arm's success per split is the final evaluation's (the trained policy, as the paper reports it),
-   averaged over instances (every instance weighs the same) and over seeds; its 95% interval
-   (`bootstrap_rate`) and every paired difference (`bootstrap_difference`, decision 3) resample seeds
-   and instances. The base is paired on exactly the instances the arms played.
-7. Per training instance, all-fail groups and replay fills (the trainer's per-task counts, summed over
-   epochs, averaged over the arm's seeds), beside the instance's sampled base success: where replay had
-   something to do, and did it.
-8. The arms compared: ARPO and GRPO at the same group size (equal rollouts), ARPO with the buffer
-   preloaded from the baseline, and the image-blind ARPO arm (`train.image_blind`): on the training
-   instances it measures what memorising instructions alone reaches, so `arpo_minus_image_blind` is the
-   share of the gain that needs the pixels.
+- **Data-defined hard suite.** The hard suite is defined by the data, as the question asks: the in-domain
+  tasks whose SAMPLED base success in the baseline stage's rollouts is at most `hard_max` (default 0.25:
+  all-fail groups, the case replay exists for, are common there); the other trained tasks are controls. Only
+  tasks the runs trained on count (a task whose per-task training metrics appear in their history): one the
+  task selection dropped (no baseline success at all) gets no gradient of its own in any arm, so it would
+  only dilute the comparison; it is reported apart, as `untrained_tasks` with each arm's success there.
+  Runs with no per-task history (older ones) keep every evaluated task.
+- **Late-training success.** An arm's success on a set of tasks: for each seed, the episode mean over the
+  evaluations of the second half of training (epochs > half the last evaluated epoch) per task, averaged over
+  tasks (every task weighs the same, as `evaluate.pooled_rate`), then the mean over seeds.
+- **Two-level bootstrap.** ARPO minus GRPO is judged with a two-level bootstrap that includes seed-to-seed
+  variance: each replicate draws the seeds of each arm with replacement AND the evaluation instances (task,
+  episode index; shared by the two arms, so the comparison stays paired), then recomputes both arms' success
+  as in decision "Late-training success". The 95% interval is the 2.5-97.5 percentiles. With n seeds per arm
+  the interval cannot be narrower than the seed spread allows - a single seed gives an interval of instances
+  only, and the result says so (`seeds`).
+- **Full reporting.** Everything the claim needs is reported beside it: per arm, per task and per seed
+  success; the base's success on the same instances; all-fail groups and replay fills from the training
+  history; and (when targets are given) click alignment of every arm and of the base, and the image-blind
+  ceiling (the best constant first click per task, `probe.blind_ceiling`) of the hard and control
+  tasks, so a gain can be told apart from a better constant click.
+- **Pinned-instance splits.** A study on pinned instances (the paper's protocol, suites.py,
+  decision "Fixed instances"; `instance_effect`) is read by split: `train`, the pinned instances trained on
+  (ids `family@...`: the paper's in-domain numbers), and `heldout`, fresh instances of the same families, both
+  from the evaluations during training. Every arm trained on the same selected instances (one base, one
+  baseline, one selection), so no task is dropped or split by difficulty here: the selection already kept the
+  instances with a success.
+- **Final evaluation success.** An arm's success per split is the final evaluation's (the trained policy, as
+  the paper reports it), averaged over instances (every instance weighs the same) and over seeds; its 95%
+  interval (`bootstrap_rate`) and every paired difference (`bootstrap_difference`,
+  decision "Two-level bootstrap") resample seeds and instances. The base is paired on exactly the instances
+  the arms played.
+- **Per-instance replay activity.** Per training instance, all-fail groups and replay fills (the trainer's
+  per-task counts, summed over epochs, averaged over the arm's seeds), beside the instance's sampled base
+  success: where replay had something to do, and did it.
+- **Compared arms.** The arms compared: ARPO and GRPO at the same group size (equal rollouts), ARPO with the
+  buffer preloaded from the baseline, and the image-blind ARPO arm (`train.image_blind`): on the training
+  instances it measures what memorising instructions alone reaches, so `arpo_minus_image_blind` is the
+  share of the gain that needs the pixels.
 """
 
 from __future__ import annotations
@@ -92,7 +94,7 @@ class ArmRun:
 def hard_split(
     baseline: Sequence[Trajectory], hard_max: float, score: Scorer
 ) -> tuple[list[str], list[str], dict]:
-    """Decision 1: (hard task ids, control task ids, {task: sampled base success})."""
+    """Decision "Data-defined hard suite": (hard task ids, control task ids, {task: sampled base success})."""
     by_task: dict[str, list[float]] = defaultdict(list)
     for t in baseline:
         by_task[t.task_id].append(score(t))
@@ -102,8 +104,8 @@ def hard_split(
 
 
 def trained_tasks(runs: Sequence[ArmRun]) -> set[str] | None:
-    """Decision 1: the task ids with training episodes in any run's history (`task/<domain>/<id>/episodes`),
-    or None when no run logged per-task metrics."""
+    """Decision "Data-defined hard suite": the task ids with training episodes in any run's history
+    (`task/<domain>/<id>/episodes`), or None when no run logged per-task metrics."""
     found: set[str] = set()
     for r in runs:
         for row in r.history:
@@ -115,7 +117,8 @@ def trained_tasks(runs: Sequence[ArmRun]) -> set[str] | None:
 
 
 def second_half(runs: Sequence[ArmRun]) -> list[int]:
-    """Decision 2: the evaluated epochs after half of the last evaluated one (the last always in)."""
+    """Decision "Late-training success": the evaluated epochs after half of the last evaluated one (the last
+    always in)."""
     epochs = sorted({e for r in runs for e in r.evaluations})
     if not epochs:
         return []
@@ -148,7 +151,8 @@ def _task_mean(outcomes: Mapping[Instance, float], instances: Sequence[Instance]
 def arm_success(
     runs: Sequence[ArmRun], tasks: Sequence[str], epochs: Sequence[int], score: Scorer
 ) -> dict[str, Any]:
-    """Decision 2: {"success": mean over seeds, "seeds": {seed: success}, "tasks": {task: mean over seeds}}."""
+    """Decision "Late-training success": {"success": mean over seeds, "seeds": {seed: success}, "tasks":
+    {task: mean over seeds}}."""
     per_seed: dict[int, float] = {}
     per_task: dict[str, list[float]] = defaultdict(list)
     for r in runs:
@@ -179,7 +183,8 @@ def bootstrap_difference(
     reps: int = 2000,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Decision 3: success(a) - success(b) with a 95% interval over seeds and instances."""
+    """Decision "Two-level bootstrap": success(a) - success(b) with a 95% interval over seeds and
+    instances."""
     oa = [_outcomes(r, tasks, epochs, score) for r in a]
     ob = [_outcomes(r, tasks, epochs, score) for r in b]
     oa, ob = [o for o in oa if o], [o for o in ob if o]
@@ -254,9 +259,10 @@ def replay_effect(
     targets: Sequence[Any] = (),
     first_seed: int = 0,
 ) -> dict[str, Any]:
-    """The study's result document (decisions 1-4). `arpo` / `grpo` name the two arms compared; by default
-    the ARPO arm with the smallest group size and the GRPO arm with the same group size (equal rollouts
-    per group: ARPO G=4 vs GRPO G=4 when the study also has GRPO G=16)."""
+    """The study's result document (decisions "Data-defined hard suite", "Late-training success",
+    "Two-level bootstrap" and "Full reporting"). `arpo` / `grpo` name the two arms compared; by default the
+    ARPO arm with the smallest group size and the GRPO arm with the same group size (equal rollouts per group:
+    ARPO G=4 vs GRPO G=4 when the study also has GRPO G=16)."""
     hard, control, base_rates = hard_split(baseline, hard_max, score)
     trained = trained_tasks(runs)
     untrained = [t for t in hard + control if trained is not None and t not in trained]
@@ -348,11 +354,13 @@ def replay_effect(
 
 
 # --------------------------------------------------------------------------------------------------
-# The paper's protocol: pinned instances (decisions 5-8)
+# The paper's protocol: pinned instances (decisions "Pinned-instance splits", "Final evaluation success",
+# "Per-instance replay activity" and "Compared arms")
 
 
 def eval_split(task_id: str) -> str:
-    """Decision 5: 'train' for a pinned instance (`family@...`), 'heldout' for a family's fresh instance."""
+    """Decision "Pinned-instance splits": 'train' for a pinned instance (`family@...`), 'heldout' for a
+    family's fresh instance."""
     return "train" if "@" in task_id else "heldout"
 
 
@@ -368,8 +376,9 @@ def bootstrap_rate(
     reps: int = 2000,
     seed: int = 0,
 ) -> dict[str, Any]:
-    """Decision 6: an arm's success (decision 2's mean over seeds of the task-mean) with a 95% interval
-    that resamples the seeds and the instances (task, episode index)."""
+    """Decision "Final evaluation success": an arm's success (decision "Late-training success"'s mean over
+    seeds of the task-mean) with a 95% interval that resamples the seeds and the instances (task, episode
+    index)."""
     outs = [o for o in (_outcomes(r, tasks, epochs, score) for r in runs) if o]
     if not outs:
         return {"mean": None, "ci95": None, "seeds": 0}
@@ -394,8 +403,9 @@ def bootstrap_rate(
 
 
 def _instance_counts(runs: Sequence[ArmRun], names: Mapping[str, str]) -> dict[str, dict[str, float]]:
-    """Decision 7: per training instance, all-fail groups and replay fills summed over the epochs of a
-    run, then averaged over the arm's seeds; `names` maps metric-key task names back to task ids."""
+    """Decision "Per-instance replay activity": per training instance, all-fail groups and replay fills summed
+    over the epochs of a run, then averaged over the arm's seeds; `names` maps metric-key task names back to
+    task ids."""
     acc: dict[str, dict[str, float]] = defaultdict(lambda: defaultdict(float))
     for r in runs:
         for row in r.history:
@@ -418,7 +428,8 @@ def instance_effect(
     group_size: int | None = None,
     reps: int = 2000,
 ) -> dict[str, Any]:
-    """The result document of a study on pinned instances (decisions 5-8): per arm and split success
+    """The result document of a study on pinned instances (decisions "Pinned-instance splits",
+    "Final evaluation success", "Per-instance replay activity" and "Compared arms"): per arm and split success
     with 95% intervals over seeds and instances, paired differences, learning curves on the training
     instances, all-fail / filled counts per instance. Arms are named by `tracking/study_runs.py`: `arpo_g8`,
     `grpo_g8`, `arpo_g8_preload`, `arpo_g8_blind` (the image-blind control)."""

@@ -4,30 +4,31 @@ Users' recurring question on GUI-agent RL is "what did the agent actually do?" (
 maintainers' answer is "save and visualise your rollouts". This module is that visualisation.
 
 Decisions:
-1. One HTML file, no external resources: the screenshots are embedded as base64 PNG data URIs, the
-   CSS and JavaScript are inline, no URL is fetched, so the page works offline, as an MLflow artifact
-   and as an e-mail attachment. Identical screenshots (a replayed trajectory shown in several epochs)
-   are stored once, keyed by their SHA-1.
-2. Model output is untrusted text: the data travels as JSON inside `<script type="application/json">`
-   with `<`, `>` and `&` escaped as \\u003c / \\u003e / \\u0026 (so `</script>` in a reply cannot end the
-   block), and the page puts text into the DOM with `textContent` only. The only markup built from
-   data is the SVG overlay, and only from numbers (coerced with `Number`, non-finite ones dropped).
-3. The action overlay is an SVG laid over the screenshot with `viewBox = 0 0 screen_w screen_h`, so
-   the stored screen coordinates (`actions_json`, what was sent to the env) land on the right pixel at
-   any display size: a ring + crosshair for point actions (click, double, right, hover, scroll, with
-   an arrow for the scroll direction), a line with an arrowhead for drag.
-4. Episodes render lazily: a collapsed episode holds no `<img>` until it is opened, so a page with
-   thousands of steps stays responsive. The first visible episode is open.
-5. Filters by task, outcome (success / failure / replayed / format error) and epoch; the header shows
-   "N of M episodes" for the current filter.
-6. Every episode says where it came from: its policy (given, e.g. the evaluation file's name `base` /
-   `arpo`, else the stage and run id the trajectory was written with) and its source file, so a page
-   combining several files never leaves the reader guessing which policy played an episode.
-7. Pages are readable by everyone who can read the directory (mode 0644, as any other generated
-   report): the atomic temp file is created 0600, so the written page is set to 0644.
-8. A page's default title names what it shows, counted after the filters: `describe_episodes`,
-   "12 train episodes (models/arpo/trajectories), 8 evaluate episodes (data/eval)" (issue 32 item 3:
-   the title was the names of the paths given, "trajectories, eval", on a page of training episodes).
+- **Self-contained HTML.** One HTML file, no external resources: the screenshots are embedded as base64 PNG
+  data URIs, the CSS and JavaScript are inline, no URL is fetched, so the page works offline, as an MLflow
+  artifact and as an e-mail attachment. Identical screenshots (a replayed trajectory shown in several epochs)
+  are stored once, keyed by their SHA-1.
+- **Escaped model output.** Model output is untrusted text: the data travels as JSON inside `<script
+  type="application/json">` with `<`, `>` and `&` escaped as \\u003c / \\u003e / \\u0026 (so `</script>` in a
+  reply cannot end the block), and the page puts text into the DOM with `textContent` only. The only markup
+  built from data is the SVG overlay, and only from numbers (coerced with `Number`, non-finite ones dropped).
+- **SVG action overlay.** The action overlay is an SVG laid over the screenshot with `viewBox = 0 0 screen_w
+  screen_h`, so the stored screen coordinates (`actions_json`, what was sent to the env) land on the right
+  pixel at any display size: a ring + crosshair for point actions (click, double, right, hover, scroll, with
+  an arrow for the scroll direction), a line with an arrowhead for drag.
+- **Lazy rendering.** Episodes render lazily: a collapsed episode holds no `<img>` until it is opened, so a
+  page with thousands of steps stays responsive. The first visible episode is open.
+- **Episode filters.** Filters by task, outcome (success / failure / replayed / format error) and epoch; the
+  header shows "N of M episodes" for the current filter.
+- **Episode provenance.** Every episode says where it came from: its policy (given, e.g. the evaluation file's
+  name `base` / `arpo`, else the stage and run id the trajectory was written with) and its source file, so a
+  page combining several files never leaves the reader guessing which policy played an episode.
+- **Readable pages.** Pages are readable by everyone who can read the directory (mode 0644, as any other
+  generated report): the atomic temp file is created 0600, so the written page is set to 0644.
+- **Descriptive title.** A page's default title names what it shows, counted after the filters:
+  `describe_episodes`, "12 train episodes (models/arpo/trajectories), 8 evaluate episodes (data/eval)" (issue
+  32 item 3: the title was the names of the paths given, "trajectories, eval", on a page of training
+  episodes).
 """
 
 from __future__ import annotations
@@ -59,7 +60,7 @@ def split_reply(text: str) -> tuple[str, str]:
 
 
 def _json_for_script(obj: object) -> str:
-    """JSON safe to embed inside <script> (decision 2)."""
+    """JSON safe to embed inside <script> (decision "Escaped model output")."""
     s = json.dumps(obj, separators=(",", ":"), allow_nan=False)
     return s.replace("<", "\\u003c").replace(">", "\\u003e").replace("&", "\\u0026")
 
@@ -99,8 +100,8 @@ def _actions(actions_json: str) -> tuple[list[dict], str]:
 
 
 def policy_label(t: Trajectory) -> str:
-    """Decision 6's default label: the policy part of the run id the trajectory was written with
-    ('evaluate-arpo' -> 'arpo'), else 'stage/run id'."""
+    """Decision "Episode provenance"'s default label: the policy part of the run id the trajectory was written
+    with ('evaluate-arpo' -> 'arpo'), else 'stage/run id'."""
     if t.run_id.startswith(f"{t.stage}-"):
         return t.run_id[len(t.stage) + 1 :]
     return t.run_id if t.run_id == t.stage else f"{t.stage}/{t.run_id}"
@@ -112,7 +113,7 @@ def viewer_data(
     sources: Sequence[str] | None = None,
 ) -> dict:
     """The JSON the page renders: {"images": {sha1: base64}, "episodes": [...]}. `policies` and
-    `sources` label each episode (decision 6), one entry per trajectory."""
+    `sources` label each episode (decision "Episode provenance"), one entry per trajectory."""
     for what, labels in (("policies", policies), ("sources", sources)):
         if labels is not None and len(labels) != len(trajectories):
             raise ValueError(f"{what}: {len(labels)} labels for {len(trajectories)} trajectories")
@@ -166,7 +167,8 @@ def viewer_data(
 
 
 def describe_episodes(trajectories: Sequence[Trajectory], sources: Sequence[str] | None = None) -> str:
-    """Decision 8: '<n> <stage> episodes (<folder of their files>)' per stage and folder, in order."""
+    """Decision "Descriptive title": '<n> <stage> episodes (<folder of their files>)' per stage and folder, in
+    order."""
     groups: dict[tuple[str, str], int] = {}
     for i, t in enumerate(trajectories):
         where = str(Path(sources[i]).parent) if sources and sources[i] else ""
@@ -186,7 +188,7 @@ def write_viewer(
     sources: Sequence[str] | None = None,
 ) -> Path:
     """Write the viewer page for `trajectories` to `out_html` (atomically, mode 0644); returns the
-    path. `policies` / `sources`: per-episode labels (decision 6)."""
+    path. `policies` / `sources`: per-episode labels (decision "Episode provenance")."""
     out = Path(out_html)
     out.parent.mkdir(parents=True, exist_ok=True)
     page = (
@@ -196,7 +198,7 @@ def write_viewer(
         .replace("__DATA__", _json_for_script(viewer_data(trajectories, policies, sources)))
     )
     atomic_write_text(out, page)
-    out.chmod(0o644)  # decision 7
+    out.chmod(0o644)  # decision "Readable pages"
     return out
 
 
@@ -276,8 +278,8 @@ _SCRIPT = r"""
   [...new Set(DATA.episodes.map(e => e.task))].sort().forEach(t => option(fTask, t));
   [...new Set(DATA.episodes.map(e => e.epoch))].sort((a, b) => a - b).forEach(t => option(fEpoch, String(t)));
 
-  // SVG overlay from numbers only (decision 2): ring + crosshair at points, arrow for drags.
-  function overlay(step) {
+  // SVG overlay from numbers only (decision "Escaped model output"): ring + crosshair at points, arrow for
+  drags. function overlay(step) {
     const w = num(step.w) || 1, h = num(step.h) || 1;
     const r = Math.max(w, h) / 40, sw = Math.max(w, h) / 160;
     let s = '';

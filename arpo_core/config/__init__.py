@@ -1,34 +1,35 @@
 """Frozen dataclasses for `params.yaml`, one per section, and a strict loader.
 
 Decisions:
-1. `params.yaml` is the single source of truth (DVC reads the same file). Each top-level section parses
-   into one frozen dataclass named after it (`train:` -> `TrainConfig`), following the 1:1:1 rule of
-   docs/design.md: a DVC stage = a Prefect flow = an MLflow run = a params section.
-2. Unknown keys are errors, never ignored: a typo such as `train.replay.enabeld` would otherwise silently
-   run the default. The message names the key, the section path and where the key was written.
-3. Values are type-checked against the annotations (bool is not accepted for int, an int is accepted
-   for float, floats must be finite); nested sections are nested dataclasses (`train.replay`).
-4. Overrides use DVC's dotted syntax (`train.replay.enabled=false`, values parsed as YAML) so that
-   `dvc exp run -S`, the CLI and Prefect deployment parameters mean the same thing.
-5. Every field has exactly one default, its dataclass default, equal to the embedded default pipeline, so
-   a partial params file is valid; `params.yaml` in the repo lists every key anyway, for
-   discoverability (its values win where they differ). An empty params file is an error, not the
-   defaults: it is more likely a truncated file than a wish.
-6. Ranges are declared on the field they constrain, as annotated_types metadata
-   (`lr: Annotated[float, Gt(0)]`, `clip_dual: Annotated[float, Gt(1)] | None`), and checked when params
-   load, after type coercion (config/check.py), so a bad value fails at once, not hours later in a stage.
-   Path fields that must exist carry `ExistingPath`: `load_params` checks them (relative paths from the
-   working directory, where the stages open them); `parse_params` alone does not check them (only
-   `env`'s cross-check reads the kind of suite files that exist).
-   Rules across fields are a section's `cross_checks()` method, run by the loader.
-7. Construction in code is not range-checked (callers such as tests build configs freely), except the
-   sections that always validated themselves (`ReplayConfig`, `SelectConfig`, `GroundPhase`,
-   `GroundSectionConfig`), whose `__post_init__` calls `check_fields`: the same declared rules.
-8. Provenance: `load_params` records, for every key, which source last set it (params file < preset <
-   override, with the line in the file), and every error names it:
-   `train.loss.clip_low = 1.5 is out of range: must be < 1 (set by command-line override -S
-   train.loss.clip_low=1.5)`. A YAML syntax error names file:line:column; a key written twice in one
-   mapping is an error (YAML would keep the last silently); an unknown preset lists the presets.
+- **Single params file.** `params.yaml` is the single source of truth (DVC reads the same file). Each
+  top-level section parses into one frozen dataclass named after it (`train:` -> `TrainConfig`), following the
+  1:1:1 rule of docs/design.md: a DVC stage = a Prefect flow = an MLflow run = a params section.
+- **Unknown keys rejected.** Unknown keys are errors, never ignored: a typo such as `train.replay.enabeld`
+  would otherwise silently run the default. The message names the key, the section path and where the key was
+  written.
+- **Type-checked values.** Values are type-checked against the annotations (bool is not accepted for int, an
+  int is accepted for float, floats must be finite); nested sections are nested dataclasses (`train.replay`).
+- **Dotted overrides.** Overrides use DVC's dotted syntax (`train.replay.enabled=false`, values parsed as
+  YAML) so that `dvc exp run -S`, the CLI and Prefect deployment parameters mean the same thing.
+- **One default per field.** Every field has exactly one default, its dataclass default, equal to the embedded
+  default pipeline, so a partial params file is valid; `params.yaml` in the repo lists every key anyway, for
+  discoverability (its values win where they differ). An empty params file is an error, not the
+  defaults: it is more likely a truncated file than a wish.
+- **Declared ranges.** Ranges are declared on the field they constrain, as annotated_types metadata
+  (`lr: Annotated[float, Gt(0)]`, `clip_dual: Annotated[float, Gt(1)] | None`), and checked when params
+  load, after type coercion (config/check.py), so a bad value fails at once, not hours later in a stage.
+  Path fields that must exist carry `ExistingPath`: `load_params` checks them (relative paths from the
+  working directory, where the stages open them); `parse_params` alone does not check them (only
+  `env`'s cross-check reads the kind of suite files that exist).
+  Rules across fields are a section's `cross_checks()` method, run by the loader.
+- **Unchecked construction.** Construction in code is not range-checked (callers such as tests build configs
+  freely), except the sections that always validated themselves (`ReplayConfig`, `SelectConfig`,
+  `GroundPhase`, `GroundSectionConfig`), whose `__post_init__` calls `check_fields`: the same declared rules.
+- **Provenance.** Provenance: `load_params` records, for every key, which source last set it (params file <
+  preset < override, with the line in the file), and every error names it:
+  `train.loss.clip_low = 1.5 is out of range: must be < 1 (set by command-line override -S
+  train.loss.clip_low=1.5)`. A YAML syntax error names file:line:column; a key written twice in one
+  mapping is an error (YAML would keep the last silently); an unknown preset lists the presets.
 """
 
 from __future__ import annotations
@@ -167,9 +168,9 @@ def suite_backends(path: str | Path) -> set[str] | None:
 
 @dataclass(frozen=True)
 class RolloutModeConfig:
-    """How episodes interleave with generation inside one rollout call (arpo_core/algorithm/rollout.py decision 1).
-    Speed only: the episodes are the same in either mode (seeds per job and step), so the stage table
-    leaves these keys out, like the env count."""
+    """How episodes interleave with generation inside one rollout call (arpo_core/algorithm/rollout.py,
+    decision "Sync and async schedules"). Speed only: the episodes are the same in either mode (seeds per job
+    and step), so the stage table leaves these keys out, like the env count."""
 
     mode: Literal["sync", "async"] = "async"
     """sync: step-synchronous rounds (every live episode in one batch, then every env steps, the reference's
@@ -251,7 +252,8 @@ class EnvConfig:
 
 @dataclass(frozen=True)
 class VLLMConfig:
-    """The colocated vLLM engine of `policy.backend: vllm` (arpo_core/policy/generate.py, decision 8)."""
+    """The colocated vLLM engine of `policy.backend: vllm` (arpo_core/policy/generate.py,
+    decision "Generator backends")."""
 
     gpu_memory_utilization: Annotated[float, Interval(gt=0, le=1)] = 0.3
     """Share of the GPU's memory vLLM may take (weights + KV cache); the trainer shares the GPU, so the
@@ -377,8 +379,9 @@ class DemosConfig:
     """A recovery episode starts with 1..max_misses misses (uniform); the misses are context, not trained."""
     thoughts: Literal["oracle", "brief"] = "brief"
     """The Thought of each demo reply: `oracle` keeps the oracle's own (it names the target, e.g. `The link
-    "cioi" is in the text; I click it.`), `brief` replaces it with one fixed sentence (arpo_core/offline/demonstrations.py
-    decision 9), leaving the policy fewer free-text tokens to reproduce."""
+    "cioi" is in the text; I click it.`), `brief` replaces it with one fixed sentence
+    (arpo_core/offline/demonstrations.py, decision "Brief thoughts"), leaving the policy fewer free-text
+    tokens to reproduce."""
 
 
 @dataclass(frozen=True)

@@ -4,22 +4,23 @@ the sections that check themselves when built in code (replay.py's `ReplayConfig
 modules use it without an import cycle through config.py.
 
 Decisions:
-1. A range is declared on the field it constrains, as annotated_types metadata
-   (`lr: Annotated[float, Gt(0)]`, `clip_dual: Annotated[float, Gt(1)] | None`, list items and mapping
-   values too: `dict[str, Annotated[float, Gt(0)]]`), and checked after type coercion, so the rule and
-   the field stay together. Supported: Gt, Ge, Lt, Le, Interval, MinLen, MaxLen, Len and `ExistingPath`;
-   any other metadata is a programming error (TypeError), never silently ignored.
-2. Types are strict: bool is not an int, an int is accepted for a float, floats must be finite (YAML's
-   .nan / .inf are errors).
-3. A rule across fields is the section's `cross_checks()` method, run by `build` after the section is
-   made (the loader's path). `check_fields`, which the sections that validate on construction call from
-   `__post_init__`, checks fields only: code builds partial configs freely (e.g. a DPOConfig whose
-   micro-batch exceeds a tiny test's batch).
-4. Every error names the dotted key, the value as written, the rule and, when loading, the source that
-   set the key (`Provenance`): `train.loss.clip_low = 1.5 is out of range: must be < 1 (set by
-   command-line override -S train.loss.clip_low=1.5)`. A key no source set is a dataclass default.
-5. Pydantic is not used: its lax coercion ("3" -> 3) and validation on every construction are not wanted
-   (see 3), and the few annotated_types constraint classes are checked here in a few lines.
+- **Declared ranges.** A range is declared on the field it constrains, as annotated_types metadata
+  (`lr: Annotated[float, Gt(0)]`, `clip_dual: Annotated[float, Gt(1)] | None`, list items and mapping
+  values too: `dict[str, Annotated[float, Gt(0)]]`), and checked after type coercion, so the rule and
+  the field stay together. Supported: Gt, Ge, Lt, Le, Interval, MinLen, MaxLen, Len and `ExistingPath`;
+  any other metadata is a programming error (TypeError), never silently ignored.
+- **Strict types.** Types are strict: bool is not an int, an int is accepted for a float, floats must be
+  finite (YAML's .nan / .inf are errors).
+- **Cross-field rules.** A rule across fields is the section's `cross_checks()` method, run by `build` after
+  the section is made (the loader's path). `check_fields`, which the sections that validate on construction
+  call from `__post_init__`, checks fields only: code builds partial configs freely (e.g. a DPOConfig whose
+  micro-batch exceeds a tiny test's batch).
+- **Located errors.** Every error names the dotted key, the value as written, the rule and, when loading, the
+  source that set the key (`Provenance`): `train.loss.clip_low = 1.5 is out of range: must be < 1 (set by
+  command-line override -S train.loss.clip_low=1.5)`. A key no source set is a dataclass default.
+- **No Pydantic.** Pydantic is not used: its lax coercion ("3" -> 3) and validation on every construction are
+  not wanted (decision "Cross-field rules"), and the few annotated_types constraint classes are checked here
+  in a few lines.
 """
 
 from __future__ import annotations
@@ -416,7 +417,8 @@ def _lookup(obj: Any, name: str) -> Any:
 def check_fields(obj: Any) -> None:
     """Check a config dataclass built in code against its declared types and ranges (what the loader
     checks, without sources, paths and cross-field rules); a ConfigError (a ValueError) names the field.
-    Called by the `__post_init__` of the sections that validate on construction (decision 3)."""
+    Called by the `__post_init__` of the sections that validate on construction
+    (decision "Cross-field rules")."""
     cls = type(obj)
     ctx = Context(provenance=None)
     for f in dataclasses.fields(cls):

@@ -96,7 +96,8 @@ class SFTConfig:
 
 @dataclass(frozen=True)
 class DPOConfig:
-    """DPO on success-vs-failure pairs of the same task (decisions 3-4)."""
+    """DPO on success-vs-failure pairs of the same task (preference.py, decisions "DPO sigmoid loss" and
+    "DPO pairs")."""
 
     beta: Annotated[float, Gt(0)] = 0.1
     """Inverse temperature of the implicit reward beta * (log pi - log ref) (TRL default 0.1)."""
@@ -133,7 +134,8 @@ class DPOConfig:
 
 @dataclass(frozen=True)
 class KTOConfig:
-    """KTO on desirable (successful) and undesirable (failed) trajectories, unpaired (decisions 5-6)."""
+    """KTO on desirable (successful) and undesirable (failed) trajectories, unpaired (preference.py,
+    decisions "KTO loss" and "KTO class weights")."""
 
     beta: Annotated[float, Gt(0)] = 0.1
     """Inverse temperature of the implicit reward (TRL default 0.1)."""
@@ -170,7 +172,8 @@ class KTOConfig:
 
 @dataclass(frozen=True)
 class RFTConfig:
-    """Rejection-sampling fine-tuning: SFT on the successful trajectories (decision 7)."""
+    """Rejection-sampling fine-tuning: SFT on the successful trajectories (preference.py,
+    decision "RFT as cloning")."""
 
     success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
     """Trajectories with success > this are kept (strict, as elsewhere)."""

@@ -2,28 +2,28 @@
 browser), so params can validate every suite when they load.
 
 Decisions:
-1. A task is identified by `(domain, task_id)` (`TaskSpec.key`): OSWorld ids repeat across domains, so
-   the id alone is not a key.
-2. Suites are YAML files under `data/suites/` (in git): a header with defaults and the list of tasks.
-   Every problem with a file is one `SuiteError` line naming the file and, where there is one, the line:
-   a YAML syntax error (line and column), a file that is not a mapping with a `tasks` list, no tasks,
-   unknown keys, an entry without a task id, a duplicate task, a bad `instances` / `seeds` value.
-   `suite_problem(path)` returns that line instead of raising, for the params loader, so `arpo params`,
-   `arpo run`, `arpo stage` and the DVC and Prefect front doors all fail on a broken suite at once.
-3. Fixed instances (the paper's protocol): in OSWorld a task is ONE instance - one JSON config, the same
-   desktop and instruction every time - so the replay buffer holds successes of that very instance,
-   selection keeps instances, and the in-domain numbers are measured on the training instances. A
-   MiniWoB task name is a family: each env seed draws another instance. A suite entry pins instances
-   with `instances: N` (N instances, seeds derived from the suite's name, the domain, the task and the
-   index with `seeds.derive_seed`, so they are stable anywhere and disjoint between tasks) or
-   `seeds: [...]` (explicit env seeds). Each pinned instance is a task of its own: `click-link@0017`
-   (index) or `click-link@s4242` (explicit seed), with its own key, GRPO group, baseline row, selection
-   verdict, replay key and per-task metrics; `TaskSpec.seed` is its env seed, which every episode of
-   it plays whatever seed the job list proposes (rollout.py `EpisodeJob`), and `family` is the env's
-   task name (`click-link`). An entry without either stays a family (every episode a fresh instance),
-   as before; OSWorld tasks already are instances and keep working unchanged.
-4. `families(tasks)`: the task families of a list (pinned instances folded back to their family, in
-   first-seen order): what demonstrations and held-out evaluation play, on their own seeds.
+- **Domain and id key.** A task is identified by `(domain, task_id)` (`TaskSpec.key`): OSWorld ids repeat
+  across domains, so the id alone is not a key.
+- **Suite files.** Suites are YAML files under `data/suites/` (in git): a header with defaults and the list of
+  tasks. Every problem with a file is one `SuiteError` line naming the file and, where there is one, the line:
+  a YAML syntax error (line and column), a file that is not a mapping with a `tasks` list, no tasks,
+  unknown keys, an entry without a task id, a duplicate task, a bad `instances` / `seeds` value.
+  `suite_problem(path)` returns that line instead of raising, for the params loader, so `arpo params`,
+  `arpo run`, `arpo stage` and the DVC and Prefect front doors all fail on a broken suite at once.
+- **Fixed instances.** Fixed instances (the paper's protocol): in OSWorld a task is ONE instance - one JSON
+  config, the same desktop and instruction every time - so the replay buffer holds successes of that very
+  instance, selection keeps instances, and the in-domain numbers are measured on the training instances. A
+  MiniWoB task name is a family: each env seed draws another instance. A suite entry pins instances
+  with `instances: N` (N instances, seeds derived from the suite's name, the domain, the task and the
+  index with `seeds.derive_seed`, so they are stable anywhere and disjoint between tasks) or
+  `seeds: [...]` (explicit env seeds). Each pinned instance is a task of its own: `click-link@0017`
+  (index) or `click-link@s4242` (explicit seed), with its own key, GRPO group, baseline row, selection
+  verdict, replay key and per-task metrics; `TaskSpec.seed` is its env seed, which every episode of
+  it plays whatever seed the job list proposes (rollout.py `EpisodeJob`), and `family` is the env's
+  task name (`click-link`). An entry without either stays a family (every episode a fresh instance),
+  as before; OSWorld tasks already are instances and keep working unchanged.
+- **Task families.** `families(tasks)`: the task families of a list (pinned instances folded back to their
+  family, in first-seen order): what demonstrations and held-out evaluation play, on their own seeds.
 """
 
 from __future__ import annotations
@@ -90,8 +90,8 @@ class TaskSpec:
     config: dict[str, Any] = field(default_factory=dict, hash=False, compare=False)
     """Backend-specific settings (e.g. MiniWoB data_mode); not part of the identity."""
     seed: int | None = None
-    """A pinned instance's env seed (decision 3): every episode of the task plays this instance. None:
-    a family, each episode on the seed its job gives."""
+    """A pinned instance's env seed (decision "Fixed instances"): every episode of the task plays this
+    instance. None: a family, each episode on the seed its job gives."""
 
     @property
     def key(self) -> tuple[str, str]:
@@ -109,12 +109,12 @@ class TaskSpec:
 
 
 def instance_seed(suite: str, domain: str, task_id: str, index: int) -> int:
-    """Env seed of instance `index` of `task_id` in suite `suite` (decision 3)."""
+    """Env seed of instance `index` of `task_id` in suite `suite` (decision "Fixed instances")."""
     return derive_seed("instance", suite, domain, task_id, index, bits=INSTANCE_SEED_BITS)
 
 
 def families(tasks: Iterable[TaskSpec]) -> list[TaskSpec]:
-    """Decision 4: each task's family once, in first-seen order (unpinned tasks as they are)."""
+    """Decision "Task families": each task's family once, in first-seen order (unpinned tasks as they are)."""
     out: dict[tuple[str, str], TaskSpec] = {}
     for t in tasks:
         fam = replace(t, task_id=t.family, seed=None) if t.pinned else t
@@ -123,7 +123,7 @@ def families(tasks: Iterable[TaskSpec]) -> list[TaskSpec]:
 
 
 # --------------------------------------------------------------------------------------------------
-# The parser (decision 2): YAML nodes, so every problem can name its line.
+# The parser (decision "Suite files"): YAML nodes, so every problem can name its line.
 
 
 def _line(node: yaml.Node) -> int:
@@ -167,12 +167,12 @@ def _seeds(value: Any, where: str) -> list[int]:
 
 
 def load_suite(path: str | Path) -> list[TaskSpec]:
-    """Read a suite YAML into TaskSpecs (pinned instances expanded, decision 3).
+    """Read a suite YAML into TaskSpecs (pinned instances expanded, decision "Fixed instances").
 
     The file holds defaults (`domain`, `backend`, `split`, `feasible`, `config`, `instances`), an
     optional `name` (default: the file's stem; part of derived instance seeds), a free-text
     `rationale`, and `tasks`: a list of task ids or mappings that override the defaults per task
-    (`instances: N` or `seeds: [...]` pin instances). Raises `SuiteError` (decision 2).
+    (`instances: N` or `seeds: [...]` pin instances). Raises `SuiteError` (decision "Suite files").
     """
     path = Path(path)
     try:
@@ -276,8 +276,8 @@ def load_suite(path: str | Path) -> list[TaskSpec]:
 
 
 def suite_problem(path: str | Path) -> str | None:
-    """Decision 2: `load_suite`'s error line for `path`, or None when the suite loads (or is missing:
-    a missing file is the params path check's error)."""
+    """Decision "Suite files": `load_suite`'s error line for `path`, or None when the suite loads (or is
+    missing: a missing file is the params path check's error)."""
     if not Path(path).is_file():
         return None
     try:

@@ -1,15 +1,16 @@
 """The GUI environment interface every backend implements, and task suites.
 
 Design decisions:
-1. One small protocol (`GuiEnv`: reset / step / evaluate / close) for every backend (MiniWoB++ in
-   headless Chromium now, OSWorld desktops later), so the rollout loop and the env pool never know
-   which backend they drive.
-2. Actions reach `step` in SCREEN pixels (the frame of `Observation.screen_size`); the mapping from the
-   model-image frame is the caller's job (`arpo_core.actions`), so an env never sees model output.
-3. Env faults are data, not exceptions: `StepResult.info["error"]` carries the message and the pool
-   reports the episode as an env error (not a policy failure).
-4. Tasks and suites (`TaskSpec`, `load_suite`) live in `arpo_core/config/suites.py` (YAML only, so params can
-   validate suites without importing env code) and are re-exported here.
+- **One env protocol.** One small protocol (`GuiEnv`: reset / step / evaluate / close) for every backend
+  (MiniWoB++ in headless Chromium now, OSWorld desktops later), so the rollout loop and the env pool never
+  know which backend they drive.
+- **Screen-pixel actions.** Actions reach `step` in SCREEN pixels (the frame of `Observation.screen_size`);
+  the mapping from the model-image frame is the caller's job (`arpo_core.actions`), so an env never sees model
+  output.
+- **Faults are data.** Env faults are data, not exceptions: `StepResult.info["error"]` carries the message and
+  the pool reports the episode as an env error (not a policy failure).
+- **Suites in config.** Tasks and suites (`TaskSpec`, `load_suite`) live in `arpo_core/config/suites.py` (YAML
+  only, so params can validate suites without importing env code) and are re-exported here.
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ class Observation:
     """(width, height) of the screen in pixels; actions are given in this frame."""
     faults: tuple[str, ...] = ()
     """Env faults the env recovered from on its own while producing this observation (e.g. a dead
-    browser replaced during a reset): the pool counts each one (pool.py decision 7)."""
+    browser replaced during a reset): the pool counts each one (pool.py, decision "Fault counting")."""
 
 
 @dataclass

@@ -1,38 +1,38 @@
 """Parallel GUI env workers: each env in its own process (own process group), or hosted by Ray actors.
 
 Design decisions:
-1. One env = one worker process started with `start_new_session=True`, so the worker, its chromedriver
-   and every Chromium process share one process group that `os.killpg` removes in one call (killing
-   only the Python process leaves the browser running, docs/method.md §6). Workers are plain
-   `python -c` worker subprocesses (entry `worker_main`) speaking pickled messages over a socketpair, not
-   multiprocessing children: no fork of a parent holding torch threads, no `__main__` re-import, and
-   the same code runs unchanged inside a Ray actor.
-2. No orphans, even when the parent is SIGKILLed: a watchdog thread in the worker polls its parent
-   pid (every 0.2 s) and kills its own process group once the parent is gone; `close()` asks each
-   worker to close its env and then kills the group anyway. A worker that is itself SIGKILLed (OOM
-   killer; Ray kills the direct children of a dead actor) cannot clean up, so each worker also starts
-   a tiny reaper process that waits for the worker's death, kills the group and removes the
-   worker's private TMPDIR (browser profiles; ~2.5 MB each would otherwise pile up in /tmp).
-   Chromium's crash handlers leave the group; the browser's own reaper kills them (miniwob decision 7).
-   PR_SET_PDEATHSIG was not used: it fires when the *thread* that spawned the child exits, and the
-   pool restarts workers from its per-env threads, Ray from arbitrary actor threads.
-3. Errors are results, not exceptions: every call returns an `EnvResult` whose `error` is set when
-   the worker timed out or crashed, its env raised, or a step reported `info["error"]`. A worker that
-   timed out, crashed, raised or reported `info["fatal"]` is marked broken: it is killed (whole
-   group) and restarted before its next call, so one dead browser costs one episode (reported as an
-   env error), never the batch.
-4. `reset` retries up to `reset_retries` times (reference: 8), restarting the worker between tries;
-   then it reports the error and the rollout loop marks that env done.
-5. Each env has a one-thread executor: calls to one env run in order, calls to different envs run in
-   parallel, and the `submit_*` methods return futures so the rollout loop can evaluate a finished env
-   while the others keep stepping (docs/method.md §1).
-7. Every fault is counted and reported (issue 18): `FAULT_KINDS` per pool and per task (the task the
-   env was playing), one warning line each on the `arpo.envs` logger; `fault_counts()` and
-   `task_fault_counts()` are what the rollout loop turns into metrics.
-6. The Ray backend keeps the same class: each env's worker process is owned by a small Ray actor
-   (`resources={"env_node": 0.01}`-style custom resources place actors on env machines, as the
-   reference does with 128 OSWorld VMs); a hung actor is `ray.kill`ed and the orphaned worker kills
-   its group through decision 2.
+- **Worker process groups.** One env = one worker process started with `start_new_session=True`, so the
+  worker, its chromedriver and every Chromium process share one process group that `os.killpg` removes in one
+  call (killing only the Python process leaves the browser running, docs/method.md §6). Workers are plain
+  `python -c` worker subprocesses (entry `worker_main`) speaking pickled messages over a socketpair, not
+  multiprocessing children: no fork of a parent holding torch threads, no `__main__` re-import, and
+  the same code runs unchanged inside a Ray actor.
+- **No orphans.** No orphans, even when the parent is SIGKILLed: a watchdog thread in the worker polls its
+  parent pid (every 0.2 s) and kills its own process group once the parent is gone; `close()` asks each
+  worker to close its env and then kills the group anyway. A worker that is itself SIGKILLed (OOM
+  killer; Ray kills the direct children of a dead actor) cannot clean up, so each worker also starts
+  a tiny reaper process that waits for the worker's death, kills the group and removes the
+  worker's private TMPDIR (browser profiles; ~2.5 MB each would otherwise pile up in /tmp).
+  Chromium's crash handlers leave the group; the browser's own reaper kills them (miniwob_env.py,
+  decision "Process hygiene"). PR_SET_PDEATHSIG was not used: it fires when the *thread* that spawned the
+  child exits, and the pool restarts workers from its per-env threads, Ray from arbitrary actor threads.
+- **Errors are results.** Errors are results, not exceptions: every call returns an `EnvResult` whose `error`
+  is set when the worker timed out or crashed, its env raised, or a step reported `info["error"]`. A worker
+  that timed out, crashed, raised or reported `info["fatal"]` is marked broken: it is killed (whole
+  group) and restarted before its next call, so one dead browser costs one episode (reported as an
+  env error), never the batch.
+- **Reset retries.** `reset` retries up to `reset_retries` times (reference: 8), restarting the worker between
+  tries; then it reports the error and the rollout loop marks that env done.
+- **Per-env executors.** Each env has a one-thread executor: calls to one env run in order, calls to different
+  envs run in parallel, and the `submit_*` methods return futures so the rollout loop can evaluate a finished
+  env while the others keep stepping (docs/method.md §1).
+- **Fault counting.** Every fault is counted and reported (issue 18): `FAULT_KINDS` per pool and per task (the
+  task the env was playing), one warning line each on the `arpo.envs` logger; `fault_counts()` and
+  `task_fault_counts()` are what the rollout loop turns into metrics.
+- **Ray backend.** The Ray backend keeps the same class: each env's worker process is owned by a small Ray
+  actor (`resources={"env_node": 0.01}`-style custom resources place actors on env machines, as the
+  reference does with 128 OSWorld VMs); a hung actor is `ray.kill`ed and the orphaned worker kills
+  its group through decision "No orphans".
 """
 
 from __future__ import annotations
@@ -69,9 +69,9 @@ FAULT_KINDS = (
     "reset_retries",
     "reset_failures",
 )
-"""Decision 7: worker_restarts (a worker replaced after a fault), worker_crashes (a worker died or could
-not start), timeouts (a call past its limit), browser_crashes (a step reported a fatal env fault, e.g. a
-dead browser; or the env replaced a dead browser during a reset, or found it dead when closing),
+"""Decision "Fault counting": worker_restarts (a worker replaced after a fault), worker_crashes (a worker died
+or could not start), timeouts (a call past its limit), browser_crashes (a step reported a fatal env fault,
+e.g. a dead browser; or the env replaced a dead browser during a reset, or found it dead when closing),
 env_errors (the env raised or a step reported an error), reset_retries (a reset tried
 again), reset_failures (a reset given up after all its tries)."""
 log = logging.getLogger("arpo.envs")
@@ -299,7 +299,8 @@ class ProcessWorker:
 
 
 def _failure_kind(e: WorkerFailure) -> str:
-    """Decision 7: the fault kind of a WorkerFailure: a call past its limit, or a worker that died."""
+    """Decision "Fault counting": the fault kind of a WorkerFailure: a call past its limit, or a worker that
+    died."""
     return "timeouts" if "timed out" in str(e) else "worker_crashes"
 
 
@@ -528,8 +529,8 @@ class EnvPool:
         return ProcessWorker(self.env_factory, self.start_timeout_s)
 
     def _fault(self, slot: _Slot, kind: str, message: str, worker_pid: int | None = None) -> None:
-        """Decision 7: count one fault of `kind` for the pool and the slot's task; one warning line, naming
-        the worker process it concerns (`worker_pid`, default the slot's current worker)."""
+        """Decision "Fault counting": count one fault of `kind` for the pool and the slot's task; one warning
+        line, naming the worker process it concerns (`worker_pid`, default the slot's current worker)."""
         if worker_pid is None and slot.worker is not None:
             worker_pid = slot.worker.pid
         with self._fault_lock:
@@ -542,12 +543,12 @@ class EnvPool:
         log.warning("env fault %s: env %d, task %s, worker %s: %s", kind, slot.idx, task, worker_pid, first)
 
     def fault_counts(self) -> dict[str, int]:
-        """Decision 7: faults of each kind so far (all of `FAULT_KINDS`)."""
+        """Decision "Fault counting": faults of each kind so far (all of `FAULT_KINDS`)."""
         with self._fault_lock:
             return dict(self._faults)
 
     def task_fault_counts(self) -> dict[tuple[str, str], dict[str, int]]:
-        """Decision 7: {(domain, task_id): {kind: count}} for the tasks that had a fault."""
+        """Decision "Fault counting": {(domain, task_id): {kind: count}} for the tasks that had a fault."""
         with self._fault_lock:
             return {k: dict(v) for k, v in self._task_faults.items()}
 
@@ -708,8 +709,8 @@ class EnvPool:
                 fault = f.result()
             except Exception as e:
                 fault = ("worker_crashes", f"{type(e).__name__}: {e}")
-            # Decision 7: a worker (or browser) that died or hung since its last call is a fault too; a
-            # broken slot's worker was counted when it broke.
+            # Decision "Fault counting": a worker (or browser) that died or hung since its last call is a
+            # fault too; a broken slot's worker was counted when it broke.
             if fault is not None and not s.broken:
                 self._fault(s, fault[0], f"found when the pool closed: {fault[1]}", worker_pid=pid)
         closers.shutdown()

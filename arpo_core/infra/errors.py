@@ -1,17 +1,18 @@
 """Errors a retry cannot fix, and the one question orchestration asks about an error: retry or not.
 
 Decisions:
-1. `NotRetryable` marks an error that the same call with the same inputs would raise again: a full disk
-   or an unwritable output (`fileio.OutputError`), bad input (`InputError`: a file that cannot be read
-   as what it must be, e.g. a truncated Parquet or safetensors file, a trajectory file without a column
-   of the data contract). Prefect retries env stages (tasks/stages.py); `retryable` is its
-   `retry_condition_fn`'s test, so a disk-full or a corrupted input fails at once with its one-line
-   message instead of three times after minutes of back-off (issue 34 item 4).
-2. The whole exception chain counts (`raise X from e`, and an error raised while handling another): a
-   library that wraps an OutputError or an ENOSPC in its own error type does not make it retryable.
-   A bare OSError with a disk-full or read-only errno counts as an OutputError would.
-3. Everything else stays retryable: env faults (a browser crash, a reset timeout) are what retries are
-   for, and an unknown error is given the benefit of the doubt the stage table's `envs` flag grants.
+- **NotRetryable marker.** `NotRetryable` marks an error that the same call with the same inputs would raise
+  again: a full disk or an unwritable output (`fileio.OutputError`), bad input (`InputError`: a file that
+  cannot be read as what it must be, e.g. a truncated Parquet or safetensors file, a trajectory file without a
+  column of the data contract). Prefect retries env stages (tasks/stages.py); `retryable` is its
+  `retry_condition_fn`'s test, so a disk-full or a corrupted input fails at once with its one-line
+  message instead of three times after minutes of back-off (issue 34 item 4).
+- **Whole exception chain.** The whole exception chain counts (`raise X from e`, and an error raised while
+  handling another): a library that wraps an OutputError or an ENOSPC in its own error type does not make it
+  retryable. A bare OSError with a disk-full or read-only errno counts as an OutputError would.
+- **Retryable by default.** Everything else stays retryable: env faults (a browser crash, a reset timeout) are
+  what retries are for, and an unknown error is given the benefit of the doubt the stage table's `envs` flag
+  grants.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ _NOT_RETRYABLE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS})
 
 
 class NotRetryable(Exception):
-    """Decision 1: raising this (or a subclass) says a retry cannot help."""
+    """Decision "NotRetryable marker": raising this (or a subclass) says a retry cannot help."""
 
 
 class InputError(NotRetryable, ValueError):
@@ -32,7 +33,8 @@ class InputError(NotRetryable, ValueError):
 
 
 def retryable(exc: BaseException) -> bool:
-    """Decisions 1-3: False when `exc` or any error in its chain is not retryable."""
+    """Decisions "NotRetryable marker", "Whole exception chain" and "Retryable by default": False when `exc`
+    or any error in its chain is not retryable."""
     seen: set[int] = set()
     e: BaseException | None = exc
     while e is not None and id(e) not in seen:

@@ -1,25 +1,25 @@
 """Atomic file writes: the one way every module of the project writes a result file.
 
 Decisions:
-1. Write to a unique temp file in the target's directory (same filesystem, so the rename is atomic),
-   flush and fsync, then `os.replace`: a reader sees the old file or the new one, never half of one, and
-   a process killed mid-write leaves the previous file intact (docs/design.md; the brief: "loses no data").
-2. On any error the temp file is removed and the error propagates.
-3. `atomic_path` hands a writer (pyarrow, matplotlib, csv) an open binary file; the text/JSON helpers
-   are thin wrappers over it.
-4. A full disk or an unwritable output is one clear `OutputError` (an OSError with the original errno)
-   saying what was being written, where, how much space it needed and how much is free
-   (`write_error`), never a bare `[Errno 28]` or a library's `iostream error`: a writer that fails
-   without an errno (torch's serializer, pyarrow) while the device is (nearly) full is reported as a
-   full disk too, and so is one that quotes the errno in its message (safetensors, in Rust: "(os error
-   28)") or raises from an error that has one. `check_space` fails before anything is written when the known need exceeds the free
-   space, so the previous output is never touched by a write that cannot finish. `copy_tree` copies a
-   directory the same way (space checked first, one such line for any file that fails), where
-   `shutil.copytree` would report a list of per-file error tuples.
-5. Integrity checks are cheap and by file kind (`file_problem`): a safetensors file's size against the
-   data offsets in its own header, a torch file's zip central directory (at its end, so a truncated file
-   has none), a JSON file parses, a Parquet file's footer reads. They catch a truncated or half-written
-   file without loading it; `sha256_file` is for manifests that must catch any change of content.
+- **Atomic writes.** Write to a unique temp file in the target's directory (same filesystem, so the rename is
+  atomic), flush and fsync, then `os.replace`: a reader sees the old file or the new one, never half of one,
+  and a process killed mid-write leaves the previous file intact (docs/design.md; the brief: "loses no data").
+- **Temp cleanup on error.** On any error the temp file is removed and the error propagates.
+- **Binary file handle.** `atomic_path` hands a writer (pyarrow, matplotlib, csv) an open binary file; the
+  text/JSON helpers are thin wrappers over it.
+- **Clear output errors.** A full disk or an unwritable output is one clear `OutputError` (an OSError with the
+  original errno) saying what was being written, where, how much space it needed and how much is free
+  (`write_error`), never a bare `[Errno 28]` or a library's `iostream error`: a writer that fails
+  without an errno (torch's serializer, pyarrow) while the device is (nearly) full is reported as a
+  full disk too, and so is one that quotes the errno in its message (safetensors, in Rust: "(os error
+  28)") or raises from an error that has one. `check_space` fails before anything is written when the known
+  need exceeds the free space, so the previous output is never touched by a write that cannot finish.
+  `copy_tree` copies a directory the same way (space checked first, one such line for any file that fails),
+  where `shutil.copytree` would report a list of per-file error tuples.
+- **Cheap integrity checks.** Integrity checks are cheap and by file kind (`file_problem`): a safetensors
+  file's size against the data offsets in its own header, a torch file's zip central directory (at its end, so
+  a truncated file has none), a JSON file parses, a Parquet file's footer reads. They catch a truncated or
+  half-written file without loading it; `sha256_file` is for manifests that must catch any change of content.
 """
 
 from __future__ import annotations
@@ -61,8 +61,9 @@ NEARLY_FULL_BYTES = 16 << 20
 
 
 class OutputError(NotRetryable, OSError):
-    """Decision 4: an output could not be written (disk full, read-only, no permission); the message
-    says what, where and how much space. Not retried (errors.py decision 1): a retry meets the same disk."""
+    """Decision "Clear output errors": an output could not be written (disk full, read-only, no permission);
+    the message says what, where and how much space. Not retried (errors.py, decision "NotRetryable marker"):
+    a retry meets the same disk."""
 
 
 def _mb(n: int) -> str:
@@ -112,8 +113,8 @@ def _errno_of(e: BaseException) -> int | None:
 def write_error(
     e: BaseException, what: str, path: str | os.PathLike, needed: int | None = None
 ) -> OutputError | None:
-    """Decision 4: the clear error for `e`, raised while writing `what` at `path`; None when `e` is not
-    a disk-space or permission failure."""
+    """Decision "Clear output errors": the clear error for `e`, raised while writing `what` at `path`; None
+    when `e` is not a disk-space or permission failure."""
     if isinstance(e, OutputError):
         return e
     code = _errno_of(e)
@@ -138,7 +139,8 @@ def write_error(
 
 
 def check_space(path: str | os.PathLike, needed: int, what: str, margin: float = 1.1) -> None:
-    """Decision 4: raise `OutputError` before writing when `needed` bytes (times `margin`) do not fit."""
+    """Decision "Clear output errors": raise `OutputError` before writing when `needed` bytes (times `margin`)
+    do not fit."""
     free = free_bytes(path)
     if needed * margin > free:
         raise OutputError(
@@ -149,8 +151,9 @@ def check_space(path: str | os.PathLike, needed: int, what: str, margin: float =
 
 
 def copy_tree(src: str | os.PathLike, dst: str | os.PathLike, what: str) -> Path:
-    """Decision 4: copy every file under `src` into `dst` bit for bit (metadata as `shutil.copy2`),
-    after checking the space; a full disk or an unwritable `dst` is one `OutputError` naming `what`."""
+    """Decision "Clear output errors": copy every file under `src` into `dst` bit for bit (metadata as
+    `shutil.copy2`), after checking the space; a full disk or an unwritable `dst` is one `OutputError` naming
+    `what`."""
     src, dst = Path(src), Path(dst)
     needed = tree_size(src)
     check_space(dst, needed, what)
@@ -180,8 +183,9 @@ _UMASK = _read_umask()
 
 @contextmanager
 def atomic_open(path: str | os.PathLike, mode: str = "wb", needed: int | None = None) -> Iterator[IO[Any]]:
-    """Open a temp file beside `path` for writing; on a clean exit it replaces `path` (decision 1).
-    `needed`: the writer's estimate of the file's size, quoted by a disk-full error (decision 4)."""
+    """Open a temp file beside `path` for writing; on a clean exit it replaces `path`
+    (decision "Atomic writes"). `needed`: the writer's estimate of the file's size, quoted by a disk-full
+    error (decision "Clear output errors")."""
     if mode not in ("wb", "w"):
         raise ValueError(f"atomic_open writes only ('wb' or 'w'), got mode {mode!r}")
     path = Path(path)
@@ -226,7 +230,7 @@ def atomic_write_json(
 
 
 # ------------------------------------------------------------------------------------------------
-# Integrity (decision 5)
+# Integrity (decision "Cheap integrity checks")
 
 
 def sha256_file(path: str | os.PathLike, fsync: bool = False) -> str:
@@ -261,8 +265,9 @@ def _safetensors_problem(path: Path, size: int) -> str | None:
 
 
 def file_problem(path: str | os.PathLike) -> str | None:
-    """Decision 5: what is structurally wrong with the file at `path` (naming it), or None. Kinds checked:
-    `.safetensors`, `.pt` (torch's zip format), `.json`, `.parquet`; other files only need to exist."""
+    """Decision "Cheap integrity checks": what is structurally wrong with the file at `path` (naming it), or
+    None. Kinds checked: `.safetensors`, `.pt` (torch's zip format), `.json`, `.parquet`; other files only
+    need to exist."""
     path = Path(path)
     if not path.is_file():
         return f"{path} is missing"

@@ -1,19 +1,21 @@
 """No process outlives the run that started it: a guardian process that removes a run's children.
 
 Decisions:
-1. A run (`arpo run`, `arpo stage`) starts processes it does not fully control: Prefect's temporary API
-   server (stopped only by an `atexit` hook, so not when the run is killed or exits through
-   `os._exit`), Ray's head processes, env workers (which have their own watchdogs, pool.py decision 2).
-   `start_guardian()` spawns a tiny process that records the run's direct children (pid and start time
-   from /proc, every `PERIOD_S`) while the run lives, and once the run has gone (any way: success,
-   failure, SIGTERM, SIGKILL) terminates those still alive - their whole process group when they lead
-   one - with SIGTERM, then SIGKILL after `GRACE_S`.
-2. The start time makes a recycled pid safe: a process is signalled only when its pid and start time
-   both match what was recorded while it was the run's child.
-3. The guardian lives in its own process group and ignores SIGINT/SIGTERM, so a Ctrl-C or a kill of
-   the run's group does not take it down before it has cleaned up; it exits right after cleaning.
-4. Once the processes are gone it removes the run's private temp folder (arpo_core/infra/lock.py decision 7,
-   the run's TMPDIR when it is one), which a SIGKILLed run could not remove itself.
+- **Guardian process.** A run (`arpo run`, `arpo stage`) starts processes it does not fully control: Prefect's
+  temporary API server (stopped only by an `atexit` hook, so not when the run is killed or exits through
+  `os._exit`), Ray's head processes, env workers (which have their own watchdogs, pool.py,
+  decision "No orphans"). `start_guardian()` spawns a tiny process that records the run's direct children (pid
+  and start time from /proc, every `PERIOD_S`) while the run lives, and once the run has gone (any way:
+  success, failure, SIGTERM, SIGKILL) terminates those still alive - their whole process group when they lead
+  one - with SIGTERM, then SIGKILL after `GRACE_S`.
+- **Start-time identity.** The start time makes a recycled pid safe: a process is signalled only when its pid
+  and start time both match what was recorded while it was the run's child.
+- **Signal-proof guardian.** The guardian lives in its own process group and ignores SIGINT/SIGTERM, so a
+  Ctrl-C or a kill of the run's group does not take it down before it has cleaned up; it exits right after
+  cleaning.
+- **Temp folder removal.** Once the processes are gone it removes the run's private temp folder
+  (arpo_core/infra/lock.py, decision "Private temp folder", the run's TMPDIR when it is one), which a
+  SIGKILLed run could not remove itself.
 """
 
 from __future__ import annotations
@@ -90,9 +92,10 @@ if tmpdir:
 
 
 def start_guardian(period_s: float = PERIOD_S, grace_s: float = GRACE_S) -> subprocess.Popen:
-    """Decision 1: start the guardian of this process; it ends by itself after this process has."""
+    """Decision "Guardian process": start the guardian of this process; it ends by itself after this process
+    has."""
     tmp = os.environ.get("TMPDIR", "")
-    tmpdir = tmp if os.path.basename(tmp).startswith(RUN_TMP_PREFIX) else ""  # decision 4
+    tmpdir = tmp if os.path.basename(tmp).startswith(RUN_TMP_PREFIX) else ""  # decision "Temp folder removal"
     return subprocess.Popen(
         [sys.executable, "-S", "-c", _GUARDIAN, str(os.getpid()), str(period_s), str(grace_s), tmpdir],
         stdin=subprocess.DEVNULL,

@@ -1,41 +1,41 @@
 """One run per working tree: an exclusive lock held while `arpo run`, `arpo stage` or a DVC stage runs.
 
 Decisions:
-1. `fcntl.flock` on `.arpo/run.lock` under the project root. The kernel drops the lock when its holder
-   dies (even by SIGKILL), so a dead holder never blocks a new run; the file also holds who took it
-   (pid, command, start time, a random token) as JSON, so a refused run can name the holder and a new
-   run can tell that the previous holder died without releasing (then it warns and takes over).
-2. A second run fails at once (`RunLocked`, naming the holder), it never waits: two runs in one tree
-   interleave their stages' outputs (one run's `sft` rewrites `models/base` while the other's `evaluate`
-   reads it), and waiting would only hide that a run is still going.
-3. Re-entrant within the holding process (the `arpo run` flow and every stage flow it calls, Prefect
-   retries of a task, which run in the same process): a nested `run_lock` is a no-op.
-4. Children of the holder (subprocesses of an `arpo run`, e.g. a stage run as `arpo stage`) inherit
-   `ARPO_RUN_LOCK` = `<lock file>:<token>`; a process whose variable names the token in the lock file,
-   while the holder process lives, is inside the holder's run and proceeds without taking the lock.
-5. The lock file is opened close-on-exec (Python's default), so processes a run starts (the Prefect
-   server, browsers, env workers) never hold it: when the run dies, the lock goes with it.
-6. A live run also holds DVC's repository lock, `.dvc/tmp/lock` (in a tree with `.dvc/`), with the
-   primitive DVC's default lock uses (zc.lockfile: `fcntl.flock`, exclusive, non-blocking, on that
-   file, which is never deleted; DVC's own pid format " <pid>\n" as content). Every DVC command that
-   can change the workspace (`repro`, `exp run`, `checkout`, `commit`, `add`, `gc`, `pull`, `status`,
-   ...; dvc/repo/__init__.py `locked`) takes that lock before it reads or writes anything, and fails
-   after 3 s of retries when it cannot: so a `dvc repro` beside a live run changes nothing (before,
-   it checked out cached outputs and removed others before its first `arpo stage` refused on our
-   lock, issue 34 item 2). DVC releases the lock only while a stage's command runs
-   (dvc/stage/run.py `unlocked_repo`), which is where its `arpo stage` takes it; an `arpo` run that
-   finds it held (a DVC command busy in this tree) is refused like one that finds our lock held.
-   Under `core.hardlink_lock` DVC uses flufl's protocol instead and this lock does not cover it.
-7. Each holder has a private temp folder, `<temp dir>/arpo-run-<token>`, made its TMPDIR (and
-   `tempfile.tempdir`) while it holds the lock, so everything the run and its children put in the temp
-   directory (env workers' folders, browser profiles, desktops: ~2.5 MB per env worker) lies in one
-   folder whose name the lock file records. It is removed on release; after a SIGKILL of the whole
-   process tree (the env workers' reapers included) the guardian or, failing that, the next run's
-   takeover removes it (issue 34 item 6).
-8. A takeover yields the dead holder's record as `previous`, so the front door can close what the dead
-   run left open (its MLflow runs, its Prefect flow run: flows/services.py): the library only knows
-   files. `current_token()` is the token of the run this process belongs to (held or inherited), which
-   the run's records carry to make that possible.
+- **flock lock file.** `fcntl.flock` on `.arpo/run.lock` under the project root. The kernel drops the lock
+  when its holder dies (even by SIGKILL), so a dead holder never blocks a new run; the file also holds who
+  took it (pid, command, start time, a random token) as JSON, so a refused run can name the holder and a new
+  run can tell that the previous holder died without releasing (then it warns and takes over).
+- **Fail at once.** A second run fails at once (`RunLocked`, naming the holder), it never waits: two runs in
+  one tree interleave their stages' outputs (one run's `sft` rewrites `models/base` while the other's
+  `evaluate` reads it), and waiting would only hide that a run is still going.
+- **Re-entrant lock.** Re-entrant within the holding process (the `arpo run` flow and every stage flow it
+  calls, Prefect retries of a task, which run in the same process): a nested `run_lock` is a no-op.
+- **Inherited lock.** Children of the holder (subprocesses of an `arpo run`, e.g. a stage run as `arpo stage`)
+  inherit `ARPO_RUN_LOCK` = `<lock file>:<token>`; a process whose variable names the token in the lock file,
+  while the holder process lives, is inside the holder's run and proceeds without taking the lock.
+- **Close-on-exec.** The lock file is opened close-on-exec (Python's default), so processes a run starts (the
+  Prefect server, browsers, env workers) never hold it: when the run dies, the lock goes with it.
+- **DVC repository lock.** A live run also holds DVC's repository lock, `.dvc/tmp/lock` (in a tree with
+  `.dvc/`), with the primitive DVC's default lock uses (zc.lockfile: `fcntl.flock`, exclusive, non-blocking,
+  on that file, which is never deleted; DVC's own pid format " <pid>\n" as content). Every DVC command that
+  can change the workspace (`repro`, `exp run`, `checkout`, `commit`, `add`, `gc`, `pull`, `status`,
+  ...; dvc/repo/__init__.py `locked`) takes that lock before it reads or writes anything, and fails
+  after 3 s of retries when it cannot: so a `dvc repro` beside a live run changes nothing (before,
+  it checked out cached outputs and removed others before its first `arpo stage` refused on our
+  lock, issue 34 item 2). DVC releases the lock only while a stage's command runs
+  (dvc/stage/run.py `unlocked_repo`), which is where its `arpo stage` takes it; an `arpo` run that
+  finds it held (a DVC command busy in this tree) is refused like one that finds our lock held.
+  Under `core.hardlink_lock` DVC uses flufl's protocol instead and this lock does not cover it.
+- **Private temp folder.** Each holder has a private temp folder, `<temp dir>/arpo-run-<token>`, made its
+  TMPDIR (and `tempfile.tempdir`) while it holds the lock, so everything the run and its children put in the
+  temp directory (env workers' folders, browser profiles, desktops: ~2.5 MB per env worker) lies in one
+  folder whose name the lock file records. It is removed on release; after a SIGKILL of the whole
+  process tree (the env workers' reapers included) the guardian or, failing that, the next run's
+  takeover removes it (issue 34 item 6).
+- **Takeover record.** A takeover yields the dead holder's record as `previous`, so the front door can close
+  what the dead run left open (its MLflow runs, its Prefect flow run: flows/services.py): the library only
+  knows files. `current_token()` is the token of the run this process belongs to (held or inherited), which
+  the run's records carry to make that possible.
 """
 
 from __future__ import annotations
@@ -73,12 +73,14 @@ __all__ = [
 LOCK_NAME = Path(".arpo") / "run.lock"
 """The lock file, relative to the project root."""
 LOCK_ENV = "ARPO_RUN_LOCK"
-"""Environment variable carrying `<lock file>:<token>` to the holder's children (decision 4)."""
+"""Environment variable carrying `<lock file>:<token>` to the holder's children
+(decision "Inherited lock")."""
 
 log = logging.getLogger("arpo.lock")
 
 _held: dict[str, dict[str, Any]] = {}
-"""Lock file (resolved) -> {"fd", "token", "depth"} for the locks this process holds (decision 3)."""
+"""Lock file (resolved) -> {"fd", "token", "depth"} for the locks this process holds
+(decision "Re-entrant lock")."""
 _guard = threading.Lock()
 
 
@@ -94,7 +96,7 @@ class RunLocked(RuntimeError):
 
 
 DVC_LOCK = Path(".dvc") / "tmp" / "lock"
-"""DVC's repository lock, relative to the project root (decision 6)."""
+"""DVC's repository lock, relative to the project root (decision "DVC repository lock")."""
 
 
 def _dvc_pid(path: Path) -> str:
@@ -107,8 +109,8 @@ def _dvc_pid(path: Path) -> str:
 
 
 def _take_dvc_lock(root: Path) -> int | None:
-    """Decision 6: hold DVC's repository lock; returns its fd (None outside a DVC project). Raises
-    `RunLocked` naming the DVC process when a DVC command holds it."""
+    """Decision "DVC repository lock": hold DVC's repository lock; returns its fd (None outside a DVC
+    project). Raises `RunLocked` naming the DVC process when a DVC command holds it."""
     if not (root / ".dvc").is_dir():
         return None
     path = (root / DVC_LOCK).resolve()
@@ -176,18 +178,19 @@ def read_holder(path: str | os.PathLike) -> dict[str, Any] | None:
 
 
 RUN_TMP_PREFIX = "arpo-run-"
-"""Decision 7: a holder's private temp folder is `<temp dir>/arpo-run-<token>`."""
+"""Decision "Private temp folder": a holder's private temp folder is `<temp dir>/arpo-run-<token>`."""
 
 
 def current_token() -> str | None:
-    """Decision 8: the lock token of the run this process belongs to (its own or inherited), or None."""
+    """Decision "Takeover record": the lock token of the run this process belongs to (its own or inherited),
+    or None."""
     token = os.environ.get(LOCK_ENV, "").rpartition(":")[2]
     return token or None
 
 
 def remove_run_tmpdir(holder: dict[str, Any] | None) -> bool:
-    """Remove a (dead) holder's private temp folder (decision 7); only a folder named for the holder's
-    token is ever removed. Returns whether one was there."""
+    """Remove a (dead) holder's private temp folder (decision "Private temp folder"); only a folder named for
+    the holder's token is ever removed. Returns whether one was there."""
     holder = holder or {}
     folder, token = holder.get("tmpdir"), holder.get("token")
     if not isinstance(folder, str) or not isinstance(token, str) or not token:
@@ -200,7 +203,7 @@ def remove_run_tmpdir(holder: dict[str, Any] | None) -> bool:
 
 
 def _inherited(path: Path) -> bool:
-    """Decision 4: this process is a child of the live holder of `path`."""
+    """Decision "Inherited lock": this process is a child of the live holder of `path`."""
     value = os.environ.get(LOCK_ENV, "")
     where, _, token = value.rpartition(":")
     if not token or where != str(path):
@@ -211,7 +214,7 @@ def _inherited(path: Path) -> bool:
 
 def probe(root: str | os.PathLike = ".") -> RunLocked | None:
     """Who would refuse a run in `root` now: `RunLocked` naming the live holder of the run lock or of
-    DVC's lock (decision 6), or None when a run could start. Changes neither file."""
+    DVC's lock (decision "DVC repository lock"), or None when a run could start. Changes neither file."""
     for path, error in (
         (lock_path(root), lambda p: RunLocked(p, read_holder(p))),
         (
@@ -236,7 +239,8 @@ def probe(root: str | os.PathLike = ".") -> RunLocked | None:
 
 @contextlib.contextmanager
 def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Iterator[dict[str, Any] | None]:
-    """Hold the working tree's run lock for the duration of the block (decisions 1-4).
+    """Hold the working tree's run lock for the duration of the block (decisions "flock lock file",
+    "Fail at once", "Re-entrant lock" and "Inherited lock").
 
     Raises `RunLocked` at once when another live process holds it. Yields the holder record written
     (None when the lock was already held by this process or by the run this process belongs to).
@@ -244,7 +248,7 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
     path = lock_path(root)
     key = str(path)
     with _guard:
-        if key in _held:  # decision 3
+        if key in _held:  # decision "Re-entrant lock"
             _held[key]["depth"] += 1
             nested = True
         else:
@@ -256,7 +260,7 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
             with _guard:
                 _held[key]["depth"] -= 1
         return
-    if _inherited(path):  # decision 4
+    if _inherited(path):  # decision "Inherited lock"
         yield None
         return
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -270,7 +274,7 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
         os.close(fd)
         raise
     try:
-        dvc_fd = _take_dvc_lock(Path(root))  # decision 6
+        dvc_fd = _take_dvc_lock(Path(root))  # decision "DVC repository lock"
     except BaseException:
         os.close(fd)
         raise
@@ -282,7 +286,7 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
             describe(previous),
             "no longer running" if not pid_alive(previous.get("pid")) else "it no longer holds the lock",
         )
-        remove_run_tmpdir(previous)  # decision 7
+        remove_run_tmpdir(previous)  # decision "Private temp folder"
     else:
         previous = None
     token = secrets.token_hex(8)
@@ -303,9 +307,9 @@ def run_lock(root: str | os.PathLike = ".", command: str | None = None) -> Itera
         _held[key] = {"fd": fd, "token": token, "depth": 1}
     old_env = os.environ.get(LOCK_ENV)
     os.environ[LOCK_ENV] = f"{path}:{token}"
-    os.environ["TMPDIR"], tempfile.tempdir = str(run_tmp), str(run_tmp)  # decision 7
+    os.environ["TMPDIR"], tempfile.tempdir = str(run_tmp), str(run_tmp)  # decision "Private temp folder"
     try:
-        yield {**holder, "previous": previous} if previous else holder  # decision 8
+        yield {**holder, "previous": previous} if previous else holder  # decision "Takeover record"
     finally:
         with _guard:
             _held.pop(key, None)

@@ -1,30 +1,33 @@
 """Offline training on stored trajectories. First part: supervised fine-tuning (behaviour cloning).
 
 Decisions:
-1. The loss is the mean negative log-likelihood of the assistant tokens (reply + `<|im_end|>`), over all
-   assistant tokens of the accumulated batch (token-mean, so long replies weigh by their length), with
-   the same sequences and forward as RL (`policy/sequences.py`): what BC trains is what GRPO later
-   scores, M-RoPE positions included.
-2. Batches are drawn by shuffling the trajectories every epoch with a seeded `random.Random`; an optimizer
-   step takes `batch_size * grad_accum` trajectories in `grad_accum` micro-batches.
-3. bf16 autocast on CPU is optional (about 2x faster on this machine kind, docs/method.md §6); weights and
-   optimizer state stay fp32.
-4. Every `checkpoint_every` optimizer steps (and at the end, when a checkpoint dir is given) the policy is
-   written with `save_pretrained` beside `optimizer.pt` and `sft_state.json` (step, loss history), so a
-   checkpoint is a normal policy directory loadable by `load_policy`.
-5. The function returns the loss history; it logs nothing (arpo_core is a library). A tqdm bar shows
-   progress unless disabled.
-6. What is cloned: every reply of a trajectory, each conditioned on exactly the context the policy has
-   at that step of a rollout (the earlier replies and the screenshots of the history window; one
-   sequence per window when the episode is longer than the window, `sequences.py` decision 3), and the loss
-   covers the replies of the steps with `train_reply` set. The steps without it are a recovery demo's
-   deliberate misses (arpo_core/offline/demonstrations.py decisions 4-5): context the policy must learn to answer after,
-   never a behaviour to imitate. A trajectory set with no trainable reply at all is an error.
-7. A batch of `batch_size` trajectories can hold more sequences than that (their windows, decision 6).
-   Its sequences are sorted by length and cut into equal parts of at most `batch_size` rows, one
-   forward each: a forward never holds more rows than before windows (peak memory), and rows of similar
-   length pad less (measured on the main job's demos at K = 1: 72 % of the padded tokens real in one
-   forward, 85 % in two sorted ones). The loss stays the token-mean of the step (decision 1).
+- **Token-mean NLL.** The loss is the mean negative log-likelihood of the assistant tokens (reply +
+  `<|im_end|>`), over all assistant tokens of the accumulated batch (token-mean, so long replies weigh by
+  their length), with the same sequences and forward as RL (`policy/sequences.py`): what BC trains is what
+  GRPO later scores, M-RoPE positions included.
+- **Seeded batches.** Batches are drawn by shuffling the trajectories every epoch with a seeded
+  `random.Random`; an optimizer step takes `batch_size * grad_accum` trajectories in `grad_accum`
+  micro-batches.
+- **Optional bf16 autocast.** bf16 autocast on CPU is optional (about 2x faster on this machine kind,
+  docs/method.md §6); weights and optimizer state stay fp32.
+- **Policy checkpoints.** Every `checkpoint_every` optimizer steps (and at the end, when a checkpoint dir is
+  given) the policy is written with `save_pretrained` beside `optimizer.pt` and `sft_state.json` (step, loss
+  history), so a checkpoint is a normal policy directory loadable by `load_policy`.
+- **Returns loss history.** The function returns the loss history; it logs nothing (arpo_core is a library). A
+  tqdm bar shows progress unless disabled.
+- **Cloned replies.** What is cloned: every reply of a trajectory, each conditioned on exactly the context the
+  policy has at that step of a rollout (the earlier replies and the screenshots of the history window; one
+  sequence per window when the episode is longer than the window, `sequences.py`, decision "History windows"),
+  and the loss covers the replies of the steps with `train_reply` set. The steps without it are a recovery
+  demo's deliberate misses (arpo_core/offline/demonstrations.py, decisions "Recovery demos" and
+  "Untrained misses"): context the policy must learn to answer after, never a behaviour to imitate. A
+  trajectory set with no trainable reply at all is an error.
+- **Length-sorted forwards.** A batch of `batch_size` trajectories can hold more sequences than that (their
+  windows, decision "Cloned replies"). Its sequences are sorted by length and cut into equal parts of at most
+  `batch_size` rows, one forward each: a forward never holds more rows than before windows (peak memory), and
+  rows of similar length pad less (measured on the main job's demos at K = 1: 72 % of the padded tokens real
+  in one forward, 85 % in two sorted ones). The loss stays the token-mean of the step
+  (decision "Token-mean NLL").
 """
 
 from __future__ import annotations
@@ -84,9 +87,9 @@ def sft(
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """Behaviour cloning of `policy` (in place) on the trained replies of `trajectories` (decision 6),
-    with params' `sft` section `config` and the prompt of params' `policy` section (`system`,
-    `history_images`).
+    """Behaviour cloning of `policy` (in place) on the trained replies of `trajectories`
+    (decision "Cloned replies"), with params' `sft` section `config` and the prompt of params' `policy`
+    section (`system`, `history_images`).
 
     Returns the loss of every optimizer step (mean NLL per assistant token over its accumulated batch).
     Checkpoints go to `checkpoint_dir/step-N/` and `checkpoint_dir/final/`.
@@ -124,7 +127,8 @@ def sft(
                     policy, trajectories[i], system=system, history_images=history_images
                 )
             ]
-            # Decision 7: at most batch_size rows per forward, rows of similar length together.
+            # Decision "Length-sorted forwards": at most batch_size rows per forward, rows of similar length
+            # together.
             seqs.sort(key=lambda q: len(q.input_ids))
             parts = math.ceil(len(seqs) / config.batch_size)
             cuts = [k * len(seqs) // parts for k in range(parts + 1)]
@@ -138,7 +142,8 @@ def sft(
         for batch in micro:
             with autocast:
                 logps, mask = sequence_logprobs(model, batch)  # (B, T) each
-            # Weight each micro-batch by its share of tokens so the step is a token-mean (decision 1).
+            # Weight each micro-batch by its share of tokens so the step is a token-mean
+            # (decision "Token-mean NLL").
             loss = masked_mean_nll(logps, mask) * (mask.sum() / max(n_total, 1))
             loss.backward()
             loss_sum += float(loss.detach())

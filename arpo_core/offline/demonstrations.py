@@ -2,52 +2,53 @@
 UI-TARS replies become trajectories for behaviour cloning (docs/design.md stage `demos`).
 
 Decisions:
-1. The oracle runs inside the env worker (`oracle_reply` reads the DOM there) and writes its reply in
-   the model-image frame of the policy's pixel budget; the reply travels as text and goes through the
-   same parser and coordinate mapping as a policy's reply, so a demo is exactly what the policy
-   should have said.
-2. Only successful episodes are kept: a demo that failed teaches the wrong thing. Failures and env
-   faults are counted and returned so a broken oracle is visible (the oracles reach 20/20 in tests).
-3. Each env works through its own queue of jobs in a thread; calls to one env are sequential, envs run
-   in parallel (the pool's per-env executors).
-4. Recovery demos. The oracles succeed at once, so without them every single-click demo has one reply
-   and behaviour cloning never shows the policy a prompt with history (an earlier screenshot, its own
-   earlier reply, a new screenshot). In MiniWoB a click on empty space does not end the episode, so a
-   policy whose first click missed meets exactly that prompt and, never trained on it, answered with
-   unparseable text (a format error ends the episode with the penalty). With probability
-   `recovery_rate` per episode the oracle therefore first makes 1..`max_misses` (uniform) deliberate
-   misses - its own Thought for the state with the click moved to an empty point of the task area
-   (`oracles.miss_step`, computed here from the env's `dom_elements`) - and then solves the task. All
-   draws (recovery or not, how many misses, where) come from one `random.Random` per episode seeded
-   with `derive_seed("demo_miss", domain, task_id, env_seed)`: the same job gives the same demo with
-   any number of envs, and `recovery_rate = 0` gives exactly the plain demos. Misses come first
-   because that is where the policy's misses come from (a wrong first click, then the same screen);
-   the multi-step tasks already show every later step with its history.
-5. The miss steps are stored with `train_reply = False` (trajectory.py): behaviour cloning conditions
-   the later replies on them but never trains on them (policy/sequences.py masks them out). Cloning
-   the miss itself would teach the policy to click empty space with a confident Thought; what the
-   demo is meant to teach is the reply AFTER a miss. Masking whole replies rather than only their
-   action keeps one rule (a step is a target or it is context) that every consumer of trajectories
-   applies the same way.
-6. A miss is only possible where the env serves a DOM (MiniWoB) and the oracle's next action is a single
-   click onto a page that has empty space; otherwise the episode is played without (further) misses.
-   A miss that ended the episode is reported as an error (it would mean the empty point was not empty).
-7. The misses come on top of the step limit: after them the oracle still has `max_steps` steps, so a
-   recovery demo of a long task (login-user: 5 oracle steps) never fails for lack of steps. Counting
-   the misses against the limit (8) instead failed 57 of the default 840 episodes with up to 6 misses,
-   against 5 without misses: the long tasks' recovery demos with many misses were dropped, and with
-   them deep-history contexts of the tasks that need them most.
-8. A demo hit by an env fault (a reset, call, step or evaluation that failed: a crashed browser or
-   worker) is played again from the start, up to `ENV_RETRIES` times, with the same seed and the same
-   misses, so it is the demo an undisturbed run records (the soak, benchmarks/soak.py, found demos lost
-   to kills). A demo that fails by itself (the oracle's reply does not parse, a miss ended the episode)
-   is not played again.
-9. `thoughts="brief"` (params' `demos.thoughts`) rewrites every demo reply, misses included, as
-   `format_response(BRIEF_THOUGHT, actions)` with the oracle's parsed actions: the same actions (the
-   reply goes through the parser again), one fixed Thought. A tiny policy garbles the oracles' free-text
-   thoughts (target names copied from the instruction) and the garbling spills into the action; with a
-   fixed thought the reply is a fixed prefix plus the action. `oracle` keeps the oracles' replies as
-   they are.
+- **Oracle in worker.** The oracle runs inside the env worker (`oracle_reply` reads the DOM there) and writes
+  its reply in the model-image frame of the policy's pixel budget; the reply travels as text and goes through
+  the same parser and coordinate mapping as a policy's reply, so a demo is exactly what the policy
+  should have said.
+- **Successful demos only.** Only successful episodes are kept: a demo that failed teaches the wrong thing.
+  Failures and env faults are counted and returned so a broken oracle is visible (the oracles reach 20/20 in
+  tests).
+- **Env threads.** Each env works through its own queue of jobs in a thread; calls to one env are sequential,
+  envs run in parallel (the pool's per-env executors).
+- **Recovery demos.** Recovery demos. The oracles succeed at once, so without them every single-click demo has
+  one reply and behaviour cloning never shows the policy a prompt with history (an earlier screenshot, its own
+  earlier reply, a new screenshot). In MiniWoB a click on empty space does not end the episode, so a
+  policy whose first click missed meets exactly that prompt and, never trained on it, answered with
+  unparseable text (a format error ends the episode with the penalty). With probability
+  `recovery_rate` per episode the oracle therefore first makes 1..`max_misses` (uniform) deliberate
+  misses - its own Thought for the state with the click moved to an empty point of the task area
+  (`oracles.miss_step`, computed here from the env's `dom_elements`) - and then solves the task. All
+  draws (recovery or not, how many misses, where) come from one `random.Random` per episode seeded
+  with `derive_seed("demo_miss", domain, task_id, env_seed)`: the same job gives the same demo with
+  any number of envs, and `recovery_rate = 0` gives exactly the plain demos. Misses come first
+  because that is where the policy's misses come from (a wrong first click, then the same screen);
+  the multi-step tasks already show every later step with its history.
+- **Untrained misses.** The miss steps are stored with `train_reply = False` (trajectory.py): behaviour
+  cloning conditions the later replies on them but never trains on them (policy/sequences.py masks them out).
+  Cloning the miss itself would teach the policy to click empty space with a confident Thought; what the
+  demo is meant to teach is the reply AFTER a miss. Masking whole replies rather than only their
+  action keeps one rule (a step is a target or it is context) that every consumer of trajectories
+  applies the same way.
+- **Miss conditions.** A miss is only possible where the env serves a DOM (MiniWoB) and the oracle's next
+  action is a single click onto a page that has empty space; otherwise the episode is played without (further)
+  misses. A miss that ended the episode is reported as an error (it would mean the empty point was not empty).
+- **Misses beyond limit.** The misses come on top of the step limit: after them the oracle still has
+  `max_steps` steps, so a recovery demo of a long task (login-user: 5 oracle steps) never fails for lack of
+  steps. Counting the misses against the limit (8) instead failed 57 of the default 840 episodes with up to 6
+  misses, against 5 without misses: the long tasks' recovery demos with many misses were dropped, and with
+  them deep-history contexts of the tasks that need them most.
+- **Fault replays.** A demo hit by an env fault (a reset, call, step or evaluation that failed: a crashed
+  browser or worker) is played again from the start, up to `ENV_RETRIES` times, with the same seed and the
+  same misses, so it is the demo an undisturbed run records (the soak, benchmarks/soak.py, found demos lost
+  to kills). A demo that fails by itself (the oracle's reply does not parse, a miss ended the episode)
+  is not played again.
+- **Brief thoughts.** `thoughts="brief"` (params' `demos.thoughts`) rewrites every demo reply, misses
+  included, as `format_response(BRIEF_THOUGHT, actions)` with the oracle's parsed actions: the same actions
+  (the reply goes through the parser again), one fixed Thought. A tiny policy garbles the oracles' free-text
+  thoughts (target names copied from the instruction) and the garbling spills into the action; with a
+  fixed thought the reply is a fixed prefix plus the action. `oracle` keeps the oracles' replies as
+  they are.
 """
 
 from __future__ import annotations
@@ -76,10 +77,11 @@ __all__ = [
 ]
 
 ENV_RETRIES = RolloutConfig.env_retries
-"""Decision 8: plays of a demo hit by an env fault before it is given up (the rollouts' default)."""
+"""Decision "Fault replays": plays of a demo hit by an env fault before it is given up (the rollouts'
+default)."""
 THOUGHT_STYLES = ("oracle", "brief")
 BRIEF_THOUGHT = "I act on the screen."
-"""Decision 9: the one Thought of every demo reply with `thoughts="brief"`."""
+"""Decision "Brief thoughts": the one Thought of every demo reply with `thoughts="brief"`."""
 
 
 @dataclasses.dataclass
@@ -93,7 +95,7 @@ class DemoResult:
 
 
 def miss_rng(job: EpisodeJob) -> random.Random:
-    """The episode's own RNG for its misses (decision 4)."""
+    """The episode's own RNG for its misses (decision "Recovery demos")."""
     return random.Random(derive_seed("demo_miss", job.task.domain, job.task.task_id, job.seed))
 
 
@@ -108,7 +110,7 @@ def planned_misses(rng: random.Random, recovery_rate: float, max_misses: int) ->
 
 
 class _EnvFault(Exception):
-    """An env call failed while planning a miss (decision 8)."""
+    """An env call failed while planning a miss (decision "Fault replays")."""
 
 
 def _miss_reply(
@@ -121,8 +123,9 @@ def _miss_reply(
     min_pixels: int | None,
     max_pixels: int | None,
 ) -> str | None:
-    """A deliberate miss for the env's current state in model-image pixels, or None (decision 6).
-    Raises _EnvFault when the env could not give its DOM (decision 8: the demo is played again)."""
+    """A deliberate miss for the env's current state in model-image pixels, or None
+    (decision "Miss conditions"). Raises _EnvFault when the env could not give its DOM
+    (decision "Fault replays": the demo is played again)."""
     dom = pool.submit_call(env_idx, "dom_elements").result()
     if dom.error:
         raise _EnvFault(f"{job.task.task_id} seed {job.seed}: dom_elements: {dom.error}")
@@ -146,16 +149,17 @@ def _play(
     thoughts: str = "oracle",
 ):
     """One oracle episode: (trajectory, None, False), or (None, error, env_fault) - env_fault True when
-    the env failed (decision 8: the episode is played again), False when the episode itself failed."""
+    the env failed (decision "Fault replays": the episode is played again), False when the episode itself
+    failed."""
     res = pool.submit_reset(env_idx, job.task, job.seed).result()
     if res.error or res.observation is None:
         return None, f"{job.task.task_id} seed {job.seed}: reset: {res.error}", True
     obs = res.observation
     instruction = obs.instruction or job.task.instruction
     steps: list[Step] = []
-    for k in range(max_steps + misses):  # decision 7
+    for k in range(max_steps + misses):  # decision "Misses beyond limit"
         text = None
-        if k < misses:  # decision 4: misses first, while the page offers empty space
+        if k < misses:  # decision "Recovery demos": misses first, while the page offers empty space
             try:
                 text = _miss_reply(
                     pool, env_idx, job, obs.instruction, obs.screen_size, rng, min_pixels, max_pixels
@@ -175,7 +179,7 @@ def _play(
             parsed = parse_response(text)
         except ActionParseError as e:
             return None, f"{job.task.task_id}: oracle reply does not parse: {e}", False
-        if thoughts == "brief":  # decision 9
+        if thoughts == "brief":  # decision "Brief thoughts"
             text = format_response(BRIEF_THOUGHT, parsed.actions)
         w, h = obs.screen_size
         mh, mw = smart_resize(
@@ -234,9 +238,10 @@ def play_oracle_episodes(
     progress=None,
 ) -> DemoResult:
     """Play every job with the oracle, at most `max_steps` oracle steps each (params own the limit); keep
-    the successes (decision 2). A share `recovery_rate` of the episodes starts with 1..`max_misses`
-    untrained misses, which do not count against `max_steps` (decisions 4-5, 7; params' `demos` section). `min_pixels`/`max_pixels`: the policy's pixel
-    budget (None: the oracles')."""
+    the successes (decision "Successful demos only"). A share `recovery_rate` of the episodes starts with
+    1..`max_misses` untrained misses, which do not count against `max_steps` (decisions "Recovery demos",
+    "Untrained misses" and "Misses beyond limit"; params' `demos` section). `min_pixels`/`max_pixels`: the
+    policy's pixel budget (None: the oracles')."""
     if not 0.0 <= recovery_rate <= 1.0:
         raise ValueError(f"recovery_rate must be in [0, 1], got {recovery_rate}")
     if max_misses < 1:
@@ -253,7 +258,8 @@ def play_oracle_episodes(
     def work(env_idx: int) -> None:
         nonlocal n_failed
         for i, job in queues[env_idx]:
-            for _ in range(ENV_RETRIES + 1):  # decision 8: an env fault plays the same episode again
+            for _ in range(ENV_RETRIES + 1):
+                # decision "Fault replays": an env fault plays the same episode again
                 rng = miss_rng(job)
                 misses = planned_misses(rng, recovery_rate, max_misses)
                 traj, err, env_fault = _play(

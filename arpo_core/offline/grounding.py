@@ -6,34 +6,34 @@ BC (docs/design.md stage `ground`): unlimited cheap "where is X" examples, a tra
 that say whether clicks follow the image.
 
 Decisions:
-1. An example is one screenshot, an instruction naming one target, and the UI-TARS reply
-   `Thought: ...\\nAction: click(start_box='(x,y)')` with (x, y) the target's centre in model-image
-   pixels (the smart_resized frame the policy sees, docs/method.md §3). It is trained with exactly the
-   sequence layout, prompt and loss of BC and RL (`policy/sequences.py`), so the grounding transfers to
-   the task replies unchanged: no special tokens, no extra heads, no change to what the model sees.
-2. Two sources: synthetic screens drawn with PIL in MiniWoB's style (160x210, the yellow instruction
-   strip on top, coloured boxes, buttons, links, checkboxes with words; `synthetic_examples`), and real
-   MiniWoB screens of many tasks where every visible, topmost DOM element with a unique text is a target
-   (`miniwob_examples`). Synthetic data costs ~1 ms per screen and needs no browser, so the training
-   loop draws fresh screens every step (no overfitting, no dataset on disk).
-3. A curriculum of synthetic levels (`LEVELS`): one salient box -> a named box among distractors ->
-   text widgets -> mixtures. The level of each drawn example comes from `GroundConfig.mix`.
-4. Image dependence is measured on held-out screens with greedy decoding: mean pixel error, hit rate
-   (click inside the target box), Pearson correlation of predicted vs target x and y, the spread of the
-   clicks, and the image-blind ceiling (the best constant click for the same screens). docs/method.md §7:
-   a success rate alone proves nothing here.
-5. Library code: the training loop returns its history (loss per step, evaluations) and logs nothing.
-   The prompt (system prompt name) and the greedy reply length of its evaluations are required
-   arguments, not config fields with defaults: params' `policy` section holds them for every stage.
-6. What makes looking learnable (benchmarks/results/grounding.md): the LM's rotary frequencies. Qwen2.5-VL
-   splits head_dim / 2 rotary frequencies into contiguous (t, h, w) bands, highest first; at the stock
-   theta 1e6 a tiny head's w band turns < 2e-4 rad per image token and the h band < 0.03, so relative
-   attention cannot tell image columns (and barely rows) apart and absolute position has to come from
-   slow side channels. Building the tiny model with `rope_theta=5` (all bands 0.2-1 rad per token, still a
-   stock Qwen2.5-VL config value; `build_tiny_policy(rope_theta=..., mrope=...)`) made greedy clicks
-   follow a single target after ~1k steps of the xs model, where theta 1e6 stayed image-blind. A
-   coordinate code blended into the pixels (`coord_pattern`, `GroundConfig.pattern`) was tried as well;
-   it is off by default and would have to become part of the saved image processor to be used.
+- **Grounding example.** An example is one screenshot, an instruction naming one target, and the UI-TARS reply
+  `Thought: ...\\nAction: click(start_box='(x,y)')` with (x, y) the target's centre in model-image
+  pixels (the smart_resized frame the policy sees, docs/method.md §3). It is trained with exactly the
+  sequence layout, prompt and loss of BC and RL (`policy/sequences.py`), so the grounding transfers to
+  the task replies unchanged: no special tokens, no extra heads, no change to what the model sees.
+- **Two sources.** Two sources: synthetic screens drawn with PIL in MiniWoB's style (160x210, the yellow
+  instruction strip on top, coloured boxes, buttons, links, checkboxes with words; `synthetic_examples`), and
+  real MiniWoB screens of many tasks where every visible, topmost DOM element with a unique text is a target
+  (`miniwob_examples`). Synthetic data costs ~1 ms per screen and needs no browser, so the training
+  loop draws fresh screens every step (no overfitting, no dataset on disk).
+- **Synthetic curriculum.** A curriculum of synthetic levels (`LEVELS`): one salient box -> a named box among
+  distractors -> text widgets -> mixtures. The level of each drawn example comes from `GroundConfig.mix`.
+- **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
+  pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
+  spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
+  docs/method.md §7: a success rate alone proves nothing here.
+- **Library training loop.** Library code: the training loop returns its history (loss per step, evaluations)
+  and logs nothing. The prompt (system prompt name) and the greedy reply length of its evaluations are
+  required arguments, not config fields with defaults: params' `policy` section holds them for every stage.
+- **Rotary frequencies.** What makes looking learnable (benchmarks/results/grounding.md): the LM's rotary
+  frequencies. Qwen2.5-VL splits head_dim / 2 rotary frequencies into contiguous (t, h, w) bands, highest
+  first; at the stock theta 1e6 a tiny head's w band turns < 2e-4 rad per image token and the h band < 0.03,
+  so relative attention cannot tell image columns (and barely rows) apart and absolute position has to come
+  from slow side channels. Building the tiny model with `rope_theta=5` (all bands 0.2-1 rad per token, still a
+  stock Qwen2.5-VL config value; `build_tiny_policy(rope_theta=..., mrope=...)`) made greedy clicks
+  follow a single target after ~1k steps of the xs model, where theta 1e6 stayed image-blind. A
+  coordinate code blended into the pixels (`coord_pattern`, `GroundConfig.pattern`) was tried as well;
+  it is off by default and would have to become part of the saved image processor to be used.
 """
 
 from __future__ import annotations
@@ -110,7 +110,7 @@ WORDS = (
 
 @dataclass(frozen=True)
 class GroundExample:
-    """One grounding example; coordinates in model-image pixels (decision 1)."""
+    """One grounding example; coordinates in model-image pixels (decision "Grounding example")."""
 
     image: Image.Image
     """The screenshot as the env returns it (screen pixels, e.g. 160x210)."""
@@ -152,7 +152,7 @@ def _to_model_box(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Synthetic screens (decision 2, 3)
+# Synthetic screens (decisions "Two sources" and "Synthetic curriculum")
 
 _FONT = ImageFont.load_default()
 
@@ -279,7 +279,7 @@ def synthetic_examples(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Real MiniWoB screens (decision 2)
+# Real MiniWoB screens (decision "Two sources")
 
 
 def element_kind(tag: str, classes: str) -> str:
@@ -379,7 +379,8 @@ def to_trajectory(ex: GroundExample, run_id: str = "ground") -> Trajectory:
 @dataclass(frozen=True)
 class GroundConfig(GroundTrainConfig):
     """The training loop's config: the shared fields of `GroundTrainConfig` (a params phase has the same
-    ones) plus a curriculum and evaluation settings. The prompt is not here (decision 5)."""
+    ones) plus a curriculum and evaluation settings. The prompt is not here
+    (decision "Library training loop")."""
 
     curriculum: tuple[tuple[int, dict[str, float]], ...] = ()
     """(start step, mix) phases; from each start step on, that mix is used (empty: `mix` throughout)."""
@@ -399,8 +400,8 @@ class GroundConfig(GroundTrainConfig):
 
 def coord_pattern(image: Image.Image, model_size: tuple[int, int], strength: float) -> Image.Image:
     """Resize to the model frame and blend in a fixed coordinate code: pixel (x, y) becomes
-    (1 - s) * pixel + s * (255 x / w, 255 y / h, 128). Experimental (decision 6); strength 0 = identity
-    apart from the resize, which the image processor would do anyway."""
+    (1 - s) * pixel + s * (255 x / w, 255 y / h, 128). Experimental (decision "Rotary frequencies"); strength
+    0 = identity apart from the resize, which the image processor would do anyway."""
     img = image.convert("RGB").resize(model_size, Image.BICUBIC)
     if strength <= 0:
         return img
@@ -437,9 +438,9 @@ def train_grounding(
 
     Examples come from `examples` (a fixed list, e.g. real MiniWoB screens, cycled in seeded order)
     mixed with fresh synthetic screens: with a fixed list each batch takes half from the list and half
-    synthetic; without one all are synthetic. The loss is BC's token-mean NLL of the reply (decision 1).
-    History: {"loss": [per step], "evals": [{"step", "seconds", **metrics}], "seconds": total}.
-    `callback` gets each evaluation dict as it is made (for a driver to print or save).
+    synthetic; without one all are synthetic. The loss is BC's token-mean NLL of the reply
+    (decision "Grounding example"). History: {"loss": [per step], "evals": [{"step", "seconds", **metrics}],
+    "seconds": total}. `callback` gets each evaluation dict as it is made (for a driver to print or save).
     """
     model = policy.model
     device = policy.device
@@ -500,7 +501,7 @@ def train_grounding(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Measures (decision 4)
+# Measures (decision "Image dependence metrics")
 
 
 def pearson(a: Sequence[float], b: Sequence[float]) -> float:
@@ -586,7 +587,8 @@ def grounding_metrics(
     boxes: Sequence[tuple[float, float, float, float]],
     image_size: tuple[int, int] = (168, 224),
 ) -> GroundMetrics:
-    """Measures of decision 4 from predicted clicks (None = unparsable reply), target centres and boxes."""
+    """Measures of decision "Image dependence metrics" from predicted clicks (None = unparsable reply), target
+    centres and boxes."""
     n = len(targets)
     if not (n == len(clicks) == len(boxes)) or n < 2:
         raise ValueError("clicks, targets and boxes need the same length >= 2")

@@ -4,47 +4,47 @@ The ARPO paper compares online RL with these offline methods trained on the base
 (docs/method.md §4: rejection sampling 21.8, DPO 22.4, KTO 24.6, GRPO 26.0, ARPO 27.3 on OSWorld).
 
 Decisions:
-1. Same sequences as RL: one multi-turn trajectory = one token sequence with its screenshots (or its
-   windows, when it is longer than the history window: `policy/sequences.py` decision 3), and a
-   trajectory's log-probability is the SUM of its per-token log-probs over the assistant mask
-   (`policy.sequences.sequence_logprobs`; replies + `<|im_end|>`), the quantity DPO and KTO are defined
-   on (TRL's `get_batch_logps(average_log_prob=False)`).
-2. Reference model = the base policy, i.e. the policy as passed in, before the first step. Its
-   sequence log-prob sums are computed once up front (eval mode, no grad), as TRL does with
-   `precompute_ref_log_probs`, so no second model copy is kept in memory.
-3. DPO: the sigmoid loss of Rafailov et al. (2023), eq. 7, with optional conservative label smoothing
-   (cDPO), exactly TRL's `dpo_loss` for `loss_type="sigmoid"` (huggingface/trl,
-   trl/trainer/dpo_trainer.py): logits = (pi_c - pi_r) - (ref_c - ref_r),
-   loss = -(1 - eps) log sigma(beta logits) - eps log sigma(-beta logits), averaged over pairs; implicit
-   rewards beta (pi - ref).
-4. DPO pairs: chosen = a trajectory of the task with success > `success_threshold` (strictly, as
-   selection.py and replay.py count a success), rejected = one of the SAME task (key (domain, id)) at
-   or below it. When a task has s successes and f failures it gives
-   max(s, f) pairs (capped by `max_pairs_per_task`): both lists are shuffled (seeded) and the shorter
-   one is cycled, so every trajectory of the task is used at least once and no pair repeats. A task
-   with only successes or only failures gives no pair (DPO needs a contrast), and is counted.
-5. KTO: Ethayarajh et al. (2024), eq. 7, as TRL's `kto_loss` (huggingface/trl,
-   trl/trainer/kto_trainer.py): desirable loss 1 - sigma(beta (r - z0)), undesirable loss
-   1 - sigma(beta (z0 - r)), r = pi - ref, weighted by desirable/undesirable weights and averaged over
-   the batch. The reference point z0 is TRL's: the batch mean of pi - ref over MISMATCHED pairs (the
-   prompt of one example with the completion of another), detached and clamped at 0. TRL builds those
-   pairs once, at dataset construction (`_get_kl_dataset`: completions rotated by one inside each
-   batch); here each trajectory gets one fixed partner (a seeded rotation that prefers a partner of
-   another task, because another sample of the same task is a valid answer to the same prompt and
-   would not measure divergence). A multi-turn mismatched pair is the instruction and screenshots of
-   trajectory i with the replies of its partner j, truncated to the shorter of the two. Fixed partners
-   let the reference side of z0 be precomputed once too (decision 2).
-6. KTO class weights: TRL advises weights such that desirable_weight * n_D / (undesirable_weight * n_U)
-   lies in [1, 4/3]; with `balance=True` the configured weights are scaled into that range
-   (`kto_class_weights`), because base-policy rollouts are usually mostly failures.
-7. RFT = behaviour cloning (`behaviour_cloning.sft`, unchanged) on the successful trajectories only, at most
-   `max_per_task` per task so that easy tasks do not dominate.
-8. Training loops: `batch_size` pairs (DPO) or examples (KTO) per optimizer step, micro-batches of
-   `micro_batch_size` weighted by their share of the batch so the step equals one big batch; batches
-   are drawn by reshuffling every pass (seeded); an `Engine` (engines.py) does backward and step, so
-   DeepSpeed works as for GRPO. Trajectories are encoded per micro-batch (pixel tensors of all of them
-   would not fit in memory at scale, see behaviour_cloning.py). Nothing is logged; each loop returns one metrics
-   dict per optimizer step.
+- **RL sequences.** Same sequences as RL: one multi-turn trajectory = one token sequence with its screenshots
+  (or its windows, when it is longer than the history window: `policy/sequences.py`,
+  decision "History windows"), and a trajectory's log-probability is the SUM of its per-token log-probs over
+  the assistant mask (`policy.sequences.sequence_logprobs`; replies + `<|im_end|>`), the quantity DPO and KTO
+  are defined on (TRL's `get_batch_logps(average_log_prob=False)`).
+- **Base reference model.** Reference model = the base policy, i.e. the policy as passed in, before the first
+  step. Its sequence log-prob sums are computed once up front (eval mode, no grad), as TRL does with
+  `precompute_ref_log_probs`, so no second model copy is kept in memory.
+- **DPO sigmoid loss.** DPO: the sigmoid loss of Rafailov et al. (2023), eq. 7, with optional conservative
+  label smoothing (cDPO), exactly TRL's `dpo_loss` for `loss_type="sigmoid"` (huggingface/trl,
+  trl/trainer/dpo_trainer.py): logits = (pi_c - pi_r) - (ref_c - ref_r),
+  loss = -(1 - eps) log sigma(beta logits) - eps log sigma(-beta logits), averaged over pairs; implicit
+  rewards beta (pi - ref).
+- **DPO pairs.** DPO pairs: chosen = a trajectory of the task with success > `success_threshold` (strictly, as
+  selection.py and replay.py count a success), rejected = one of the SAME task (key (domain, id)) at
+  or below it. When a task has s successes and f failures it gives
+  max(s, f) pairs (capped by `max_pairs_per_task`): both lists are shuffled (seeded) and the shorter
+  one is cycled, so every trajectory of the task is used at least once and no pair repeats. A task
+  with only successes or only failures gives no pair (DPO needs a contrast), and is counted.
+- **KTO loss.** KTO: Ethayarajh et al. (2024), eq. 7, as TRL's `kto_loss` (huggingface/trl,
+  trl/trainer/kto_trainer.py): desirable loss 1 - sigma(beta (r - z0)), undesirable loss
+  1 - sigma(beta (z0 - r)), r = pi - ref, weighted by desirable/undesirable weights and averaged over
+  the batch. The reference point z0 is TRL's: the batch mean of pi - ref over MISMATCHED pairs (the
+  prompt of one example with the completion of another), detached and clamped at 0. TRL builds those
+  pairs once, at dataset construction (`_get_kl_dataset`: completions rotated by one inside each
+  batch); here each trajectory gets one fixed partner (a seeded rotation that prefers a partner of
+  another task, because another sample of the same task is a valid answer to the same prompt and
+  would not measure divergence). A multi-turn mismatched pair is the instruction and screenshots of
+  trajectory i with the replies of its partner j, truncated to the shorter of the two. Fixed partners
+  let the reference side of z0 be precomputed once too (decision "Base reference model").
+- **KTO class weights.** KTO class weights: TRL advises weights such that desirable_weight * n_D /
+  (undesirable_weight * n_U) lies in [1, 4/3]; with `balance=True` the configured weights are scaled into that
+  range (`kto_class_weights`), because base-policy rollouts are usually mostly failures.
+- **RFT as cloning.** RFT = behaviour cloning (`behaviour_cloning.sft`, unchanged) on the successful
+  trajectories only, at most `max_per_task` per task so that easy tasks do not dominate.
+- **Training loops.** Training loops: `batch_size` pairs (DPO) or examples (KTO) per optimizer step,
+  micro-batches of `micro_batch_size` weighted by their share of the batch so the step equals one big batch;
+  batches are drawn by reshuffling every pass (seeded); an `Engine` (engines.py) does backward and step, so
+  DeepSpeed works as for GRPO. Trajectories are encoded per micro-batch (pixel tensors of all of them
+  would not fit in memory at scale, see behaviour_cloning.py). Nothing is logged; each loop returns one
+  metrics dict per optimizer step.
 """
 
 from __future__ import annotations
@@ -131,7 +131,7 @@ def dpo_loss(
     beta: float,
     label_smoothing: float,
 ) -> DPOOutput:
-    """Sigmoid DPO loss on sequence log-prob sums, all (P,) (decision 3)."""
+    """Sigmoid DPO loss on sequence log-prob sums, all (P,) (decision "DPO sigmoid loss")."""
     logits = (policy_chosen_logps - policy_rejected_logps) - (ref_chosen_logps - ref_rejected_logps)  # (P,)
     losses = (
         -F.logsigmoid(beta * logits) * (1 - label_smoothing) - F.logsigmoid(-beta * logits) * label_smoothing
@@ -163,7 +163,7 @@ def kto_loss(
     desirable_weight: float,
     undesirable_weight: float,
 ) -> KTOOutput:
-    """KTO loss (decision 5). policy_logps, ref_logps (N,) sequence sums; desirable (N,) bool; kl the
+    """KTO loss (decision "KTO loss"). policy_logps, ref_logps (N,) sequence sums; desirable (N,) bool; kl the
     reference point z0 from `kto_reference_point`."""
     kl = kl.detach()
     logratios = policy_logps - ref_logps  # (N,)
@@ -182,7 +182,7 @@ def kto_reference_point(policy_kl_logps: torch.Tensor, ref_kl_logps: torch.Tenso
 
 def kto_class_weights(n_desirable: int, n_undesirable: int) -> tuple[float, float]:
     """Multipliers (for lambda_D, lambda_U) putting lambda_D n_D / (lambda_U n_U) into [1, 4/3]
-    (decision 6). The weights are only ever raised, never lowered."""
+    (decision "KTO class weights"). The weights are only ever raised, never lowered."""
     if n_desirable <= 0 or n_undesirable <= 0:
         return (1.0, 1.0)
     if n_desirable < n_undesirable:
@@ -209,7 +209,7 @@ def dpo_pairs(
     max_pairs_per_task: int | None = None,
     seed: int = 0,
 ) -> tuple[list[tuple[int, int]], int]:
-    """(chosen index, rejected index) pairs within each task (decision 4), and the number of tasks
+    """(chosen index, rejected index) pairs within each task (decision "DPO pairs"), and the number of tasks
     that gave no pair because all their trajectories succeeded or all failed."""
     rng = random.Random(seed)
     pairs: list[tuple[int, int]] = []
@@ -231,7 +231,7 @@ def dpo_pairs(
 
 
 def kl_partners(trajs: Sequence[Trajectory], seed: int = 0) -> list[int]:
-    """For each trajectory i the index j != i of its KL partner (decision 5): a seeded rotation of a
+    """For each trajectory i the index j != i of its KL partner (decision "KTO loss"): a seeded rotation of a
     shuffled order, skipping ahead to the first trajectory of another task when there is one."""
     n = len(trajs)
     if n < 2:
@@ -252,7 +252,7 @@ def kl_partners(trajs: Sequence[Trajectory], seed: int = 0) -> list[int]:
 
 def mismatched_trajectory(x: Trajectory, y: Trajectory) -> Trajectory:
     """The prompt side (instruction, screenshots) of `x` with the replies of `y`, truncated to the
-    shorter of the two (decision 5)."""
+    shorter of the two (decision "KTO loss")."""
     steps = [
         Step(
             step_idx=k,
@@ -309,7 +309,7 @@ def _logp_sums(
     policy: Policy, module: torch.nn.Module, trajs: Sequence[Sequence[EncodedSequence]], bf16: bool
 ) -> torch.Tensor:
     """Trajectory log-prob sums (B,) of one padded forward through `module` (with grad if enabled); each
-    trajectory is its sequences (one, or its windows: decision 1)."""
+    trajectory is its sequences (one, or its windows: decision "RL sequences")."""
     seqs = [s for windows in trajs for s in windows]
     owner = torch.tensor([b for b, windows in enumerate(trajs) for _ in windows], device=policy.device)
     batch = collate(seqs, policy.pad_id, policy.image_token_id, padding_side="right").to(policy.device)
@@ -328,7 +328,8 @@ def _reference_sums(
     bf16: bool,
     chunk: int,
 ) -> torch.Tensor:
-    """Sequence log-prob sums (N,) of the policy as it is now (the reference, decision 2), eval mode."""
+    """Sequence log-prob sums (N,) of the policy as it is now (the reference,
+    decision "Base reference model"), eval mode."""
     was_training = policy.model.training
     policy.model.eval()
     out = []
@@ -348,7 +349,8 @@ def _encoder(
 
 
 def _batches(n: int, size: int, seed: int) -> Callable[[], list[int]]:
-    """Draws `size` indices per call from a reshuffled-every-pass order (behaviour_cloning.py decision 2)."""
+    """Draws `size` indices per call from a reshuffled-every-pass order (behaviour_cloning.py,
+    decision "Seeded batches")."""
     rng = random.Random(seed)
     order: list[int] = []
 
@@ -393,7 +395,8 @@ def dpo(
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> PreferenceResult:
-    """Train `policy` in place with DPO on pairs of `trajectories` (decisions 2-4, 8).
+    """Train `policy` in place with DPO on pairs of `trajectories` (decisions "Base reference model",
+    "DPO sigmoid loss", "DPO pairs" and "Training loops").
 
     Returns per-step metrics: loss/dpo, rewards/chosen, rewards/rejected, rewards/margin,
     rewards/accuracy, optim/grad_norm. The final policy goes to `checkpoint_dir/final/` if given.
@@ -434,7 +437,8 @@ def dpo(
             ref_c = torch.tensor([ref[c] for c, _ in micro], device=dev)
             ref_r = torch.tensor([ref[r] for _, r in micro], device=dev)
             out = dpo_loss(pol[:P], pol[P:], ref_c, ref_r, config.beta, config.label_smoothing)
-            w = P / len(batch)  # the step's loss is the mean over all pairs of the batch (decision 8)
+            # the step's loss is the mean over all pairs of the batch (decision "Training loops")
+            w = P / len(batch)
             engine.backward(out.loss * w, boundary=u0 + config.micro_batch_size >= len(batch))
             sums["loss"] += float(out.loss.detach()) * w
             sums["chosen"] += float(out.chosen_rewards.mean()) * w
@@ -473,7 +477,8 @@ def kto(
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> PreferenceResult:
-    """Train `policy` in place with KTO on desirable / undesirable `trajectories` (decisions 2, 5-6, 8).
+    """Train `policy` in place with KTO on desirable / undesirable `trajectories`
+    (decisions "Base reference model", "KTO loss", "KTO class weights" and "Training loops").
 
     Returns per-step metrics: loss/kto, kto/kl (the reference point z0), rewards/desirable and
     rewards/undesirable (mean implicit reward of each class in the batch, when present),
@@ -557,7 +562,8 @@ def rft(
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> list[float]:
-    """Rejection-sampling fine-tuning: `behaviour_cloning.sft` on the successes (decision 7); returns its losses."""
+    """Rejection-sampling fine-tuning: `behaviour_cloning.sft` on the successes (decision "RFT as cloning");
+    returns its losses."""
     kept = rft_select(trajectories, config.success_threshold, config.max_per_task, config.seed)
     if not kept:
         raise ValueError(

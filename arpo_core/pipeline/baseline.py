@@ -46,7 +46,8 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
         bar.close()
     write_trajectories(Path(out_dir) / "in_domain.parquet", res.trajectories)
     metrics = {k.replace("rollout/", "baseline/"): v for k, v in res.metrics.items()}
-    return metrics | pool_faults(pool, "baseline/faults")  # the close's too (rollouts.py decision 5)
+    # the close's too (rollouts.py, decision "Pool-life faults")
+    return metrics | pool_faults(pool, "baseline/faults")
 
 
 STAGE = Stage(

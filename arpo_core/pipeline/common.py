@@ -3,24 +3,24 @@ instances, a progress bar. The policy's checkpoint, pixel budget and method labe
 env pools and rollout settings in `rollouts.py` (only env stages import it).
 
 Decisions:
-1. Suites are read by their own backend (`suite_tasks`): an OSWorld suite (`backend: osworld`) through
-   `load_osworld_suite`, which loads each task's OSWorld JSON; any other through `load_suite`. One file
-   named as both suites (`env.in_domain_suite == env.out_of_domain_suite`, e.g. the 17 local desktop
-   tasks) is divided by its tasks' own `split`: the in-domain suite is its `in_domain` tasks, the
-   out-of-domain suite every other task, labelled `out_of_domain` (the split the metrics name). With
-   `env.out_of_domain_suite: null` there is no held-out suite: every task of the in-domain file is
-   in-domain (labelled so), whatever its own split says, and the out-of-domain suite is empty.
-2. Evaluation splits (`evaluation_tasks`): a suite whose tasks are families (every episode a fresh
-   instance) is evaluated as `in_domain` and `out_of_domain`, each task on `evaluate.episodes_per_task`
-   fresh instances. A suite of pinned instances (suites.py decision 3, the paper's protocol) is
-   evaluated in three splits: `train`, the instances the train stage trains on (the selection's, when
-   `train.use_selection`; the paper's in-domain numbers are these); `heldout`, the same task families
-   on fresh instances (`evaluate.seed + k`: generalisation to unseen instances); and `out_of_domain`.
-   A pinned instance plays one greedy episode (a greedy episode of a fixed instance is determined by
-   it) and `evaluate.samples_per_instance` sampled ones.
-3. Instances are disjoint by role (`instance_roles`): per task family, the env seeds of demonstrations,
-   of the pinned training instances and of held-out evaluation never meet (checked when params load,
-   `Params.cross_checks`, and by a test on every preset).
+- **Suites by backend.** Suites are read by their own backend (`suite_tasks`): an OSWorld suite (`backend:
+  osworld`) through `load_osworld_suite`, which loads each task's OSWorld JSON; any other through
+  `load_suite`. One file named as both suites (`env.in_domain_suite == env.out_of_domain_suite`, e.g. the 17
+  local desktop tasks) is divided by its tasks' own `split`: the in-domain suite is its `in_domain` tasks, the
+  out-of-domain suite every other task, labelled `out_of_domain` (the split the metrics name). With
+  `env.out_of_domain_suite: null` there is no held-out suite: every task of the in-domain file is
+  in-domain (labelled so), whatever its own split says, and the out-of-domain suite is empty.
+- **Evaluation splits.** Evaluation splits (`evaluation_tasks`): a suite whose tasks are families (every
+  episode a fresh instance) is evaluated as `in_domain` and `out_of_domain`, each task on
+  `evaluate.episodes_per_task` fresh instances. A suite of pinned instances (suites.py,
+  decision "Fixed instances", the paper's protocol) is evaluated in three splits: `train`, the instances the
+  train stage trains on (the selection's, when `train.use_selection`; the paper's in-domain numbers are
+  these); `heldout`, the same task families on fresh instances (`evaluate.seed + k`: generalisation to unseen
+  instances); and `out_of_domain`. A pinned instance plays one greedy episode (a greedy episode of a fixed
+  instance is determined by it) and `evaluate.samples_per_instance` sampled ones.
+- **Disjoint instance roles.** Instances are disjoint by role (`instance_roles`): per task family, the env
+  seeds of demonstrations, of the pinned training instances and of held-out evaluation never meet (checked
+  when params load, `Params.cross_checks`, and by a test on every preset).
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ __all__ = [
 
 def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
     """Tasks of the 'in_domain' or 'out_of_domain' suite named in params, loaded by their backend
-    (decision 3)."""
+    (decision "Disjoint instance roles")."""
     path = {"in_domain": p.env.in_domain_suite, "out_of_domain": p.env.out_of_domain_suite}[split]
     if path is None:  # no held-out suite
         return []
@@ -76,9 +76,9 @@ def suite_tasks(p: Params, split: str) -> list[TaskSpec]:
 
 
 TRAIN_SPLIT = "train"
-"""Decision 4: the pinned instances trained on."""
+"""Decision "Evaluation splits": the pinned instances trained on."""
 HELDOUT_SPLIT = "heldout"
-"""Decision 4: fresh instances of the pinned instances' task families."""
+"""Decision "Evaluation splits": fresh instances of the pinned instances' task families."""
 
 
 def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[TaskSpec]:
@@ -97,9 +97,9 @@ def training_tasks(p: Params, selected_path: str | os.PathLike | None) -> list[T
 def evaluation_tasks(
     p: Params, trained: list[TaskSpec] | None, *, out_of_domain: bool = True
 ) -> list[TaskSpec]:
-    """Decision 4: the tasks an evaluation plays, each labelled with its split. `trained`: the train
-    stage's tasks (`training_tasks`); None when there is no train stage to speak of (then every pinned
-    in-domain instance is `train`)."""
+    """Decision "Evaluation splits": the tasks an evaluation plays, each labelled with its split. `trained`:
+    the train stage's tasks (`training_tasks`); None when there is no train stage to speak of (then every
+    pinned in-domain instance is `train`)."""
     ind = suite_tasks(p, "in_domain")
     pinned = [t for t in ind if t.pinned]
     if trained is not None:
@@ -112,7 +112,8 @@ def evaluation_tasks(
 
 
 def instance_episodes(p: Params, temperature: float) -> int:
-    """Decision 4: episodes per pinned instance in an evaluation at `temperature` (0: greedy, one)."""
+    """Decision "Evaluation splits": episodes per pinned instance in an evaluation at `temperature` (0:
+    greedy, one)."""
     return 1 if temperature == 0 else p.evaluate.samples_per_instance
 
 

@@ -3,36 +3,37 @@ shares - base, the offline baselines (rft, dpo, kto) and the trained policy (arp
 intervals, paired differences against the base, the image-blind ceiling and click alignment.
 
 Decisions:
-1. Numbers come from the stored evaluation episodes (greedy), not from other stages' metric files:
-   `evaluate.summarize` per method and split (stratified 95% intervals), `probe.paired_difference`
-   against the reference policy (`compare.reference`, default the base) on the same (task, instance)
-   episodes, per split.
-2. The image-blind ceiling (docs/method.md §7): the best constant first click per task, from the DOM
-   targets of exactly the evaluation instances (env seeds `evaluate.seed + k`), in-sample and two-fold
-   cross-validated (`probe.blind_ceiling`), unless `compare.image_blind` is false. It needs a browser (the targets are read from the DOM after
-   a reset) and a click oracle; tasks whose oracle does not open with a click (typing, keys) have no
-   ceiling and are listed. For a single-click task the first-click ceiling bounds success; for a
-   multi-step task it bounds only the first step.
-3. Click alignment (`probe.click_alignment`): how each method's first clicks follow the targets
-   (within-task correlation), so a gain can be told apart from a better constant click.
-4. A method whose stage recorded no training (offline decision 3) is listed as not trained, with the
-   reason; a method without episodes is left out of the table, never shown as 0.
-5. Outputs: `comparison.md`, `comparison.json` and `comparison.png` in the stage's output directory;
-   the metrics are the headline rates and paired deltas (`compare/<method>/<split>/...`).
-6. Where learning is measurable: the train stage trains only the tasks the selection kept, and only
-   `tasks_per_iteration` of them per iteration, so a change on the whole in-domain suite is diluted by
-   tasks that got no training rollout at all. Each method therefore also gets a `trained` cell: the
-   in-domain tasks with at least one rollout in the train stage's stored trajectories (task ids read
-   from `models/arpo/trajectories`, without the screenshots), with its rate, interval and paired delta
-   against the reference on those tasks' shared instances. No training rollouts (or none stored): no cell.
-   A suite of pinned instances needs no such cell: its `train` split is exactly the instances trained on.
-7. Splits are the evaluation's (common.py `evaluation_tasks`), in the order train, in_domain, heldout,
-   out_of_domain. The image-blind ceiling of a split of task families is decision 2's; of the `train`
-   split (pinned instances) it is the best constant first click per task FAMILY over its pinned
-   instances (one reset each): a policy that ignores both the screen and the instruction. A policy
-   that reads the instruction but not the screen can memorise every training instance, which no
-   ceiling bounds: that is what the image-blind control arm (`train.image_blind`) measures. Click
-   alignment is computed on the family splits (their instances are `evaluate.seed + k`).
+- **Stored episodes.** Numbers come from the stored evaluation episodes (greedy), not from other stages'
+  metric files: `evaluate.summarize` per method and split (stratified 95% intervals),
+  `probe.paired_difference` against the reference policy (`compare.reference`, default the base) on the same
+  (task, instance) episodes, per split.
+- **Image-blind ceiling.** The image-blind ceiling (docs/method.md §7): the best constant first click per
+  task, from the DOM targets of exactly the evaluation instances (env seeds `evaluate.seed + k`), in-sample
+  and two-fold cross-validated (`probe.blind_ceiling`), unless `compare.image_blind` is false. It needs a
+  browser (the targets are read from the DOM after a reset) and a click oracle; tasks whose oracle does not
+  open with a click (typing, keys) have no ceiling and are listed. For a single-click task the first-click
+  ceiling bounds success; for a multi-step task it bounds only the first step.
+- **Click alignment.** Click alignment (`probe.click_alignment`): how each method's first clicks follow the
+  targets (within-task correlation), so a gain can be told apart from a better constant click.
+- **Untrained methods listed.** A method whose stage recorded no training (offline_baselines.py,
+  decision "Skipped baselines") is listed as not trained, with the reason; a method without episodes is left
+  out of the table, never shown as 0.
+- **Comparison outputs.** Outputs: `comparison.md`, `comparison.json` and `comparison.png` in the stage's
+  output directory; the metrics are the headline rates and paired deltas (`compare/<method>/<split>/...`).
+- **Trained-task view.** Where learning is measurable: the train stage trains only the tasks the selection
+  kept, and only `tasks_per_iteration` of them per iteration, so a change on the whole in-domain suite is
+  diluted by tasks that got no training rollout at all. Each method therefore also gets a `trained` cell: the
+  in-domain tasks with at least one rollout in the train stage's stored trajectories (task ids read
+  from `models/arpo/trajectories`, without the screenshots), with its rate, interval and paired delta
+  against the reference on those tasks' shared instances. No training rollouts (or none stored): no cell.
+  A suite of pinned instances needs no such cell: its `train` split is exactly the instances trained on.
+- **Evaluation splits.** Splits are the evaluation's (common.py `evaluation_tasks`), in the order train,
+  in_domain, heldout, out_of_domain. The image-blind ceiling of a split of task families is
+  decision "Image-blind ceiling"'s; of the `train` split (pinned instances) it is the best constant first
+  click per task FAMILY over its pinned instances (one reset each): a policy that ignores both the screen and
+  the instruction. A policy that reads the instruction but not the screen can memorise every training
+  instance, which no ceiling bounds: that is what the image-blind control arm (`train.image_blind`) measures.
+  Click alignment is computed on the family splits (their instances are `evaluate.seed + k`).
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ __all__ = [
 
 ORDER = ("base", "rft", "dpo", "kto", "grpo", "arpo", "grpo_blind", "arpo_blind")
 SPLIT_ORDER = ("train", "in_domain", "heldout", "out_of_domain")
-"""Decision 7: the order splits are shown in (any other split after these, by name)."""
+"""Decision "Evaluation splits": the order splits are shown in (any other split after these, by name)."""
 LABELS = {"train": "training instances", "in_domain": "in-domain", "heldout": "held-out instances"}
 
 
@@ -74,7 +75,7 @@ def _label(split: str) -> str:
 
 
 def split_order(splits: Sequence[str]) -> list[str]:
-    """Decision 7: the splits present, SPLIT_ORDER first."""
+    """Decision "Evaluation splits": the splits present, SPLIT_ORDER first."""
     present = set(splits)
     return [s for s in SPLIT_ORDER if s in present] + sorted(present - set(SPLIT_ORDER))
 
@@ -85,9 +86,9 @@ def tracked_params(p: Params) -> dict[str, str]:
 
 
 def headline(p: Params, metrics: dict[str, float]) -> dict[str, float]:
-    """The metric a user compares first (flows/runner.py decision 11): the trained arm's paired delta
-    against the reference on the first split (the training instances of a pinned suite, else in-domain),
-    as `_delta_vs_<reference>` (`_delta_vs_base`)."""
+    """The metric a user compares first (flows/runner.py, decision "Headline metric first"): the trained arm's
+    paired delta against the reference on the first split (the training instances of a pinned suite, else
+    in-domain), as `_delta_vs_<reference>` (`_delta_vs_base`)."""
     ref = p.compare.reference
     for split in ("train", "in_domain"):
         key = f"compare/{method_name(p)}/{split}/delta_vs_{ref}"
@@ -101,7 +102,8 @@ def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, lis
     found: dict[str, list[Trajectory]] = {}
     for d in map(Path, eval_dirs):
         for f in sorted(d.glob("*.parquet")) if d.is_dir() else []:
-            if f.stem.endswith("-sampled"):  # not the greedy evaluation (evaluate decision 2)
+            if f.stem.endswith("-sampled"):
+                # not the greedy evaluation (evaluate.py, decision "Trajectory files and keys")
                 continue
             if f.stem in found:
                 raise ValueError(f"two evaluations of {f.stem!r} (second: {f})")
@@ -111,7 +113,8 @@ def collect_evaluations(eval_dirs: Sequence[str | os.PathLike]) -> dict[str, lis
 
 
 def trained_task_keys(train_dir: str | os.PathLike | None) -> set[tuple[str, str]]:
-    """Decision 6: (domain, task_id) of every task with a rollout in the train stage's trajectories."""
+    """Decision "Trained-task view": (domain, task_id) of every task with a rollout in the train stage's
+    trajectories."""
     import pyarrow.parquet as pq
 
     d = Path(train_dir) / "trajectories" if train_dir is not None else None
@@ -125,8 +128,8 @@ def trained_task_keys(train_dir: str | os.PathLike | None) -> set[tuple[str, str
 def first_click_targets(
     p: Params, tasks: Sequence[TaskSpec], episodes: int | None = None
 ) -> tuple[list[Any], dict[str, str]]:
-    """Decision 2: DOM targets of the first `episodes` (default `evaluate.episodes_per_task`) evaluation
-    instances per task, and {task: why it has none}."""
+    """Decision "Image-blind ceiling": DOM targets of the first `episodes` (default
+    `evaluate.episodes_per_task`) evaluation instances per task, and {task: why it has none}."""
     from arpo_core.analysis.probe import first_step_targets
     from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
     from arpo_core.envs.miniwob.oracles import ORACLES
@@ -144,7 +147,8 @@ def first_click_targets(
         elif t.task_id not in ORACLES:
             missing[t.task_id] = "no oracle"
     todo = [(t, seeds) for t in miniwob if t.task_id in ORACLES]
-    todo += [(t, [t.seed]) for t in pinned if t.family in ORACLES]  # decision 7: one reset an instance
+    # decision "Evaluation splits": one reset an instance
+    todo += [(t, [t.seed]) for t in pinned if t.family in ORACLES]
     missing |= {t.family: "no oracle" for t in pinned if t.family not in ORACLES}
     if not todo:
         return records, missing
@@ -299,7 +303,8 @@ def _trained_cell(
     trained: Sequence[TaskSpec],
     score: Scorer,
 ) -> dict[str, Any]:
-    """Decision 6: rate, interval and paired delta on the in-domain tasks training reached."""
+    """Decision "Trained-task view": rate, interval and paired delta on the in-domain tasks training
+    reached."""
     from arpo_core.analysis.probe import paired_difference
 
     ids = {t.key for t in trained}
@@ -323,8 +328,8 @@ def _trained_cell(
 
 
 def _family_records(records: Sequence[Any]) -> list[Any]:
-    """Decision 7: pinned instances' target records under their family's name (one constant click per
-    family over its instances)."""
+    """Decision "Evaluation splits": pinned instances' target records under their family's name (one constant
+    click per family over its instances)."""
     from dataclasses import replace
 
     return [replace(r, task_id=r.task_id.split("@", 1)[0]) for r in records]
@@ -338,7 +343,7 @@ def run(
     train_dir: str | os.PathLike | None = None,
     selected_path: str | os.PathLike | None = None,
 ) -> dict[str, Any]:
-    """The comparison report (decision 5) from the evaluation episodes in `eval_dirs`."""
+    """The comparison report (decision "Comparison outputs") from the evaluation episodes in `eval_dirs`."""
     from arpo_core.analysis.probe import blind_ceiling, click_alignment, paired_difference
 
     out_dir = Path(out_dir)

@@ -1,10 +1,10 @@
 """Stage `demos`: scripted oracles play the in-domain suite; successful episodes to Parquet. On MiniWoB
 the oracles read the DOM, and a share `demos.recovery_rate` of the episodes starts with untrained misses
-(arpo_core/offline/demonstrations.py decisions 4-5). On OSWorld desktops (`env.kind: osworld`, providers local and remote)
-the oracle is the suite's scripted `oracle` replies (`OSWorldEnv.oracle_reply`); a desktop has no DOM, so
-no misses, and it is not seeded, so every episode of a task replays the same instance. With
-`demos.episodes_per_task: 0` no env is started and the file is empty: the `sft` stage then passes the
-grounded policy through (a pretrained checkpoint needs no behaviour cloning)."""
+(arpo_core/offline/demonstrations.py, decisions "Recovery demos" and "Untrained misses"). On OSWorld desktops
+(`env.kind: osworld`, providers local and remote) the oracle is the suite's scripted `oracle` replies
+(`OSWorldEnv.oracle_reply`); a desktop has no DOM, so no misses, and it is not seeded, so every episode of a
+task replays the same instance. With `demos.episodes_per_task: 0` no env is started and the file is empty: the
+`sft` stage then passes the grounded policy through (a pretrained checkpoint needs no behaviour cloning)."""
 
 from __future__ import annotations
 
@@ -27,8 +27,8 @@ __all__ = ["STAGE", "demo_jobs", "run"]
 
 def demo_jobs(p: Params) -> list[EpisodeJob]:
     """Episode k of every in-domain task FAMILY on env seed `demos.seed + k`: a suite of pinned instances
-    is demonstrated on other instances of the same tasks (suites.py decision 4), never on the pinned
-    ones (common.py `instance_roles`), so behaviour cloning does not see the training instances."""
+    is demonstrated on other instances of the same tasks (suites.py, decision "Task families"), never on the
+    pinned ones (common.py `instance_roles`), so behaviour cloning does not see the training instances."""
     return [
         EpisodeJob(t, seed=p.demos.seed + k, group_id=g, sample_idx=k)
         for g, t in enumerate(families(suite_tasks(p, "in_domain")))
@@ -64,7 +64,8 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
             progress=bar,
         )
         bar.close()
-    faults = pool_faults(pool, "demos/faults")  # read after the close (rollouts.py decision 5)
+    # read after the close (rollouts.py, decision "Pool-life faults")
+    faults = pool_faults(pool, "demos/faults")
     if not res.trajectories:
         raise RuntimeError(f"no successful demos; first errors: {res.errors[:3]}")
     write_trajectories(Path(out_dir) / "demos.parquet", res.trajectories)

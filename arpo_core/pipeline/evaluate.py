@@ -1,23 +1,23 @@
 """Stage `evaluate`: the base and the trained policy on the in-domain and out-of-domain suites.
 
 Decisions:
-1. Every policy is evaluated on the same instances: episode k of a task runs env seed
-   `evaluate.seed + k` (evaluate.py decision 5), for every policy of every stage that calls
-   `evaluate_policies` (this one and the offline stages rft / dpo / kto), so the `compare` stage can
-   pair their episodes one by one.
-2. Greedy trajectories go to `<out_dir>/<name>.parquet`, sampled ones (with
-   `evaluate.sampled_temperature`) to `<out_dir>/<name>-sampled.parquet`; metric keys are named by the
-   policy's role, `eval/<role>/<mode>/...` (evaluate.summarize's keys under that prefix): `base` and
-   `trained`, so the evaluate runs of ARPO and GRPO have the same metric names and compare column by
-   column; which method was trained is the run's param `method` (`tracked_params`).
-3. The trained policy is named by its method, `arpo` or `grpo` (`policies.method_name`): its file name,
-   and the `method` param.
-4. The splits are common.py's (`evaluation_tasks`): with a suite of pinned instances, `train`
-   (the instances the train stage trains on, read from the selection like the train stage does),
-   `heldout` and `out_of_domain`; with task families, `in_domain` and `out_of_domain`.
-5. `train.image_blind` (the image-blind control arm) blanks every screenshot the TRAINED policy sees
-   here, as it did in training; the base and the offline baselines keep their eyes, so the base's
-   episodes are the same in every arm's run.
+- **Same instances.** Every policy is evaluated on the same instances: episode k of a task runs env seed
+  `evaluate.seed + k` (evaluation.py, decision "Paired evaluation seeds"), for every policy of every stage
+  that calls `evaluate_policies` (this one and the offline stages rft / dpo / kto), so the `compare` stage can
+  pair their episodes one by one.
+- **Trajectory files and keys.** Greedy trajectories go to `<out_dir>/<name>.parquet`, sampled ones (with
+  `evaluate.sampled_temperature`) to `<out_dir>/<name>-sampled.parquet`; metric keys are named by the
+  policy's role, `eval/<role>/<mode>/...` (evaluate.summarize's keys under that prefix): `base` and
+  `trained`, so the evaluate runs of ARPO and GRPO have the same metric names and compare column by
+  column; which method was trained is the run's param `method` (`tracked_params`).
+- **Method-named policy.** The trained policy is named by its method, `arpo` or `grpo`
+  (`policies.method_name`): its file name, and the `method` param.
+- **Evaluation splits.** The splits are common.py's (`evaluation_tasks`): with a suite of pinned instances,
+  `train` (the instances the train stage trains on, read from the selection like the train stage does),
+  `heldout` and `out_of_domain`; with task families, `in_domain` and `out_of_domain`.
+- **Image-blind evaluation.** `train.image_blind` (the image-blind control arm) blanks every screenshot the
+  TRAINED policy sees here, as it did in training; the base and the offline baselines keep their eyes, so the
+  base's episodes are the same in every arm's run.
 """
 
 from __future__ import annotations
@@ -53,24 +53,26 @@ the model the stage producing that input logged)."""
 
 
 def tracked_params(p: Params) -> dict[str, str]:
-    """Decision 2: the method of the trained policy, logged as a param of the stage's run."""
+    """Decision "Method-named policy": the method of the trained policy, logged as a param of the stage's
+    run."""
     return {"method": method_name(p)}
 
 
 HEADLINE_KEYS = ("eval/trained/greedy/train/success_rate", "eval/trained/greedy/in_domain/success_rate")
-"""The headline's candidates in order: the training instances of a pinned suite (decision 4), else
-in-domain."""
+"""The headline's candidates in order: the training instances of a pinned suite
+(decision "Evaluation splits"), else in-domain."""
 
 
 def headline(p: Params, metrics: Mapping[str, float]) -> dict[str, float]:
-    """The metric a user compares first (flows/runner.py decision 11): the trained policy's greedy
-    success on the first split (`HEADLINE_KEYS`), as `_success_rate`."""
+    """The metric a user compares first (flows/runner.py, decision "Headline metric first"): the trained
+    policy's greedy success on the first split (`HEADLINE_KEYS`), as `_success_rate`."""
     key = next((k for k in HEADLINE_KEYS if k in metrics), None)
     return {"_success_rate": metrics[key]} if key else {}
 
 
 def trajectory_file(out_dir: str | os.PathLike, name: str, mode: str = "greedy") -> Path:
-    """Decision 2: where policy `name`'s evaluation episodes of `mode` are written."""
+    """Decision "Trajectory files and keys": where policy `name`'s evaluation episodes of `mode` are
+    written."""
     return Path(out_dir) / (f"{name}.parquet" if mode == "greedy" else f"{name}-{mode}.parquet")
 
 
@@ -88,8 +90,8 @@ def evaluate_loaded(
     stage: str = "evaluate",
     epoch: int = 0,
 ) -> Any:
-    """One evaluation of a loaded policy on `pool` (decision 1's instances); returns the EvalResult.
-    Shared by this stage, the offline stages and the train stage's evaluations during training."""
+    """One evaluation of a loaded policy on `pool` (decision "Same instances"'s instances); returns the
+    EvalResult. Shared by this stage, the offline stages and the train stage's evaluations during training."""
     from arpo_core.analysis.evaluation import Scorer, evaluate_policy
 
     e = p.evaluate
@@ -125,9 +127,9 @@ def evaluate_policies(
     selected_path: str | os.PathLike | None = None,
     blind: Sequence[str] = (),
 ) -> dict[str, Any]:
-    """Evaluate each named policy on every split (decisions 1-2, 4); returns the metrics, keyed by each
-    policy's role (`roles[name]`, default the name). The policies named in `blind` see blank
-    screenshots (decision 5)."""
+    """Evaluate each named policy on every split (decisions "Same instances", "Trajectory files and keys" and
+    "Evaluation splits"); returns the metrics, keyed by each policy's role (`roles[name]`, default the name).
+    The policies named in `blind` see blank screenshots (decision "Image-blind evaluation")."""
     from arpo_core.policy.model import load_policy
 
     setup_torch(p)
@@ -157,7 +159,8 @@ def evaluate_policies(
                 metrics.update(res.metrics)
                 if res.trajectories:
                     write_trajectories(trajectory_file(out_dir, name, mode), res.trajectories)
-    return metrics | pool_faults(pool, "evaluate/env_faults")  # close included (rollouts.py decision 5)
+    # close included (rollouts.py, decision "Pool-life faults")
+    return metrics | pool_faults(pool, "evaluate/env_faults")
 
 
 def run(

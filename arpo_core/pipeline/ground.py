@@ -2,27 +2,27 @@
 screens), or the project's versioned grounded tiny policy, measured for image dependence.
 
 Decisions:
-1. `ground` turns the start policy into `models/grounded`, the start of `sft`. The start is
-   `ground.checkpoint` (the versioned grounded tiny policy) or, when that is null, `models/init`;
-   `ground.phases` then train it in order (a phase may first grow the LM's depth). With no phases the
-   start is copied file by file, so the output is that checkpoint bit for bit. A pretrained model from
-   `init_policy` (a pointer in `models/init`) wins over `ground.checkpoint`, which is a tiny model: with
-   no phases the pointer is passed on unmeasured (a 7B model's greedy clicks on hundreds of screens are
-   hours of CPU, and UI-TARS is grounded by its own pretraining); with phases it is trained and saved
-   like any other start.
-2. `ground` always measures image dependence of its output on held-out screens (docs/method.md §7):
-   synthetic levels drawn with seed 10000 + the level's index in `grounding.LEVELS` (fixed per level,
-   other streams than training's, which seeds each phase with its own small `seed`) and real MiniWoB
-   screens of the in-domain tasks with env seeds 1000.. (training uses 0..N-1). One browser reads every
-   real screen the stage needs and is closed before training starts. The measures are the stage's
-   metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
-   `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
-   it scores.
-3. The stage writes only into `out_dir`, which the runner hands it as a staging directory swapped in
-   on success (flows/runner.py decision 4): a failed copy or training run leaves the previous
-   `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree` (space
-   checked first; a full disk is one line saying what, where, MB needed and free), policies through
-   `Policy.save` (the same for the weights).
+- **Grounding start.** `ground` turns the start policy into `models/grounded`, the start of `sft`. The start
+  is `ground.checkpoint` (the versioned grounded tiny policy) or, when that is null, `models/init`;
+  `ground.phases` then train it in order (a phase may first grow the LM's depth). With no phases the
+  start is copied file by file, so the output is that checkpoint bit for bit. A pretrained model from
+  `init_policy` (a pointer in `models/init`) wins over `ground.checkpoint`, which is a tiny model: with
+  no phases the pointer is passed on unmeasured (a 7B model's greedy clicks on hundreds of screens are
+  hours of CPU, and UI-TARS is grounded by its own pretraining); with phases it is trained and saved
+  like any other start.
+- **Image dependence measured.** `ground` always measures image dependence of its output on held-out screens
+  (docs/method.md §7): synthetic levels drawn with seed 10000 + the level's index in `grounding.LEVELS` (fixed
+  per level, other streams than training's, which seeds each phase with its own small `seed`) and real MiniWoB
+  screens of the in-domain tasks with env seeds 1000.. (training uses 0..N-1). One browser reads every
+  real screen the stage needs and is closed before training starts. The measures are the stage's
+  metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
+  `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
+  it scores.
+- **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
+  swapped in on success (flows/runner.py, decision "Staged outputs"): a failed copy or training run leaves the
+  previous `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree`
+  (space checked first; a full disk is one line saying what, where, MB needed and free), policies through
+  `Policy.save` (the same for the weights).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from arpo_core.pipeline.stage import TASK_DATA, Stage
 
 __all__ = ["GROUND_REPORT", "STAGE", "ground_config", "ground_measure_keys", "run"]
 
-# Held-out seeds of the measures (decision 2).
+# Held-out seeds of the measures (decision "Image dependence measured").
 GROUND_EVAL_SEED = 10_000
 MINIWOB_HELDOUT_SEED = 1000
 GROUND_REPORT = "ground_report.json"
@@ -119,8 +119,9 @@ def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], li
 
 
 def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
-    """Grounding pretraining (decisions 1-2): start policy -> `ground.phases` -> `out_dir` (a loadable
-    checkpoint with `ground_report.json`); returns the held-out image-dependence measures."""
+    """Grounding pretraining (decisions "Grounding start" and "Image dependence measured"): start policy ->
+    `ground.phases` -> `out_dir` (a loadable checkpoint with `ground_report.json`); returns the held-out
+    image-dependence measures."""
     from arpo_core.offline.grounding import (
         LEVELS,
         SCREEN_H,
@@ -138,7 +139,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     policy_dir, out_dir = Path(policy_dir), Path(out_dir)
     _check_levels([lv for ph in g.phases for lv in ph.mix] + list(g.eval_levels))  # before any work
     pointer = policy_dir / POINTER
-    if pointer.exists() and not g.phases:  # a pretrained model passes through (decision 1)
+    if pointer.exists() and not g.phases:  # a pretrained model passes through (decision "Grounding start")
         atomic_write_text(out_dir / POINTER, pointer.read_text())
         return {"ground/pretrained": 1.0}
     start = resolve_policy(policy_dir) if pointer.exists() or g.checkpoint is None else Path(g.checkpoint)
@@ -178,7 +179,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
                 }
             )
         policy.save(out_dir)
-    else:  # the start as it is, bit for bit; a full disk is one line (decision 3)
+    else:  # the start as it is, bit for bit; a full disk is one line (decision "Staged output")
         copy_tree(start, out_dir, f"the grounded policy (a copy of {start})")
         policy = load_policy(out_dir)
 

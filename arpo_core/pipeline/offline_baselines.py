@@ -3,16 +3,16 @@ base policy on the base policy's own baseline rollouts (the trajectories task se
 evaluated on the evaluation instances every policy shares.
 
 Decisions:
-1. One function for the three methods; the stage table binds `method`. Training is
-   `preference.rft / dpo / kto` with the params section of the same name.
-2. Each stage evaluates its own policy (`evaluate.evaluate_policies`, same instances, keys by role
-   `eval/trained/<mode>/...`, the method being the run's param `method`): a changed `train` section
-   then re-runs neither these stages nor their
-   evaluations, and `compare` pairs every method's episodes with the base's.
-3. Baseline rollouts may hold no usable data (RFT needs a success, DPO a task with a success and a
-   failure, KTO two trajectories). Then the stage records why in `<out_dir>/skipped.json`, writes no
-   policy and no evaluation, and `compare` lists the method as not trained with that reason, instead of
-   the whole pipeline failing on a tiny or unlucky baseline.
+- **One function three methods.** One function for the three methods; the stage table binds `method`. Training
+  is `preference.rft / dpo / kto` with the params section of the same name.
+- **Own evaluation.** Each stage evaluates its own policy (`evaluate.evaluate_policies`, same instances, keys
+  by role `eval/trained/<mode>/...`, the method being the run's param `method`): a changed `train` section
+  then re-runs neither these stages nor their
+  evaluations, and `compare` pairs every method's episodes with the base's.
+- **Skipped baselines.** Baseline rollouts may hold no usable data (RFT needs a success, DPO a task with a
+  success and a failure, KTO two trajectories). Then the stage records why in `<out_dir>/skipped.json`, writes
+  no policy and no evaluation, and `compare` lists the method as not trained with that reason, instead of
+  the whole pipeline failing on a tiny or unlucky baseline.
 """
 
 from __future__ import annotations
@@ -38,7 +38,7 @@ SKIPPED = "skipped.json"
 
 
 def no_data_reason(p: Params, method: str, trajs: list[Trajectory]) -> str | None:
-    """Decision 3: why `method` cannot train on `trajs`, or None when it can."""
+    """Decision "Skipped baselines": why `method` cannot train on `trajs`, or None when it can."""
     from arpo_core.offline.preference import dpo_pairs, rft_select
 
     if method == "rft":
@@ -83,7 +83,7 @@ def train_offline(
     out_dir: str | os.PathLike,
 ) -> dict[str, Any]:
     """Train `method` from the base on the baseline rollouts; the policy to `out_dir`, or `skipped.json`
-    there when the rollouts hold no usable data (decision 3)."""
+    there when the rollouts hold no usable data (decision "Skipped baselines")."""
     from arpo_core.policy.model import load_policy
 
     if method not in METHODS:
@@ -111,8 +111,8 @@ def run(
     out_dir: str | os.PathLike,
     eval_dir: str | os.PathLike,
 ) -> dict[str, Any]:
-    """`train_offline`, then the policy's evaluation to `eval_dir` (decision 2; none when skipped), on
-    the evaluate stage's splits (its `train` split: the instances the train stage trains on)."""
+    """`train_offline`, then the policy's evaluation to `eval_dir` (decision "Own evaluation"; none when
+    skipped), on the evaluate stage's splits (its `train` split: the instances the train stage trains on)."""
     metrics = train_offline(p, method, policy_dir, baseline_dir, out_dir)
     Path(eval_dir).mkdir(parents=True, exist_ok=True)
     if f"{method}/skipped" not in metrics:

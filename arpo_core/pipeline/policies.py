@@ -2,11 +2,11 @@
 pointer), its image processor's pixel budget, the torch setup, and the name of the trained method.
 
 Decisions:
-1. A pretrained checkpoint (e.g. UI-TARS-1.5-7B) is never copied: `init_policy` writes a pointer file
-   (`pretrained.json`) and `resolve_policy` follows it.
-2. The trained policy is named by its method everywhere (`method_name`): `arpo` with experience replay,
-   `grpo` without (`arpo_blind`, `grpo_blind` for the image-blind arm), so the arms of an ablation never
-   share a label.
+- **Pretrained pointer.** A pretrained checkpoint (e.g. UI-TARS-1.5-7B) is never copied: `init_policy` writes
+  a pointer file (`pretrained.json`) and `resolve_policy` follows it.
+- **Method names.** The trained policy is named by its method everywhere (`method_name`): `arpo` with
+  experience replay, `grpo` without (`arpo_blind`, `grpo_blind` for the image-blind arm), so the arms of an
+  ablation never share a label.
 """
 
 from __future__ import annotations
@@ -55,6 +55,6 @@ def pixel_budget(policy_dir: Path) -> tuple[int, int]:
 
 
 def method_name(p: Params) -> str:
-    """Decision 2: 'arpo' with experience replay, 'grpo' without; '_blind' appended for the image-blind
-    control arm (`train.image_blind`)."""
+    """Decision "Method names": 'arpo' with experience replay, 'grpo' without; '_blind' appended for the
+    image-blind control arm (`train.image_blind`)."""
     return ("arpo" if p.train.replay.enabled else "grpo") + ("_blind" if p.train.image_blind else "")

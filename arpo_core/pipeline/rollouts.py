@@ -2,24 +2,25 @@
 stages' and evaluate's evaluations, compare's targets).
 
 Decisions:
-1. Env pools are created and closed inside the stage that needs them (`make_pool` is a context manager),
-   so no browser or worker process outlives a stage.
-2. `rollout_config` is the one place where a `RolloutConfig` is assembled from params: the sampling
-   values of the calling stage (temperature, top_p, step limit), the shared `policy` section, the format penalty
-   of `train.loss` and the pixel budget of the checkpoint itself (its image processor config), so the
-   model-image coordinates of a rollout are always those of the policy that plays it; and the schedule
-   (`env.rollout`: sync or async, batch wait), which train, evaluate and baseline all use.
-4. The generator comes from the params too (`generator`): `policy.backend` hf or vllm
-   (arpo_core/policy/generate.py, decisions 8-10), built for the checkpoint the stage plays.
-3. The envs come from the params, never from the stage: `ENV_FACTORIES` maps `env.kind` to a builder of
-   the pool's picklable env factory (MiniWoB pages, or OSWorld desktops from `env.osworld`: the local
-   Xvfb desktop, running OSWorld servers, or the official desktop-env bridge). Remote servers are
-   health-checked before the pool starts, so a dead URL is one clear error naming it, not eight reset
-   retries per worker. The pool (process or Ray backend, `env.ray_resources`, timeouts) is the same for
-   every kind.
-5. A stage's env faults are metrics over the pool's whole life, its close included (`pool_faults`, read
-   after the `with make_pool(...)` block): a worker or browser that died after its last call is found
-   only when the pool closes, after the last rollout's own `rollout/faults/*` were taken.
+- **Stage-scoped pools.** Env pools are created and closed inside the stage that needs them (`make_pool` is a
+  context manager), so no browser or worker process outlives a stage.
+- **One rollout config.** `rollout_config` is the one place where a `RolloutConfig` is assembled from params:
+  the sampling values of the calling stage (temperature, top_p, step limit), the shared `policy` section, the
+  format penalty of `train.loss` and the pixel budget of the checkpoint itself (its image processor config),
+  so the model-image coordinates of a rollout are always those of the policy that plays it; and the schedule
+  (`env.rollout`: sync or async, batch wait), which train, evaluate and baseline all use.
+- **Generator from params.** The generator comes from the params too (`generator`): `policy.backend` hf or
+  vllm (arpo_core/policy/generate.py, decisions "Generator backends", "vLLM log-probs" and "One vLLM engine"),
+  built for the checkpoint the stage plays.
+- **Envs from params.** The envs come from the params, never from the stage: `ENV_FACTORIES` maps `env.kind`
+  to a builder of the pool's picklable env factory (MiniWoB pages, or OSWorld desktops from `env.osworld`: the
+  local Xvfb desktop, running OSWorld servers, or the official desktop-env bridge). Remote servers are
+  health-checked before the pool starts, so a dead URL is one clear error naming it, not eight reset
+  retries per worker. The pool (process or Ray backend, `env.ray_resources`, timeouts) is the same for
+  every kind.
+- **Pool-life faults.** A stage's env faults are metrics over the pool's whole life, its close included
+  (`pool_faults`, read after the `with make_pool(...)` block): a worker or browser that died after its last
+  call is found only when the pool closes, after the last rollout's own `rollout/faults/*` were taken.
 """
 
 from __future__ import annotations
@@ -55,7 +56,8 @@ def miniwob_factory(p: Params) -> EnvFactory:
 
 
 def osworld_factory(p: Params) -> EnvFactory:
-    """OSWorld desktops of `env.osworld.provider` (decision 3); remote URLs must answer first."""
+    """OSWorld desktops of `env.osworld.provider` (decision "Envs from params"); remote URLs must answer
+    first."""
     o = p.env.osworld
     if o.provider == "desktop_env":
         from arpo_core.envs.osworld.desktop_env_bridge import make_desktop_env_bridge_env
@@ -91,13 +93,13 @@ ENV_FACTORIES: dict[str, Callable[[Params], EnvFactory]] = {
     "miniwob": miniwob_factory,
     "osworld": osworld_factory,
 }
-"""`env.kind` -> builder of the pool's env factory (decision 3)."""
+"""`env.kind` -> builder of the pool's env factory (decision "Envs from params")."""
 
 
 @contextmanager
 def make_pool(p: Params, n: int | None = None):
-    """An EnvPool of `p.env.kind` envs (decision 3), `n` of them (default `env.n_envs`), closed on exit
-    (decision 1)."""
+    """An EnvPool of `p.env.kind` envs (decision "Envs from params"), `n` of them (default `env.n_envs`),
+    closed on exit (decision "Stage-scoped pools")."""
     factory = ENV_FACTORIES[p.env.kind](p)
     pool = EnvPool(
         factory,
@@ -114,22 +116,23 @@ def make_pool(p: Params, n: int | None = None):
     finally:
         pool.close()
         faults = {k: v for k, v in pool.fault_counts().items() if v}
-        if faults:  # the stage's total, beside one warning line per fault (pool.py decision 7)
+        if faults:
+            # the stage's total, beside one warning line per fault (pool.py, decision "Fault counting")
             logging.getLogger("arpo.envs").warning(
                 "env faults in this stage: %s", ", ".join(f"{k}={v}" for k, v in faults.items())
             )
 
 
 def pool_faults(pool: EnvPool, prefix: str) -> dict[str, float]:
-    """Decision 5: `{prefix}/<kind>` for every fault kind the pool counted (0 included)."""
+    """Decision "Pool-life faults": `{prefix}/<kind>` for every fault kind the pool counted (0 included)."""
     return {f"{prefix}/{kind}": float(n) for kind, n in pool.fault_counts().items()}
 
 
 def rollout_config(
     p: Params, policy_dir: Path, temperature: float, top_p: float, max_steps: int, seed: int
 ) -> RolloutConfig:
-    """Decision 2: the rollout settings of a stage's episodes played by the checkpoint at `policy_dir`;
-    the sampling settings (temperature, top_p, step limit, seed) are the calling stage's own."""
+    """Decision "One rollout config": the rollout settings of a stage's episodes played by the checkpoint at
+    `policy_dir`; the sampling settings (temperature, top_p, step limit, seed) are the calling stage's own."""
     min_pixels, max_pixels = pixel_budget(policy_dir)
     return RolloutConfig(
         max_steps=max_steps,
@@ -147,9 +150,10 @@ def rollout_config(
 
 
 def generator(p: Params, policy: Any, policy_dir: Path) -> Any:
-    """Decision 4: the `policy.backend` generator of `policy` (loaded from `policy_dir`). A vLLM engine
-    takes up to the longest step limit of baseline, train and evaluate in screenshots per prompt (one
-    engine serves them all in a process, generate.py decision 10)."""
+    """Decision "Generator from params": the `policy.backend` generator of `policy` (loaded from
+    `policy_dir`). A vLLM engine takes up to the longest step limit of baseline, train and evaluate in
+    screenshots per prompt (one engine serves them all in a process, generate.py,
+    decision "One vLLM engine")."""
     from arpo_core.policy.generate import make_generator
 
     steps = max(p.baseline.max_steps, p.train.max_steps, p.evaluate.max_steps)

@@ -50,7 +50,9 @@ def run(
         src, out = Path(policy_dir), Path(out_dir)
         if (src / POINTER).exists():
             atomic_write_text(out / POINTER, (src / POINTER).read_text())
-        else:  # a full disk is one line saying what, where and how much (fileio decision 4)
+        else:
+            # a full disk is one line saying what, where and how much (fileio.py,
+            # decision "Clear output errors")
             copy_tree(src, out, f"the base policy (a copy of {src})")
         return {"sft/steps": 0.0}
     from arpo_core.offline.behaviour_cloning import sft

@@ -5,24 +5,24 @@ Each stage module under `arpo_core/pipeline/` ends with its `STAGE = Stage(...)`
 leads from the table to the code and no front door looks anything up by name.
 
 Decisions:
-1. Everything a front door needs is a field: the `run(p, **consts, **inputs, **outputs)` function, the
-   params keys it reads, its inputs and outputs (the keyword arguments of `run`, as paths), extra data it
-   reads, whether it runs envs (then Prefect retries it), whether it reports per-iteration metrics, and
-   the tracking hooks (`headline`, `tracked_params`, `epoch_history`, `model_inputs`, `list_artifacts`)
-   where a stage has them. `dvc.yaml` is generated from the table (`arpo dvc-yaml`; tests/test_dvc.py
-   checks the file equals the generation); no stage name appears in an `if` anywhere.
-2. Code deps are derived, not declared: the import closure of the module defining `run` inside the
-   project (module-level and function-level imports, found with `ast`), so a change to any module a
-   stage imports (e.g. `rewards.py` under rollout) re-runs it, under DVC and under `arpo run` alike.
-   Directories whose every module is in the closure are listed as the directory.
-3. Params keys are the ones the stage's code reads, including cross-section reads (the demos use
-   `baseline.max_steps`; every rollout uses `train.loss.format_penalty`); tests/test_stage.py
-   checks every `p.<section>.<key>` read of a stage module against them. Operational env settings
-   (number of envs, backend, timeouts, torch threads) are left out: they change speed, not results, so
-   changing them re-runs nothing.
-4. Outputs are directories or files that only that stage writes (DVC forbids overlapping outputs):
-   the offline stages write their policy to `models/<method>` and their evaluation to
-   `data/eval_<method>`; `evaluate` writes `data/eval`; `compare` reads all of them.
+- **Stage fields.** Everything a front door needs is a field: the `run(p, **consts, **inputs, **outputs)`
+  function, the params keys it reads, its inputs and outputs (the keyword arguments of `run`, as paths), extra
+  data it reads, whether it runs envs (then Prefect retries it), whether it reports per-iteration metrics, and
+  the tracking hooks (`headline`, `tracked_params`, `epoch_history`, `model_inputs`, `list_artifacts`)
+  where a stage has them. `dvc.yaml` is generated from the table (`arpo dvc-yaml`; tests/test_dvc.py
+  checks the file equals the generation); no stage name appears in an `if` anywhere.
+- **Derived code deps.** Code deps are derived, not declared: the import closure of the module defining `run`
+  inside the project (module-level and function-level imports, found with `ast`), so a change to any module a
+  stage imports (e.g. `rewards.py` under rollout) re-runs it, under DVC and under `arpo run` alike.
+  Directories whose every module is in the closure are listed as the directory.
+- **Read params keys.** Params keys are the ones the stage's code reads, including cross-section reads (the
+  demos use `baseline.max_steps`; every rollout uses `train.loss.format_penalty`); tests/test_stage.py
+  checks every `p.<section>.<key>` read of a stage module against them. Operational env settings
+  (number of envs, backend, timeouts, torch threads) are left out: they change speed, not results, so
+  changing them re-runs nothing.
+- **Exclusive outputs.** Outputs are directories or files that only that stage writes (DVC forbids overlapping
+  outputs): the offline stages write their policy to `models/<method>` and their evaluation to
+  `data/eval_<method>`; `evaluate` writes `data/eval`; `compare` reads all of them.
 """
 
 from __future__ import annotations
@@ -98,8 +98,8 @@ OPERATIONAL = (
     "env.osworld.command_timeout_s",
     "train.distributed",
 )
-"""Keys stages read that change speed or where episodes run, not their results (decision 3): in no
-stage's params, so changing them re-runs nothing."""
+"""Keys stages read that change speed or where episodes run, not their results (decision "Read params keys"):
+in no stage's params, so changing them re-runs nothing."""
 
 
 @dataclass(frozen=True)
@@ -163,7 +163,8 @@ class Stage:
 
     @property
     def deps(self) -> tuple[str, ...]:
-        """Code (decision 2), then data, then inputs: what DVC hashes and the up-to-date check hashes."""
+        """Code (decision "Derived code deps"), then data, then inputs: what DVC hashes and the up-to-date
+        check hashes."""
         return (*code_deps(self.module), *self.data, *self.input_paths)
 
     def kwargs(self, root: Path = Path(".")) -> dict[str, Any]:
@@ -180,7 +181,7 @@ class Stage:
 
 
 # ------------------------------------------------------------------------------------------------
-# Code deps (decision 2)
+# Code deps (decision "Derived code deps")
 
 
 def _module_file(module: str, root: Path) -> Path | None:
@@ -225,7 +226,7 @@ def import_closure(module: str, root: Path = ROOT) -> tuple[str, ...]:
 @cache
 def code_deps(module: str, root: Path = ROOT) -> tuple[str, ...]:
     """`import_closure` of `module` (dotted), each directory whose every module is in it written as the
-    directory (decision 2)."""
+    directory (decision "Derived code deps")."""
     files = set(import_closure(module, root))
     dirs = sorted({str(Path(f).parent) for f in files}, key=lambda d: (d.count("/"), d))
     whole: list[str] = []

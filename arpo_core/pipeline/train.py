@@ -2,35 +2,37 @@
 selected tasks; resumes from its last epoch checkpoint.
 
 Decisions:
-1. The params sections reach the trainer as they are (`train`, `policy`); only the rollout settings are
-   assembled here (rollouts.py `rollout_config`), because they combine sections with the checkpoint's pixel budget.
-2. Per-iteration metrics go to an optional `on_metrics(step, metrics)` hook with a global iteration
-   step (epoch-1) * iterations_per_epoch + iteration + 1, computed from the same task list the trainer
-   iterates, so a resumed run continues the series where it stopped.
-3. `epoch_history` and `artifacts` tell the orchestration layer what to log without it knowing the
-   checkpoint layout: one row per completed epoch (from the last checkpoint), and the final policy, the
-   trajectories, the evaluations during training and the last checkpoint.
-4. Learning curves: with `evaluate.during_training = N > 0` the policy being trained is evaluated every
-   N epochs and after the last one, on the in-domain suite's first `during_training_episodes` evaluation
-   instances per task (env seeds `evaluate.seed + k`, the evaluate stage's instances), at
-   `evaluate.temperature`, on the training env pool between epochs. The metrics (`eval/in_domain/...`,
-   per task `eval/task/...`) go into that epoch's history row, so they are checkpointed, survive a
-   resume and reach MLflow at step = epoch; the episodes go to `out_dir/eval/epoch-NNNN.parquet` for
-   paired comparisons (same instances at every evaluation and in every arm of a study). With a suite of
-   pinned instances the evaluation covers the in-domain splits of common.py `evaluation_tasks`: `train` (the instances
-   trained on: the learning curve of the paper's in-domain protocol) and `heldout`.
-5. Buffer preload (trainer decision 14): `train.replay.preload: baseline` reads the baseline stage's
-   rollouts (an input of this stage either way, so the stage graph does not depend on a param) and
-   hands them to the trainer on a fresh start.
-6. The run says where it starts: "resuming from epoch N (checkpoint)" or "starting at epoch 1 (why)";
-   the trainer has already warned, naming the file, about any damaged checkpoint or pointer it skipped
-   (trainer decision 13), so a restart from scratch is never silent.
-7. Data-parallel ranks (distributed.py): under `torchrun` / `deepspeed` every rank runs this function
-   with the same paths; it joins the launcher's process group (`train.distributed`), plays its share
-   of the groups on an env pool of its own (`env.n_envs` split over the ranks), and only rank 0 talks
-   (start line, progress, per-iteration metrics, evaluations during training) and writes the final
-   policy. Each rank reports its phase to `<out_dir>/ranks/` (the launcher names a dead rank's last
-   step from it). Without a launcher it is the one-process run, unchanged.
+- **Sections as they are.** The params sections reach the trainer as they are (`train`, `policy`); only the
+  rollout settings are assembled here (rollouts.py `rollout_config`), because they combine sections with the
+  checkpoint's pixel budget.
+- **Global iteration step.** Per-iteration metrics go to an optional `on_metrics(step, metrics)` hook with a
+  global iteration step (epoch-1) * iterations_per_epoch + iteration + 1, computed from the same task list the
+  trainer iterates, so a resumed run continues the series where it stopped.
+- **Logging hooks.** `epoch_history` and `artifacts` tell the orchestration layer what to log without it
+  knowing the checkpoint layout: one row per completed epoch (from the last checkpoint), and the final policy,
+  the trajectories, the evaluations during training and the last checkpoint.
+- **Learning curves.** Learning curves: with `evaluate.during_training = N > 0` the policy being trained is
+  evaluated every N epochs and after the last one, on the in-domain suite's first `during_training_episodes`
+  evaluation instances per task (env seeds `evaluate.seed + k`, the evaluate stage's instances), at
+  `evaluate.temperature`, on the training env pool between epochs. The metrics (`eval/in_domain/...`,
+  per task `eval/task/...`) go into that epoch's history row, so they are checkpointed, survive a
+  resume and reach MLflow at step = epoch; the episodes go to `out_dir/eval/epoch-NNNN.parquet` for
+  paired comparisons (same instances at every evaluation and in every arm of a study). With a suite of
+  pinned instances the evaluation covers the in-domain splits of common.py `evaluation_tasks`: `train` (the
+  instances trained on: the learning curve of the paper's in-domain protocol) and `heldout`.
+- **Buffer preload.** Buffer preload (trainer.py, decision "Buffer preload"): `train.replay.preload: baseline`
+  reads the baseline stage's rollouts (an input of this stage either way, so the stage graph does not depend
+  on a param) and hands them to the trainer on a fresh start.
+- **Start message.** The run says where it starts: "resuming from epoch N (checkpoint)" or
+  "starting at epoch 1 (why)"; the trainer has already warned, naming the file, about any damaged checkpoint
+  or pointer it skipped (trainer.py, decision "Checkpoint integrity"), so a restart from scratch is never
+  silent.
+- **Ranks in the stage.** Data-parallel ranks (distributed.py): under `torchrun` / `deepspeed` every rank runs
+  this function with the same paths; it joins the launcher's process group (`train.distributed`), plays its
+  share of the groups on an env pool of its own (`env.n_envs` split over the ranks), and only rank 0 talks
+  (start line, progress, per-iteration metrics, evaluations during training) and writes the final policy. Each
+  rank reports its phase to `<out_dir>/ranks/` (the launcher names a dead rank's last step from it). Without a
+  launcher it is the one-process run, unchanged.
 """
 
 from __future__ import annotations
@@ -55,7 +57,8 @@ __all__ = ["STAGE", "artifacts", "epoch_history", "headline", "run", "tracked_pa
 def _evaluator(
     p: Params, pool: Any, policy_dir: Path, out_dir: Path, trained: list[TaskSpec]
 ) -> Callable[[int, Any], dict[str, Any] | None] | None:
-    """Decision 4: the on_epoch hook that evaluates during training, or None when it is off."""
+    """Decision "Learning curves": the on_epoch hook that evaluates during training, or None when it is
+    off."""
     e = p.evaluate
     if not e.during_training:
         return None
@@ -113,7 +116,8 @@ def run(
     resume: bool = True,
 ) -> dict[str, Any]:
     """Train; the final policy to `out_dir/policy`, checkpoints to `out_dir/checkpoints`. With
-    `train.replay.preload: baseline` the buffer starts with `baseline_dir`'s successes (decision 5)."""
+    `train.replay.preload: baseline` the buffer starts with `baseline_dir`'s successes
+    (decision "Buffer preload")."""
     from arpo_core.algorithm.distributed import Ranks
     from arpo_core.algorithm.trainer import latest_checkpoint, train
     from arpo_core.policy.model import load_policy
@@ -121,17 +125,19 @@ def run(
 
     setup_torch(p)
     d = p.train.distributed
-    ranks = Ranks.from_env(timeout_s=d.timeout_s, backend=d.backend)  # decision 7
+    ranks = Ranks.from_env(timeout_s=d.timeout_s, backend=d.backend)  # decision "Ranks in the stage"
     if not ranks.main:
         on_metrics = on_epoch = None
-    ckpt = latest_checkpoint(out_dir) if resume and ranks.main else None  # verified (trainer 13)
+    ckpt = (
+        latest_checkpoint(out_dir) if resume and ranks.main else None
+    )  # verified (trainer.py, decision "Checkpoint integrity")
     if ranks.main and ckpt is not None:
         done = json.loads((ckpt / "state.json").read_text())["epoch"]
         print(
             f"[train] resuming from epoch {done} ({ckpt}); epochs {done + 1}..{p.train.epochs} to go",
             flush=True,
         )
-    elif ranks.main:  # decision 6: a start from scratch is always said
+    elif ranks.main:  # train.py, decision "Start message": a start from scratch is always said
         why = "resume off" if not resume else f"no usable checkpoint in {Path(out_dir) / 'checkpoints'}"
         print(f"[train] starting at epoch 1 of {p.train.epochs} ({why})", flush=True)
     policy_dir = resolve_policy(policy_dir)
@@ -151,7 +157,9 @@ def run(
             on_metrics((epoch - 1) * per_epoch + it + 1, metrics)
 
     n_envs = min(p.env.n_envs, t.tasks_per_iteration * t.groups_per_task * t.group_size)
-    n_envs = max(1, math.ceil(n_envs / ranks.world))  # decision 7: each rank its part of the envs
+    n_envs = max(
+        1, math.ceil(n_envs / ranks.world)
+    )  # decision "Ranks in the stage": each rank its part of the envs
     if ranks.distributed:
         print(f"[train] rank {ranks.rank} of {ranks.world}: {n_envs} envs on {_device(p, ranks)}", flush=True)
     with make_pool(p, n=n_envs) as pool:
@@ -184,7 +192,8 @@ def run(
     return {
         "train/epochs": float(state.epoch),
         **{k: v for k, v in last.items() if isinstance(v, float)},
-        **pool_faults(pool, "train/env_faults"),  # this process's whole pool, close included (decision 5)
+        # this process's whole pool, close included (rollouts.py, decision "Pool-life faults")
+        **pool_faults(pool, "train/env_faults"),
     }
 
 
@@ -204,14 +213,15 @@ def tracked_params(p: Params) -> dict[str, str]:
 
 
 def headline(p: Params, metrics: dict[str, float]) -> dict[str, float]:
-    """The metric a user compares first (flows/runner.py decision 11): the last epoch's rollout success,
-    as `_rollout_success_rate` (not `_success_rate`: sampled training rollouts, not an evaluation)."""
+    """The metric a user compares first (flows/runner.py, decision "Headline metric first"): the last epoch's
+    rollout success, as `_rollout_success_rate` (not `_success_rate`: sampled training rollouts, not an
+    evaluation)."""
     key = "rollout/success_rate"
     return {"_rollout_success_rate": metrics[key]} if key in metrics else {}
 
 
 def epoch_history(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
-    """Decision 3: one metrics row per completed epoch, from the last checkpoint."""
+    """Decision "Logging hooks": one metrics row per completed epoch, from the last checkpoint."""
     from arpo_core.algorithm.trainer import latest_checkpoint
 
     ckpt = latest_checkpoint(out_dir)
@@ -219,7 +229,7 @@ def epoch_history(out_dir: str | os.PathLike) -> list[dict[str, Any]]:
 
 
 def artifacts(out_dir: str | os.PathLike) -> list[tuple[Path, str]]:
-    """Decision 3: (path, artifact dir) pairs of the run."""
+    """Decision "Logging hooks": (path, artifact dir) pairs of the run."""
     from arpo_core.algorithm.trainer import latest_checkpoint
 
     out = Path(out_dir)

@@ -1,25 +1,26 @@
 """One decode step of Qwen2.5-VL's language model without the transformers call machinery, over a KV
-cache allocated once per generate call (generate.py decision 11).
+cache allocated once per generate call (generate.py, decision "Lean decode steps").
 
 Decisions:
-1. Why: a decode step of the tiny policy is a few dozen small matrix products; through the stock forward
-   (output capturing, mask construction, config lookups, a `DynamicCache` that concatenates the whole
-   cache at every step) it cost 1.8 ms on this machine's CPU, of which the products are under 0.4 ms.
-   Here a step is the same layers' arithmetic called directly: RMSNorm, q/k/v with bias, the module's own
-   rotary embedding with `apply_rotary_pos_emb`'s arithmetic written inline (its `rotate_half`; the
-   cos/sin for every step built once per call), scaled-dot-product attention over the cache with each
-   row's padding masked, o_proj, the gated MLP, final norm and `lm_head` on the one new position.
-2. The cache holds the prompt's keys and values (copied once from the prefill's cache) and room for
-   `max_new_tokens` more; a step writes its key and value at one index and attends over the prefix up
-   to it, so nothing is concatenated. The attention mask is the prompt's padding mask extended with ones,
-   as in the stock loop.
-3. Numbers: the same operations in the same order as the stock layers, so logits agree to float
-   rounding (the stock attention may pick another SDPA path for an unpadded batch);
-   `tests/test_generate.py` holds sampled tokens equal and logits within 1e-5 of the stock forward.
-4. `LeanDecoder.supports(model)` says when this path applies: the stock Qwen2.5-VL text layers with the
-   default rotary type, no sliding window, a SiLU MLP and an SDPA or eager attention implementation on a
-   model that is not being trained or sharded (a ZeRO-3 partitioned weight has `ds_id`). Everything else
-   (another attention kernel, flash-attention on a GPU, a patched model) takes the stock forward.
+- **Why a lean decoder.** Why: a decode step of the tiny policy is a few dozen small matrix products; through
+  the stock forward (output capturing, mask construction, config lookups, a `DynamicCache` that concatenates
+  the whole cache at every step) it cost 1.8 ms on this machine's CPU, of which the products are under 0.4 ms.
+  Here a step is the same layers' arithmetic called directly: RMSNorm, q/k/v with bias, the module's own
+  rotary embedding with `apply_rotary_pos_emb`'s arithmetic written inline (its `rotate_half`; the
+  cos/sin for every step built once per call), scaled-dot-product attention over the cache with each
+  row's padding masked, o_proj, the gated MLP, final norm and `lm_head` on the one new position.
+- **Preallocated cache.** The cache holds the prompt's keys and values (copied once from the prefill's cache)
+  and room for `max_new_tokens` more; a step writes its key and value at one index and attends over the prefix
+  up to it, so nothing is concatenated. The attention mask is the prompt's padding mask extended with ones,
+  as in the stock loop.
+- **Same arithmetic.** Numbers: the same operations in the same order as the stock layers, so logits agree to
+  float rounding (the stock attention may pick another SDPA path for an unpadded batch);
+  `tests/test_generate.py` holds sampled tokens equal and logits within 1e-5 of the stock forward.
+- **Applicability check.** `LeanDecoder.supports(model)` says when this path applies: the stock Qwen2.5-VL
+  text layers with the default rotary type, no sliding window, a SiLU MLP and an SDPA or eager attention
+  implementation on a model that is not being trained or sharded (a ZeRO-3 partitioned weight has `ds_id`).
+  Everything else (another attention kernel, flash-attention on a GPU, a patched model) takes the stock
+  forward.
 """
 
 from __future__ import annotations
@@ -40,11 +41,11 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 class LeanDecoder:
-    """Decode steps for one batch after the stock prefill (decision 1)."""
+    """Decode steps for one batch after the stock prefill (decision "Why a lean decoder")."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
-        """Decision 4."""
+        """Decision "Applicability check"."""
         if type(model) is not qwen.Qwen2_5_VLForConditionalGeneration or model.training:
             return False
         lm = model.model.language_model
@@ -75,7 +76,8 @@ class LeanDecoder:
     ):
         """`cache`: the prefill's cache (one layer per decoder layer, keys/values (B, kv_heads, T, d));
         `attention_mask` (B, T): the prompt's padding mask; `first_positions` (B,): the position of each
-        row's first new token, the same in all three M-RoPE axes (generate.py decision 3)."""
+        row's first new token, the same in all three M-RoPE axes (generate.py,
+        decision "Left padding positions")."""
         lm = model.model.language_model
         self.lm_head = model.lm_head
         self.embed = lm.embed_tokens

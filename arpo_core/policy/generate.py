@@ -1,75 +1,78 @@
 """Batched generation for live episodes: a `Generator` protocol, the HF (torch) backend, and a vLLM backend.
 
 Decisions:
-1. The HF backend runs its own decode loop over `Qwen2_5_VLForConditionalGeneration` with a KV cache
-   instead of `model.generate`, so that (a) sampling uses one private `torch.Generator` per prompt,
-   seeded with that prompt's own seed (`seeds[b]`), and never touches the global RNG: a prompt gives the
-   same reply whatever batch it shares and whatever row it sits in (a one-prompt call with the same
-   seed gives the same reply), so the caller decides reproducibility by choosing the seeds (the rollout
-   derives them from the episode's job and step, rollout.py decision 5); (b) the log-prob of every
-   sampled token is taken from the same raw logits the trainer recomputes.
-2. Behaviour log-probs are log_softmax of the RAW logits (temperature 1, no top-p truncation) at the
-   sampled token: GRPO's old_logps are recomputed by the trainer at temperature 1 (docs/method.md §1), so
-   these are directly comparable with `sequences.sequence_logprobs` (tests hold them within 1e-4 in fp32).
-   Temperature and top-p only shape which token is drawn. temperature == 0 means greedy (argmax).
-3. Left padding with an attention mask; prompt positions are Qwen2.5-VL's 3-D M-RoPE positions from
-   `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given, docs/method.md §7); each new
-   token continues at (last position + 1) in all three axes, which is what the full forward assigns to
-   text after the last image.
-4. A row stops at `<|im_end|>` or `<|endoftext|>` (kept as the last token id and log-prob; finish_reason
-   "stop") or after max_new_tokens ("length"). The text excludes special tokens.
-6. The vision special tokens (`<|image_pad|>`, `<|vision_start|>`, ...; `Policy.vision_token_ids`) are
-   never drawn: a reply containing one would come back as history text and corrupt the next prompt's
-   image-token count (a crash of the whole batch in `get_rope_index`). Like temperature, this only
-   shapes which token is drawn; the recorded log-prob stays the raw one (decision 2). An untrained policy
-   samples them readily; a trained one gives them ~0 probability.
-5. Prompts are encoded by sequences.encode_prompt, the function the trainer uses, so a step's prompt is a
-   token-exact prefix of the trajectory's training sequence.
-7. Sampling settings (temperature, top_p, max_new_tokens) and the prompt settings (system prompt,
-   history window) are required keyword arguments: params.yaml is their one source.
-8. `policy.backend` picks the generator (`make_generator`): `hf` generates with the policy's own model
-   (the trainer's weights, nothing to sync), `vllm` with a vLLM engine colocated in the same process on
-   the same GPU, as TRL's `vllm_mode="colocate"` does: `LLM(..., distributed_executor_backend=
-   "external_launcher")` keeps the engine's model in this process. After every update the trainer calls
-   `sync_weights(model)`, which hands each parameter to the engine model's own `load_weights` (the
-   function vLLM loads checkpoint files with) under its checkpoint name, then clears the prefix cache
-   (its KV entries were computed with the old weights). Two ways to reach the engine's model, tried in
-   order (`load_into_engine`): the engine's model in this process (`IN_PROCESS_PATHS`:
-   `llm.llm_engine.model_executor.driver_worker.model_runner.model`, the path TRL's colocate mode uses
-   with vLLM 0.17-0.25, or the `driver_worker.worker.model_runner.model` one verl's sharding managers
-   use), else
-   `llm.collective_rpc(fn, args=(weights,))`, which runs `fn(worker, weights)` on every worker (engines
-   whose workers live in other processes; tensors are pickled, slower). Under DeepSpeed ZeRO-3 each
-   parameter is gathered on its own while it is handed over (TRL does the same), so the full model is
-   never materialised twice. verl's sharding managers do the same with the FSDP / Megatron weights:
-   `model.load_weights(...)` of the in-process vLLM model before each rollout. Written against vLLM
-   0.33 (the version scripts/setup_gpu.sh installs) from TRL's and verl's code; NOT RUN here (no GPU).
-9. The log-probs vLLM returns are the behaviour policy's as vLLM computes them (bf16 kernels, another
-   attention implementation): they are recorded on the trajectory (`gen_logprob_sum`) and compared with
-   the trainer's recomputation as a diagnostic (`logprob/*` metrics of trainer.py), never used in the
-   loss: GRPO's old log-probs are always the trainer's own (update.py decision 2).
-10. One vLLM engine per process (`make_generator` keeps it): vLLM does not give its GPU memory back
-    reliably, so a second policy of the same architecture (evaluate's base and trained policies, the
-    train stage's evaluations) reuses the engine and only loads its weights.
-11. The HF backend's decode steps after the prefill go through `LeanDecoder` (decode.py): the same
-    layers' arithmetic without the stock forward's per-call machinery, over a KV cache allocated once
-    per call. On this machine's CPU it makes a decode step of the xs policy ~2x cheaper (1.8 -> 0.8 ms at
-    batch 1) with the same tokens (tests/test_generate.py). The prefill (images, M-RoPE positions)
-    stays the stock forward. `lean_decode = False`, or a model the lean path does not cover
-    (`LeanDecoder.supports`: training mode, ZeRO-3 shards, another attention kernel or rotary type),
-    takes the stock forward for every step.
-12. The prompt head every row of a batch shares (the system prompt and chat markup: 79 of the 145 tokens
-    of a compact MiniWoB prompt) goes through the language model once per call, not once per row
-    (`shared_prefix_len`, `share_prefix`): the batch is laid out as [shared head | left padding | each
-    row's rest], the head's keys and values are computed for one row and copied to all, and the rest
-    (images included) is the stock forward over that cache. Padding in the middle is masked like
-    padding on the left, and the M-RoPE positions come from `get_rope_index` over each row's unmasked
-    tokens as before, so every row sees exactly its own prompt at its own positions; logits agree with
-    the unshared prefill to float rounding (tests/test_generate.py). It applies where the lean decoder
-    does (decision 11: stock layers, SDPA or eager attention) to calls of 2 or more prompts sharing at
-    least `MIN_SHARED_PREFIX` tokens. On this machine it made the batch-8 prefill 1.10-1.12x and the
-    whole batched call 1.015-1.054x faster (A/B in three runs, benchmarks/results/generation.json,
-    `unshared_head`). With one prompt there is nothing to share.
+- **Own decode loop.** The HF backend runs its own decode loop over `Qwen2_5_VLForConditionalGeneration` with
+  a KV cache instead of `model.generate`, so that (a) sampling uses one private `torch.Generator` per prompt,
+  seeded with that prompt's own seed (`seeds[b]`), and never touches the global RNG: a prompt gives the
+  same reply whatever batch it shares and whatever row it sits in (a one-prompt call with the same
+  seed gives the same reply), so the caller decides reproducibility by choosing the seeds (the rollout
+  derives them from the episode's job and step, rollout.py, decision "Per-step sampling seeds"); (b) the
+  log-prob of every sampled token is taken from the same raw logits the trainer recomputes.
+- **Raw-logit log-probs.** Behaviour log-probs are log_softmax of the RAW logits (temperature 1, no top-p
+  truncation) at the sampled token: GRPO's old_logps are recomputed by the trainer at temperature 1
+  (docs/method.md §1), so these are directly comparable with `sequences.sequence_logprobs` (tests hold them
+  within 1e-4 in fp32). Temperature and top-p only shape which token is drawn. temperature == 0 means greedy
+  (argmax).
+- **Left padding positions.** Left padding with an attention mask; prompt positions are Qwen2.5-VL's 3-D
+  M-RoPE positions from `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given,
+  docs/method.md §7); each new token continues at (last position + 1) in all three axes, which is what the
+  full forward assigns to text after the last image.
+- **Stop tokens.** A row stops at `<|im_end|>` or `<|endoftext|>` (kept as the last token id and log-prob;
+  finish_reason "stop") or after max_new_tokens ("length"). The text excludes special tokens.
+- **Vision tokens banned.** The vision special tokens (`<|image_pad|>`, `<|vision_start|>`, ...;
+  `Policy.vision_token_ids`) are never drawn: a reply containing one would come back as history text and
+  corrupt the next prompt's image-token count (a crash of the whole batch in `get_rope_index`). Like
+  temperature, this only shapes which token is drawn; the recorded log-prob stays the raw one
+  (decision "Raw-logit log-probs"). An untrained policy samples them readily; a trained one gives them ~0
+  probability.
+- **Shared prompt encoding.** Prompts are encoded by sequences.encode_prompt, the function the trainer uses,
+  so a step's prompt is a token-exact prefix of the trajectory's training sequence.
+- **Required sampling settings.** Sampling settings (temperature, top_p, max_new_tokens) and the prompt
+  settings (system prompt, history window) are required keyword arguments: params.yaml is their one source.
+- **Generator backends.** `policy.backend` picks the generator (`make_generator`): `hf` generates with the
+  policy's own model (the trainer's weights, nothing to sync), `vllm` with a vLLM engine colocated in the same
+  process on the same GPU, as TRL's `vllm_mode="colocate"` does: `LLM(..., distributed_executor_backend=
+  "external_launcher")` keeps the engine's model in this process. After every update the trainer calls
+  `sync_weights(model)`, which hands each parameter to the engine model's own `load_weights` (the
+  function vLLM loads checkpoint files with) under its checkpoint name, then clears the prefix cache
+  (its KV entries were computed with the old weights). Two ways to reach the engine's model, tried in
+  order (`load_into_engine`): the engine's model in this process (`IN_PROCESS_PATHS`:
+  `llm.llm_engine.model_executor.driver_worker.model_runner.model`, the path TRL's colocate mode uses
+  with vLLM 0.17-0.25, or the `driver_worker.worker.model_runner.model` one verl's sharding managers
+  use), else
+  `llm.collective_rpc(fn, args=(weights,))`, which runs `fn(worker, weights)` on every worker (engines
+  whose workers live in other processes; tensors are pickled, slower). Under DeepSpeed ZeRO-3 each
+  parameter is gathered on its own while it is handed over (TRL does the same), so the full model is
+  never materialised twice. verl's sharding managers do the same with the FSDP / Megatron weights:
+  `model.load_weights(...)` of the in-process vLLM model before each rollout. Written against vLLM
+  0.33 (the version scripts/setup_gpu.sh installs) from TRL's and verl's code; NOT RUN here (no GPU).
+- **vLLM log-probs.** The log-probs vLLM returns are the behaviour policy's as vLLM computes them (bf16
+  kernels, another attention implementation): they are recorded on the trajectory (`gen_logprob_sum`) and
+  compared with the trainer's recomputation as a diagnostic (`logprob/*` metrics of trainer.py), never used in
+  the loss: GRPO's old log-probs are always the trainer's own (update.py,
+  decision "Recomputed old log-probs").
+- **One vLLM engine.** One vLLM engine per process (`make_generator` keeps it): vLLM does not give its GPU
+  memory back reliably, so a second policy of the same architecture (evaluate's base and trained policies, the
+  train stage's evaluations) reuses the engine and only loads its weights.
+- **Lean decode steps.** The HF backend's decode steps after the prefill go through `LeanDecoder` (decode.py):
+  the same layers' arithmetic without the stock forward's per-call machinery, over a KV cache allocated once
+  per call. On this machine's CPU it makes a decode step of the xs policy ~2x cheaper (1.8 -> 0.8 ms at
+  batch 1) with the same tokens (tests/test_generate.py). The prefill (images, M-RoPE positions)
+  stays the stock forward. `lean_decode = False`, or a model the lean path does not cover
+  (`LeanDecoder.supports`: training mode, ZeRO-3 shards, another attention kernel or rotary type),
+  takes the stock forward for every step.
+- **Shared prompt head.** The prompt head every row of a batch shares (the system prompt and chat markup: 79
+  of the 145 tokens of a compact MiniWoB prompt) goes through the language model once per call, not once per
+  row (`shared_prefix_len`, `share_prefix`): the batch is laid out as [shared head | left padding | each
+  row's rest], the head's keys and values are computed for one row and copied to all, and the rest
+  (images included) is the stock forward over that cache. Padding in the middle is masked like
+  padding on the left, and the M-RoPE positions come from `get_rope_index` over each row's unmasked
+  tokens as before, so every row sees exactly its own prompt at its own positions; logits agree with
+  the unshared prefill to float rounding (tests/test_generate.py). It applies where the lean decoder
+  does (decision "Lean decode steps": stock layers, SDPA or eager attention) to calls of 2 or more prompts
+  sharing at least `MIN_SHARED_PREFIX` tokens. On this machine it made the batch-8 prefill 1.10-1.12x and the
+  whole batched call 1.015-1.054x faster (A/B in three runs, benchmarks/results/generation.json,
+  `unshared_head`). With one prompt there is nothing to share.
 """
 
 from __future__ import annotations
@@ -106,7 +109,7 @@ __all__ = [
 ]
 
 MIN_SHARED_PREFIX = 16
-"""Decision 12: shorter shared heads are not worth a second forward call."""
+"""Decision "Shared prompt head": shorter shared heads are not worth a second forward call."""
 
 
 @dataclass(frozen=True)
@@ -134,8 +137,8 @@ class Generator(Protocol):
         max_new_tokens: int,
         seeds: Sequence[int] | None = None,
     ) -> list[Generation]:
-        """One reply per prompt; prompt b is sampled with `seeds[b]` (decision 1). `seeds` may be None
-        only for greedy decoding (temperature 0)."""
+        """One reply per prompt; prompt b is sampled with `seeds[b]` (decision "Own decode loop"). `seeds` may
+        be None only for greedy decoding (temperature 0)."""
         ...
 
 
@@ -174,9 +177,10 @@ def sample_next(
     banned: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Draw one token per row: logits (B, V) -> ids (B,). temperature 0 = greedy. `banned` token ids
-    are never drawn (decision 6). A sampled row b takes the token where its cumulative distribution first
-    reaches `uniforms[b]` (in (0, 1], drawn from the row's own generator; decision 1): inverse-CDF
-    sampling, one vectorised search for the whole batch instead of one multinomial call per row."""
+    are never drawn (decision "Vision tokens banned"). A sampled row b takes the token where its cumulative
+    distribution first reaches `uniforms[b]` (in (0, 1], drawn from the row's own generator;
+    decision "Own decode loop"): inverse-CDF sampling, one vectorised search for the whole batch instead of
+    one multinomial call per row."""
     if banned is not None and banned.numel():
         logits = logits.index_fill(-1, banned, float("-inf"))
     if temperature == 0.0:
@@ -191,7 +195,8 @@ def sample_next(
 
 
 def shared_prefix_len(seqs: Sequence[EncodedSequence], image_token_id: int) -> int:
-    """How many leading tokens all `seqs` have in common, up to the first image token (decision 12)."""
+    """How many leading tokens all `seqs` have in common, up to the first image token
+    (decision "Shared prompt head")."""
     ids = [s.input_ids for s in seqs]
     n = min(len(x) for x in ids)
     first = ids[0]
@@ -202,12 +207,13 @@ def shared_prefix_len(seqs: Sequence[EncodedSequence], image_token_id: int) -> i
 
 
 class HFGenerator:
-    """Batched generation with the transformers model (decision 1)."""
+    """Batched generation with the transformers model (decision "Own decode loop")."""
 
     lean_decode: bool = True
-    """Decision 11: decode steps through `LeanDecoder` where it supports the model."""
+    """Decision "Lean decode steps": decode steps through `LeanDecoder` where it supports the model."""
     share_prefix: bool = True
-    """Decision 12: the prompt head all rows share goes through the language model once per call."""
+    """Decision "Shared prompt head": the prompt head all rows share goes through the language model once per
+    call."""
 
     def __init__(self, policy: Policy, *, system: str, history_images: int | None):
         self.policy = policy
@@ -215,7 +221,8 @@ class HFGenerator:
         self.history_images = history_images
 
     def banned_ids(self) -> list[int]:
-        """Token ids never drawn (decision 6); a subclass may ban more (the benchmarks ban the stop ids)."""
+        """Token ids never drawn (decision "Vision tokens banned"); a subclass may ban more (the benchmarks
+        ban the stop ids)."""
         return self.policy.vision_token_ids
 
     def use_lean_decoder(self, model: torch.nn.Module) -> bool:
@@ -262,7 +269,8 @@ class HFGenerator:
             encode_prompt(policy, p, system=self.system, history_images=self.history_images) for p in batch
         ]
         head = 0
-        if self.share_prefix and len(seqs) > 1 and self.use_lean_decoder(model):  # decision 12
+        if self.share_prefix and len(seqs) > 1 and self.use_lean_decoder(model):
+            # decision "Shared prompt head"
             head = shared_prefix_len(seqs, policy.image_token_id)
             if head < MIN_SHARED_PREFIX:
                 head = 0
@@ -270,7 +278,8 @@ class HFGenerator:
             device
         )
         B = enc.input_ids.shape[0]
-        uniforms = None  # (B, max_new_tokens) in (0, 1]: row b's draws from its own seed (decision 1)
+        # (B, max_new_tokens) in (0, 1]: row b's draws from its own seed (decision "Own decode loop")
+        uniforms = None
         if temperature > 0:
             gens = [torch.Generator(device=device).manual_seed(s) for s in seeds]
             uniforms = 1.0 - torch.stack(
@@ -279,7 +288,7 @@ class HFGenerator:
         stop_ids = torch.tensor([policy.im_end_id, policy.pad_id], device=device)
         banned = torch.tensor(self.banned_ids(), dtype=torch.long, device=device)
 
-        # Prefill with explicit 3-D positions (decision 3).
+        # Prefill with explicit 3-D positions (decision "Left padding positions").
         if enc.image_grid_thw is not None:
             pos, _ = model.model.get_rope_index(
                 enc.input_ids,
@@ -291,7 +300,7 @@ class HFGenerator:
             pos = (enc.attention_mask.cumsum(-1) - 1).clamp(min=0).unsqueeze(0).expand(3, -1, -1)
         next_pos = pos.amax(dim=(0, 2)) + 1  # (B,)
         cache = None
-        if head:  # decision 12: the head's keys and values once, copied to every row
+        if head:  # decision "Shared prompt head": the head's keys and values once, copied to every row
             cache = model.model.language_model(
                 input_ids=enc.input_ids[:1, :head], position_ids=pos[:, :1, :head], use_cache=True
             ).cache
@@ -328,7 +337,7 @@ class HFGenerator:
             done |= torch.isin(nxt, stop_ids)
             if bool(done.all()):
                 break
-            if lean is not None:  # decision 11
+            if lean is not None:  # decision "Lean decode steps"
                 logits = lean.step(nxt)
             else:
                 attention = torch.cat(
@@ -348,7 +357,7 @@ class HFGenerator:
         stops = {policy.im_end_id, policy.pad_id}
         tokens = torch.stack(drawn, dim=1).tolist()  # (B, steps): one transfer, not one per token
         logps = torch.stack(drawn_lp, dim=1).tolist()
-        for b in range(B):  # a row ends at its first stop token (kept, decision 4)
+        for b in range(B):  # a row ends at its first stop token (kept, decision "Stop tokens")
             end = next((i + 1 for i, tok in enumerate(tokens[b]) if tok in stops), len(tokens[b]))
             tokens[b], logps[b] = tokens[b][:end], logps[b][:end]
         return [
@@ -399,12 +408,12 @@ IN_PROCESS_PATHS = (
         "model",
     ),
 )
-"""Where an in-process vLLM engine keeps its model (decision 8): TRL's colocate path, verl's sharding
-managers' path, and the V1 engine core behind an in-process client."""
+"""Where an in-process vLLM engine keeps its model (decision "Generator backends"): TRL's colocate path,
+verl's sharding managers' path, and the V1 engine core behind an in-process client."""
 
 
 def _in_process_model(llm: Any) -> Any | None:
-    """The engine's model when it lives in this process (decision 8), else None."""
+    """The engine's model when it lives in this process (decision "Generator backends"), else None."""
     for path in IN_PROCESS_PATHS:
         obj = llm
         try:
@@ -418,8 +427,8 @@ def _in_process_model(llm: Any) -> Any | None:
 
 
 def load_into_engine(llm: Any, weights: list[tuple[str, torch.Tensor]]) -> str:
-    """Hand (checkpoint name, tensor) pairs to the vLLM engine's model (decision 8); returns the path used:
-    'in_process' or 'collective_rpc'."""
+    """Hand (checkpoint name, tensor) pairs to the vLLM engine's model (decision "Generator backends");
+    returns the path used: 'in_process' or 'collective_rpc'."""
     model = _in_process_model(llm)
     if model is not None:
         model.load_weights(weights)
@@ -434,9 +443,10 @@ def load_into_engine(llm: Any, weights: list[tuple[str, torch.Tensor]]) -> str:
 
 
 class VLLMGenerator:
-    """The same interface on vLLM, for GPU machines, colocated with the trainer (decisions 8-10).
-    UNTESTED against a real vLLM in this project's CI (no GPU, and vLLM has no CPU wheel:
-    docs/method.md §6); tests drive it with a fake engine.
+    """The same interface on vLLM, for GPU machines, colocated with the trainer
+    (decisions "Generator backends", "vLLM log-probs" and "One vLLM engine"). UNTESTED against a real vLLM in
+    this project's CI (no GPU, and vLLM has no CPU wheel: docs/method.md §6); tests drive it with a fake
+    engine.
 
     Install: vLLM pins its own CUDA torch and transformers, so it lives in a separate GPU environment
     (`scripts/setup_gpu.sh`, the `gpu` extra of pyproject.toml), never in the CPU training venv. The
@@ -447,9 +457,9 @@ class VLLMGenerator:
     their sampled token ids; the engine's image processor gets the policy's own pixel budget, so an image
     becomes as many tokens as in the trainer's sequence. `SamplingParams(logprobs=0)` returns the sampled
     token's log-prob, and the engine is built with `logprobs_mode="raw_logprobs"` (log_softmax of the raw
-    logits, before temperature / top-p / logit bias), decision 2's definition; vLLM versions without that
-    argument get their default, which was the raw log-probs. Reply text is decoded by the policy's own
-    tokenizer, as in the HF backend.
+    logits, before temperature / top-p / logit bias), decision "Raw-logit log-probs"'s definition; vLLM
+    versions without that argument get their default, which was the raw log-probs. Reply text is decoded by
+    the policy's own tokenizer, as in the HF backend.
     """
 
     def __init__(
@@ -485,8 +495,9 @@ class VLLMGenerator:
                 "policy.backend=vllm needs vLLM, which is installed in a separate GPU environment "
                 "(scripts/setup_gpu.sh); use policy.backend=hf on CPU"
             ) from e
-        # external_launcher (decision 8) joins this process's torch.distributed world (DeepSpeed's, when
-        # the trainer built its engine first) or starts a one-process world from these variables.
+        # external_launcher (decision "Generator backends") joins this process's torch.distributed world
+        # (DeepSpeed's, when the trainer built its engine first) or starts a one-process world from these
+        # variables.
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(k, v)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
@@ -520,8 +531,8 @@ class VLLMGenerator:
             self._asleep = True
 
     def sync_weights(self, model: torch.nn.Module) -> None:
-        """Load `model`'s current weights into the engine (decision 8). ZeRO-3 shards are gathered one
-        parameter at a time."""
+        """Load `model`'s current weights into the engine (decision "Generator backends"). ZeRO-3 shards are
+        gathered one parameter at a time."""
         if self._asleep:
             self.llm.wake_up()
             self._asleep = False
@@ -586,7 +597,8 @@ class VLLMGenerator:
                 logprobs=0,
                 stop_token_ids=stops,
                 skip_special_tokens=True,
-                logit_bias={i: -100.0 for i in self.policy.vision_token_ids},  # decision 6
+                # decision "Vision tokens banned"
+                logit_bias={i: -100.0 for i in self.policy.vision_token_ids},
             )
             for seed in seeds
         ]
@@ -603,15 +615,17 @@ class VLLMGenerator:
 
 
 _ENGINE: dict[str, Any] = {}
-"""The process's vLLM engine and the config.json text of the model it was built for (decision 10)."""
+"""The process's vLLM engine and the config.json text of the model it was built for
+(decision "One vLLM engine")."""
 
 
 def make_generator(
     policy: Policy, policy_dir: str | os.PathLike, cfg: PolicyConfig, *, max_images: int = 15
 ) -> Generator:
     """The generator of `cfg.backend` (params' `policy` section) for `policy`, loaded from `policy_dir`
-    (decision 8). A vLLM engine already built in this process for a model of the same config is reused
-    (decision 10); either way the engine gets `policy`'s weights before the first reply."""
+    (decision "Generator backends"). A vLLM engine already built in this process for a model of the same
+    config is reused (decision "One vLLM engine"); either way the engine gets `policy`'s weights before the
+    first reply."""
     if cfg.backend == "hf":
         return HFGenerator(policy, system=cfg.system_prompt, history_images=cfg.history_images)
     if cfg.backend != "vllm":

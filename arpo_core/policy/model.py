@@ -2,42 +2,43 @@
 directory (UI-TARS-1.5-7B's layout) or built offline as a tiny model of the same architecture.
 
 Decisions:
-1. One loader for every checkpoint. `load_policy` never goes through `AutoProcessor`: without torchvision
-   the stock `Qwen2_5_VLProcessor` cannot be built (its video processor needs torchvision) and
-   `AutoProcessor` silently returns the bare tokenizer (docs/method.md §6). Instead it assembles
-   `PolicyProcessor` (a `Qwen2_5_VLProcessor` without a video processor) from `AutoTokenizer` and
-   `Qwen2VLImageProcessorPil`, which read `tokenizer.json` and `preprocessor_config.json` of any
-   Qwen2.5-VL checkpoint, stock or tiny.
-2. The tiny model is built fully offline: a byte-level BPE trained locally with `tokenizers` on a corpus
-   generated here (both system prompts, the UI-TARS reply grammar, MiniWoB-style instructions, numbers),
-   with Qwen's pre-tokeniser, so digits are single tokens and a coordinate is a digit sequence exactly
-   as in Qwen/UI-TARS. Qwen's special tokens are appended after the BPE vocabulary, so the chat markup
-   (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`, `<|image_pad|>`, ...) is identical to UI-TARS's.
-3. Sizes trade CPU time for capacity (docs/method.md §6: the vocabulary dominates the cost, so it stays
-   <= 8k). Parameter counts with the default corpus (whose BPE stops at 1,014 merges + 14 specials =
-   1,028 tokens) and tied embeddings: `xs` 741,632 (text h128 x 2 layers, vision h64 x 1),
-   `s` 5,074,816 (h256 x 4, vision h128 x 2), `m` 36,508,928 (h512 x 8, vision h256 x 4);
-   `tests/test_policy_model.py` pins them.
-4. `mrope_section` is derived from the head size (it must sum to head_dim / 2) in the 1:1.5:1.5 ratio of
-   Qwen2.5-VL's [16, 24, 24] for head_dim 128.
-5. The image processor's pixel budget is `size={"shortest_edge": min_pixels, "longest_edge": max_pixels}`
-   (the min/max_pixels call kwargs are deprecated). The tiny default keeps MiniWoB's 160x210 screen at
-   its natural scale (168x224 after smart_resize, 48 visual tokens).
-6. Embeddings are tied for the tiny sizes (the vocabulary is most of a 1M-parameter model); UI-TARS-7B
-   is untied, which `load_policy` simply reads from its config.
-7. The vision patch embedding is a Conv3d whose kernel equals its stride and its input: one matrix
-   product per patch. `Policy` computes it as that product (`LinearPatchEmbed`, the same weight, the same
-   state dict; vLLM does the same for Qwen2.5-VL): on a CPU torch's conv3d is ~20x slower for it (7 ms
-   of a 50 ms prefill of 8 MiniWoB screenshots with the xs policy). A weight partitioned by DeepSpeed
-   ZeRO-3 (`ds_id`) takes the stock path, whose module hooks gather it.
-8. Screenshots become pixel patches through `image_inputs`: the stock `Qwen2VLImageProcessorPil`'s exact
-   steps (smart_resize, PIL bicubic resize, rescale in float64, normalise in float32, patchify with the
-   temporal copy) written as a few array operations, without the stock call's validation and format
-   round trips, and the normalisation is a per-channel table lookup (1.9 ms -> 0.8 ms per 160x210
-   screenshot, most of it PIL's bicubic resize; every prompt of every
-   step re-encodes its screenshots). `tests/test_policy_model.py` checks it equals the stock processor,
-   bit for bit, over sizes that are and are not resized; a processor configured otherwise (no resize,
-   no rescale, another class) takes the stock call.
+- **One loader.** One loader for every checkpoint. `load_policy` never goes through `AutoProcessor`: without
+  torchvision the stock `Qwen2_5_VLProcessor` cannot be built (its video processor needs torchvision) and
+  `AutoProcessor` silently returns the bare tokenizer (docs/method.md §6). Instead it assembles
+  `PolicyProcessor` (a `Qwen2_5_VLProcessor` without a video processor) from `AutoTokenizer` and
+  `Qwen2VLImageProcessorPil`, which read `tokenizer.json` and `preprocessor_config.json` of any
+  Qwen2.5-VL checkpoint, stock or tiny.
+- **Offline tiny model.** The tiny model is built fully offline: a byte-level BPE trained locally with
+  `tokenizers` on a corpus generated here (both system prompts, the UI-TARS reply grammar, MiniWoB-style
+  instructions, numbers), with Qwen's pre-tokeniser, so digits are single tokens and a coordinate is a digit
+  sequence exactly as in Qwen/UI-TARS. Qwen's special tokens are appended after the BPE vocabulary, so the
+  chat markup (`<|im_start|>`, `<|im_end|>`, `<|vision_start|>`, `<|image_pad|>`, ...) is identical to
+  UI-TARS's.
+- **Model sizes.** Sizes trade CPU time for capacity (docs/method.md §6: the vocabulary dominates the cost, so
+  it stays <= 8k). Parameter counts with the default corpus (whose BPE stops at 1,014 merges + 14 specials =
+  1,028 tokens) and tied embeddings: `xs` 741,632 (text h128 x 2 layers, vision h64 x 1),
+  `s` 5,074,816 (h256 x 4, vision h128 x 2), `m` 36,508,928 (h512 x 8, vision h256 x 4);
+  `tests/test_policy_model.py` pins them.
+- **M-RoPE sections.** `mrope_section` is derived from the head size (it must sum to head_dim / 2) in the
+  1:1.5:1.5 ratio of Qwen2.5-VL's [16, 24, 24] for head_dim 128.
+- **Pixel budget.** The image processor's pixel budget is `size={"shortest_edge": min_pixels, "longest_edge":
+  max_pixels}` (the min/max_pixels call kwargs are deprecated). The tiny default keeps MiniWoB's 160x210
+  screen at its natural scale (168x224 after smart_resize, 48 visual tokens).
+- **Tied embeddings.** Embeddings are tied for the tiny sizes (the vocabulary is most of a 1M-parameter
+  model); UI-TARS-7B is untied, which `load_policy` simply reads from its config.
+- **Linear patch embedding.** The vision patch embedding is a Conv3d whose kernel equals its stride and its
+  input: one matrix product per patch. `Policy` computes it as that product (`LinearPatchEmbed`, the same
+  weight, the same state dict; vLLM does the same for Qwen2.5-VL): on a CPU torch's conv3d is ~20x slower for
+  it (7 ms of a 50 ms prefill of 8 MiniWoB screenshots with the xs policy). A weight partitioned by DeepSpeed
+  ZeRO-3 (`ds_id`) takes the stock path, whose module hooks gather it.
+- **Array image inputs.** Screenshots become pixel patches through `image_inputs`: the stock
+  `Qwen2VLImageProcessorPil`'s exact steps (smart_resize, PIL bicubic resize, rescale in float64, normalise in
+  float32, patchify with the temporal copy) written as a few array operations, without the stock call's
+  validation and format round trips, and the normalisation is a per-channel table lookup (1.9 ms -> 0.8 ms per
+  160x210 screenshot, most of it PIL's bicubic resize; every prompt of every
+  step re-encodes its screenshots). `tests/test_policy_model.py` checks it equals the stock processor,
+  bit for bit, over sizes that are and are not resized; a processor configured otherwise (no resize,
+  no rescale, another class) takes the stock call.
 """
 
 from __future__ import annotations
@@ -126,7 +127,7 @@ class PolicyProcessor(Qwen2_5_VLProcessor):
 
 
 class LinearPatchEmbed(Qwen2_5_VisionPatchEmbed):
-    """Qwen2.5-VL's patch embedding as the matrix product it is (decision 7)."""
+    """Qwen2.5-VL's patch embedding as the matrix product it is (decision "Linear patch embedding")."""
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         w = self.proj.weight  # (embed_dim, C, T, P, P)
@@ -143,7 +144,8 @@ def use_linear_patch_embed(model: torch.nn.Module) -> None:
 
 
 def _fast_path_ok(proc) -> bool:
-    """The processor settings `image_inputs` reproduces (decision 8); anything else takes the stock call."""
+    """The processor settings `image_inputs` reproduces (decision "Array image inputs"); anything else takes
+    the stock call."""
     return (
         isinstance(proc, Qwen2VLImageProcessorPil)
         and type(proc).resize is Qwen2VLImageProcessorPil.resize
@@ -157,7 +159,7 @@ def image_inputs(
     proc: Qwen2VLImageProcessorPil, images: Sequence[Image.Image]
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`proc(images=images, return_tensors="pt")`'s (pixel_values (P, C*T*p*p), image_grid_thw (N, 3)),
-    computed directly (decision 8)."""
+    computed directly (decision "Array image inputs")."""
     if not _fast_path_ok(proc):
         out = proc(images=[im.convert("RGB") for im in images], return_tensors="pt")
         return out["pixel_values"], out["image_grid_thw"]
@@ -208,7 +210,7 @@ class Policy:
     size (`model_images`), so what it learns is what the instructions and its own replies alone buy."""
 
     def __post_init__(self) -> None:
-        use_linear_patch_embed(self.model)  # decision 7
+        use_linear_patch_embed(self.model)  # decision "Linear patch embedding"
 
     def model_images(self, images: Sequence[Image.Image]) -> list[Image.Image]:
         """The images the model sees for `images`: themselves, or blank white ones of the same sizes
@@ -246,7 +248,7 @@ class Policy:
     @cached_property
     def vision_token_ids(self) -> list[int]:
         """Ids of the vision special tokens (`<|vision_start|>`, `<|image_pad|>`, ...) this tokenizer has;
-        a reply must never contain one (generate.py decision 6)."""
+        a reply must never contain one (generate.py, decision "Vision tokens banned")."""
         vocab = self.tokenizer.get_vocab()
         names = ("<|vision_start|>", "<|vision_end|>", "<|vision_pad|>", "<|image_pad|>", "<|video_pad|>")
         return sorted(vocab[n] for n in names if n in vocab)
@@ -276,8 +278,8 @@ class Policy:
     def save(self, out_dir: str | Path) -> Path:
         """save_pretrained of model and processor (tokenizer + image processor) into one directory. The
         weights' size is checked against the free space first, and a full disk or an unwritable
-        directory is one `OutputError` saying what, where and how much (fileio decision 4), not
-        safetensors' "Error while serializing"."""
+        directory is one `OutputError` saying what, where and how much (fileio.py,
+        decision "Clear output errors"), not safetensors' "Error while serializing"."""
         out_dir = Path(out_dir)
         tensors = [*self.model.parameters(), *self.model.buffers()]  # parameters(): tied weights once
         needed = sum(t.numel() * t.element_size() for t in tensors)
@@ -573,7 +575,8 @@ def tiny_config(
     `rope_theta` / `mrope` (the (t, h, w) split of head_dim / 2 frequencies; default `mrope_section`)
     override the LM's rotary settings. Qwen2.5-VL gives the (t, h, w) sections contiguous frequency
     bands, highest first, so with theta 1e6 the w band of a 64-wide head turns < 2e-4 rad per image token:
-    no usable horizontal resolution in a 6-token-wide image (arpo_core/offline/grounding.py, decision 6).
+    no usable horizontal resolution in a 6-token-wide image (arpo_core/offline/grounding.py,
+    decision "Rotary frequencies").
     """
     head_dim = size.hidden // size.heads
     section = list(mrope) if mrope is not None else mrope_section(head_dim)

@@ -2,26 +2,26 @@
 Qwen2.5-VL chat turns exactly as UI-TARS-1.5 expects them.
 
 Decisions:
-1. The prompt is a list of `Segment`s (text, image, reply) rather than one string, so that the generator
-   (`generate.py`) and the trainer (`sequences.py`) tokenise exactly the same pieces: a reply is always
-   its own segment (its sampled token ids when known), so the prompt prefix the generator saw is a
-   prefix of the training sequence token for token.
-2. Layout (Qwen chat markup): optional system turn, one user turn holding the task prompt with the
-   instruction, then per step a user turn with the screenshot and an assistant turn with the reply;
-   the current step ends with `<|im_start|>assistant\\n`. This is how UI-TARS-1.5's computer-use agent
-   feeds its history (docs/method.md §1).
-3. History window: only the last `history_images` screenshots (K) are shown as images; older steps keep
-   their reply text only (their user turn is dropped). K = None keeps every screenshot, which the ARPO
-   reference does (all up to 15, docs/method.md §2) and which makes one training sequence reproduce every
-   step's context exactly (see sequences.py).
-4. Two system prompts, selected by name: "uitars" (the full computer-use prompt, in our own words, with
-   the complete action space of arpo_core/actions.py and the `Thought:`/`Action:` format) and "compact"
-   (a few lines: a long prompt costs the tiny CPU model most of its sequence length). The name and K are
-   required arguments of every function that builds a prompt: params' `policy` section is their one
-   source (a default here once silently gave the trainer one prompt and the generator another).
-5. Coordinates in replies are absolute pixels of the model image, i.e. the screenshot after
-   `smart_resize(h, w, factor=28, min_pixels, max_pixels)` (docs/method.md §3); `model_image_size` gives
-   that size so that env code can map clicks back to the screen.
+- **Prompt segments.** The prompt is a list of `Segment`s (text, image, reply) rather than one string, so that
+  the generator (`generate.py`) and the trainer (`sequences.py`) tokenise exactly the same pieces: a reply is
+  always its own segment (its sampled token ids when known), so the prompt prefix the generator saw is a
+  prefix of the training sequence token for token.
+- **Chat layout.** Layout (Qwen chat markup): optional system turn, one user turn holding the task prompt with
+  the instruction, then per step a user turn with the screenshot and an assistant turn with the reply;
+  the current step ends with `<|im_start|>assistant\\n`. This is how UI-TARS-1.5's computer-use agent
+  feeds its history (docs/method.md §1).
+- **History window.** History window: only the last `history_images` screenshots (K) are shown as images;
+  older steps keep their reply text only (their user turn is dropped). K = None keeps every screenshot, which
+  the ARPO reference does (all up to 15, docs/method.md §2) and which makes one training sequence reproduce
+  every step's context exactly (see sequences.py).
+- **Two system prompts.** Two system prompts, selected by name: "uitars" (the full computer-use prompt, in our
+  own words, with the complete action space of arpo_core/actions.py and the `Thought:`/`Action:` format) and
+  "compact" (a few lines: a long prompt costs the tiny CPU model most of its sequence length). The name and K
+  are required arguments of every function that builds a prompt: params' `policy` section is their one
+  source (a default here once silently gave the trainer one prompt and the generator another).
+- **Model-image coordinates.** Coordinates in replies are absolute pixels of the model image, i.e. the
+  screenshot after `smart_resize(h, w, factor=28, min_pixels, max_pixels)` (docs/method.md §3);
+  `model_image_size` gives that size so that env code can map clicks back to the screen.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def build_segments(
     history_images: int | None,
 ) -> list[Segment]:
     """Chat layout for `n_screens` screenshots and their replies, with system prompt `system` (a key of
-    `SYSTEM_PROMPTS`) and the last `history_images` screenshots as images (decision 3).
+    `SYSTEM_PROMPTS`) and the last `history_images` screenshots as images (decision "History window").
 
     With `len(replies) == n_screens - 1` the result is a generation prompt ending in
     `<|im_start|>assistant\\n`; with `len(replies) == n_screens` it is a whole trajectory (for training)

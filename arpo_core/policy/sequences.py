@@ -1,36 +1,38 @@
 """Prompts and trajectories -> token sequences with image inputs; per-token log-probs in one padded forward.
 
 Decisions:
-1. One multi-turn trajectory is ONE sequence (docs/method.md §1): system + instruction, then screenshot,
-   reply, screenshot, reply... The assistant mask covers each reply's tokens and its `<|im_end|>`, nothing
-   else (not the chat markup, not the images), and only the replies of steps with `train_reply` set: a
-   step with `train_reply = False` (a recovery demo's deliberate miss, arpo_core/offline/demonstrations.py) stays in the
-   sequence as context - the later replies are conditioned on it - but is never a target, neither for
-   behaviour cloning nor for a policy-gradient loss. Rollout steps always have it set.
-2. Generation prompts and training sequences are encoded by the same function from the same segments
-   (prompt.py), so a generated step's prompt is token for token a prefix of the trajectory's sequence.
-   A reply with known `response_token_ids` (sampled) is used verbatim; otherwise its text is tokenised
-   and `<|im_end|>` appended. A sampled reply cut at max_new_tokens gets `<|im_end|>` appended to close
-   the turn, but that token is outside the mask: it was never sampled, so it has no behaviour log-prob.
-3. History window K (`history_images`): None = every screenshot, which the ARPO reference uses (all, up
-   to 15) and under which one sequence reproduces every step's context exactly. With K < n steps one
-   sequence cannot: step t saw the screenshots t-K+1..t, a sequence of the whole episode holds the last
-   K, so with K = 1 every earlier reply would be scored and trained with no screenshot at all (an
-   image-blind update of the clicks that were chosen looking at one). `encode_trajectory_windows` then
-   encodes the episode as n - K + 1 sequences: the first ends at step K-1 (its replies all have their
-   exact context), each later one ends at step t and trains only reply t, the earlier replies being
-   context; so every trained reply is scored in the context it was generated in, token for token the
-   generation prompt plus the reply. The cost is one forward per window instead of one per episode.
-   The loss treats a trajectory's windows as that trajectory (update.py decision 8; behaviour_cloning.py
-   decision 1 needs nothing: a token-mean over windows is the token-mean over the trajectory).
-4. `mm_token_type_ids = (input_ids == image_token_id)` goes into every hand-built forward: transformers
-   5.x builds Qwen2.5-VL's 3-D (t, h, w) M-RoPE positions only when it is given; without it training
-   silently uses 1-D positions while generation uses 3-D ones (docs/method.md §7).
-5. Training batches are right-padded, generation batches left-padded; both carry an attention mask and
-   the positions are computed per row over its unpadded tokens, so padding changes nothing.
-6. Log-probs are of the raw logits at temperature 1 unless a temperature is given: that is what GRPO's
-   old/new log-probs use (the trainer recomputes old_logps, docs/method.md §1), and what `generate.py`
-   reports as the behaviour log-probs.
+- **One sequence per trajectory.** One multi-turn trajectory is ONE sequence (docs/method.md §1): system +
+  instruction, then screenshot, reply, screenshot, reply... The assistant mask covers each reply's tokens and
+  its `<|im_end|>`, nothing else (not the chat markup, not the images), and only the replies of steps with
+  `train_reply` set: a step with `train_reply = False` (a recovery demo's deliberate miss,
+  arpo_core/offline/demonstrations.py) stays in the sequence as context - the later replies are conditioned on
+  it - but is never a target, neither for behaviour cloning nor for a policy-gradient loss. Rollout steps
+  always have it set.
+- **Shared encoding.** Generation prompts and training sequences are encoded by the same function from the
+  same segments (prompt.py), so a generated step's prompt is token for token a prefix of the trajectory's
+  sequence. A reply with known `response_token_ids` (sampled) is used verbatim; otherwise its text is
+  tokenised and `<|im_end|>` appended. A sampled reply cut at max_new_tokens gets `<|im_end|>` appended to
+  close the turn, but that token is outside the mask: it was never sampled, so it has no behaviour log-prob.
+- **History windows.** History window K (`history_images`): None = every screenshot, which the ARPO reference
+  uses (all, up to 15) and under which one sequence reproduces every step's context exactly. With K < n steps
+  one sequence cannot: step t saw the screenshots t-K+1..t, a sequence of the whole episode holds the last
+  K, so with K = 1 every earlier reply would be scored and trained with no screenshot at all (an
+  image-blind update of the clicks that were chosen looking at one). `encode_trajectory_windows` then
+  encodes the episode as n - K + 1 sequences: the first ends at step K-1 (its replies all have their
+  exact context), each later one ends at step t and trains only reply t, the earlier replies being
+  context; so every trained reply is scored in the context it was generated in, token for token the
+  generation prompt plus the reply. The cost is one forward per window instead of one per episode.
+  The loss treats a trajectory's windows as that trajectory (update.py, decision "Windowed trajectories";
+  behaviour_cloning.py, decision "Token-mean NLL" needs nothing: a token-mean over windows is the token-mean
+  over the trajectory).
+- **M-RoPE token types.** `mm_token_type_ids = (input_ids == image_token_id)` goes into every hand-built
+  forward: transformers 5.x builds Qwen2.5-VL's 3-D (t, h, w) M-RoPE positions only when it is given; without
+  it training silently uses 1-D positions while generation uses 3-D ones (docs/method.md §7).
+- **Padding sides.** Training batches are right-padded, generation batches left-padded; both carry an
+  attention mask and the positions are computed per row over its unpadded tokens, so padding changes nothing.
+- **Raw-logit log-probs.** Log-probs are of the raw logits at temperature 1 unless a temperature is given:
+  that is what GRPO's old/new log-probs use (the trainer recomputes old_logps, docs/method.md §1), and what
+  `generate.py` reports as the behaviour log-probs.
 """
 
 from __future__ import annotations
@@ -74,7 +76,8 @@ class EncodedSequence:
     """(N_images, 3) patch grid (t, h, w) per image."""
     source: int | None = None
     """The trajectory this sequence belongs to, as an index into the list `update.encode_trajectories`
-    was given (a trajectory split into windows, decision 3, has several sequences); None: its own."""
+    was given (a trajectory split into windows, decision "History windows", has several sequences); None: its
+    own."""
 
 
 @dataclass
@@ -103,7 +106,7 @@ class SequenceBatch:
 
 def reply_ids(policy: Policy, reply: Reply) -> tuple[list[int], list[bool]]:
     """A reply's token ids as trained on, its closing `<|im_end|>` included, and which of them are
-    targets (decision 1): sampled ids verbatim, otherwise the tokenised text."""
+    targets (decision "One sequence per trajectory"): sampled ids verbatim, otherwise the tokenised text."""
     im_end = policy.im_end_id
     if reply.token_ids:
         ids = list(reply.token_ids)
@@ -124,7 +127,8 @@ def encode_segments(
     context_replies: Collection[int] = (),
 ) -> EncodedSequence:
     """Tokenise segments; `screenshots[s.step]` is the image of an image segment. The replies of the steps
-    in `context_replies` are tokenised but kept out of the assistant mask (decision 1).
+    in `context_replies` are tokenised but kept out of the assistant mask
+    (decision "One sequence per trajectory").
 
     Each image becomes `grid_h * grid_w / merge**2` copies of `<|image_pad|>` (the image processor's
     smart_resize decides the grid).
@@ -174,9 +178,10 @@ def encode_prompt(
 def encode_trajectory(
     policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
 ) -> EncodedSequence:
-    """A whole trajectory as one sequence (decision 1): every reply is in it, and the assistant mask covers
-    those of the steps with `train_reply` set. Each reply has its exact context only when every
-    screenshot fits the window (K None or n <= K); training encodes with `encode_trajectory_windows`."""
+    """A whole trajectory as one sequence (decision "One sequence per trajectory"): every reply is in it, and
+    the assistant mask covers those of the steps with `train_reply` set. Each reply has its exact context only
+    when every screenshot fits the window (K None or n <= K); training encodes with
+    `encode_trajectory_windows`."""
     replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
     segs = build_segments(
         traj.instruction, len(traj.steps), replies, system=system, history_images=history_images
@@ -189,9 +194,9 @@ def encode_trajectory_windows(
     policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
 ) -> list[EncodedSequence]:
     """The trajectory as training sequences in which every trained reply has the exact context it was
-    generated in (decision 3): one sequence when all its screenshots fit the window (K None or n <= K),
-    otherwise one for steps 0..K-1 and one per later step; windows with no trained reply are left out.
-    Every trained reply is a target in exactly one window."""
+    generated in (decision "History windows"): one sequence when all its screenshots fit the window (K None or
+    n <= K), otherwise one for steps 0..K-1 and one per later step; windows with no trained reply are left
+    out. Every trained reply is a target in exactly one window."""
     n = len(traj.steps)
     if history_images is None or n <= history_images:
         return [encode_trajectory(policy, traj, system=system, history_images=history_images)]
@@ -222,7 +227,7 @@ def collate(
 
     `shared_head` > 0 (left padding only): the first `shared_head` tokens, the same in every row, stay in
     the first columns and the padding goes between them and each row's rest, so one forward of the head
-    serves every row (generate.py decision 12)."""
+    serves every row (generate.py, decision "Shared prompt head")."""
     if padding_side not in ("left", "right"):
         raise ValueError(f"padding_side must be 'left' or 'right', got {padding_side!r}")
     h = shared_head
@@ -262,7 +267,8 @@ def collate(
 
 
 def forward_logits(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
-    """Logits (B, T, V) of a full (no cache) forward, with 3-D M-RoPE positions (decision 4)."""
+    """Logits (B, T, V) of a full (no cache) forward, with 3-D M-RoPE positions
+    (decision "M-RoPE token types")."""
     return model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,

@@ -1,64 +1,64 @@
 """MiniWoB++ in headless Debian Chromium, driven by screen-pixel actions only.
 
 Design decisions:
-1. We subclass miniwob's `SeleniumInstance` (Farama miniwob 1.1.0) and replace only `create_driver`:
-   its hard-coded flags and driver lookup do not work with Debian's packages. We start the real binary
-   `/usr/lib/chromium/chromium` (`/usr/bin/chromium` is a shell wrapper) through an explicit
-   `Service('/usr/bin/chromedriver')` (otherwise Selenium tries to download a driver, and there is no
-   internet), with the flags of docs/method.md §6 and a fresh `--user-data-dir` per browser.
-   `--window-size=500,400`: a smaller window crops the 160x210 task area.
-2. One browser serves any number of tasks: `reset` loads the task page only when the task changes
-   (a page load ~100 ms vs a browser start ~1 s); episodes of the same task reuse the page
-   (`core.endEpisode(0)` + `core.startEpisodeReal()`, exactly what miniwob's own reset does).
-3. The policy sees pixels only: the screenshot of the 160x210 task area (query bar included) and the
-   utterance. Actions are W3C pointer / key / wheel input at coordinates, never DOM clicks, so what
-   the policy does is what a user could do. The DOM (`dom_elements`) exists for the scripted oracles,
-   grounding data and the image-blind ceiling; it is never part of an `Observation`.
-4. MiniWoB's 10 s episode clock (`core.EPISODE_MAX_TIME`) would fail a slow CPU policy on wall-clock
-   time: `episode_time_limit_s` overrides it at every reset (None = effectively no limit;
-   setTimeout takes at most 2^31-1 ms, a larger value would fire at once).
-5. Success = raw reward > 0 (`evaluate`). MiniWoB's `env_reward` is scaled by the wall-clock time
-   spent, so it measures the speed of the machine and of the policy's inference, not correctness; the
-   raw reward is -1 for a wrong answer or a timeout and positive for a right one (a few tasks give
-   partial positive credit, which still means the task was answered acceptably). An episode that
-   MiniWoB has not ended (e.g. the agent answered `finished` before submitting) scores 0.
-6. Coordinates are clamped to the task area, so a wild click lands on the page edge instead of
-   raising "move target out of bounds"; unknown key names are recorded in `info["action_errors"]`
-   (a policy mistake, the episode goes on), while a dead browser is an env fault: `step` returns
-   done with `info["error"]`, and the next `reset` starts a new browser.
-7. Process hygiene: chromedriver and Chromium inherit the caller's process group (the env pool puts
-   each env worker in its own group and kills the group). `close()` quits the driver and then kills
-   whatever is left of the driver's process tree. Chromium's two chrome_crashpad_handler processes
-   leave the tree and the group (they re-parent to init and call setsid) and name neither the env nor
-   its profile; when the browser was killed rather than quit they outlived the run (a worker stopped
-   by a second Ctrl-C left them >20 s). They inherit the environment, so chromedriver starts with
-   `ARPO_BROWSER=<profile dir>` and `close()` also kills every process carrying it (the env pool's
-   reaper does the same by the worker's TMPDIR). An env used without the pool (the ground and
-   compare stages' probes) has a reaper of its own (`_BROWSER_REAPER`, outside the caller's group)
-   that kills what carries the mark once the caller dies without closing it (a second Ctrl-C, a
-   SIGKILL), and exits when the env is closed. `--disable-crashpad-for-testing` would start no
-   handler, but with it chromedriver's page loads time out (Chromium 156, measured).
-8. An episode does not see its predecessor: every reset parks the pointer outside the task area
-   (`PARK_POINT`) before the episode starts. The browser keeps the pointer where the last episode
-   left it, and a hover there (click-tab's tabs) changed ~1000 pixels of the next episode's first
-   screenshot, so which episode had run before on the same env (timing, with several envs) changed
-   what the policy saw (rollout.py decision 5 needs episodes independent of that). Likewise the first
-   episode after a page load differed from later ones (2 pixels of click-tab), so a page load is
-   followed by one throw-away episode.
-9. The text caret is hidden (`caret-color: transparent`, a style added at every reset; a page load drops
-   it). It blinks about 0.5 s on, 0.5 s off, so the screenshot of a focused text field depended on when
-   it was taken: demonstrations collected twice from the same seeds differed in 9 of 1,290 enter-text
-   screenshots, and behaviour cloning on them diverged. Playwright hides the caret in screenshots by
-   default for the same reason. A focused field still shows Chromium's focus ring.
-10. A step costs as few WebDriver round trips as its result needs (each is Python -> chromedriver ->
-    Chromium and back, ~4.3 ms of wall time on an idle machine): after the last action one script
-    (`_STATE_JS`) answers both "is an animation still running" and MiniWoB's metadata, and is repeated
-    only while an animation runs; "did MiniWoB end the episode" is asked between actions only when
-    another action follows. A one-click step is 3 round trips (action, state, screenshot), was 5.
-11. `step_pause_s` (default 0) sleeps after a step's actions before the screenshot, as OSWorld's
-    `DesktopEnv.step(pause=...)` and this project's local desktop (`env.osworld.settle_s`) do. MiniWoB's
-    local pages need no pause; the rollout benchmark uses it to stand in for envs whose step time is
-    waiting (a VM on another host) rather than this machine's CPU (benchmarks/bench_rollout.py).
+- **Debian Chromium driver.** We subclass miniwob's `SeleniumInstance` (Farama miniwob 1.1.0) and replace only
+  `create_driver`: its hard-coded flags and driver lookup do not work with Debian's packages. We start the
+  real binary `/usr/lib/chromium/chromium` (`/usr/bin/chromium` is a shell wrapper) through an explicit
+  `Service('/usr/bin/chromedriver')` (otherwise Selenium tries to download a driver, and there is no
+  internet), with the flags of docs/method.md §6 and a fresh `--user-data-dir` per browser.
+  `--window-size=500,400`: a smaller window crops the 160x210 task area.
+- **Page reuse.** One browser serves any number of tasks: `reset` loads the task page only when the task
+  changes (a page load ~100 ms vs a browser start ~1 s); episodes of the same task reuse the page
+  (`core.endEpisode(0)` + `core.startEpisodeReal()`, exactly what miniwob's own reset does).
+- **Pixels-only policy.** The policy sees pixels only: the screenshot of the 160x210 task area (query bar
+  included) and the utterance. Actions are W3C pointer / key / wheel input at coordinates, never DOM clicks,
+  so what the policy does is what a user could do. The DOM (`dom_elements`) exists for the scripted oracles,
+  grounding data and the image-blind ceiling; it is never part of an `Observation`.
+- **Episode time limit.** MiniWoB's 10 s episode clock (`core.EPISODE_MAX_TIME`) would fail a slow CPU policy
+  on wall-clock time: `episode_time_limit_s` overrides it at every reset (None = effectively no limit;
+  setTimeout takes at most 2^31-1 ms, a larger value would fire at once).
+- **Raw-reward success.** Success = raw reward > 0 (`evaluate`). MiniWoB's `env_reward` is scaled by the
+  wall-clock time spent, so it measures the speed of the machine and of the policy's inference, not
+  correctness; the raw reward is -1 for a wrong answer or a timeout and positive for a right one (a few tasks
+  give partial positive credit, which still means the task was answered acceptably). An episode that
+  MiniWoB has not ended (e.g. the agent answered `finished` before submitting) scores 0.
+- **Clamped coordinates.** Coordinates are clamped to the task area, so a wild click lands on the page edge
+  instead of raising "move target out of bounds"; unknown key names are recorded in `info["action_errors"]`
+  (a policy mistake, the episode goes on), while a dead browser is an env fault: `step` returns
+  done with `info["error"]`, and the next `reset` starts a new browser.
+- **Process hygiene.** Process hygiene: chromedriver and Chromium inherit the caller's process group (the env
+  pool puts each env worker in its own group and kills the group). `close()` quits the driver and then kills
+  whatever is left of the driver's process tree. Chromium's two chrome_crashpad_handler processes
+  leave the tree and the group (they re-parent to init and call setsid) and name neither the env nor
+  its profile; when the browser was killed rather than quit they outlived the run (a worker stopped
+  by a second Ctrl-C left them >20 s). They inherit the environment, so chromedriver starts with
+  `ARPO_BROWSER=<profile dir>` and `close()` also kills every process carrying it (the env pool's
+  reaper does the same by the worker's TMPDIR). An env used without the pool (the ground and
+  compare stages' probes) has a reaper of its own (`_BROWSER_REAPER`, outside the caller's group)
+  that kills what carries the mark once the caller dies without closing it (a second Ctrl-C, a
+  SIGKILL), and exits when the env is closed. `--disable-crashpad-for-testing` would start no
+  handler, but with it chromedriver's page loads time out (Chromium 156, measured).
+- **Parked pointer.** An episode does not see its predecessor: every reset parks the pointer outside the task
+  area (`PARK_POINT`) before the episode starts. The browser keeps the pointer where the last episode
+  left it, and a hover there (click-tab's tabs) changed ~1000 pixels of the next episode's first
+  screenshot, so which episode had run before on the same env (timing, with several envs) changed
+  what the policy saw (rollout.py, decision "Per-step sampling seeds" needs episodes independent of that).
+  Likewise the first episode after a page load differed from later ones (2 pixels of click-tab), so a page
+  load is followed by one throw-away episode.
+- **Hidden caret.** The text caret is hidden (`caret-color: transparent`, a style added at every reset; a page
+  load drops it). It blinks about 0.5 s on, 0.5 s off, so the screenshot of a focused text field depended on
+  when it was taken: demonstrations collected twice from the same seeds differed in 9 of 1,290 enter-text
+  screenshots, and behaviour cloning on them diverged. Playwright hides the caret in screenshots by
+  default for the same reason. A focused field still shows Chromium's focus ring.
+- **Few round trips.** A step costs as few WebDriver round trips as its result needs (each is Python ->
+  chromedriver -> Chromium and back, ~4.3 ms of wall time on an idle machine): after the last action one
+  script (`_STATE_JS`) answers both "is an animation still running" and MiniWoB's metadata, and is repeated
+  only while an animation runs; "did MiniWoB end the episode" is asked between actions only when
+  another action follows. A one-click step is 3 round trips (action, state, screenshot), was 5.
+- **Step pause.** `step_pause_s` (default 0) sleeps after a step's actions before the screenshot, as OSWorld's
+  `DesktopEnv.step(pause=...)` and this project's local desktop (`env.osworld.settle_s`) do. MiniWoB's
+  local pages need no pause; the rollout benchmark uses it to stand in for envs whose step time is
+  waiting (a VM on another host) rather than this machine's CPU (benchmarks/bench_rollout.py).
 """
 
 from __future__ import annotations
@@ -96,7 +96,8 @@ from arpo_core.infra.lock import pid_alive
 
 CHROMIUM_BINARY = "/usr/lib/chromium/chromium"
 BROWSER_MARK = "ARPO_BROWSER"
-"""The environment variable every process of one browser carries: its profile dir (decision 7)."""
+"""The environment variable every process of one browser carries: its profile dir
+(decision "Process hygiene")."""
 CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROMIUM_FLAGS = (
     "--headless=new",
@@ -111,7 +112,8 @@ CHROMIUM_FLAGS = (
     "--window-size=500,400",
 )
 PARK_POINT = (SCREEN_SIZE[0] + 100, 10)
-"""Where each reset leaves the pointer (decision 8): inside the 500x400 window, outside the task area."""
+"""Where each reset leaves the pointer (decision "Parked pointer"): inside the 500x400 window, outside the
+task area."""
 # What a dead browser raises: Selenium errors, or urllib3's when chromedriver itself is gone.
 BROWSER_ERRORS = (WebDriverException, urllib3.exceptions.HTTPError, ConnectionError)
 _MAX_TIMEOUT_MS = 2**31 - 1
@@ -223,13 +225,13 @@ return out;
 """
 
 
-# Decision 10: "does a jQuery animation run" and miniwob's `get_metadata` in one round trip.
+# Decision "Few round trips": "does a jQuery animation run" and miniwob's `get_metadata` in one round trip.
 _STATE_JS = """
 return {busy: !!(window.jQuery && jQuery.timers && jQuery.timers.length),
         meta: {done: WOB_DONE_GLOBAL, env_reward: WOB_REWARD_GLOBAL,
                raw_reward: WOB_RAW_REWARD_GLOBAL, reason: WOB_REWARD_REASON}};
 """
-# Decision 9: no blinking caret in any screenshot (idempotent: the style is added once per page).
+# Decision "Hidden caret": no blinking caret in any screenshot (idempotent: the style is added once per page).
 _NO_CARET_JS = """
 if (!document.getElementById('arpo-no-caret')) {
   var s = document.createElement('style');
@@ -241,7 +243,8 @@ if (!document.getElementById('arpo-no-caret')) {
 
 
 class ChromiumInstance(SeleniumInstance):
-    """miniwob's SeleniumInstance on Debian Chromium (see design decision 1), any task per browser."""
+    """miniwob's SeleniumInstance on Debian Chromium (see design decision "Debian Chromium driver"), any task
+    per browser."""
 
     def __init__(
         self,
@@ -271,7 +274,7 @@ class ChromiumInstance(SeleniumInstance):
             options.add_argument(flag)
         options.add_argument(f"--user-data-dir={self.user_data_dir}")
         service = Service(self.chromedriver, env={**os.environ, BROWSER_MARK: self.user_data_dir})
-        subprocess.Popen(  # decision 7: nothing of the browser outlives its owner
+        subprocess.Popen(  # decision "Process hygiene": nothing of the browser outlives its owner
             [sys.executable, "-S", "-c", _BROWSER_REAPER, str(os.getpid()), BROWSER_MARK, self.user_data_dir],
             stdin=subprocess.DEVNULL,
             start_new_session=True,
@@ -302,8 +305,8 @@ class ChromiumInstance(SeleniumInstance):
         self.inner_width, self.inner_height = self.driver.execute_script(
             "return [window.innerWidth, window.innerHeight];"
         )
-        # Decision 8: the first episode after a page load rendered differently from later ones (2 edge
-        # pixels of click-tab); one throw-away episode makes every real episode a later one.
+        # Decision "Parked pointer": the first episode after a page load rendered differently from later ones
+        # (2 edge pixels of click-tab); one throw-away episode makes every real episode a later one.
         self.begin_task(seed=0)
         self.force_stop()
 
@@ -332,7 +335,8 @@ class ChromiumInstance(SeleniumInstance):
             except Exception:
                 clean = False
             del self.driver
-        if self.user_data_dir:  # decision 7: the crash handlers, outside the tree, carry the mark
+        if self.user_data_dir:
+            # decision "Process hygiene": the crash handlers, outside the tree, carry the mark
             leftovers += pids_with_env(BROWSER_MARK, self.user_data_dir)
         for p in leftovers:
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -344,9 +348,9 @@ class ChromiumInstance(SeleniumInstance):
         return clean
 
 
-# Decision 7: waits while the owner lives and the profile dir exists (close() removes it), then kills
-# every process carrying the mark until three sweeps in a row find none (a browser still starting, a
-# close() cut short) and removes the profile. In its own session, so the signal or group kill that took
+# Decision "Process hygiene": waits while the owner lives and the profile dir exists (close() removes it),
+# then kills every process carrying the mark until three sweeps in a row find none (a browser still starting,
+# a close() cut short) and removes the profile. In its own session, so the signal or group kill that took
 # the owner does not take it.
 _BROWSER_REAPER = (
     "import os, shutil, signal, sys, time\n"
@@ -443,7 +447,8 @@ class MiniWoBEnv:
             drag_steps: intermediate pointer moves of a drag (jQuery UI needs movement to start one).
             settle_timeout_s: after the actions, wait up to this long for jQuery animations to end
                 (accordions, dialogs), so the observation shows where things finally are.
-            step_pause_s: sleep this long after a step's actions, before the screenshot (decision 11).
+            step_pause_s: sleep this long after a step's actions, before the screenshot
+            (decision "Step pause").
         """
         if step_pause_s < 0:
             raise ValueError(f"step_pause_s must be >= 0, got {step_pause_s}")
@@ -489,7 +494,7 @@ class MiniWoBEnv:
         the observation's `faults` (the pool counts it)."""
         if task.backend != "miniwob":
             raise ValueError(f"MiniWoBEnv cannot run backend {task.backend!r}")
-        if task.pinned:  # a pinned instance is its own seed (suites.py decision 3)
+        if task.pinned:  # a pinned instance is its own seed (suites.py, decision "Fixed instances")
             seed = task.seed
         faults: list[str] = []
         for attempt in range(2):
@@ -516,10 +521,11 @@ class MiniWoBEnv:
         inst.force_stop()
         ActionChains(inst.driver).reset_actions()  # release keys/buttons a keydown left pressed
         park = self._chain()
-        park.w3c_actions.pointer_action.move_to_location(*PARK_POINT)  # decision 8: no hover left over
+        # decision "Parked pointer": no hover left over
+        park.w3c_actions.pointer_action.move_to_location(*PARK_POINT)
         park.w3c_actions.perform()
         # Set every episode (a page load resets both), so changing the attribute takes effect at once; the
-        # episode clock and the hidden caret (decision 9) in one round trip to the browser.
+        # episode clock and the hidden caret (decision "Hidden caret") in one round trip to the browser.
         inst.driver.execute_script(
             f"core.EPISODE_MAX_TIME = {episode_limit_ms(self.episode_time_limit_s)};" + _NO_CARET_JS
         )
@@ -627,9 +633,9 @@ class MiniWoBEnv:
                     acted = True
                 except (KeyError, ValueError) as e:
                     info["action_errors"].append(f"{action.kind}: {e}")
-                if i + 1 < len(actions) and self._metadata()["done"]:  # decision 10
+                if i + 1 < len(actions) and self._metadata()["done"]:  # decision "Few round trips"
                     break
-            if acted and self.step_pause_s > 0:  # decision 11
+            if acted and self.step_pause_s > 0:  # decision "Step pause"
                 time.sleep(self.step_pause_s)
             meta = self._settle()
             obs = self._observe()
@@ -653,7 +659,7 @@ class MiniWoBEnv:
 
     def _settle(self) -> dict[str, Any]:
         """Wait (at most settle_timeout_s) until no jQuery animation runs, so the screenshot is final;
-        MiniWoB's metadata as of the last check (decision 10)."""
+        MiniWoB's metadata as of the last check (decision "Few round trips")."""
         assert self.instance is not None
         deadline = time.monotonic() + self.settle_timeout_s
         state = self.instance.driver.execute_script(_STATE_JS)
@@ -663,7 +669,8 @@ class MiniWoBEnv:
         return state["meta"]
 
     def evaluate(self) -> float:
-        """1.0 when MiniWoB ended the episode with a positive raw reward, else 0.0 (decision 5)."""
+        """1.0 when MiniWoB ended the episode with a positive raw reward, else 0.0
+        (decision "Raw-reward success")."""
         return 1.0 if self._raw_reward is not None and self._raw_reward > 0 else 0.0
 
     def _blank(self) -> Observation:

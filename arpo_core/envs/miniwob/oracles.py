@@ -4,30 +4,31 @@ They produce the demonstrations that bootstrap the embedded base policy (docs/de
 the grounding targets; they are never part of what the policy sees.
 
 Design decisions:
-1. An oracle is a pure function of (utterance, current DOM) -> the next reply. No hidden memory:
-   progress in multi-step tasks is read back from the page (field values, focus, checked states), so
-   the same function replays any prefix of an episode, and a demo generator only needs
-   reset -> (oracle_reply -> parse -> to_screen -> step)*.
-2. Only screen-level actions: coordinate clicks, typing into the focused element, keys. Never DOM
-   clicks: a demo must be something the pixel policy can imitate.
-3. One reply per step, normally with one action, like the reference agent's typical turns, e.g.
-   enter-text = click field / type / click Submit. The only two-action reply (`hotkey ctrl a` then
-   `type`) replaces wrong text in a field, which a stateless oracle could not split across steps.
-   Waiting for something that appears late (autocomplete suggestions) is an explicit `wait()`.
-4. Coordinates are written in the frame of the image the model sees: the screenshot after Qwen2.5-VL's
-   `smart_resize` (160x210 -> 168x224 with min_pixels = 3136), via `arpo_core.actions.to_model`, and
-   the reply is written with `format_response`, so it parses with `parse_response`.
-5. Click points are the centre of the target's box unless something drawn later overlaps it
-   (click-test-2 / click-button-sequence place two buttons at random): then the point of the box
-   farthest from the overlapping boxes is used.
-6. Deliberate misses for recovery demonstrations (arpo_core/offline/demonstrations.py): `miss_step` keeps the oracle's
-   Thought for the current state and replaces its click by a click on empty space, so the reply reads
-   like a first attempt whose grounding was off. Empty space (`empty_points`) is a point of the task
-   area below the query bar that lies, with a margin, outside the box of every visible DOM element but
-   the page frame (<body>, #wrap, #area): no handler of an in-domain task listens there, so MiniWoB does
-   not end the episode and the page does not change (tests/test_demos.py plays it on every task). The
-   point is drawn by the caller's seeded RNG among those grid points; when the current step is not a
-   click, or no empty point exists, there is no miss (None).
+- **Stateless oracles.** An oracle is a pure function of (utterance, current DOM) -> the next reply. No hidden
+  memory: progress in multi-step tasks is read back from the page (field values, focus, checked states), so
+  the same function replays any prefix of an episode, and a demo generator only needs
+  reset -> (oracle_reply -> parse -> to_screen -> step)*.
+- **Screen-level actions.** Only screen-level actions: coordinate clicks, typing into the focused element,
+  keys. Never DOM clicks: a demo must be something the pixel policy can imitate.
+- **One reply per step.** One reply per step, normally with one action, like the reference agent's typical
+  turns, e.g. enter-text = click field / type / click Submit. The only two-action reply (`hotkey ctrl a` then
+  `type`) replaces wrong text in a field, which a stateless oracle could not split across steps.
+  Waiting for something that appears late (autocomplete suggestions) is an explicit `wait()`.
+- **Model-image coordinates.** Coordinates are written in the frame of the image the model sees: the
+  screenshot after Qwen2.5-VL's `smart_resize` (160x210 -> 168x224 with min_pixels = 3136), via
+  `arpo_core.actions.to_model`, and the reply is written with `format_response`, so it parses with
+  `parse_response`.
+- **Unoccluded click points.** Click points are the centre of the target's box unless something drawn later
+  overlaps it (click-test-2 / click-button-sequence place two buttons at random): then the point of the box
+  farthest from the overlapping boxes is used.
+- **Deliberate misses.** Deliberate misses for recovery demonstrations (arpo_core/offline/demonstrations.py):
+  `miss_step` keeps the oracle's Thought for the current state and replaces its click by a click on empty
+  space, so the reply reads like a first attempt whose grounding was off. Empty space (`empty_points`) is a
+  point of the task area below the query bar that lies, with a margin, outside the box of every visible DOM
+  element but the page frame (<body>, #wrap, #area): no handler of an in-domain task listens there, so MiniWoB
+  does not end the episode and the page does not change (tests/test_demos.py plays it on every task). The
+  point is drawn by the caller's seeded RNG among those grid points; when the current step is not a
+  click, or no empty point exists, there is no miss (None).
 """
 
 from __future__ import annotations
@@ -163,7 +164,8 @@ def empty_points(
     margin: float = 3.0,
     grid: float = 2.0,
 ) -> list[tuple[float, float]]:
-    """Points of the task area that lie on no DOM element (decision 6), on a `grid`-px lattice.
+    """Points of the task area that lie on no DOM element (decision "Deliberate misses"), on a `grid`-px
+    lattice.
 
     The task area is the screen below the query bar (#query; the whole screen without one); a point is
     empty when it is at least `margin` px inside the screen and at least `margin` px away from the box of
@@ -462,9 +464,9 @@ def oracle_step(task_id: str, utterance: str, dom: list[DomElement]) -> OracleSt
 
 
 def miss_step(task_id: str, utterance: str, dom: list[DomElement], rng: random.Random) -> OracleStep | None:
-    """A deliberate miss (decision 6): the oracle's Thought for this state with its click moved to an
-    empty point drawn by `rng`; None without an oracle, when the oracle's next action is not a single
-    click, or when no empty point exists."""
+    """A deliberate miss (decision "Deliberate misses"): the oracle's Thought for this state with its click
+    moved to an empty point drawn by `rng`; None without an oracle, when the oracle's next action is not a
+    single click, or when no empty point exists."""
     step = oracle_step(task_id, utterance, dom)
     if step is None:
         return None
@@ -483,7 +485,8 @@ def render_reply(
     min_pixels: int = MODEL_MIN_PIXELS,
     max_pixels: int = MODEL_MAX_PIXELS,
 ) -> str:
-    """An oracle step (screen pixels) as a UI-TARS reply in model-image pixels (decision 4)."""
+    """An oracle step (screen pixels) as a UI-TARS reply in model-image pixels
+    (decision "Model-image coordinates")."""
     thought, actions = step
     size = model_size(screen_size, min_pixels, max_pixels)
 
@@ -502,6 +505,7 @@ def oracle_reply(
     min_pixels: int = MODEL_MIN_PIXELS,
     max_pixels: int = MODEL_MAX_PIXELS,
 ) -> str | None:
-    """The oracle's UI-TARS reply with coordinates in model-image pixels (decision 4)."""
+    """The oracle's UI-TARS reply with coordinates in model-image pixels
+    (decision "Model-image coordinates")."""
     step = oracle_step(task_id, utterance, dom)
     return None if step is None else render_reply(step, screen_size, min_pixels, max_pixels)

@@ -12,24 +12,24 @@ SECURITY: like the desktop server, the bridge controls machines that execute arb
 to 127.0.0.1 and refuses requests without its token. Use it on disposable machines / VMs.
 
 Design decisions:
-1. Two halves in one file: the server half imports only the standard library at module level (it runs
-   under the desktop-env venv's interpreter, where arpo_core's dependencies are absent); the client half
-   imports arpo_core lazily inside its methods. The file is started by path (`python <this file> serve`),
-   never imported in the other venv.
-2. Protocol (JSON): POST /reset {"task": <OSWorld task dict>} -> observation; POST /step {"action":
-   "<pyautogui code | DONE | FAIL | WAIT>", "pause": s} -> observation + done; POST /evaluate -> {"score"};
-   POST /close. Observations carry the screenshot as base64 PNG. Actions are exactly what
-   `actions.to_pyautogui` produces, sent one by one into `DesktopEnv.step` (the official client adds its
-   own `import pyautogui; import pyperclip; ...` prefix), so action history, FAIL/DONE handling and the
-   infeasible rule are the official ones.
-3. A custom provider `arpo_url` points the official client at an already-running OSWorld-protocol server
-   given by URL and token (the project's own local desktop, or a VM started elsewhere): its
-   `get_ip_address` returns `host:port:...`, and the bridge process adds the token as a Bearer header
-   to every `requests` call to that URL (`_send_token_to`). DesktopEnv hard-codes its provider names,
-   so the bridge swaps its provider factory for this one; snapshot revert is a no-op there (the local
-   desktop is made fresh by restarting it instead).
-4. Scores pass through `rewards.score_or_error` on the client: a bridge or evaluator failure scores 0,
-   and a dead bridge makes the step a fatal env fault so the pool restarts the worker.
+- **Two halves.** Two halves in one file: the server half imports only the standard library at module level
+  (it runs under the desktop-env venv's interpreter, where arpo_core's dependencies are absent); the client
+  half imports arpo_core lazily inside its methods. The file is started by path (`python <this file> serve`),
+  never imported in the other venv.
+- **JSON protocol.** Protocol (JSON): POST /reset {"task": <OSWorld task dict>} -> observation; POST /step
+  {"action": "<pyautogui code | DONE | FAIL | WAIT>", "pause": s} -> observation + done; POST /evaluate ->
+  {"score"}; POST /close. Observations carry the screenshot as base64 PNG. Actions are exactly what
+  `actions.to_pyautogui` produces, sent one by one into `DesktopEnv.step` (the official client adds its
+  own `import pyautogui; import pyperclip; ...` prefix), so action history, FAIL/DONE handling and the
+  infeasible rule are the official ones.
+- **URL provider.** A custom provider `arpo_url` points the official client at an already-running
+  OSWorld-protocol server given by URL and token (the project's own local desktop, or a VM started elsewhere):
+  its `get_ip_address` returns `host:port:...`, and the bridge process adds the token as a Bearer header
+  to every `requests` call to that URL (`_send_token_to`). DesktopEnv hard-codes its provider names,
+  so the bridge swaps its provider factory for this one; snapshot revert is a no-op there (the local
+  desktop is made fresh by restarting it instead).
+- **Client-side scoring.** Scores pass through `rewards.score_or_error` on the client: a bridge or evaluator
+  failure scores 0, and a dead bridge makes the step a fatal env fault so the pool restarts the worker.
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ DEFAULT_VENV = Path.home() / ".cache" / "arpo" / "desktop-env-venv"
 
 
 def _url_provider(url: str) -> tuple[Any, Any]:
-    """(VMManager, Provider) pointing DesktopEnv at a running server (decision 3)."""
+    """(VMManager, Provider) pointing DesktopEnv at a running server (decision "URL provider")."""
     from urllib.parse import urlsplit
 
     from desktop_env.providers.base import Provider, VMManager
@@ -221,7 +221,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     sub = ap.add_subparsers(dest="cmd", required=True)
     s = sub.add_parser("serve")
-    s.add_argument("--provider-name", default="docker", help="official provider, or arpo_url (decision 3)")
+    s.add_argument(
+        "--provider-name", default="docker", help='official provider, or arpo_url (decision "URL provider")'
+    )
     s.add_argument("--url", default="", help="arpo_url: base URL of a running OSWorld-protocol server")
     s.add_argument("--region", default=None)
     s.add_argument("--path-to-vm", default=None)

@@ -4,66 +4,68 @@ SECURITY: this server EXECUTES ARBITRARY COMMANDS ON THE HOST it runs on, as the
 (that is the OSWorld protocol: `/execute` runs whatever it is sent). Run it only on disposable machines or
 in containers. It binds to 127.0.0.1 only and refuses every request without its per-session token, but any
 process of the same user can still read the token from the server's environment, and the X display has
-no access control beyond being local. `sudo` inside the desktop is a shim without privileges (decision 6).
+no access control beyond being local. `sudo` inside the desktop is a shim without privileges
+(decision "Unchanged OSWorld tasks").
 
 Design decisions:
-1. Written from scratch with the standard library (`http.server`), speaking the OSWorld VM server's HTTP
-   protocol (docs/method.md §5): GET /screenshot (PNG, with a drawn cursor like OSWorld's), POST /execute
-   and /setup/execute (`{"command": [...] | "...", "shell": bool}` -> `{status, output, error,
-   returncode}`), /setup/launch, /setup/open_file, /setup/activate_window, /setup/close_window,
-   /setup/upload (multipart `file_path` + `file_data`), POST /file (form `file_path` -> raw bytes),
-   /list_directory (-> `{"directory_tree": ...}`), /screen_size, /run_python, /run_bash_script, GET
-   /platform, /cursor_position, /terminal. /accessibility is answered 501: there is no AT-SPI tree on a
-   bare X desktop.
-2. Authentication: header `Authorization: Bearer <token>`, Basic auth carrying the token (so a client
-   that only takes a host, like the official `desktop-env` controllers, can be given
-   `<token>@127.0.0.1`), or the token as the first path segment (`/t/<token>/screenshot`). Compared in
-   constant time; anything else is 401.
-3. The desktop is Xvfb (free display chosen by Xvfb itself with `-displayfd`, no race) + openbox (EWMH,
-   so xdotool can activate and close windows) + xterm. Ctrl+Alt+T opens a terminal titled "Terminal"
-   (what OSWorld tasks press and then `activate_window` by name); `gnome-terminal` and `x-terminal-
-   emulator` on the desktop's PATH start the same xterm.
-4. Every process the desktop runs dies with it, also one that left the desktop's process group or
-   session (`setsid`, a double-forking daemon; issue 34 item 7). Three nets, because each alone has a
-   hole: (a) `LocalDesktop` starts the server with `start_new_session=True`, and Xvfb, openbox and every
-   executed or launched command inherit that group, which `stop()` signals (TERM, then KILL); (b) the
-   server is a child subreaper (`PR_SET_CHILD_SUBREAPER`), so a process that detaches is re-parented to
-   the server instead of init and stays in its process tree, which the server kills whole on SIGTERM and
-   when its owner dies (a watchdog polls the parent pid); it reaps the zombies of such adopted processes
-   (never those of its own subprocesses, whose exit codes it reports); (c) every process of the desktop
-   carries the environment marker `ARPO_DESKTOP_SESSION=<random id>`, and `stop()` kills every live
-   process holding it after the server is gone (what (b) cannot reach once the server itself was
-   SIGKILLed). A process that both detaches and clears its environment (`env -i setsid ...`) escapes (c)
-   but not (b) while the server lives. cgroups would be tighter still, but an unprivileged user in a
-   container usually cannot create one, so they are not relied on.
-5. A reset is a fresh desktop: new display, new home directory (with Desktop/ Documents/ Downloads/),
-   no process of the previous episode left. Starting one costs well under a second (Xvfb + openbox), less
-   than reverting a VM snapshot and far more certain than cleaning up an old session.
-6. OSWorld tasks run unchanged where possible: commands run in the home directory with HOME set to it;
-   file paths given to /file, /setup/upload, /setup/open_file and /list_directory under `/home/user` (the
-   OSWorld VM's home) are mapped into the session's home; the desktop's PATH starts with a shim folder
-   holding `python` (this interpreter, which has pyautogui), `sudo` (drops its options, consumes the
-   password line of `-S`, runs the command unprivileged) and the terminal launchers. Commands inside
-   shell strings are not rewritten: a literal `/home/user/...` in a shell command stays as written.
-   Shell commands run under /bin/bash (OSWorld's Ubuntu image runs them under /bin/sh = dash; every
-   POSIX command means the same in both).
-7. /terminal returns the text of the most recently started terminal: each xterm logs its output
-   (`xterm -l`), and the server strips escape sequences. OSWorld reads gnome-terminal's accessibility
-   text instead; both give the commands and their output.
-8. Requests are bounded and checked (issue 18): the file endpoints (/file, /setup/upload,
-   /setup/open_file, /list_directory) resolve their path (symlinks, `..`) and refuse with 403 anything
-   outside the session home; /list_directory never follows links and stops at LIST_MAX_DEPTH levels,
-   LIST_MAX_ENTRIES entries or LIST_MAX_S seconds (400 naming the bound); a body over MAX_BODY_BYTES is
-   refused with 413 unread; malformed JSON, a missing field or a bad value is a 400, never a 500. (The
-   command endpoints still run whatever they are sent: the token is the boundary, as in OSWorld's VM.)
-9. Connections are bounded in time and number (issue 34 item 7). The server is `http.server`, so its
-   own knobs are used: the handler's socket timeout; on top, a whole request (line, headers, body) must
-   arrive within `request_timeout_s` (a client trickling one byte at a time never resets it, unlike a
-   per-read timeout), a connection that sends nothing for `idle_timeout_s` is closed, and a response
-   must be taken within `request_timeout_s` (HTTP/1.0 as before: one request per connection). Requests are served by at most `max_workers` threads
-   (a pool instead of `ThreadingHTTPServer`'s thread per connection): while all are busy the server
-   stops accepting, so further clients wait in the listen backlog instead of each holding a thread.
-   Before, 30 idle connections without a token held 30 threads for as long as they stayed open.
+- **OSWorld server protocol.** Written from scratch with the standard library (`http.server`), speaking the
+  OSWorld VM server's HTTP protocol (docs/method.md §5): GET /screenshot (PNG, with a drawn cursor like
+  OSWorld's), POST /execute and /setup/execute (`{"command": [...] | "...", "shell": bool}` -> `{status,
+  output, error, returncode}`), /setup/launch, /setup/open_file, /setup/activate_window, /setup/close_window,
+  /setup/upload (multipart `file_path` + `file_data`), POST /file (form `file_path` -> raw bytes),
+  /list_directory (-> `{"directory_tree": ...}`), /screen_size, /run_python, /run_bash_script, GET
+  /platform, /cursor_position, /terminal. /accessibility is answered 501: there is no AT-SPI tree on a
+  bare X desktop.
+- **Token authentication.** Authentication: header `Authorization: Bearer <token>`, Basic auth carrying the
+  token (so a client that only takes a host, like the official `desktop-env` controllers, can be given
+  `<token>@127.0.0.1`), or the token as the first path segment (`/t/<token>/screenshot`). Compared in
+  constant time; anything else is 401.
+- **Xvfb desktop.** The desktop is Xvfb (free display chosen by Xvfb itself with `-displayfd`, no race) +
+  openbox (EWMH, so xdotool can activate and close windows) + xterm. Ctrl+Alt+T opens a terminal titled
+  "Terminal" (what OSWorld tasks press and then `activate_window` by name); `gnome-terminal` and `x-terminal-
+  emulator` on the desktop's PATH start the same xterm.
+- **Three cleanup nets.** Every process the desktop runs dies with it, also one that left the desktop's
+  process group or session (`setsid`, a double-forking daemon; issue 34 item 7). Three nets, because each
+  alone has a hole: (a) `LocalDesktop` starts the server with `start_new_session=True`, and Xvfb, openbox and
+  every executed or launched command inherit that group, which `stop()` signals (TERM, then KILL); (b) the
+  server is a child subreaper (`PR_SET_CHILD_SUBREAPER`), so a process that detaches is re-parented to
+  the server instead of init and stays in its process tree, which the server kills whole on SIGTERM and
+  when its owner dies (a watchdog polls the parent pid); it reaps the zombies of such adopted processes
+  (never those of its own subprocesses, whose exit codes it reports); (c) every process of the desktop
+  carries the environment marker `ARPO_DESKTOP_SESSION=<random id>`, and `stop()` kills every live
+  process holding it after the server is gone (what (b) cannot reach once the server itself was
+  SIGKILLed). A process that both detaches and clears its environment (`env -i setsid ...`) escapes (c)
+  but not (b) while the server lives. cgroups would be tighter still, but an unprivileged user in a
+  container usually cannot create one, so they are not relied on.
+- **Fresh desktop per reset.** A reset is a fresh desktop: new display, new home directory (with Desktop/
+  Documents/ Downloads/), no process of the previous episode left. Starting one costs well under a second
+  (Xvfb + openbox), less than reverting a VM snapshot and far more certain than cleaning up an old session.
+- **Unchanged OSWorld tasks.** OSWorld tasks run unchanged where possible: commands run in the home directory
+  with HOME set to it; file paths given to /file, /setup/upload, /setup/open_file and /list_directory under
+  `/home/user` (the OSWorld VM's home) are mapped into the session's home; the desktop's PATH starts with a
+  shim folder holding `python` (this interpreter, which has pyautogui), `sudo` (drops its options, consumes
+  the password line of `-S`, runs the command unprivileged) and the terminal launchers. Commands inside
+  shell strings are not rewritten: a literal `/home/user/...` in a shell command stays as written.
+  Shell commands run under /bin/bash (OSWorld's Ubuntu image runs them under /bin/sh = dash; every
+  POSIX command means the same in both).
+- **Terminal text.** /terminal returns the text of the most recently started terminal: each xterm logs its
+  output (`xterm -l`), and the server strips escape sequences. OSWorld reads gnome-terminal's accessibility
+  text instead; both give the commands and their output.
+- **Bounded requests.** Requests are bounded and checked (issue 18): the file endpoints (/file, /setup/upload,
+  /setup/open_file, /list_directory) resolve their path (symlinks, `..`) and refuse with 403 anything
+  outside the session home; /list_directory never follows links and stops at LIST_MAX_DEPTH levels,
+  LIST_MAX_ENTRIES entries or LIST_MAX_S seconds (400 naming the bound); a body over MAX_BODY_BYTES is
+  refused with 413 unread; malformed JSON, a missing field or a bad value is a 400, never a 500. (The
+  command endpoints still run whatever they are sent: the token is the boundary, as in OSWorld's VM.)
+- **Bounded connections.** Connections are bounded in time and number (issue 34 item 7). The server is
+  `http.server`, so its own knobs are used: the handler's socket timeout; on top, a whole request (line,
+  headers, body) must arrive within `request_timeout_s` (a client trickling one byte at a time never resets
+  it, unlike a per-read timeout), a connection that sends nothing for `idle_timeout_s` is closed, and a
+  response must be taken within `request_timeout_s` (HTTP/1.0 as before: one request per connection). Requests
+  are served by at most `max_workers` threads (a pool instead of `ThreadingHTTPServer`'s thread per
+  connection): while all are busy the server stops accepting, so further clients wait in the listen backlog
+  instead of each holding a thread. Before, 30 idle connections without a token held 30 threads for as long as
+  they stayed open.
 """
 
 from __future__ import annotations
@@ -97,11 +99,12 @@ from typing import Any
 
 TOKEN_ENV = "ARPO_DESKTOP_TOKEN"
 MARKER_ENV = "ARPO_DESKTOP_SESSION"
-"""Decision 4 (c): the environment marker every process of one desktop carries."""
+"""Decision "Three cleanup nets" (c): the environment marker every process of one desktop carries."""
 IDLE_TIMEOUT_S = 30.0
 REQUEST_TIMEOUT_S = 120.0
 MAX_WORKERS = 16
-"""Decision 9: idle keep-alive timeout, the time a whole request (or a response) may take, threads."""
+"""Decision "Bounded connections": idle keep-alive timeout, the time a whole request (or a response) may take,
+threads."""
 OSWORLD_HOME = "/home/user"
 """The home directory of OSWorld's VM user; paths under it are mapped into the session home."""
 TERMINAL_TITLE = "Terminal"
@@ -221,7 +224,8 @@ def _stat(pid: int | str) -> list[str] | None:
 
 
 def marked_pids(marker: str) -> list[int]:
-    """Decision 4 (c): live processes (of this user) whose environment holds MARKER_ENV=marker."""
+    """Decision "Three cleanup nets" (c): live processes (of this user) whose environment holds
+    MARKER_ENV=marker."""
     needle = f"{MARKER_ENV}={marker}".encode()
     out = []
     for entry in os.listdir("/proc"):
@@ -239,7 +243,8 @@ def marked_pids(marker: str) -> list[int]:
 
 
 def descendants(root: int) -> list[int]:
-    """Decision 4 (b): live processes below `root` in the process tree (children, theirs, ...)."""
+    """Decision "Three cleanup nets" (b): live processes below `root` in the process tree (children, theirs,
+    ...)."""
     children: dict[int, list[int]] = {}
     for entry in os.listdir("/proc"):
         if entry.isdigit():
@@ -256,8 +261,8 @@ def descendants(root: int) -> list[int]:
 
 def kill_desktop_processes(marker: str, root: int | None = None, rounds: int = 20) -> int:
     """SIGKILL every process of the desktop: those carrying its marker and, with `root`, every
-    descendant of `root` (decision 4); again until none is left (a process may fork while it is being
-    killed). Never this process. Returns how many were signalled."""
+    descendant of `root` (decision "Three cleanup nets"); again until none is left (a process may fork while
+    it is being killed). Never this process. Returns how many were signalled."""
     me, killed = os.getpid(), 0
     for _ in range(rounds):
         pids = set(marked_pids(marker)) if marker else set()
@@ -275,7 +280,8 @@ def kill_desktop_processes(marker: str, root: int | None = None, rounds: int = 2
 
 
 def become_subreaper() -> bool:
-    """Decision 4 (b): PR_SET_CHILD_SUBREAPER for this process (Linux); False where unavailable."""
+    """Decision "Three cleanup nets" (b): PR_SET_CHILD_SUBREAPER for this process (Linux); False where
+    unavailable."""
     try:
         import ctypes
 
@@ -385,8 +391,8 @@ class Session:
         self._xdisplay: Any = None
         self.procs: list[subprocess.Popen] = []
         self._own: set[int] = set()
-        """Pids of the subprocesses this server started itself (decision 4 (b): never reaped by
-        `reap_adopted`, their Popen waits for them)."""
+        """Pids of the subprocesses this server started itself (decision "Three cleanup nets" (b): never
+        reaped by `reap_adopted`, their Popen waits for them)."""
         self._own_lock = threading.Lock()
 
     def popen(self, *args: Any, **kwargs: Any) -> subprocess.Popen:
@@ -397,8 +403,8 @@ class Session:
         return proc
 
     def reap_adopted(self) -> int:
-        """Decision 4 (b): wait for the zombies of processes re-parented to this subreaper (not its own
-        subprocesses); returns how many."""
+        """Decision "Three cleanup nets" (b): wait for the zombies of processes re-parented to this subreaper
+        (not its own subprocesses); returns how many."""
         me, n = os.getpid(), 0
         with self._own_lock:
             self._own = {pid for pid in self._own if _stat(pid) is not None}
@@ -536,7 +542,8 @@ class Session:
         try:
             out, err = p.communicate(timeout=timeout)
         except subprocess.TimeoutExpired:
-            p.kill()  # as subprocess.run does; what it started stays in the tree (decision 4)
+            # as subprocess.run does; what it started stays in the tree (decision "Three cleanup nets")
+            p.kill()
             p.communicate()
             return {
                 "status": "error",
@@ -580,8 +587,8 @@ class Session:
 
 
 class _DeadlineReader(io.RawIOBase):
-    """Decision 9: the connection's reads, each bounded by the idle timeout and all of a request's by its
-    deadline (`handler.deadline`), so a client trickling bytes cannot hold a thread."""
+    """Decision "Bounded connections": the connection's reads, each bounded by the idle timeout and all of a
+    request's by its deadline (`handler.deadline`), so a client trickling bytes cannot hold a thread."""
 
     def __init__(self, handler: _Handler):
         self.handler = handler
@@ -599,8 +606,8 @@ class _DeadlineReader(io.RawIOBase):
 
 
 class _BoundedHTTPServer(HTTPServer):
-    """Decision 9: at most `max_workers` connection threads; when all are busy the accept loop waits,
-    so new clients queue in the listen backlog instead of each getting a thread."""
+    """Decision "Bounded connections": at most `max_workers` connection threads; when all are busy the accept
+    loop waits, so new clients queue in the listen backlog instead of each getting a thread."""
 
     request_queue_size = 64
 
@@ -643,7 +650,7 @@ class _Handler(BaseHTTPRequestHandler):
 
     def setup(self) -> None:
         super().setup()
-        self.rfile = io.BufferedReader(_DeadlineReader(self))  # decision 9
+        self.rfile = io.BufferedReader(_DeadlineReader(self))  # decision "Bounded connections"
 
     def handle_one_request(self) -> None:
         self.deadline = time.monotonic() + self.request_timeout_s
@@ -658,7 +665,8 @@ class _Handler(BaseHTTPRequestHandler):
             body, ctype = json.dumps(body).encode(), "application/json"
         elif isinstance(body, str):
             body, ctype = body.encode(), ctype or "text/plain; charset=utf-8"
-        self.connection.settimeout(self.request_timeout_s)  # sendall: the whole reply (decision 9)
+        # sendall: the whole reply (decision "Bounded connections")
+        self.connection.settimeout(self.request_timeout_s)
         self.send_response(code)
         self.send_header("Content-Type", ctype or "application/octet-stream")
         self.send_header("Content-Length", str(len(body)))
@@ -868,7 +876,7 @@ class _Handler(BaseHTTPRequestHandler):
 
 
 def _end_desktop(code: int) -> None:
-    """Decision 4: kill everything of the desktop (tree, marker, group), then exit."""
+    """Decision "Three cleanup nets": kill everything of the desktop (tree, marker, group), then exit."""
     kill_desktop_processes(os.environ.get(MARKER_ENV, ""), os.getpid())
     with contextlib.suppress(ProcessLookupError, PermissionError):
         os.killpg(os.getpgid(0), signal.SIGKILL)  # this process too, if it leads the group
@@ -906,7 +914,7 @@ def serve(
     token = os.environ.get(TOKEN_ENV, "")
     if len(token) < 16:
         raise SystemExit(f"{TOKEN_ENV} must hold a token of at least 16 characters")
-    become_subreaper()  # decision 4 (b), before anything is started
+    become_subreaper()  # decision "Three cleanup nets" (b), before anything is started
     signal.signal(signal.SIGTERM, lambda *_: _end_desktop(0))
     if parent_pid > 0:
         threading.Thread(target=_watch_parent, args=(parent_pid, runtime_dir), daemon=True).start()
@@ -953,7 +961,8 @@ class LocalDesktop:
         max_workers: int = MAX_WORKERS,
     ):
         """python_executable: interpreter of the server, and so of `python` on the desktop (it needs
-        pyautogui, python-xlib and Pillow); default: this one. The timeouts and `max_workers`: decision 9."""
+        pyautogui, python-xlib and Pillow); default: this one. The timeouts and `max_workers`:
+        decision "Bounded connections"."""
         self.screen_size = screen_size
         self.python_executable = python_executable or sys.executable
         self.command_timeout_s = command_timeout_s
@@ -969,7 +978,7 @@ class LocalDesktop:
         self.stop()
         self._runtime = tempfile.mkdtemp(prefix="arpo-desktop-")
         token = secrets.token_urlsafe(24)
-        self._marker = secrets.token_hex(12)  # decision 4 (c)
+        self._marker = secrets.token_hex(12)  # decision "Three cleanup nets" (c)
         env = {**os.environ, TOKEN_ENV: token, MARKER_ENV: self._marker, "PYTHONUNBUFFERED": "1"}
         self.proc = subprocess.Popen(
             [
@@ -1019,7 +1028,7 @@ class LocalDesktop:
     def stop(self) -> None:
         """Kill every process of the desktop and remove its files; idempotent. The group gets TERM (the
         server then kills its whole tree), then KILL; then whatever still carries the desktop's marker
-        is killed (decision 4)."""
+        is killed (decision "Three cleanup nets")."""
         if self.proc is not None:
             pgid = self.proc.pid
             with contextlib.suppress(ProcessLookupError, PermissionError):
@@ -1035,7 +1044,8 @@ class LocalDesktop:
                     stream.close()
             self.proc = None
         if self._marker:
-            kill_desktop_processes(self._marker)  # decision 4 (c): what left the group and the tree
+            # decision "Three cleanup nets" (c): what left the group and the tree
+            kill_desktop_processes(self._marker)
             self._marker = ""
         self.info = None
         if self._runtime is not None:

@@ -1,41 +1,41 @@
 """OSWorld desktops behind `GuiEnv`: the OSWorld HTTP protocol, task JSON loading, setup and evaluation.
 
 Design decisions:
-1. The env speaks OSWorld's VM server protocol over HTTP (docs/method.md §5) and nothing else, so one class
-   drives the official Ubuntu VM (docker image, cloud VMs) and the project's own local Xvfb desktop
-   (`desktop_server`). Actions arrive as screen-pixel `Action`s, are rendered by `actions.to_pyautogui`
-   and sent as `python -c` through POST /execute, exactly as OSWorld's PythonController does (prefix
-   `import pyautogui; import time; pyautogui.FAILSAFE = False; ` - without OSWorld's pyperclip import,
-   which the local desktop does not need). DONE / FAIL / WAIT markers are not sent; WAIT sleeps.
-2. Providers: `local` starts a fresh `LocalDesktop` at every reset (new display, new home, no process
-   left from the previous episode); `remote` drives already-running desktops given by base URL. With
-   many URLs and one factory for all pool workers, each worker claims a free URL by holding an
-   exclusive `flock` on `<claim_dir>/<i>.lock` for its lifetime; the kernel drops the lock when the
-   worker dies, so a restarted worker finds the slot free again. A remote reset does NOT revert the VM
-   (plain HTTP cannot); use the `desktop_env` bridge (desktop_env_bridge.py) for snapshot reverts.
-   `check_desktops` is the health check a pipeline runs on the URLs before it starts a pool.
-3. Tasks are OSWorld JSON files, loaded unchanged into `TaskSpec(config={"path", "task",
-   "unsupported"})`. `unsupported` names every setup step / getter / metric the env lacks; `reset`
-   refuses such a task with that list in the message, so nothing is silently scored 0 or 1.
-   Local suite tasks may carry an extra `oracle` key (or the suite entry a `config.oracle`): scripted
-   UI-TARS replies in 0-1000 relative screen coordinates, one per step, so one script holds at any screen
-   size. OSWorld ignores the key; `oracle_actions` serves them in screen pixels and `oracle_reply` in the
-   model-image frame (what `arpo_core.offline.demonstrations` and the rollout code parse and map back).
-4. Scoring follows OSWorld's `DesktopEnv.evaluate`, then docs/method.md §1: postconfig steps run first;
-   an `infeasible` task scores 1 iff the agent's last action is FAIL (`rewards.infeasible_score`); a
-   feasible task whose last action is FAIL scores 0; otherwise the evaluator decides
-   (`osworld_evaluators.evaluate_task`). Any exception scores 0 (`rewards.score_or_error`; the text is
-   kept in `last_eval_error`). With `osworld_hard=True` and `max_steps`, "OSWorld Hard" applies on top
-   (`rewards.osworld_hard`: step limit reached with a final FAIL scores 0).
-5. Faults are data (base.py decision 3): a desktop that does not answer turns a step into
-   `info={"error", "fatal": True}`, so the pool restarts the worker (and with it the desktop); a
-   pyautogui command that fails inside the desktop (e.g. an unknown key) is the policy's mistake and
-   goes to `info["action_errors"]`, the episode continues.
-6. Suites: `load_osworld_suite` reads a suite YAML (`base.load_suite` format, backend "osworld") whose
-   tasks name their JSON in `config.path`, relative to the repository root, or `osworld:<relpath>`
-   relative to the OSWorld task folder: by default `data/osworld` inside the repository, which ships
-   OSWorld's task files unmodified with their Apache-2.0 LICENSE (`data/osworld/NOTICE.md`);
-   `ARPO_OSWORLD_ROOT` overrides it.
+- **VM server protocol.** The env speaks OSWorld's VM server protocol over HTTP (docs/method.md §5) and
+  nothing else, so one class drives the official Ubuntu VM (docker image, cloud VMs) and the project's own
+  local Xvfb desktop (`desktop_server`). Actions arrive as screen-pixel `Action`s, are rendered by
+  `actions.to_pyautogui` and sent as `python -c` through POST /execute, exactly as OSWorld's PythonController
+  does (prefix `import pyautogui; import time; pyautogui.FAILSAFE = False; ` - without OSWorld's pyperclip
+  import, which the local desktop does not need). DONE / FAIL / WAIT markers are not sent; WAIT sleeps.
+- **Providers.** Providers: `local` starts a fresh `LocalDesktop` at every reset (new display, new home, no
+  process left from the previous episode); `remote` drives already-running desktops given by base URL. With
+  many URLs and one factory for all pool workers, each worker claims a free URL by holding an
+  exclusive `flock` on `<claim_dir>/<i>.lock` for its lifetime; the kernel drops the lock when the
+  worker dies, so a restarted worker finds the slot free again. A remote reset does NOT revert the VM
+  (plain HTTP cannot); use the `desktop_env` bridge (desktop_env_bridge.py) for snapshot reverts.
+  `check_desktops` is the health check a pipeline runs on the URLs before it starts a pool.
+- **Task files.** Tasks are OSWorld JSON files, loaded unchanged into `TaskSpec(config={"path", "task",
+  "unsupported"})`. `unsupported` names every setup step / getter / metric the env lacks; `reset`
+  refuses such a task with that list in the message, so nothing is silently scored 0 or 1.
+  Local suite tasks may carry an extra `oracle` key (or the suite entry a `config.oracle`): scripted
+  UI-TARS replies in 0-1000 relative screen coordinates, one per step, so one script holds at any screen
+  size. OSWorld ignores the key; `oracle_actions` serves them in screen pixels and `oracle_reply` in the
+  model-image frame (what `arpo_core.offline.demonstrations` and the rollout code parse and map back).
+- **OSWorld scoring.** Scoring follows OSWorld's `DesktopEnv.evaluate`, then docs/method.md §1: postconfig
+  steps run first; an `infeasible` task scores 1 iff the agent's last action is FAIL
+  (`rewards.infeasible_score`); a feasible task whose last action is FAIL scores 0; otherwise the evaluator
+  decides (`osworld_evaluators.evaluate_task`). Any exception scores 0 (`rewards.score_or_error`; the text is
+  kept in `last_eval_error`). With `osworld_hard=True` and `max_steps`, "OSWorld Hard" applies on top
+  (`rewards.osworld_hard`: step limit reached with a final FAIL scores 0).
+- **Faults as data.** Faults are data (base.py, decision "Faults are data"): a desktop that does not answer
+  turns a step into `info={"error", "fatal": True}`, so the pool restarts the worker (and with it the
+  desktop); a pyautogui command that fails inside the desktop (e.g. an unknown key) is the policy's mistake
+  and goes to `info["action_errors"]`, the episode continues.
+- **OSWorld suites.** Suites: `load_osworld_suite` reads a suite YAML (`base.load_suite` format, backend
+  "osworld") whose tasks name their JSON in `config.path`, relative to the repository root, or
+  `osworld:<relpath>` relative to the OSWorld task folder: by default `data/osworld` inside the repository,
+  which ships OSWorld's task files unmodified with their Apache-2.0 LICENSE (`data/osworld/NOTICE.md`);
+  `ARPO_OSWORLD_ROOT` overrides it.
 """
 
 from __future__ import annotations
@@ -89,7 +89,7 @@ log = logging.getLogger("arpo.osworld")
 
 def osworld_root() -> Path:
     """Folder of the OSWorld task definitions: `ARPO_OSWORLD_ROOT` if set, else `data/osworld` in the
-    repository (decision 6)."""
+    repository (decision "OSWorld suites")."""
     return Path(os.environ.get("ARPO_OSWORLD_ROOT") or OSWORLD_DEFAULT_ROOT)
 
 
@@ -130,7 +130,7 @@ def _check_steps(steps: Any, where: str, field: str) -> None:
 
 def validate_task(task: Any, where: str) -> None:
     """Raise `TaskFileError` naming `where` (the file) and the field when `task` is not an OSWorld task
-    the loader and `unsupported_features` can read (decision 3)."""
+    the loader and `unsupported_features` can read (decision "Task files")."""
     if not isinstance(task, dict):
         raise TaskFileError(f"{where}: a task file must hold a JSON object, got {_kind(task)}")
     for key in ("id", "instruction", "evaluator"):
@@ -191,8 +191,8 @@ def read_task_file(path: str | Path) -> dict:
 
 
 def task_spec_from_json(task: dict, domain: str, path: str = "", split: str = "in_domain") -> TaskSpec:
-    """An OSWorld task dict -> TaskSpec (feasible unless func is `infeasible`; see decision 3). Raises
-    `TaskFileError` (a ValueError) naming the file and the field for a malformed task."""
+    """An OSWorld task dict -> TaskSpec (feasible unless func is `infeasible`; see decision "Task files").
+    Raises `TaskFileError` (a ValueError) naming the file and the field for a malformed task."""
     validate_task(task, path or "task")
     return TaskSpec(
         domain=domain,
@@ -264,7 +264,7 @@ def support_report(specs: list[TaskSpec]) -> dict[str, Any]:
 
 
 def load_osworld_suite(path: str | Path) -> list[TaskSpec]:
-    """A suite YAML of OSWorld tasks (decision 6) -> TaskSpecs with the task JSON loaded.
+    """A suite YAML of OSWorld tasks (decision "OSWorld suites") -> TaskSpecs with the task JSON loaded.
 
     The suite's `domain` / `split` / `task_id` win over the JSON (the id must match the JSON's `id`).
     """
@@ -378,7 +378,7 @@ class DesktopClient:
 
 
 def claim_slot(urls: list[str], claim_dir: str | Path) -> tuple[int, Any]:
-    """Claim the first free URL index (decision 2); returns (index, open lock file to keep)."""
+    """Claim the first free URL index (decision "Providers"); returns (index, open lock file to keep)."""
     d = Path(claim_dir)
     d.mkdir(parents=True, exist_ok=True)
     for i in range(len(urls)):
@@ -395,7 +395,7 @@ def claim_slot(urls: list[str], claim_dir: str | Path) -> tuple[int, Any]:
 def check_desktops(
     urls: list[str] | tuple[str, ...], token: str | None = None, timeout_s: float = 5.0
 ) -> None:
-    """Health check of remote desktops before a pool starts (decision 2): every URL must answer
+    """Health check of remote desktops before a pool starts (decision "Providers"): every URL must answer
     GET /platform with 200 within `timeout_s`; otherwise one DesktopError names each URL that did not
     and why (no answer, wrong token, another status)."""
     problems = []
@@ -450,7 +450,7 @@ class OSWorldEnv:
             setup_settle_s: pause after the setup steps before the first screenshot.
             wait_s: how long the `wait()` action sleeps (OSWorld's WAIT).
             command_timeout_s: local: limit for one command run on the desktop.
-            max_steps / osworld_hard_scoring: apply "OSWorld Hard" in `evaluate` (decision 4).
+            max_steps / osworld_hard_scoring: apply "OSWorld Hard" in `evaluate` (decision "OSWorld scoring").
             download_cache_dir: where setup `download` files are cached (OSWorld's cache naming); a
                 pre-filled cache lets download steps run offline.
         """
@@ -487,7 +487,7 @@ class OSWorldEnv:
         if self.provider == "local":
             if self.desktop is None:
                 self.desktop = LocalDesktop(self.screen_size, self.command_timeout_s)
-            info = self.desktop.start()  # a fresh desktop every episode (decision 2)
+            info = self.desktop.start()  # a fresh desktop every episode (decision "Providers")
             self.client = DesktopClient(info.base_url, info.token)
         elif self.client is None:
             idx, self._claim = claim_slot(self.base_urls, self.claim_dir)
@@ -585,7 +585,8 @@ class OSWorldEnv:
         return Observation(img, self.task.instruction, img.size)
 
     def step(self, actions: list[Action]) -> StepResult:
-        """Send the actions as pyautogui code (decision 1); a FAIL/DONE marker ends the episode."""
+        """Send the actions as pyautogui code (decision "VM server protocol"); a FAIL/DONE marker ends the
+        episode."""
         assert self.client is not None and self.task is not None
         self.steps += 1
         info: dict[str, Any] = {}
@@ -624,7 +625,8 @@ class OSWorldEnv:
         return self.history[-1].kind if self.history else None
 
     def evaluate(self) -> float:
-        """Task score in [0, 1] (decision 4); an exception scores 0 and is kept in `last_eval_error`."""
+        """Task score in [0, 1] (decision "OSWorld scoring"); an exception scores 0 and is kept in
+        `last_eval_error`."""
         score, self.last_eval_error = score_or_error(self._score)
         return score
 

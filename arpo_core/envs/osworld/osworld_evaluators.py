@@ -1,41 +1,42 @@
 """OSWorld task evaluation: result/expected getters, metrics, the evaluator combinator, and the support check.
 
 Design decisions:
-1. Semantics follow OSWorld's `DesktopEnv.evaluate` and its getters/metrics as published in desktop-env
-   1.0.2 (desktop_env/desktop_env.py `evaluate`, evaluators/metrics/general.py, basic_os.py, vscode.py,
-   evaluators/getters/*.py; re-implemented, not copied, and checked function by function against that
-   wheel's source): `func` is one metric name or a list combined by `conj` ("and": any 0 -> 0, else the
-   mean; "or": any 1 -> 1, else the max); each metric is called as `metric(result, expected, **options)`,
-   or `metric(result, **options)` when the task has no `expected`. A list evaluator's `"expected": []`
-   means no expected, as there (its `and self.evaluator["expected"]` test); `"options": []` likewise
-   (desktop-env would index the empty list and fail).
-2. Only what needs no proprietary app and no GNOME is implemented (the table in docs/osworld.md counts
-   what that covers). Everything else is reported BY NAME by `unsupported_features` before a task runs,
-   never silently scored: a task with an unknown setup step, getter or metric cannot be reset.
-3. Getters talk to the desktop through the small `DesktopAPI` protocol (HTTP client in production,
-   anything in tests) and write files into a per-episode cache folder, as OSWorld's `cache_dir` does;
-   metrics are pure functions of local values and files, each with a hand-computed test.
-4. No `eval` of desktop output: OSWorld's `check_gnome_favorite_apps` evals the gsettings string; here
-   `ast.literal_eval` parses the same literal.
-5. Any exception a getter raises fails the evaluation, which scores 0 (arpo_core.rewards.score_or_error,
-   applied by the env, keeps the error text), and NaN / out-of-range scores are sanitised there too. A
-   result getter's FileNotFoundError scores an "and" evaluator 0 at once and gives the metric None under
-   "or", as `DesktopEnv.evaluate` catches it. Differences from desktop-env, where it is wrong: our
-   `get_cache_file` raises FileNotFoundError for a missing file, OSWorld's raises AssertionError (a bare
-   `assert`), which its `except FileNotFoundError` misses, so there the whole evaluation fails (also
-   under "or"); and under "or" desktop-env then calls the metric with an unbound (first metric) or the
-   previous metric's result, here it gets None.
-6. A metric that cannot score returns 0 and the next metric of an "or" evaluator decides (issue 32):
-   desktop-env's metrics catch their own errors (`check_direct_json_object` on a result that is not a
-   dict, on rules without a dict `expected`, on a type clash under `expect_in_result`; `file_contains`
-   on a file that is not text in the locale's encoding, on a non-iterable `expected`, on rules without
-   it), so the metrics here do the same, where desktop-env does. Where a desktop-env metric raises
-   instead (`exact_match` on rules without `expected`; `check_direct_json_object` on a string that is
-   not JSON: its `json.loads` sits outside its `try`), the metric here raises too, and `evaluate_task`
-   scores that metric 0: alone or under "and" the task scores 0 either way; under "or" desktop-env's
-   evaluation fails where this one moves on to the next metric. Each such reason is logged once per
-   metric and kind of error (WARNING on the `arpo.osworld` logger, then DEBUG), not swallowed and not
-   repeated for every episode.
+- **OSWorld semantics.** Semantics follow OSWorld's `DesktopEnv.evaluate` and its getters/metrics as published
+  in desktop-env 1.0.2 (desktop_env/desktop_env.py `evaluate`, evaluators/metrics/general.py, basic_os.py,
+  vscode.py, evaluators/getters/*.py; re-implemented, not copied, and checked function by function against
+  that wheel's source): `func` is one metric name or a list combined by `conj` ("and": any 0 -> 0, else the
+  mean; "or": any 1 -> 1, else the max); each metric is called as `metric(result, expected, **options)`,
+  or `metric(result, **options)` when the task has no `expected`. A list evaluator's `"expected": []`
+  means no expected, as there (its `and self.evaluator["expected"]` test); `"options": []` likewise
+  (desktop-env would index the empty list and fail).
+- **Unsupported by name.** Only what needs no proprietary app and no GNOME is implemented (the table in
+  docs/osworld.md counts what that covers). Everything else is reported BY NAME by `unsupported_features`
+  before a task runs, never silently scored: a task with an unknown setup step, getter or metric cannot be
+  reset.
+- **Desktop API.** Getters talk to the desktop through the small `DesktopAPI` protocol (HTTP client in
+  production, anything in tests) and write files into a per-episode cache folder, as OSWorld's `cache_dir`
+  does; metrics are pure functions of local values and files, each with a hand-computed test.
+- **No eval.** No `eval` of desktop output: OSWorld's `check_gnome_favorite_apps` evals the gsettings string;
+  here `ast.literal_eval` parses the same literal.
+- **Getter failures score zero.** Any exception a getter raises fails the evaluation, which scores 0
+  (arpo_core.rewards.score_or_error, applied by the env, keeps the error text), and NaN / out-of-range scores
+  are sanitised there too. A result getter's FileNotFoundError scores an "and" evaluator 0 at once and gives
+  the metric None under "or", as `DesktopEnv.evaluate` catches it. Differences from desktop-env, where it is
+  wrong: our `get_cache_file` raises FileNotFoundError for a missing file, OSWorld's raises AssertionError (a
+  bare `assert`), which its `except FileNotFoundError` misses, so there the whole evaluation fails (also
+  under "or"); and under "or" desktop-env then calls the metric with an unbound (first metric) or the
+  previous metric's result, here it gets None.
+- **Or-evaluator fallthrough.** A metric that cannot score returns 0 and the next metric of an "or" evaluator
+  decides (issue 32): desktop-env's metrics catch their own errors (`check_direct_json_object` on a result
+  that is not a dict, on rules without a dict `expected`, on a type clash under `expect_in_result`;
+  `file_contains` on a file that is not text in the locale's encoding, on a non-iterable `expected`, on rules
+  without it), so the metrics here do the same, where desktop-env does. Where a desktop-env metric raises
+  instead (`exact_match` on rules without `expected`; `check_direct_json_object` on a string that is
+  not JSON: its `json.loads` sits outside its `try`), the metric here raises too, and `evaluate_task`
+  scores that metric 0: alone or under "and" the task scores 0 either way; under "or" desktop-env's
+  evaluation fails where this one moves on to the next metric. Each such reason is logged once per
+  metric and kind of error (WARNING on the `arpo.osworld` logger, then DEBUG), not swallowed and not
+  repeated for every episode.
 """
 
 from __future__ import annotations
@@ -67,7 +68,8 @@ _reported: set[tuple[str, str]] = set()
 
 
 def _cannot_score(metric: str, exc: BaseException) -> float:
-    """Decision 6: score 0 for a metric that could not score; the reason logged once per metric and kind."""
+    """Decision "Or-evaluator fallthrough": score 0 for a metric that could not score; the reason logged once
+    per metric and kind."""
     key = (metric, type(exc).__name__)
     level = logging.DEBUG if key in _reported else logging.WARNING
     _reported.add(key)
@@ -183,7 +185,8 @@ def get_vm_file(desk: DesktopAPI, cache_dir: str, config: dict) -> str | list[st
 
 def get_cache_file(desk: DesktopAPI, cache_dir: str, config: dict) -> str:
     """A file an earlier setup step left in the cache (e.g. `execute` with `stdout`). A missing file is
-    FileNotFoundError here; OSWorld's getter raises AssertionError instead (decision 5)."""
+    FileNotFoundError here; OSWorld's getter raises AssertionError instead
+    (decision "Getter failures score zero")."""
     path = os.path.join(cache_dir, config["path"])
     if not os.path.exists(path):
         raise FileNotFoundError(f"cache_file {config['path']!r} is not in the episode cache")
@@ -298,7 +301,8 @@ def diff_text_file(result: str | None, expected: str) -> float:
 
 def file_contains(path: str | None, rules: dict) -> float:
     """Every string of `rules["expected"]` occurs in the text file at `path`. As desktop-env: no path,
-    an unreadable or undecodable file, a missing or non-iterable `expected` score 0 (decision 6)."""
+    an unreadable or undecodable file, a missing or non-iterable `expected` score 0
+    (decision "Or-evaluator fallthrough")."""
     if not path:
         return 0.0
     try:
@@ -320,7 +324,8 @@ def check_direct_json_object(result: Any, rules: dict) -> float:
     scores 0 whenever the flag is set: kept, so scores match OSWorld's; no shipped task sets it).
     `expect_in_result`: a list value means "the result's value (list or str) contains / equals one of
     them", a str value means "is a substring of (or, for a list value, an item of) the result's value".
-    Anything that cannot be compared scores 0 (decision 6); a string that is not JSON raises, as there.
+    Anything that cannot be compared scores 0 (decision "Or-evaluator fallthrough"); a string that is not JSON
+    raises, as there.
     """
     if isinstance(result, str):
         result = json.loads(result.strip().replace("'", '"'))
@@ -368,7 +373,7 @@ def check_moved_jpgs(directory_list: dict, rules: dict) -> float:
 
 
 def check_gnome_favorite_apps(apps_str: str, rules: dict) -> float:
-    apps = ast.literal_eval(apps_str.strip())  # decision 4: never eval desktop output
+    apps = ast.literal_eval(apps_str.strip())  # decision "No eval": never eval desktop output
     want = rules["expected"]
     return float(len(apps) == len(want) and set(apps) == set(want))
 
@@ -455,8 +460,9 @@ def combine_scores(scores: list[float], conj: str) -> float:
 def evaluate_task(evaluator: dict, desk: DesktopAPI, cache_dir: str) -> float:
     """Score a finished episode with the task's `evaluator` (not `infeasible`; postconfig already run).
 
-    Raises for unsupported getters/metrics and whatever a getter raises (decision 5; the env turns any
-    exception into score 0); a metric that raises scores 0 and the evaluation goes on (decision 6).
+    Raises for unsupported getters/metrics and whatever a getter raises
+    (decision "Getter failures score zero"; the env turns any exception into score 0); a metric that raises
+    scores 0 and the evaluation goes on (decision "Or-evaluator fallthrough").
     """
     funcs = _as_list(evaluator["func"])
     n = len(funcs)
@@ -467,7 +473,7 @@ def evaluate_task(evaluator: dict, desk: DesktopAPI, cache_dir: str) -> float:
         if single:
             return [v]
         if isinstance(v, list):
-            return v if v or key == "result" else [default] * n  # decision 1: [] means none
+            return v if v or key == "result" else [default] * n  # decision "OSWorld semantics": [] means none
         return [v] * n
 
     results = per_metric("result", None)
@@ -486,7 +492,8 @@ def evaluate_task(evaluator: dict, desk: DesktopAPI, cache_dir: str) -> float:
         args = (result, GETTERS[ecfg["type"]](desk, cache_dir, ecfg)) if ecfg else (result,)
         try:
             score = float(metric(*args, **(opts or {})))
-        except Exception as e:  # decision 6: this metric cannot score; under "or" the next one may
+        except Exception as e:
+            # decision "Or-evaluator fallthrough": this metric cannot score; under "or" the next one may
             score = _cannot_score(name, e)
         if conj == "and" and score == 0.0:
             return 0.0
