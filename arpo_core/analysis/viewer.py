@@ -278,8 +278,8 @@ _SCRIPT = r"""
   [...new Set(DATA.episodes.map(e => e.task))].sort().forEach(t => option(fTask, t));
   [...new Set(DATA.episodes.map(e => e.epoch))].sort((a, b) => a - b).forEach(t => option(fEpoch, String(t)));
 
-  // SVG overlay from numbers only (decision "Escaped model output"): ring + crosshair at points, arrow for
-  drags. function overlay(step) {
+  // SVG overlay from numbers only (decision "Escaped model output"): rings, crosshairs, drag arrows.
+  function overlay(step) {
     const w = num(step.w) || 1, h = num(step.h) || 1;
     const r = Math.max(w, h) / 40, sw = Math.max(w, h) / 160;
     let s = '';
