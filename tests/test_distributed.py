@@ -272,3 +272,37 @@ def test_arpo_stage_train_on_two_ranks_is_rank_0s_tracked_run(tmp_path):
         cwd=project, env=env, capture_output=True, text=True, timeout=120,
     )  # fmt: skip
     assert out.returncode == 1 and "only the train stage runs on several ranks" in out.stderr
+
+
+# -- memory per rank (docs/scale-out.md) ---------------------------------------------------------------
+
+QWEN25VL_7B_PARAMS = 8_292_166_656
+"""benchmarks/gpu_bench.py `count_params` of the Qwen2.5-VL-7B shape on the meta device."""
+
+
+def test_model_state_bytes_by_hand():
+    from arpo_core.algorithm.distributed import model_state_bytes
+
+    n = 1000
+    assert model_state_bytes(n, 8, "torch") == (4000, 4000, 8000)  # fp32 all, nothing sharded
+    assert model_state_bytes(n, 8, "deepspeed", 0) == (2000, 2000, 12000)
+    assert model_state_bytes(n, 8, "deepspeed", 1) == (2000, 2000, 1500)
+    assert model_state_bytes(n, 8, "deepspeed", 2) == (2000, 250, 1500)
+    assert model_state_bytes(n, 8, "deepspeed", 3) == (250, 250, 1500)
+    assert model_state_bytes(n, 1, "deepspeed", 3).total == 16 * n  # one GPU: ZeRO shards nothing
+    with pytest.raises(ValueError, match="ZeRO stage 4"):
+        model_state_bytes(n, 8, "deepspeed", 4)
+
+
+def test_scale_out_memory_table_is_the_computed_one():
+    from arpo_core.algorithm.distributed import model_state_bytes
+
+    gib = 2**30
+    cells = [f"{model_state_bytes(QWEN25VL_7B_PARAMS, 1, 'torch').total / gib:.1f}"]
+    cells += [
+        f"{model_state_bytes(QWEN25VL_7B_PARAMS, w, 'deepspeed', s).total / gib:.1f}"
+        for s in (1, 2, 3)
+        for w in (8, 16)
+    ]
+    row = "| Qwen2.5-VL-7B, all 8.29B parameters | " + " | ".join(cells) + " |"
+    assert row in (HERE.parent / "docs" / "scale-out.md").read_text()

@@ -36,6 +36,11 @@ Decisions:
 - **Rank heartbeats.** Ranks report where they are (`Heartbeat`): each rank rewrites `<dir>/rank-<r>.json`
   (epoch, iteration, phase, pid, time) at every phase, so when a rank dies the launcher's failure can be
   turned into one line naming the rank and its last step (`describe_failure`).
+- **Memory per rank.** docs/scale-out.md's per-GPU memory table is computed, not typed: `model_state_bytes`
+  gives the model states of one rank from the parameter count, the engine and the ZeRO stage (16 bytes a
+  parameter in all: bf16 weights and gradients, fp32 master weights and AdamW moments; ZeRO-1 shards the
+  optimizer states, ZeRO-2 the gradients too, ZeRO-3 the weights too), and a test checks the numbers against
+  hand-computed ones and the table against the function.
 """
 
 from __future__ import annotations
@@ -48,7 +53,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import torch
 
@@ -59,6 +64,7 @@ __all__ = [
     "assign_units",
     "describe_failure",
     "launch_ranks",
+    "model_state_bytes",
     "split_jobs",
 ]
 
@@ -201,6 +207,38 @@ def split_jobs(jobs: Sequence[T], world: int, rank: int) -> list[tuple[int, T]]:
 def assign_units(n_units: int, world: int) -> list[list[int]]:
     """Decision "Split by trajectory": the trajectory indices each rank trains on (i mod R)."""
     return [list(range(r, n_units, world)) for r in range(world)]
+
+
+class TrainingMemory(NamedTuple):
+    """Bytes per GPU of the model states of one data-parallel rank (decision "Memory per rank")."""
+
+    weights: float
+    gradients: float
+    optimizer: float
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.gradients + self.optimizer
+
+
+def model_state_bytes(n_params: int, world: int, engine: str, zero_stage: int = 0) -> TrainingMemory:
+    """Decision "Memory per rank": what the weights, gradients and optimizer states of `n_params` trained
+    parameters take on each of `world` ranks (activations, the vLLM engine and buffers not included).
+
+    DeepSpeed with bf16 keeps bf16 weights and gradients (2 + 2 bytes a parameter) and, for AdamW, an
+    fp32 master copy and two fp32 moments (12 bytes): ZeRO-1 shards the 12, ZeRO-2 also the gradients,
+    ZeRO-3 also the weights (Rajbhandari et al. 2020, Fig. 1). The torch engine trains fp32 weights
+    (autocast computes in bf16) with fp32 gradients and two fp32 moments, 16 bytes, and shards nothing.
+    """
+    if engine == "torch":
+        return TrainingMemory(4.0 * n_params, 4.0 * n_params, 8.0 * n_params)
+    if engine != "deepspeed" or not 0 <= zero_stage <= 3:
+        raise ValueError(f"no memory model for engine {engine!r} at ZeRO stage {zero_stage}")
+    shard = [1, 1, 1]  # weights, gradients, optimizer: divided over the ranks from which stage on
+    for i, stage in enumerate((3, 2, 1)):
+        if zero_stage >= stage:
+            shard[i] = world
+    return TrainingMemory(2.0 * n_params / shard[0], 2.0 * n_params / shard[1], 12.0 * n_params / shard[2])
 
 
 def object_bytes(obj: Any) -> int:

@@ -947,7 +947,8 @@ def train(
     )
     gen_policy = policy
     if ranks.distributed and getattr(engine, "gathers_in_forward", False):  # decision "Data-parallel ranks"
-        gen_policy = load_policy(policy_dir, device=device)
+        dtype = next(policy.model.parameters()).dtype  # the engine's (bf16 under DeepSpeed's bf16)
+        gen_policy = load_policy(policy_dir, device=device, dtype=dtype)
         gen_policy.image_blind = policy.image_blind
     generator = (
         generator_factory(gen_policy)
