@@ -147,7 +147,9 @@ def test_a_checkpoint_written_before_manifests_still_loads_and_its_truncation_is
     for name in ("epoch-0001", "epoch-0002"):
         (ckpts / name / CHECKPOINT_MANIFEST).unlink()
     assert latest_checkpoint(run_dir) == ckpts / "epoch-0002"
-    policy, *_ = trainer._restore_or_start(run_dir / "unused", run_dir, harness.configs(2)[0], 3, True)
+    policy, *_ = trainer._restore_or_start(
+        run_dir / "unused", run_dir, harness.configs(2)[0], 3, True, success_threshold=0.1
+    )
     assert policy is not None
     for rel in ("policy/model.safetensors", "rng.pt", "engine.pt"):
         f = ckpts / "epoch-0002" / rel
@@ -165,7 +167,9 @@ def test_no_usable_checkpoint_is_said_before_training_starts_from_epoch_1(policy
         (ckpts / name / "state.json").write_text("")
     cfg = harness.configs(2)[0]
     with caplog.at_level(logging.WARNING, logger="arpo.train"):
-        _, _, _, state, _ = trainer._restore_or_start(policy_dir, run_dir, cfg, 3, True)
+        _, _, _, state, _ = trainer._restore_or_start(
+            policy_dir, run_dir, cfg, 3, True, success_threshold=0.1
+        )
     assert state.epoch == 0
     lines = warnings_of(caplog)
     assert any(

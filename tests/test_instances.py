@@ -291,10 +291,12 @@ def test_train_image_blind_marks_the_trained_policy(policy_dir, tmp_path):
     from arpo_core.algorithm.trainer import _restore_or_start
 
     cfg, _ = harness.configs(1, image_blind=True)
-    policy, *_ = _restore_or_start(policy_dir, tmp_path, cfg, seed=0, resume=False)
+    policy, *_ = _restore_or_start(policy_dir, tmp_path, cfg, seed=0, resume=False, success_threshold=0.1)
     assert policy.image_blind
     cfg, _ = harness.configs(1)
-    assert not _restore_or_start(policy_dir, tmp_path, cfg, seed=0, resume=False)[0].image_blind
+    assert not _restore_or_start(policy_dir, tmp_path, cfg, seed=0, resume=False, success_threshold=0.1)[
+        0
+    ].image_blind
 
 
 # ---------------------------------------------------------------------------------------------------

@@ -232,8 +232,8 @@ def pref_data() -> list[Trajectory]:
     ]
 
 
-PROMPT = {"system": "compact", "history_images": None}
-"""The prompt of params' policy section, as the offline stages pass it."""
+PROMPT = {"system": "compact", "history_images": None, "success_threshold": 0.1}
+"""The prompt of params' policy section and project.success_threshold, as the offline stages pass them."""
 
 
 def logp_sums(policy, trajs, system="compact"):

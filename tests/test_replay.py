@@ -135,7 +135,7 @@ def test_config_validation():
     [(0.0, False), (0.1, False), (0.1000001, True), (0.5, True), (1.0, True), (-0.5, False)],
 )
 def test_threshold_is_strict(reward, stored):
-    buf = ReplayBuffer()
+    buf = ReplayBuffer(success_threshold=0.1)
     assert buf.add([traj(reward)]) == int(stored)
     assert len(buf) == int(stored)
 
@@ -150,14 +150,14 @@ def test_threshold_is_strict(reward, stored):
     ],
 )
 def test_signal_selects_success_or_reward(signal, success, reward, stored):
-    buf = ReplayBuffer(ReplayConfig(signal=signal))
+    buf = ReplayBuffer(ReplayConfig(signal=signal), success_threshold=0.1)
     buf.add([traj(reward, success=success)])
     assert len(buf) == int(stored)
 
 
 @pytest.mark.parametrize("capacity", [1, 3, 8])
 def test_fifo_eviction_keeps_newest_in_order(capacity):
-    buf = ReplayBuffer(ReplayConfig(capacity_per_task=capacity))
+    buf = ReplayBuffer(ReplayConfig(capacity_per_task=capacity), success_threshold=0.1)
     items = successes(capacity + 2)
     for t in items:  # one at a time, as successive iterations would
         buf.add([t])
@@ -168,7 +168,7 @@ def test_fifo_eviction_keeps_newest_in_order(capacity):
 
 
 def test_key_separation_same_id_two_domains():
-    buf = ReplayBuffer()
+    buf = ReplayBuffer(success_threshold=0.1)
     buf.add([traj(1.0, domain="chrome", task="t1"), traj(1.0, domain="gimp", task="t1", sample=1)])
     assert buf.sizes() == {("chrome", "t1"): 1, ("gimp", "t1"): 1}
     res = buf.fill_group(failed_group(domain="chrome", task="t1"))
@@ -176,14 +176,14 @@ def test_key_separation_same_id_two_domains():
     assert res.group[0].task_domain == "chrome"
     assert res.group[0].sample_idx == 0 and buf.items(("chrome", "t1"))[0].sample_idx == 0
 
-    only_gimp = ReplayBuffer()
+    only_gimp = ReplayBuffer(success_threshold=0.1)
     only_gimp.add([traj(1.0, domain="gimp", task="t1")])
     res = only_gimp.fill_group(failed_group(domain="chrome", task="t1"))
     assert res.reason == "no_stored_success" and res.replaced_slot is None
 
 
 def test_add_skips_replayed_and_duplicates():
-    buf = ReplayBuffer()
+    buf = ReplayBuffer(success_threshold=0.1)
     t = traj(1.0)
     assert buf.add([t]) == 1
     assert buf.add([t]) == 0  # the same rollout again
@@ -195,7 +195,7 @@ def test_add_skips_replayed_and_duplicates():
 
 
 def test_stored_item_is_decoupled_from_caller_object():
-    buf = ReplayBuffer()
+    buf = ReplayBuffer(success_threshold=0.1)
     t = traj(1.0)
     buf.add([t])
     t.reward = -7.0
@@ -219,7 +219,7 @@ def test_stored_item_is_decoupled_from_caller_object():
     ],
 )
 def test_fill_trigger(rewards, stored, enabled, reason, slot):
-    buf = ReplayBuffer(ReplayConfig(enabled=enabled))
+    buf = ReplayBuffer(ReplayConfig(enabled=enabled), success_threshold=0.1)
     if stored:
         buf.add([traj(1.0, epoch=99)])
     group = group_of(rewards)
@@ -235,7 +235,7 @@ def test_fill_trigger(rewards, stored, enabled, reason, slot):
 
 
 def test_filled_group_contents():
-    buf = ReplayBuffer()
+    buf = ReplayBuffer(success_threshold=0.1)
     stored = traj(0.7, success=0.8, epoch=2, group=5, sample=6, version=3, run="old-run")
     buf.add([stored])
     group = group_of([0.0] * 8, epoch=9, group=4, version=11, run="new-run")
@@ -257,7 +257,7 @@ def test_filled_group_contents():
 
 
 def test_group_of_size_one_and_errors():
-    buf = ReplayBuffer()
+    buf = ReplayBuffer(success_threshold=0.1)
     buf.add([traj(1.0, epoch=1)])
     res = buf.fill_group([traj(0.0)])
     assert res.replaced_slot == 0 and res.group[0].replayed
@@ -270,7 +270,10 @@ def test_group_of_size_one_and_errors():
 
 
 def test_disabled_draws_nothing():
-    on, off = ReplayBuffer(ReplayConfig(enabled=True)), ReplayBuffer(ReplayConfig(enabled=False))
+    on, off = (
+        ReplayBuffer(ReplayConfig(enabled=True), success_threshold=0.1),
+        ReplayBuffer(ReplayConfig(enabled=False), success_threshold=0.1),
+    )
     for b in (on, off):
         b.add(successes(4))
     state = off._rng.getstate()
@@ -287,7 +290,7 @@ def test_two_failed_groups_of_one_task_are_filled_independently():
     two different ones, as the buffer's RNG falls."""
     picks = []
     for seed in range(12):
-        buf = ReplayBuffer(ReplayConfig(seed=seed))
+        buf = ReplayBuffer(ReplayConfig(seed=seed), success_threshold=0.1)
         buf.add(successes(2))
         results = buf.apply([failed_group(4, group=g) for g in (3, 4)])
         assert [(r.reason, r.replaced_slot) for r in results] == [("filled", 0), ("filled", 0)]
@@ -311,7 +314,7 @@ def draw_sequence(buf: ReplayBuffer, n: int, task: str = "click-test") -> list[t
 
 
 def test_seeded_determinism():
-    a, b, c = (ReplayBuffer(ReplayConfig(seed=s)) for s in (7, 7, 8))
+    a, b, c = (ReplayBuffer(ReplayConfig(seed=s), success_threshold=0.1) for s in (7, 7, 8))
     for buf in (a, b, c):
         buf.add(successes(8))
     seq_a = draw_sequence(a, 30)
@@ -320,7 +323,7 @@ def test_seeded_determinism():
 
 
 def test_draw_is_uniform_over_stored_items():
-    buf = ReplayBuffer(ReplayConfig(seed=1))
+    buf = ReplayBuffer(ReplayConfig(seed=1), success_threshold=0.1)
     buf.add(successes(4))
     seq = draw_sequence(buf, 2000)
     counts = {t: seq.count(t) for t in set(seq)}
@@ -330,7 +333,7 @@ def test_draw_is_uniform_over_stored_items():
 
 
 def test_apply_and_stats_counts():
-    buf = ReplayBuffer()
+    buf = ReplayBuffer(success_threshold=0.1)
     buf.add([traj(1.0, task="a", epoch=50)])
     groups = [
         group_of([1.0, 0.0, 0.0, 0.0], task="mixed"),
@@ -361,7 +364,7 @@ def test_apply_and_stats_counts():
 
 
 def test_empty_stats_have_no_division_by_zero():
-    s = ReplayBuffer().stats()
+    s = ReplayBuffer(success_threshold=0.1).stats()
     assert (s.fill_rate, s.failed_rate, s.n_items, s.n_tasks) == (0.0, 0.0, 0, 0)
 
 
@@ -369,7 +372,7 @@ def test_empty_stats_have_no_division_by_zero():
 
 
 def build_buffer(seed: int = 3) -> ReplayBuffer:
-    buf = ReplayBuffer(ReplayConfig(seed=seed, capacity_per_task=3))
+    buf = ReplayBuffer(ReplayConfig(seed=seed, capacity_per_task=3), success_threshold=0.1)
     buf.add(successes(5, task="x"))  # 2 evicted
     buf.add([traj(0.3, task="y", epoch=1), traj(0.7, success=0.9, task="y", epoch=2, sample=1)])
     buf.add([traj(1.0, domain="other", task="x", epoch=4)])
@@ -431,11 +434,27 @@ def test_save_is_atomic_and_cleans_up(tmp_path, monkeypatch):
 
 
 def test_empty_buffer_round_trip(tmp_path):
-    buf = ReplayBuffer(ReplayConfig(seed=5))
+    buf = ReplayBuffer(ReplayConfig(seed=5), success_threshold=0.1)
     buf.save(tmp_path / "e")
     loaded = ReplayBuffer.load(tmp_path / "e")
     assert len(loaded) == 0 and loaded.config.seed == 5
     assert not list((tmp_path / "e").glob("*.parquet"))
+
+
+def test_the_threshold_is_saved_and_an_older_buffer_keeps_its_configs_one(tmp_path):
+    """project.success_threshold is the one key; a buffer saved while the threshold was a field of the
+    replay config (checkpoints before it moved) loads with that value."""
+    import json
+
+    buf = ReplayBuffer(ReplayConfig(seed=5), success_threshold=0.4)
+    buf.save(tmp_path / "new")
+    assert ReplayBuffer.load(tmp_path / "new").success_threshold == 0.4
+    assert ReplayBuffer.load(tmp_path / "new", success_threshold=0.2).success_threshold == 0.2
+    manifest = json.loads((tmp_path / "new" / "manifest.json").read_text())
+    manifest["config"]["success_threshold"] = manifest.pop("success_threshold")  # the older layout
+    (tmp_path / "new" / "manifest.json").write_text(json.dumps(manifest))
+    old = ReplayBuffer.load(tmp_path / "new")
+    assert old.success_threshold == 0.4 and old.config.seed == 5
 
 
 def test_load_with_config_override(tmp_path):

@@ -84,7 +84,7 @@ def test_trajectories_count_by_success_not_reward():
 
 
 def test_default_selection_keeps_tasks_with_a_success():
-    sel = select_tasks(BASELINE, infeasible={("os", "infeasible-task")})
+    sel = select_tasks(BASELINE, infeasible={("os", "infeasible-task")}, success_threshold=0.1)
     assert sel.kept == (("os", "once"), ("web", "always"), ("web", "half"), ("web", "once"))
     assert sel.counts[("web", "half")] == TaskCount(n=4, successes=2, rate=0.5, reason="kept")
     assert sel.counts[("web", "never")].reason == "too_few_successes"
@@ -94,7 +94,7 @@ def test_default_selection_keeps_tasks_with_a_success():
 
 
 def test_same_id_in_two_domains_is_two_tasks():
-    sel = select_tasks(BASELINE, SelectConfig(min_successes=1))
+    sel = select_tasks(BASELINE, SelectConfig(min_successes=1), success_threshold=0.1)
     assert ("os", "once") in sel.kept and ("web", "once") in sel.kept
     assert sel.counts[("os", "once")].n == 4
 
@@ -111,7 +111,10 @@ def test_same_id_in_two_domains_is_two_tasks():
 )
 def test_min_successes(min_successes, kept):
     sel = select_tasks(
-        BASELINE, SelectConfig(min_successes=min_successes), infeasible={("os", "infeasible-task")}
+        BASELINE,
+        SelectConfig(min_successes=min_successes),
+        infeasible={("os", "infeasible-task")},
+        success_threshold=0.1,
     )
     names = {i if d == "web" else f"os/{i}" for d, i in sel.kept}
     assert names == kept
@@ -122,6 +125,7 @@ def test_excluded_and_unseen_infeasible_keys_are_reported():
         BASELINE,
         exclude={("web", "half")},
         infeasible={("os", "infeasible-task"), ("gimp", "never-run")},
+        success_threshold=0.1,
     )
     assert sel.counts[("web", "half")].reason == "excluded"
     # A key named infeasible but absent from the baseline still gets a line.
@@ -130,12 +134,19 @@ def test_excluded_and_unseen_infeasible_keys_are_reported():
 
 
 def test_exclusion_wins_over_infeasible():
-    sel = select_tasks(BASELINE, exclude={("web", "once")}, infeasible={("web", "once")})
+    sel = select_tasks(
+        BASELINE, exclude={("web", "once")}, infeasible={("web", "once")}, success_threshold=0.1
+    )
     assert sel.counts[("web", "once")].reason == "excluded"
 
 
 def test_max_success_rate_drops_always_solved():
-    sel = select_tasks(BASELINE, SelectConfig(max_success_rate=0.99), infeasible={("os", "infeasible-task")})
+    sel = select_tasks(
+        BASELINE,
+        SelectConfig(max_success_rate=0.99),
+        infeasible={("os", "infeasible-task")},
+        success_threshold=0.1,
+    )
     assert sel.counts[("web", "always")].reason == "always_solved"
     assert ("web", "half") in sel.kept
 
@@ -151,7 +162,7 @@ def many_tasks(n: int) -> list[tuple[str, str, float]]:
 
 def test_cap_top_keeps_highest_success_counts_ties_by_key():
     data = many_tasks(20)  # successes: t00 0, t01 1, t02 2, t03 3, t04 4, t05 0, ...
-    sel = select_tasks(data, SelectConfig(max_tasks=5, cap_mode="top"))
+    sel = select_tasks(data, SelectConfig(max_tasks=5, cap_mode="top"), success_threshold=0.1)
     # Four tasks have 4 successes (t04, t09, t14, t19), then the first 3-success task by key: t03.
     assert sel.kept == tuple(("d", t) for t in ["t03", "t04", "t09", "t14", "t19"])
     assert sel.counts[("d", "t08")].reason == "over_cap"
@@ -162,9 +173,9 @@ def test_cap_top_keeps_highest_success_counts_ties_by_key():
 def test_cap_random_is_seeded_and_deterministic():
     data = many_tasks(40)
     params = SelectConfig(max_tasks=8, seed=11)
-    a = select_tasks(data, params)
-    b = select_tasks(list(reversed(data)), params)  # input order does not matter
-    c = select_tasks(data, SelectConfig(max_tasks=8, seed=12))
+    a = select_tasks(data, params, success_threshold=0.1)
+    b = select_tasks(list(reversed(data)), params, success_threshold=0.1)  # input order does not matter
+    c = select_tasks(data, SelectConfig(max_tasks=8, seed=12), success_threshold=0.1)
     assert a.kept == b.kept
     assert a.kept != c.kept
     assert len(a.kept) == 8 and list(a.kept) == sorted(a.kept)
@@ -173,7 +184,7 @@ def test_cap_random_is_seeded_and_deterministic():
 
 
 def test_cap_not_reached_keeps_all():
-    sel = select_tasks(many_tasks(10), SelectConfig(max_tasks=100))
+    sel = select_tasks(many_tasks(10), SelectConfig(max_tasks=100), success_threshold=0.1)
     assert len(sel.kept) == 8 and "over_cap" not in sel.reasons()
 
 
@@ -189,6 +200,7 @@ def test_write_read_round_trip(tmp_path):
         BASELINE,
         SelectConfig(max_tasks=2, seed=3),
         infeasible={("os", "infeasible-task")},
+        success_threshold=0.1,
     )
     path = write_selection(tmp_path / "sub" / "selected_tasks.json", sel)
     back = read_selection(path)

@@ -50,7 +50,7 @@ def traj(task, group, k, success, reward=None, replayed=False, epoch=1):
 
 @pytest.mark.parametrize("enabled", [True, False])
 def test_all_failed_group_is_filled_from_buffer_only_when_enabled(enabled):
-    buf = ReplayBuffer(ReplayConfig(enabled=enabled, seed=0))
+    buf = ReplayBuffer(ReplayConfig(enabled=enabled, seed=0), success_threshold=0.1)
     buf.add([traj("a", 0, 0, 1.0)])  # a stored success of task a from an earlier iteration
     fresh = [traj("a", 5, k, 0.0) for k in range(4)] + [traj("b", 6, k, float(k == 1)) for k in range(4)]
     batch = prepare_batch(fresh, buf, group_size=4, scale="group", eps=1e-6)
@@ -70,7 +70,7 @@ def test_all_failed_group_is_filled_from_buffer_only_when_enabled(enabled):
 
 
 def test_group_with_missing_rollout_is_dropped():
-    buf = ReplayBuffer(ReplayConfig())
+    buf = ReplayBuffer(ReplayConfig(), success_threshold=0.1)
     fresh = [traj("a", 0, k, float(k == 0)) for k in range(3)] + [
         traj("b", 1, k, float(k == 0)) for k in range(4)
     ]
@@ -85,7 +85,7 @@ def test_task_metrics_on_a_crafted_batch():
     its success is stored after the update. Task "click:odd?": a group with an env-failed job (3 episodes, 1
     success) -> dropped from the update, its success still stored. Task d: every job env-failed -> no
     episodes, no success rate."""
-    buf = ReplayBuffer(ReplayConfig(seed=0))
+    buf = ReplayBuffer(ReplayConfig(seed=0), success_threshold=0.1)
     buf.add([traj("a", 9, 0, 1.0, epoch=0)])  # an earlier iteration's success of a
     fresh = (
         [traj("a", g, k, 0.0) for g in (0, 1) for k in range(4)]
@@ -451,6 +451,7 @@ def test_task_order_and_update_seeds_are_derived_from_the_run_seed(policy_dir, t
         seed=4,
         rollout=harness.rollout_config(cfg, policy_cfg, seed=4),
         generator_factory=harness.RandomReplies,
+        success_threshold=0.1,
     )
     assert replies(other) != replies(tmp_path / "a")
 
@@ -480,7 +481,17 @@ def test_arpo_and_grpo_share_their_first_epoch_on_real_miniwob(tmp_path):
         )
         outs[enabled] = tmp_path / ("arpo" if enabled else "grpo")
         with EnvPool(functools.partial(make_miniwob_env), n=2) as pool:
-            train(grounded, tasks, outs[enabled], cfg, policy_cfg, pool, seed=harness.SEED, rollout=rollout)
+            train(
+                grounded,
+                tasks,
+                outs[enabled],
+                cfg,
+                policy_cfg,
+                pool,
+                seed=harness.SEED,
+                rollout=rollout,
+                success_threshold=0.1,
+            )
 
     def episodes(d, name):
         return [

@@ -125,6 +125,7 @@ def run(policy_dir, out, cfg, policy_cfg, **kw):
         pool,
         seed=SEED,
         rollout=rollout_config(cfg, policy_cfg),
+        success_threshold=0.1,
         **kw,
     )
 

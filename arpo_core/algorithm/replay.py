@@ -159,8 +159,10 @@ class ReplayBuffer:
         buffer.add(t for g in groups for t in g)   # the fresh rollouts
     """
 
-    def __init__(self, config: ReplayConfig | None = None) -> None:
+    def __init__(self, config: ReplayConfig | None = None, *, success_threshold: float) -> None:
         self.config = config or ReplayConfig()
+        self.success_threshold = success_threshold
+        """Stored: a signal strictly above this (params `project.success_threshold`, the one key)."""
         self._items: dict[Key, deque[Trajectory]] = {}
         self._rng = random.Random(self.config.seed)
         self._groups_seen = 0
@@ -183,7 +185,7 @@ class ReplayBuffer:
         """
         stored = 0
         for t in trajs:
-            if t.replayed or not self._signal(t) > self.config.success_threshold:
+            if t.replayed or not self._signal(t) > self.success_threshold:
                 continue
             items = self._items.setdefault(t.key, deque())
             ident = _identity(t)
@@ -292,6 +294,7 @@ class ReplayBuffer:
         manifest = {
             "format_version": _FORMAT_VERSION,
             "config": asdict(self.config),
+            "success_threshold": self.success_threshold,
             "items_file": items_file,
             "order": [
                 {
@@ -318,9 +321,15 @@ class ReplayBuffer:
         return directory
 
     @classmethod
-    def load(cls, directory: str | os.PathLike, config: ReplayConfig | None = None) -> ReplayBuffer:
-        """Load a buffer saved by `save`. `config` overrides the saved one (e.g. to switch replay on);
-        a smaller capacity evicts the oldest items of each key."""
+    def load(
+        cls,
+        directory: str | os.PathLike,
+        config: ReplayConfig | None = None,
+        success_threshold: float | None = None,
+    ) -> ReplayBuffer:
+        """Load a buffer saved by `save`. `config` and `success_threshold` override the saved ones (e.g.
+        to switch replay on); a smaller capacity evicts the oldest items of each key. A buffer saved
+        before the threshold left its config keeps the threshold its config held."""
         directory = Path(directory)
         path = directory / MANIFEST
         if not path.exists():
@@ -328,7 +337,13 @@ class ReplayBuffer:
         manifest = json.loads(path.read_text(encoding="utf-8"))
         if manifest.get("format_version") != _FORMAT_VERSION:
             raise ValueError(f"{path}: unsupported format_version {manifest.get('format_version')!r}")
-        buf = cls(config or ReplayConfig(**manifest["config"]))
+        saved = dict(manifest["config"])
+        saved_threshold = manifest.get("success_threshold", saved.pop("success_threshold", None))
+        saved.pop("success_threshold", None)
+        threshold = success_threshold if success_threshold is not None else saved_threshold
+        if threshold is None:
+            raise ValueError(f"{path}: no success_threshold saved and none given")
+        buf = cls(config or ReplayConfig(**saved), success_threshold=float(threshold))
         flat = read_trajectories(directory / manifest["items_file"]) if manifest["items_file"] else []
         expected = sum(e["n"] for e in manifest["order"])
         if len(flat) != expected:

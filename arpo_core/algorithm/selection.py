@@ -127,12 +127,15 @@ def select_tasks(
     params: SelectConfig | None = None,
     infeasible: Collection[Key] = (),
     exclude: Collection[Key] = (),
+    *,
+    success_threshold: float,
 ) -> Selection:
-    """Select the valuable tasks from baseline rollouts (N per task); see the module decisions."""
+    """Select the valuable tasks from baseline rollouts (N per task); see the module decisions. A success
+    is a score strictly above `success_threshold` (params `project.success_threshold`)."""
     params = params or SelectConfig()
     infeasible = {tuple(k) for k in infeasible}
     exclude = {tuple(k) for k in exclude}
-    counts = count_outcomes(records, params.success_threshold)
+    counts = count_outcomes(records, success_threshold)
     # Keys only named as infeasible/excluded still get a verdict, so the report lists them.
     for k in infeasible | exclude:
         counts.setdefault(k, (0, 0))

@@ -582,6 +582,8 @@ def _restore_or_start(
     device: str = "cpu",
     preload: Sequence[Trajectory] = (),
     ranks: Ranks = SINGLE,
+    *,
+    success_threshold: float,
 ) -> tuple[Policy, Any, ReplayBuffer, TrainState, Policy | None]:
     """The last complete epoch's policy, engine, buffer, state and RNG states
     (decision "Atomic epoch checkpoints"), or a fresh start from `policy_dir` with the global RNGs seeded from
@@ -602,12 +604,14 @@ def _restore_or_start(
         meta = json.loads((ckpt / "state.json").read_text())
         state = TrainState(meta["epoch"], meta["policy_version"], meta["history"])
         replay = (
-            ReplayBuffer.load(ckpt / "replay", config=cfg.replay) if ranks.main else ReplayBuffer(cfg.replay)
+            ReplayBuffer.load(ckpt / "replay", config=cfg.replay, success_threshold=success_threshold)
+            if ranks.main
+            else ReplayBuffer(cfg.replay, success_threshold=success_threshold)
         )
     else:
         policy = load_policy(policy_dir, device=device)
         state = TrainState()
-        replay = ReplayBuffer(cfg.replay)
+        replay = ReplayBuffer(cfg.replay, success_threshold=success_threshold)
         if cfg.replay.preload != "none" and ranks.main:
             # decision "Buffer preload": before epoch 1 only; a resumed buffer holds them
             replay.add(preload)
@@ -918,6 +922,7 @@ def train(
     preload: Sequence[Trajectory] = (),
     ranks: Ranks = SINGLE,
     heartbeat_dir: str | os.PathLike | None = None,
+    success_threshold: float,
 ) -> TrainState:
     """Train from `policy_dir` (or resume from `out_dir`'s last checkpoint) for `cfg.epochs` epochs.
 
@@ -925,6 +930,7 @@ def train(
         cfg: params' `train` section; policy_cfg: its `policy` section (prompt, history window).
         pool: an `EnvPool` (or anything with its submit_* API).
         seed: the run seed (`project.seed`), root of every derived seed (decision "Derived randomness").
+        success_threshold: what the buffer stores as a success (`project.success_threshold`).
         rollout: how training episodes are played (sampling, step limit, pixels), built from params.
         generator_factory: policy -> Generator; default `HFGenerator` with policy_cfg's prompt. A
             generator with `sync_weights` gets the weights after every update (decision "Weight sync").
@@ -943,7 +949,15 @@ def train(
     out_dir = Path(out_dir)
     keys = {t.key for t in tasks}
     policy, engine, replay, state, reference = _restore_or_start(
-        policy_dir, out_dir, cfg, seed, resume, device, [t for t in preload if t.key in keys], ranks
+        policy_dir,
+        out_dir,
+        cfg,
+        seed,
+        resume,
+        device,
+        [t for t in preload if t.key in keys],
+        ranks,
+        success_threshold=success_threshold,
     )
     gen_policy = policy
     if ranks.distributed and getattr(engine, "gathers_in_forward", False):  # decision "Data-parallel ranks"

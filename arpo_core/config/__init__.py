@@ -104,6 +104,11 @@ class ProjectConfig:
     """MLflow experiment name and prefix of run names."""
     seed: Annotated[int, Ge(0)] = 0
     """Global seed: env episodes, sampling, replay draws and selection are derived from it."""
+    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
+    """What a success is, everywhere: an episode whose checker score (in [0, 1]; OSWorld can score
+    fractions) is strictly greater than this. The replay buffer stores such episodes, task selection
+    counts them, RFT keeps them, DPO and KTO take them as chosen / desirable (reference: > 0.1). One key:
+    the five stages that used to hold a copy each could disagree."""
     torch_threads: Annotated[int, Ge(1)] = 1
     """torch intra-op threads per process. On 2 cores shared with browsers, more threads spin and made
     CPU training ~10x slower (measured); raise it on machines with cores to spare."""

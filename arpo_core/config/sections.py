@@ -104,9 +104,6 @@ class DPOConfig:
     label_smoothing: Annotated[float, Interval(ge=0, lt=0.5)] = 0.0
     """cDPO: assumed probability that a preference label is flipped (0 = plain DPO; at 0.5 the labels
     carry no information)."""
-    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """A trajectory with success > this is 'chosen', the others 'rejected' (strict, as selection.py
-    and replay.py count a success; success is a checker score in [0, 1])."""
     max_pairs_per_task: Annotated[int, Ge(1)] | None = 16
     """Cap on pairs per task (None: max(successes, failures) of the task)."""
     steps: Annotated[int, Ge(1)] = 50
@@ -145,8 +142,6 @@ class KTOConfig:
     """lambda_U: weight of the undesirable losses."""
     balance: bool = True
     """Scale the two weights so lambda_D n_D / (lambda_U n_U) is in [1, 4/3] (TRL's advice)."""
-    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """A trajectory with success > this is desirable, the others undesirable (strict, as elsewhere)."""
     steps: Annotated[int, Ge(1)] = 50
     """Optimizer steps."""
     batch_size: Annotated[int, Ge(2)] = 8
@@ -175,8 +170,6 @@ class RFTConfig:
     """Rejection-sampling fine-tuning: SFT on the successful trajectories (preference.py,
     decision "RFT as cloning")."""
 
-    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """Trajectories with success > this are kept (strict, as elsewhere)."""
     max_per_task: Annotated[int, Ge(1)] | None = 16
     """Keep at most this many successes per task (None: all)."""
     seed: Annotated[int, Ge(0)] = 0
@@ -198,9 +191,6 @@ class ReplayConfig:
     """Fill all-failed groups from the buffer. False = plain GRPO (the buffer still records successes)."""
     capacity_per_task: Annotated[int, Ge(1)] = 8
     """Successful trajectories kept per (domain, task id); the oldest is evicted first (paper: 8)."""
-    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """A trajectory is stored when its signal is strictly greater than this (reference: > 0.1); in [0, 1):
-    a success is a checker score in [0, 1]."""
     trigger_std: Annotated[float, Gt(0)] = 0.05
     """A group counts as failed when the population std of its signals is below this ..."""
     trigger_mean: Annotated[float, Interval(gt=0, le=1)] = 0.2
@@ -223,8 +213,6 @@ class ReplayConfig:
 class SelectConfig:
     """Valuable task selection settings (params.yaml `select`)."""
 
-    success_threshold: Annotated[float, Interval(ge=0, lt=1)] = 0.1
-    """A rollout is a success when its checker score (in [0, 1]) is strictly greater than this."""
     min_successes: Annotated[int, Ge(0)] = 1
     """Keep tasks with at least this many successes (paper: 1 of 16)."""
     max_success_rate: Annotated[float, Interval(ge=0, le=1)] | None = None

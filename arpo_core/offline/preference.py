@@ -389,6 +389,7 @@ def dpo(
     trajectories: Sequence[Trajectory],
     config: DPOConfig,
     *,
+    success_threshold: float,
     system: str,
     history_images: int | None,
     engine: Engine | None = None,
@@ -401,13 +402,11 @@ def dpo(
     Returns per-step metrics: loss/dpo, rewards/chosen, rewards/rejected, rewards/margin,
     rewards/accuracy, optim/grad_norm. The final policy goes to `checkpoint_dir/final/` if given.
     """
-    pairs, unpaired = dpo_pairs(
-        trajectories, config.success_threshold, config.max_pairs_per_task, config.seed
-    )
+    pairs, unpaired = dpo_pairs(trajectories, success_threshold, config.max_pairs_per_task, config.seed)
     if not pairs:
         raise ValueError(
             "DPO found no task with both a success and a failure "
-            f"(success_threshold={config.success_threshold}, {len(trajectories)} trajectories)"
+            f"(success_threshold={success_threshold}, {len(trajectories)} trajectories)"
         )
     engine = _make_engine(policy, engine, config)
     encode = _encoder(policy, system, history_images)
@@ -471,6 +470,7 @@ def kto(
     trajectories: Sequence[Trajectory],
     config: KTOConfig,
     *,
+    success_threshold: float,
     system: str,
     history_images: int | None,
     engine: Engine | None = None,
@@ -487,7 +487,7 @@ def kto(
     n = len(trajectories)
     if config.batch_size < 2:
         raise ValueError("KTO needs batch_size >= 2 (the reference point is a batch mean)")
-    desirable = torch.tensor([t.success > config.success_threshold for t in trajectories], dtype=torch.bool)
+    desirable = torch.tensor([t.success > success_threshold for t in trajectories], dtype=torch.bool)
     n_d = int(desirable.sum())
     mult_d, mult_u = kto_class_weights(n_d, n - n_d) if config.balance else (1.0, 1.0)
     w_d, w_u = config.desirable_weight * mult_d, config.undesirable_weight * mult_u
@@ -557,6 +557,7 @@ def rft(
     trajectories: Sequence[Trajectory],
     config: RFTConfig,
     *,
+    success_threshold: float,
     system: str,
     history_images: int | None,
     checkpoint_dir: str | Path | None = None,
@@ -564,10 +565,10 @@ def rft(
 ) -> list[float]:
     """Rejection-sampling fine-tuning: `behaviour_cloning.sft` on the successes (decision "RFT as cloning");
     returns its losses."""
-    kept = rft_select(trajectories, config.success_threshold, config.max_per_task, config.seed)
+    kept = rft_select(trajectories, success_threshold, config.max_per_task, config.seed)
     if not kept:
         raise ValueError(
-            f"RFT found no trajectory with success > {config.success_threshold} among {len(trajectories)}"
+            f"RFT found no trajectory with success > {success_threshold} among {len(trajectories)}"
         )
     return sft(
         policy,

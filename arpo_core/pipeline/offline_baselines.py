@@ -41,13 +41,14 @@ def no_data_reason(p: Params, method: str, trajs: list[Trajectory]) -> str | Non
     """Decision "Skipped baselines": why `method` cannot train on `trajs`, or None when it can."""
     from arpo_core.offline.preference import dpo_pairs, rft_select
 
+    threshold = p.project.success_threshold
     if method == "rft":
         c = p.rft
-        if not rft_select(trajs, c.success_threshold, c.max_per_task, c.seed):
-            return f"no baseline rollout with success > {c.success_threshold} ({len(trajs)} rollouts)"
+        if not rft_select(trajs, threshold, c.max_per_task, c.seed):
+            return f"no baseline rollout with success > {threshold} ({len(trajs)} rollouts)"
     elif method == "dpo":
         c = p.dpo
-        if not dpo_pairs(trajs, c.success_threshold, c.max_pairs_per_task, c.seed)[0]:
+        if not dpo_pairs(trajs, threshold, c.max_pairs_per_task, c.seed)[0]:
             return f"no task with both a success and a failure among {len(trajs)} baseline rollouts"
     elif len(trajs) < 2:
         return f"KTO needs at least 2 baseline rollouts, got {len(trajs)}"
@@ -58,7 +59,12 @@ def _train(p: Params, method: str, policy: Any, trajs: list[Trajectory]) -> dict
     from arpo_core.algorithm.engines import TorchEngine
     from arpo_core.offline.preference import dpo, kto, rft
 
-    kw = {"progress": True, "system": p.policy.system_prompt, "history_images": p.policy.history_images}
+    kw = {
+        "progress": True,
+        "success_threshold": p.project.success_threshold,
+        "system": p.policy.system_prompt,
+        "history_images": p.policy.history_images,
+    }
     if method == "rft":
         losses = rft(policy, trajs, p.rft, **kw)
         return {"rft/loss_first": losses[0], "rft/loss_last": losses[-1], "rft/steps": float(len(losses))}
@@ -128,7 +134,7 @@ STAGES: tuple[Stage, ...] = tuple(
     Stage(
         method,
         run=run,
-        params=(method, *EVALUATION, "train.use_selection"),
+        params=(method, "project.success_threshold", *EVALUATION, "train.use_selection"),
         inputs={
             "policy_dir": "models/base",
             "baseline_dir": "data/baseline",

@@ -17,7 +17,12 @@ __all__ = ["STAGE", "kept_distribution", "run"]
 def run(p: Params, baseline_dir: str | os.PathLike, out_path: str | os.PathLike) -> dict[str, Any]:
     """The kept tasks to `out_path` (JSON)."""
     infeasible = {t.key for t in suite_tasks(p, "in_domain") if not t.feasible}
-    sel = select_tasks(read_trajectories(baseline_dir), p.select, infeasible=infeasible)
+    sel = select_tasks(
+        read_trajectories(baseline_dir),
+        p.select,
+        infeasible=infeasible,
+        success_threshold=p.project.success_threshold,
+    )
     write_selection(out_path, sel)
     return {"select/kept": float(len(sel.kept)), "select/tasks": float(len(sel.counts))} | kept_distribution(
         sel
@@ -52,7 +57,13 @@ def kept_distribution(sel: Selection) -> dict[str, float]:
 STAGE = Stage(
     "select",
     run=run,
-    params=("select", "env.kind", "env.in_domain_suite", "env.out_of_domain_suite"),
+    params=(
+        "select",
+        "project.success_threshold",
+        "env.kind",
+        "env.in_domain_suite",
+        "env.out_of_domain_suite",
+    ),
     inputs={"baseline_dir": "data/baseline"},
     outputs={"out_path": "data/selected_tasks.json"},
     artifacts={"data/selected_tasks.json": "selection"},

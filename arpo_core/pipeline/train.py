@@ -183,6 +183,7 @@ def run(
             preload=preload,
             ranks=ranks,
             heartbeat_dir=Path(out_dir) / "ranks",
+            success_threshold=p.project.success_threshold,
         )
     if not ranks.main:
         return {"train/epochs": float(state.epoch)}
@@ -243,7 +244,7 @@ def artifacts(out_dir: str | os.PathLike) -> list[tuple[Path, str]]:
 STAGE = Stage(
     "train",
     run=run,
-    params=("train", "policy", "project.seed", *SUITES, *DURING_TRAINING),
+    params=("train", "policy", "project.seed", "project.success_threshold", *SUITES, *DURING_TRAINING),
     inputs={
         "policy_dir": "models/base",
         "selected_path": "data/selected_tasks.json",
