@@ -78,7 +78,7 @@ def main() -> None:
     policy.model.train()
     seqs = encode_trajectories(policy, trajectories(args.batch), system="compact", history_images=None)
     adv = torch.linspace(-1, 1, args.batch)
-    engine = TorchEngine(policy.model, lr=1e-6)
+    engine = TorchEngine(policy.model, lr=1e-6, weight_decay=1e-2, max_grad_norm=1.0)
     cfg = TrainConfig(micro_batch_size=args.micro, mini_batch_size=args.batch)
     old = compute_logps(policy, seqs, micro_batch_size=args.micro, bf16=False)
 

@@ -3,6 +3,7 @@ including gradient accumulation over several backward calls before one step."""
 
 from __future__ import annotations
 
+import logging
 import os
 
 import pytest
@@ -61,7 +62,7 @@ def test_deepspeed_matches_torch_engine(stage, torch_result):
 
 def test_torch_engine_skips_non_finite_gradients():
     model = make_model()
-    eng = TorchEngine(model, lr=1e-2)
+    eng = TorchEngine(model, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)
     before = [p.detach().clone() for p in model.parameters()]
     eng.backward(model(torch.full((2, 8), float("nan"))).sum())
     norm = eng.step()
@@ -71,10 +72,10 @@ def test_torch_engine_skips_non_finite_gradients():
 
 
 def test_torch_engine_state_round_trip(tmp_path):
-    eng = TorchEngine(make_model(), lr=1e-2)
+    eng = TorchEngine(make_model(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)
     train(eng, steps=2)
     eng.save(tmp_path)
-    eng2 = TorchEngine(make_model(), lr=1e-2)
+    eng2 = TorchEngine(make_model(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0)
     eng2.load(tmp_path)
     s1, s2 = eng.optimizer.state_dict(), eng2.optimizer.state_dict()
     assert s1["param_groups"] == s2["param_groups"]
@@ -84,7 +85,7 @@ def test_torch_engine_state_round_trip(tmp_path):
 
 def test_make_engine_rejects_unknown():
     with pytest.raises(ValueError, match="unknown engine 'jax'"):
-        make_engine("jax", make_model(), lr=1e-3)
+        make_engine("jax", make_model(), lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)
 
 
 def adam_state(engine):
@@ -100,19 +101,22 @@ def adam_state(engine):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("stage", [2, 3])
-def test_deepspeed_checkpoint_round_trip_into_a_fresh_engine(stage, tmp_path):
+def test_deepspeed_checkpoint_round_trip_into_a_fresh_engine(stage, tmp_path, caplog):
     """Issue 16: the engine saves into a directory (as the trainer's epoch checkpoint does) without a
     DeepSpeed `latest` file colliding with its tag, and a freshly built engine on a differently
     initialised model loads it: the same weights, fp32 master shards, Adam moments and step count, and
     the two engines then take identical steps."""
-    eng = DeepSpeedEngine(make_model(), lr=1e-2, zero_stage=stage)
+    eng = DeepSpeedEngine(make_model(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, zero_stage=stage)
     train(eng, steps=2)
     eng.save(tmp_path)
-    assert sorted(p.name for p in (tmp_path / "deepspeed").iterdir() if p.suffix != ".py") == ["state"]
+    assert sorted(p.name for p in (tmp_path / "deepspeed").iterdir() if p.suffix != ".py") == [
+        "ranks.json",
+        "state",
+    ]  # no DeepSpeed `latest`; the rank count (engines.py, decision "Data-parallel ranks")
 
     torch.manual_seed(5)
     other = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
-    fresh = DeepSpeedEngine(other, lr=1e-2, zero_stage=stage)
+    fresh = DeepSpeedEngine(other, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, zero_stage=stage)
     assert not torch.equal(params_of(fresh)[0], params_of(eng)[0])
     fresh.load(tmp_path)
     for p, q in zip(params_of(fresh), params_of(eng), strict=True):
@@ -131,10 +135,24 @@ def test_deepspeed_checkpoint_round_trip_into_a_fresh_engine(stage, tmp_path):
     for p, q in zip(after, after2, strict=True):
         assert torch.equal(p, q)
 
+    # a checkpoint sharded over another number of ranks: one warning, the optimizer starts afresh and
+    # the weights stay those the engine was built from (the checkpoint's policy, in the trainer)
+    (tmp_path / "deepspeed" / "ranks.json").write_text('{"ranks": 2}')
+    torch.manual_seed(6)
+    third = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 1))
+    before = [p.detach().clone() for p in third.parameters()]
+    other_ranks = DeepSpeedEngine(third, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, zero_stage=stage)
+    with caplog.at_level(logging.WARNING, logger="arpo.train"):
+        other_ranks.load(tmp_path)
+    assert "sharded over 2 rank(s), this run has 1" in caplog.text
+    with other_ranks.full_weights():
+        for p, q in zip(other_ranks.model.parameters(), before, strict=True):
+            assert torch.equal(p.detach(), q)
+
 
 @pytest.mark.slow
 def test_deepspeed_load_refuses_a_missing_checkpoint(tmp_path):
-    eng = DeepSpeedEngine(make_model(), lr=1e-2, zero_stage=2)
+    eng = DeepSpeedEngine(make_model(), lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, zero_stage=2)
     with pytest.raises(FileNotFoundError, match="no DeepSpeed engine checkpoint"):
         eng.load(tmp_path)
 
@@ -148,7 +166,7 @@ def test_zero3_save_pretrained_writes_the_full_weights(tmp_path):
     build_tiny_policy(tmp_path / "tiny", size="xs", seed=0)
     policy = load_policy(tmp_path / "tiny")
     want = {k: v.clone() for k, v in policy.model.state_dict().items()}
-    eng = DeepSpeedEngine(policy.model, lr=1e-2, zero_stage=3)
+    eng = DeepSpeedEngine(policy.model, lr=1e-2, weight_decay=0.01, max_grad_norm=1.0, zero_stage=3)
     assert any(p.numel() == 0 for p in policy.model.parameters())  # partitioned in place
     with eng.full_weights():
         assert all(p.numel() > 0 for p in policy.model.parameters())

@@ -195,8 +195,8 @@ def test_deepspeed_zero3_update_matches_torch(policy_dir):
 
     results = []
     for make in (
-        lambda m: TorchEngine(m, lr=1e-3, weight_decay=0.0),
-        lambda m: DeepSpeedEngine(m, lr=1e-3, weight_decay=0.0, zero_stage=3),
+        lambda m: TorchEngine(m, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0),
+        lambda m: DeepSpeedEngine(m, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, zero_stage=3),
     ):
         policy = load_policy(policy_dir)
         seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact", history_images=None)

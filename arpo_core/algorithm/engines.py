@@ -65,8 +65,8 @@ class TorchEngine:
         self,
         model: torch.nn.Module,
         lr: float,
-        weight_decay: float = 1e-2,
-        max_grad_norm: float = 1.0,
+        weight_decay: float,
+        max_grad_norm: float,
         ranks: Ranks = SINGLE,
     ) -> None:
         self.model = model
@@ -118,8 +118,8 @@ class DeepSpeedEngine:
         self,
         model: torch.nn.Module,
         lr: float,
-        weight_decay: float = 1e-2,
-        max_grad_norm: float = 1.0,
+        weight_decay: float,
+        max_grad_norm: float,
         zero_stage: int = 2,
         bf16: bool = False,
         offload_optimizer: bool = False,
