@@ -255,7 +255,8 @@ def _launch_ranks(n: int, params: Path, set_: list[str], preset: str | None, for
     copies of `arpo stage train` on this machine under this command's run lock. A rank that dies ends the
     job at once (the launcher stops the others; a hung rank ends at `train.distributed.timeout_s`), and
     the error names the rank, how it ended and its last step from the ranks' heartbeats
-    (distributed.py, decision "Rank heartbeats"). Run the same command again to resume, with any number of ranks."""
+    (distributed.py, decision "Rank heartbeats"). Run the same command again to resume, with any number of
+    ranks."""
     from arpo_core.algorithm.distributed import launch_ranks
     from arpo_core.algorithm.engines import free_port
     from arpo_core.pipeline.table import stage as stage_of

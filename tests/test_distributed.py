@@ -143,7 +143,8 @@ def _one_rank(
 def reference(policy_dir, tmp_path_factory):
     """The one-process runs the 2-rank runs are compared with, made once per module when first asked:
     torch with micro 2 / mini 4 (two optimizer steps per iteration, accumulation over micro-batches;
-    DeepSpeed ZeRO-2 computes the same, engines.py, decision "No loss rescaling") and ZeRO-3 in one process with micro 8 /
+    DeepSpeed ZeRO-2 computes the same, engines.py, decision "No loss rescaling") and ZeRO-3 in one process
+    with micro 8 /
     mini 8 (ZeRO-3 accumulates nothing; in one process it differs from torch by ~1e-5 relative in the
     gradient norm, so its 2 ranks are held to its own 1-rank run)."""
     root = tmp_path_factory.mktemp("one")

@@ -11,7 +11,8 @@ Decisions:
   code path of a run that never heard of ranks.
 - **Whole groups per rank.** A group never spans ranks (`split_jobs`): rank r plays groups r, r + R, r + 2R,
   ... of the iteration's job list, with the jobs' GLOBAL indices, so every reply draws the seed it would draw
-  in one process (rollout.py, decision "Per-step sampling seeds") and the same job list gives the same trajectories with any R.
+  in one process (rollout.py, decision "Per-step sampling seeds") and the same job list gives the same
+  trajectories with any R.
 - **One buffer owner.** One buffer, one owner: rank 0 gathers the iteration's trajectories (`gather`), merges
   them back into job order and runs the one-process code on them - replay fill, group advantages, the buffer
   add, metrics, the trajectories file - then sends each rank its share of the filled batch (`scatter`).
@@ -90,7 +91,8 @@ class Ranks:
 
     @classmethod
     def from_env(cls, timeout_s: float = 1800.0, backend: str = "auto") -> Ranks:
-        """Decision "Standard launchers": join the launcher's process group (idempotent), or `SINGLE` without a launcher."""
+        """Decision "Standard launchers": join the launcher's process group (idempotent), or `SINGLE` without
+        a launcher."""
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return SINGLE
@@ -131,7 +133,8 @@ class Ranks:
         return buf.to(values.device, values.dtype)
 
     def all_reduce_grads(self, params: Sequence[torch.nn.Parameter]) -> None:
-        """Decision "Summed gradients": sum every parameter's gradient over ranks in place (a missing gradient counts as
+        """Decision "Summed gradients": sum every parameter's gradient over ranks in place (a missing
+        gradient counts as
         zero and is created), one flat buffer per call."""
         if not self.distributed or not params:
             return
@@ -192,7 +195,8 @@ SINGLE = Ranks()
 
 
 def split_jobs(jobs: Sequence[T], world: int, rank: int) -> list[tuple[int, T]]:
-    """Decision "Whole groups per rank": (global index, job) of the jobs rank `rank` plays: whole groups, round-robin.
+    """Decision "Whole groups per rank": (global index, job) of the jobs rank `rank` plays: whole groups,
+    round-robin.
 
     `jobs` are group-contiguous with a `group_id` attribute (rollout.py `make_group_jobs`)."""
     groups: list[int] = []
@@ -291,7 +295,8 @@ def where(record: dict[str, Any] | None) -> str:
 def launch_ranks(
     n: int, argv: Sequence[str], heartbeat_dir: str | os.PathLike, port: int, max_restarts: int = 0
 ) -> str | None:
-    """Decision "Rank heartbeats": run `python argv...` as `n` ranks on this machine with torch's elastic launcher (what
+    """Decision "Rank heartbeats": run `python argv...` as `n` ranks on this machine with torch's elastic
+    launcher (what
     `torchrun --nproc-per-node n` runs); None when every rank succeeded, else one line naming each
     failed rank, how it ended and its last step. A rank that dies makes the launcher stop the others
     at once (no rank waits for its collective timeout)."""
@@ -326,7 +331,8 @@ def launch_ranks(
 
 
 def describe_failure(directory: str | os.PathLike, failed: dict[int, str], since: float = 0.0) -> str:
-    """Decision "Rank heartbeats": one line naming each failed rank (rank -> how it ended, e.g. 'signal 9') and its last
+    """Decision "Rank heartbeats": one line naming each failed rank (rank -> how it ended, e.g. 'signal 9')
+    and its last
     step, from the heartbeats written after `since`."""
     beats = {r: b for r, b in read_heartbeats(directory).items() if b.get("time", 0.0) >= since}
     parts = [f"rank {r} {how} at {where(beats.get(r))}" for r, how in sorted(failed.items())]

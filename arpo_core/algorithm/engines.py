@@ -56,7 +56,8 @@ __all__ = ["DeepSpeedEngine", "TorchEngine", "free_port", "make_engine"]
 
 
 class TorchEngine:
-    """AdamW + grad-norm clipping on one device; gradients summed over data-parallel ranks (decision "Data-parallel ranks")."""
+    """AdamW + grad-norm clipping on one device; gradients summed over data-parallel ranks (decision
+    "Data-parallel ranks")."""
 
     reduces_in_backward = False
     gathers_in_forward = False

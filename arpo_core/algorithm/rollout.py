@@ -176,7 +176,8 @@ class RolloutResult:
     """Jobs that hit env faults `env_retries + 1` times, with the last error, in job order."""
     metrics: dict[str, float] = field(default_factory=dict)
     orders: list[int] = field(default_factory=list)
-    """Each trajectory's index in the job list its call was given (decision "Ranks' job indices": the whole iteration's)."""
+    """Each trajectory's index in the job list its call was given (decision "Ranks' job indices": the whole
+    iteration's)."""
 
 
 @dataclass
@@ -504,7 +505,8 @@ def episode_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
 
 
 def merge_results(parts: Sequence[RolloutResult]) -> RolloutResult:
-    """Decision "Ranks' job indices": the data-parallel ranks' results of one iteration as one call's would be: episodes
+    """Decision "Ranks' job indices": the data-parallel ranks' results of one iteration as one call's would
+    be: episodes
     back in job order, failures in job order, episode rates recomputed over all episodes, counts summed,
     times the slowest rank's, utilisation the ranks' mean, batch size weighted by generate calls."""
     if len(parts) == 1:

@@ -372,7 +372,8 @@ def _save_checkpoint(
 
 
 def _publish_checkpoint(ckpts: Path, tmp: Path, final: Path, state: TrainState) -> Path:
-    """Rename the checked temp dir into place, point `latest` at it, rotate (decisions "Atomic epoch checkpoints" and "Checkpoint integrity")."""
+    """Rename the checked temp dir into place, point `latest` at it, rotate
+    (decisions "Atomic epoch checkpoints" and "Checkpoint integrity")."""
     name = final.name
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
@@ -394,7 +395,8 @@ def _publish_checkpoint(ckpts: Path, tmp: Path, final: Path, state: TrainState) 
 def _save_checkpoint_ranks(
     out_dir: Path, policy: Policy, engine, replay: ReplayBuffer, state: TrainState, ranks: Ranks
 ) -> Path:
-    """Decision "Data-parallel ranks": rank 0 prepares the temp dir; every rank writes its part of the engine state and
+    """Decision "Data-parallel ranks": rank 0 prepares the temp dir; every rank writes its part of the engine
+    state and
     joins the gather of a ZeRO-3 policy; rank 0 writes the rest, checks, renames; every rank returns
     once the checkpoint is in place. A failure on rank 0 reaches the others as its error text."""
     ckpts = out_dir / "checkpoints"
@@ -655,7 +657,8 @@ class _UpdateShare(NamedTuple):
 
 def _shares(batch: PreparedBatch, cfg: TrainConfig, ranks: Ranks) -> list[_UpdateShare]:
     """The update batch (zero advantages left out when asked) split by trajectory over the ranks
-    (distributed.py, decision "Split by trajectory"); a rank without any gets a padding copy of the first one."""
+    (distributed.py, decision "Split by trajectory"); a rank without any gets a padding copy of the first
+    one."""
     adv = batch.advantages
     keep = [i for i in range(len(batch.trajectories)) if not (cfg.skip_zero_advantage and adv[i] == 0)]
     out = []
@@ -672,7 +675,8 @@ def _shares(batch: PreparedBatch, cfg: TrainConfig, ranks: Ranks) -> list[_Updat
 
 
 def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, float]:
-    """The policy update on this rank's share of a prepared batch (decisions "ARPO order of operations", "Frozen reference policy" and "Data-parallel ranks"); returns its
+    """The policy update on this rank's share of a prepared batch (decisions "ARPO order of operations",
+    "Frozen reference policy" and "Data-parallel ranks"); returns its
     metrics (over all ranks)."""
     cfg, pc, ranks = run.cfg, run.policy_cfg, run.ranks
     kept = share.trajectories
@@ -727,7 +731,8 @@ def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, fl
 
 
 def _reduce_gap(ranks: Ranks, gap: dict[str, float]) -> dict[str, float]:
-    """The diagnostic of decision "Weight sync" over all ranks: maxima of the maxima, the per-token mean weighted by the
+    """The diagnostic of decision "Weight sync" over all ranks: maxima of the maxima, the per-token mean
+    weighted by the
     replies compared."""
     if not ranks.distributed:
         return gap
@@ -792,7 +797,8 @@ def _run_iteration(
     run: _Run, epoch: int, it: int, chunk: Sequence[TaskSpec], progress_factory: Callable[..., Any] | None
 ) -> dict[str, float]:
     """rollout -> prepare_batch (replay fill + advantages) -> update -> buffer add -> write trajectories.
-    With ranks (decision "Data-parallel ranks") each rank plays its groups, rank 0 does the batch work, every rank updates
+    With ranks (decision "Data-parallel ranks") each rank plays its groups, rank 0 does the batch work, every
+    rank updates
     on its share; the metrics are rank 0's (an empty dict elsewhere)."""
     t0 = time.monotonic()
     cfg, ranks = run.cfg, run.ranks
@@ -877,7 +883,8 @@ def _end_epoch(
 
 
 class _OnCopy:
-    """Decision "Data-parallel ranks": generation on an unpartitioned copy of a policy ZeRO-3 shards over several ranks
+    """Decision "Data-parallel ranks": generation on an unpartitioned copy of a policy ZeRO-3 shards over
+    several ranks
     (every forward of the sharded one is a collective, and ranks sample different prompts). Synced from
     the gathered weights after every update, through the path of decision "Weight sync"."""
 

@@ -190,7 +190,8 @@ def compute_logps(
     pad_to: int = 0,
 ) -> list[torch.Tensor]:
     """Per-token log-probs of each sequence (unpadded, (L_i,) float32, 0 at position 0), in eval mode.
-    `pad_to`: run at least that many forwards (zero-work repeats of the first chunk; the lockstep of decision "Global normalisation"
+    `pad_to`: run at least that many forwards (zero-work repeats of the first chunk; the lockstep of decision
+    "Global normalisation"
     under ZeRO-3, where every forward is a collective); it needs at least one sequence."""
     was_training = policy.model.training
     policy.model.eval()
@@ -291,7 +292,8 @@ def ppo_update(
                 row_w[i] = n_masked[i] / total
 
     # The plan: every ppo epoch's order over ALL trajectories, cut into mini-batches; per mini-batch
-    # the local sequences, its denominator (decision "Global normalisation") and how many micro-batch passes every rank runs.
+    # the local sequences, its denominator (decision "Global normalisation") and how many micro-batch passes
+    # every rank runs.
     gen = torch.Generator().manual_seed(seed)
     plan: list[tuple[list[int], int]] = []  # (local sequence indices, global trajectories in it)
     for _ in range(cfg.ppo_epochs):
