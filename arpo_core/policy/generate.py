@@ -1,7 +1,7 @@
 """Batched generation for live episodes: a `Generator` protocol, the HF (torch) backend, and a vLLM backend.
 
 Decisions:
-1. The HF backend runs its own decode loop over `Qwen2_5_VLForConditionalGeneration` with a KV cache
+1. The HF backend runs its own decode loop over the policy's model (Qwen2.5-VL or Qwen3-VL) with a KV cache
    instead of `model.generate`, so that (a) sampling uses one private `torch.Generator` per prompt,
    seeded with that prompt's own seed (`seeds[b]`), and never touches the global RNG: a prompt gives the
    same reply whatever batch it shares and whatever row it sits in (a one-prompt call with the same
@@ -12,10 +12,11 @@ Decisions:
    sampled token: GRPO's old_logps are recomputed by the trainer at temperature 1 (docs/method.md §1), so
    these are directly comparable with `sequences.sequence_logprobs` (tests hold them within 1e-4 in fp32).
    Temperature and top-p only shape which token is drawn. temperature == 0 means greedy (argmax).
-3. Left padding with an attention mask; prompt positions are Qwen2.5-VL's 3-D M-RoPE positions from
-   `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given, docs/method.md §7); each new
-   token continues at (last position + 1) in all three axes, which is what the full forward assigns to
-   text after the last image.
+3. Left padding with an attention mask; prompt positions are the model's own 3-D M-RoPE positions from
+   its `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given, docs/method.md §7;
+   Qwen3-VL has the same interface and refuses a multimodal forward without mm_token_type_ids); each
+   new token continues at (last position + 1) in all three axes, which is what the full forward
+   assigns to text after the last image, in both families.
 4. A row stops at `<|im_end|>` or `<|endoftext|>` (kept as the last token id and log-prob; finish_reason
    "stop") or after max_new_tokens ("length"). The text excludes special tokens.
 6. The vision special tokens (`<|image_pad|>`, `<|vision_start|>`, ...; `Policy.vision_token_ids`) are
@@ -70,6 +71,10 @@ Decisions:
     least `MIN_SHARED_PREFIX` tokens. On this machine it made the batch-8 prefill 1.10-1.12x and the
     whole batched call 1.015-1.054x faster (A/B in three runs, benchmarks/results/generation.json,
     `unshared_head`). With one prompt there is nothing to share.
+13. Weights handed to vLLM carry their checkpoint names, which differ by family (`checkpoint_name`):
+    Qwen2.5-VL checkpoints (UI-TARS-1.5) use the older `model.*` / `visual.*` layout, Qwen3-VL ones
+    (GUI-Owl-1.5) the transformers parameter names themselves (`model.language_model.*`,
+    `model.visual.*`). Not run against vLLM here (no GPU).
 """
 
 from __future__ import annotations
@@ -362,10 +367,13 @@ class HFGenerator:
         ]
 
 
-def checkpoint_name(name: str) -> str:
+def checkpoint_name(name: str, family: str = "qwen2_5_vl") -> str:
     """A parameter of transformers' Qwen2.5-VL (`model.language_model.*`, `model.visual.*`, `lm_head.*`)
     -> its name in a checkpoint file (`model.*`, `visual.*`, `lm_head.*`), the layout of UI-TARS-1.5-7B's
-    safetensors and of what `save_pretrained` writes, i.e. what the vLLM engine loaded at its start."""
+    safetensors and of what `save_pretrained` writes, i.e. what the vLLM engine loaded at its start.
+    Qwen3-VL checkpoints keep the parameter names (decision 13)."""
+    if family == "qwen3_vl":
+        return name
     for new, old in (("model.language_model.", "model."), ("model.visual.", "visual.")):
         if name.startswith(new):
             return old + name[len(new) :]
@@ -375,7 +383,8 @@ def checkpoint_name(name: str) -> str:
 def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(checkpoint name, parameter) of every parameter once (tied embeddings: the embedding only, as in
     the checkpoint file)."""
-    return [(checkpoint_name(n), p) for n, p in model.named_parameters()]
+    family = str(getattr(getattr(model, "config", None), "model_type", "qwen2_5_vl"))
+    return [(checkpoint_name(n, family), p) for n, p in model.named_parameters()]
 
 
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:
