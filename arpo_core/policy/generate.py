@@ -75,10 +75,13 @@ Decisions:
     Qwen2.5-VL checkpoints (UI-TARS-1.5) use the older `model.*` / `visual.*` layout, Qwen3-VL ones
     (GUI-Owl-1.5) the transformers parameter names themselves (`model.language_model.*`,
     `model.visual.*`). Not run against vLLM here (no GPU).
+14. The KV cache goes in and out under the installed transformers' name for it (`CACHE_KW`, `_cache_of`):
+    `cache` since 5.2x, `past_key_values` before (5.17, the GPU environment's); nothing else differs.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -86,6 +89,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
+from transformers import Qwen2_5_VLForConditionalGeneration
 
 from arpo_core.policy.decode import LeanDecoder
 from arpo_core.policy.model import Policy
@@ -112,6 +116,19 @@ __all__ = [
 
 MIN_SHARED_PREFIX = 16
 """Decision 12: shorter shared heads are not worth a second forward call."""
+
+CACHE_KW = (
+    "cache"
+    if "cache" in inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters
+    else "past_key_values"
+)
+"""Decision 14: the forward's keyword (and the output's field) of the KV cache in this transformers."""
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a forward's output (decision 14)."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 @dataclass(frozen=True)
@@ -297,9 +314,11 @@ class HFGenerator:
         next_pos = pos.amax(dim=(0, 2)) + 1  # (B,)
         cache = None
         if head:  # decision 12: the head's keys and values once, copied to every row
-            cache = model.model.language_model(
-                input_ids=enc.input_ids[:1, :head], position_ids=pos[:, :1, :head], use_cache=True
-            ).cache
+            cache = _cache_of(
+                model.model.language_model(
+                    input_ids=enc.input_ids[:1, :head], position_ids=pos[:, :1, :head], use_cache=True
+                )
+            )
             for layer in cache.layers:
                 layer.keys = layer.keys.expand(B, -1, -1, -1).contiguous()
                 layer.values = layer.values.expand(B, -1, -1, -1).contiguous()
@@ -310,11 +329,11 @@ class HFGenerator:
             pixel_values=enc.pixel_values,
             image_grid_thw=enc.image_grid_thw,
             mm_token_type_ids=enc.mm_token_type_ids[:, head:],
-            cache=cache,
+            **{CACHE_KW: cache},
             use_cache=True,
             logits_to_keep=1,  # only the last position's logits: (B, 1, V), not (B, T, V)
         )
-        cache = out.cache
+        cache = _cache_of(out)
         logits = out.logits[:, -1]  # (B, V)
         attention = enc.attention_mask
         lean = None
@@ -343,10 +362,10 @@ class HFGenerator:
                     input_ids=nxt[:, None],
                     attention_mask=attention,
                     position_ids=next_pos.view(1, B, 1).expand(3, B, 1),
-                    cache=cache,
+                    **{CACHE_KW: cache},
                     use_cache=True,
                 )
-                cache = out.cache
+                cache = _cache_of(out)
                 logits = out.logits[:, -1]
             next_pos = next_pos + 1
 
