@@ -1,6 +1,6 @@
-"""A tiny Qwen3-VL through the front door (docs/models.md): `arpo run --preset qwen3vl-tiny --target evaluate`
-in a project copy builds it in the Hub's sharded layout, passes it through `ground`, clones tool-call
-demos, trains and evaluates it, every reply parsed in the Qwen3-VL grammar."""
+"""A tiny Qwen3-VL through the pipeline's stages (docs/models.md), on the `qwen3vl-tiny` preset: `init_policy`
+builds it in the Hub's sharded layout, `ground` passes it through, the demos are tool calls, `sft`,
+`train` and `evaluate` run, every reply parsed in the Qwen3-VL grammar."""
 
 from __future__ import annotations
 
@@ -38,46 +38,49 @@ def _parses(text: str, parse) -> bool:
     return True
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(900)
-def test_a_tiny_qwen3vl_goes_through_sft_train_and_evaluate(tmp_path):
-    project = oh.copy_project(tmp_path / "proj")
-    env = oh.base_env(project)
-    cmd = [str(oh.VENV_BIN / "arpo"), "run", "--preset", "qwen3vl-tiny", "--target", "evaluate"]
-    t0 = time.monotonic()
-    res = oh.run(cmd, project, env, timeout=780)
-    out = res.stdout + res.stderr
-    assert res.returncode == 0, out[-6000:]
-    print(f"arpo run --preset qwen3vl-tiny --target evaluate: {time.monotonic() - t0:.0f} s")
-    for i, name in enumerate(UPSTREAM, 1):
-        assert f"{i}/{len(UPSTREAM)} {name}: done in" in out, f"stage {name} did not run:\n{out[-4000:]}"
+@pytest.mark.timeout(600)
+def test_a_tiny_qwen3vl_goes_through_sft_train_and_evaluate(tmp_path, monkeypatch, one_thread):
+    """The stage functions of init_policy .. evaluate, in order, on the preset's budgets cut further, in
+    this process (the front door adds Prefect and MLflow, not stage work: `arpo run --preset qwen3vl-tiny
+    --target evaluate` ran them all in 2.5 min here, docs/models.md)."""
+    monkeypatch.chdir(oh.ROOT)  # the suites are read relative to the project root
+    p = load_params(
+        oh.ROOT / "params.yaml",
+        [
+            "demos.episodes_per_task=2",
+            "baseline.episodes_per_task=1",
+            "sft.steps=6",
+            "evaluate.episodes_per_task=1",
+        ],
+        preset="qwen3vl-tiny",
+    )
     by_name = {s.name: s for s in STAGES}
+    t0 = time.monotonic()
     for name in UPSTREAM:
-        assert (project / by_name[name].metrics).is_file(), name
+        stage = by_name[name]
+        paths = {k: tmp_path / v for k, v in {**stage.inputs, **stage.outputs}.items()}
+        stage.run(p, **stage.consts, **paths)
+    print(f"init_policy .. evaluate of the tiny Qwen3-VL, in process: {time.monotonic() - t0:.0f} s")
 
-    init = project / "models" / "init"
+    init = tmp_path / "models" / "init"
     assert json.loads((init / "config.json").read_text())["model_type"] == "qwen3_vl"
     assert (
         len(list(init.glob("model-*-of-*.safetensors"))) >= 2
         and (init / "model.safetensors.index.json").exists()
     )
     for trained in ("base", "arpo/policy"):
-        assert (
-            json.loads((project / "models" / trained / "config.json").read_text())["model_type"] == "qwen3_vl"
-        )
+        config = json.loads((tmp_path / "models" / trained / "config.json").read_text())
+        assert config["model_type"] == "qwen3_vl"
 
-    demos = read_trajectories(project / "data" / "demos")
+    demos = read_trajectories(tmp_path / "data" / "demos")
     assert demos and all(t.success == 1.0 for t in demos)
     for t in demos:  # behaviour cloning is taught the family's own grammar, never UI-TARS calls
         for s in t.steps:
             assert _parses(s.response_text, parse_tool_call_response), s.response_text
             assert not _parses(s.response_text, parse_response)
-
-    metrics = json.loads((project / "metrics" / "evaluate.json").read_text())
-    for policy in ("base", "trained"):
-        assert f"eval/{policy}/greedy/in_domain/success_rate" in metrics, sorted(metrics)[:20]
-    episodes = read_trajectories(project / "data" / "eval" / "arpo.parquet")
-    assert episodes
-    for t in episodes:  # every reply was judged by the tool-call parser
-        for s in t.steps:
-            assert s.parse_ok == _parses(s.response_text, parse_tool_call_response)
+    for policy in ("base", "arpo"):
+        episodes = read_trajectories(tmp_path / "data" / "eval" / f"{policy}.parquet")
+        assert episodes
+        for t in episodes:  # every reply was judged by the tool-call parser
+            for s in t.steps:
+                assert s.parse_ok == _parses(s.response_text, parse_tool_call_response)

@@ -344,3 +344,26 @@ def test_payloads_never_execute(tmp_path: Path, monkeypatch) -> None:
     assert isinstance(results[0], ActionParseError) and isinstance(results[2], ActionParseError)
     assert results[1].actions[0].content == f"__import__('os').system('touch {target}')"  # typed, as text
     assert results[3].actions[0].kind == "finished"
+
+
+def test_the_prompts_ask_for_the_grammar_the_config_pairs_them_with():
+    """prompt.py decision 6: each prompt names its grammar; the config's rule (qwen3vl* prompts <->
+    qwen3vl_tool_call) is that mapping; the qwen3vl tool schema lists exactly the actions the parser
+    reads, with the argument names it reads."""
+    import typing
+
+    from arpo_core.config import PolicyConfig
+    from arpo_core.policy.prompt import _SYSTEM_TURN, PROMPT_FORMATS, SYSTEM_PROMPTS
+
+    names = typing.get_args(typing.get_type_hints(PolicyConfig)["system_prompt"])
+    assert set(PROMPT_FORMATS) == set(SYSTEM_PROMPTS) == set(names)
+    assert set(PROMPT_FORMATS.values()) == set(ACTION_FORMATS)
+    for name, fmt in PROMPT_FORMATS.items():
+        assert name.startswith("qwen3vl") == (fmt == "qwen3vl_tool_call")
+    turn = _SYSTEM_TURN["qwen3vl"]
+    schema = json.loads(turn.split("<tools>\n")[1].split("\n</tools>")[0])
+    props = schema["function"]["parameters"]["properties"]
+    assert schema["function"]["name"] == A.TOOL_NAME
+    assert props["action"]["enum"] == list(A._TOOL_SPEC)
+    assert set(props) - {"action"} == {a for _, req, opt in A._TOOL_SPEC.values() for a in req | opt}
+    assert "1000x1000" in turn and "1000x1000" in SYSTEM_PROMPTS["qwen3vl_compact"]
