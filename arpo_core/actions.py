@@ -1,4 +1,4 @@
-"""UI-TARS reply grammar -> Thought + Actions; coordinates; pyautogui rendering.
+"""Reply grammars -> Thought + Actions (UI-TARS calls, Qwen3-VL tool calls); coordinates; pyautogui rendering.
 
 A policy reply looks like ``Thought: <plan>\\nAction: click(start_box='(235,512)')`` (docs/method.md §3).
 This module turns such text into typed `Action`s, writes the canonical text back (for oracles and the
@@ -59,10 +59,34 @@ Decisions:
   stays pure ASCII, the text is a single string literal (never code, never a shell word), and the
   helper types it through XTEST with keycodes bound to the characters' keysyms. Pure-ASCII text keeps
   `pyautogui.write`. A trailing newline is still `pyautogui.press('enter')`.
+- **Qwen3-VL tool calls.** The Qwen3-VL / GUI-Owl-1.5 grammar (`action_format` "qwen3vl_tool_call",
+  docs/models.md): a reply is ``Action: <one-line summary>`` and one ``<tool_call>{"name": "computer_use",
+  "arguments": {"action": ..., ...}}</tool_call>`` block per action, parsed into the same `Action`s: a. The
+  JSON goes through `json.loads` and nothing else (the published agents use `ast.literal_eval`; here a single-
+  quoted pseudo-JSON is a format error). NaN/Infinity, duplicate keys, deep nesting, huge numbers, unknown
+  functions, actions or arguments, missing arguments and wrong types are format errors, each an
+  `ActionParseError` naming the tool call. b. Accepted beyond the canonical form: surrounding whitespace; no
+  ``Action:`` line (thought ""); a leading ``<think>...</think>`` / ``<thinking>...</thinking>`` block
+  (thinking variants; its text is the thought when there is no ``Action:`` line); any whitespace between
+  blocks. Anything else outside the blocks, or an unclosed block, is an error. c. Mapping: left_click ->
+  click, double_click -> left_double, right_click -> right_single, mouse_move -> hover, key with one key ->
+  press, with several -> hotkey (each key checked like UI-TARS keys), type -> type, answer ->
+  finished(content), terminate success -> finished(), terminate failure -> call_user (OSWorld's FAIL), wait ->
+  wait (`time` accepted, not used). triple_click, middle_click and interact have no counterpart here: format
+  errors. d. left_click_drag must name both ends (`start_coordinate` and `coordinate`): the published tool
+  drags from wherever the pointer is, which a stateless `Action` cannot express. e. scroll / hscroll: the sign
+  of `pixels` gives the direction (scroll: + up, - down; hscroll: + right, - left); the amount is not kept
+  (the renderer's `scroll_amount` decides), so the writer puts `TOOL_SCROLL_PIXELS`. f. Writing
+  (`format_tool_call_response`) gives coordinates as integers and is read back exactly for every kind it can
+  write; keydown and keyup have no tool call (ValueError), a one-key hotkey reads back as press. Coordinates
+  are in the frame the prompt announces: GUI-Owl-1.5 answers in 0-1000 units of the screenshot (its README:
+  "outputs relative coordinates (0-1000) by default"), i.e. `to_screen` mode "relative1000"; the config ties
+  this format to that mode.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from collections.abc import Sequence
@@ -613,6 +637,257 @@ def format_response(thought: str, actions: Sequence[Action], box_style: str = "p
         raise ValueError(f"thought has a line starting with 'Action:': {thought!r}")
     body = "\n\n".join(format_action(a, box_style) for a in actions)
     return f"Thought: {thought.strip()}\nAction: {body}"
+
+
+# ---------------------------------------------------------------------------------------------------------
+# The Qwen3-VL tool-call grammar (decision "Qwen3-VL tool calls")
+# ---------------------------------------------------------------------------------------------------------
+
+ACTION_FORMATS = ("uitars", "qwen3vl_tool_call")
+"""Reply grammars (params' `policy.action_format`): UI-TARS calls (`parse_response`) or Qwen3-VL /
+GUI-Owl-1.5 `computer_use` tool calls (`parse_tool_call_response`)."""
+TOOL_NAME = "computer_use"
+"""The function every tool call names (Qwen3-VL's and GUI-Owl-1.5's desktop tool)."""
+TOOL_SCROLL_PIXELS = 5
+"""`pixels` written for a scroll: the project's Action has a direction, no amount (decision "Qwen3-VL tool calls")."""
+TOOL_WAIT_SECONDS = 5
+"""`time` written for wait (UI-TARS's wait() is five seconds)."""
+
+_TOOL_CALL_RE = re.compile(r"<tool_call>(.*?)</tool_call>", re.DOTALL)
+_THINK_RE = re.compile(r"\A<(think|thinking)>(.*?)</\1>", re.DOTALL)
+# tool action -> (project kind, required arguments, optional arguments); "action" is always required
+_TOOL_SPEC: dict[str, tuple[str, frozenset[str], frozenset[str]]] = {
+    "left_click": ("click", frozenset({"coordinate"}), frozenset()),
+    "double_click": ("left_double", frozenset({"coordinate"}), frozenset()),
+    "right_click": ("right_single", frozenset({"coordinate"}), frozenset()),
+    "mouse_move": ("hover", frozenset({"coordinate"}), frozenset()),
+    "left_click_drag": ("drag", frozenset({"start_coordinate", "coordinate"}), frozenset()),
+    "key": ("hotkey", frozenset({"keys"}), frozenset()),
+    "type": ("type", frozenset({"text"}), frozenset()),
+    "scroll": ("scroll", frozenset({"pixels"}), frozenset({"coordinate"})),
+    "hscroll": ("scroll", frozenset({"pixels"}), frozenset({"coordinate"})),
+    "wait": ("wait", frozenset(), frozenset({"time"})),
+    "answer": ("finished", frozenset({"text"}), frozenset()),
+    "terminate": ("finished", frozenset({"status"}), frozenset()),
+}
+_TOOL_UNSUPPORTED = ("triple_click", "middle_click", "interact")
+"""Actions of the published tool with no counterpart in this project's action space (an error)."""
+
+
+def _reject_constant(name: str) -> float:
+    raise ActionParseError(f"{name} is not a number a tool call may hold")
+
+
+def _unique_keys(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out = dict(pairs)
+    if len(out) != len(pairs):
+        raise ActionParseError("a JSON object names one key twice")
+    return out
+
+
+def _tool_number(value: object, what: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ActionParseError(f"{what} must be a number, got {value!r:.40}")
+    if not math.isfinite(value):
+        raise ActionParseError(f"{what} is not finite")
+    return float(value)
+
+
+def _tool_point(value: object, what: str) -> tuple[float, float]:
+    if not isinstance(value, list) or len(value) != 2:
+        raise ActionParseError(f"{what} must be a list [x, y], got {value!r:.40}")
+    x, y = (_tool_number(v, what) for v in value)
+    if x < 0 or y < 0:
+        raise ActionParseError(f"{what} has a negative coordinate: {value!r:.40}")
+    return (x, y)
+
+
+def _tool_text(value: object, what: str) -> str:
+    if not isinstance(value, str):
+        raise ActionParseError(f"{what} must be a string, got {value!r:.40}")
+    return value
+
+
+def _tool_action(call: object, where: str) -> Action:
+    """One decoded `{"name": ..., "arguments": {...}}` object -> Action (decision "Qwen3-VL tool calls")."""
+    if not isinstance(call, dict) or set(call) != {"name", "arguments"}:
+        raise ActionParseError(f'{where}: a tool call must be {{"name": ..., "arguments": {{...}}}}')
+    if call["name"] != TOOL_NAME:
+        raise ActionParseError(f"{where}: unknown function {call['name']!r:.40} (expected {TOOL_NAME!r})")
+    args = call["arguments"]
+    if not isinstance(args, dict):
+        raise ActionParseError(f"{where}: arguments must be a JSON object")
+    name = args.get("action")
+    if not isinstance(name, str):
+        raise ActionParseError(f"{where}: arguments need an 'action' string")
+    if name in _TOOL_UNSUPPORTED:
+        raise ActionParseError(f"{where}: action {name!r} is not in this project's action space")
+    if name not in _TOOL_SPEC:
+        known = ", ".join(_TOOL_SPEC)
+        raise ActionParseError(f"{where}: unknown action {name!r:.40} (known: {known})")
+    kind, required, optional = _TOOL_SPEC[name]
+    given = set(args) - {"action"}
+    if unknown := sorted(given - required - optional):
+        allowed = ", ".join(sorted(required | optional)) or "none"
+        raise ActionParseError(
+            f"{where}: unknown argument {unknown[0]!r:.40} for {name} (allowed: {allowed})"
+        )
+    if missing := sorted(required - given):
+        raise ActionParseError(f"{where}: {name} needs {', '.join(missing)}")
+    point = _tool_point(args["coordinate"], f"{where}: coordinate") if "coordinate" in args else None
+    if name == "left_click_drag":
+        start = _tool_point(args["start_coordinate"], f"{where}: start_coordinate")
+        return Action("drag", point=start, end_point=point)
+    if name == "key":
+        keys = args["keys"]
+        if not isinstance(keys, list) or not keys or len(keys) > 8:
+            raise ActionParseError(f"{where}: keys must be a list of 1 to 8 key names")
+        names = [_tool_text(k, f"{where}: each key") for k in keys]
+        if any(not k or any(c.isspace() for c in k) for k in names):
+            raise ActionParseError(f"{where}: a key name is empty or holds whitespace: {names!r:.60}")
+        key = " ".join(names)
+        try:
+            normalize_keys(key)
+        except ActionParseError as e:
+            raise ActionParseError(f"{where}: {e}") from None
+        return Action("hotkey" if len(names) > 1 else "press", key=key)
+    if name == "type":
+        return Action("type", content=_tool_text(args["text"], f"{where}: text"))
+    if name in ("scroll", "hscroll"):
+        pixels = _tool_number(args["pixels"], f"{where}: pixels")
+        if pixels == 0:
+            raise ActionParseError(f"{where}: {name} needs non-zero pixels")
+        up, down = ("up", "down") if name == "scroll" else ("right", "left")
+        return Action("scroll", point=point, direction=up if pixels > 0 else down)
+    if name == "wait":
+        if "time" in args and _tool_number(args["time"], f"{where}: time") < 0:
+            raise ActionParseError(f"{where}: time must be >= 0")
+        return Action("wait")
+    if name == "answer":
+        return Action("finished", content=_tool_text(args["text"], f"{where}: text"))
+    if name == "terminate":
+        status = args["status"]
+        if status not in ("success", "failure"):
+            raise ActionParseError(f"{where}: status must be 'success' or 'failure', got {status!r:.40}")
+        return Action("finished") if status == "success" else Action("call_user")
+    return Action(kind, point=point)
+
+
+def parse_tool_call_response(text: str, max_actions: int = MAX_ACTIONS_PER_REPLY) -> ParsedResponse:
+    """Parse a Qwen3-VL / GUI-Owl-1.5 reply (decision "Qwen3-VL tool calls"): an optional ``Action: <summary>`` line (the
+    thought), then one or more ``<tool_call>{json}</tool_call>`` blocks and nothing else. Coordinates
+    are returned as written (0-1000 units with the prompts of this project; `to_screen` with mode
+    "relative1000" maps them). Every problem is an `ActionParseError`; the JSON is read with `json.loads`
+    only (no eval, no literal_eval)."""
+    if not isinstance(text, str):
+        raise ActionParseError(f"reply must be a str, got {type(text).__name__}")
+    body = text.strip()
+    thinking = ""
+    if m := _THINK_RE.match(body):
+        thinking, body = m.group(2).strip(), body[m.end() :].lstrip()
+    first = body.find("<tool_call>")
+    if first < 0:
+        raise ActionParseError(f"no <tool_call> in reply {_snippet(text, 0)}")
+    head = body[:first].strip()
+    if head and not head.startswith("Action:"):
+        raise ActionParseError(
+            f"text before the first <tool_call> must start with 'Action:', got {_snippet(head, 0)}"
+        )
+    thought = head[len("Action:") :].strip() if head else thinking
+    actions: list[Action] = []
+    pos = first
+    while pos < len(body):
+        m = _TOOL_CALL_RE.match(body, pos)
+        if m is None:
+            what = "an unclosed <tool_call>" if body.startswith("<tool_call>", pos) else "text"
+            raise ActionParseError(f"{what} after the tool calls: {_snippet(body, pos)}")
+        if len(actions) >= max_actions:
+            raise ActionParseError(f"more than {max_actions} actions in one reply (the limit per reply)")
+        where = f"tool call {len(actions) + 1}"
+        try:
+            call = json.loads(m.group(1), parse_constant=_reject_constant, object_pairs_hook=_unique_keys)
+        except ActionParseError as e:
+            raise ActionParseError(f"{where}: {e}") from None
+        except (ValueError, RecursionError) as e:  # JSONDecodeError is a ValueError
+            raise ActionParseError(f"{where}: not valid JSON ({str(e)[:80]})") from None
+        actions.append(_tool_action(call, where))
+        pos = _skip_ws(body, m.end())
+    return ParsedResponse(thought=thought, actions=actions)
+
+
+def _tool_arguments(a: Action) -> dict[str, object]:
+    """The `arguments` object of one action (decision "Qwen3-VL tool calls"); ValueError for kinds the tool has no call for."""
+
+    def xy(p: tuple[float, float] | None) -> list[int]:
+        return [round(p[0]), round(p[1])]  # type: ignore[index]
+
+    if a.kind in ("click", "left_double", "right_single", "hover"):
+        name = {"click": "left_click", "left_double": "double_click", "right_single": "right_click"}.get(
+            a.kind, "mouse_move"
+        )
+        return {"action": name, "coordinate": xy(a.point)}
+    if a.kind == "drag":
+        return {"action": "left_click_drag", "start_coordinate": xy(a.point), "coordinate": xy(a.end_point)}
+    if a.kind in ("hotkey", "press"):
+        return {"action": "key", "keys": a.key.split()}  # type: ignore[union-attr]
+    if a.kind == "type":
+        return {"action": "type", "text": a.content}
+    if a.kind == "scroll":
+        vertical = a.direction in ("up", "down")
+        sign = 1 if a.direction in ("up", "right") else -1
+        out: dict[str, object] = {
+            "action": "scroll" if vertical else "hscroll",
+            "pixels": sign * TOOL_SCROLL_PIXELS,
+        }
+        if a.point is not None:
+            out["coordinate"] = xy(a.point)
+        return out
+    if a.kind == "wait":
+        return {"action": "wait", "time": TOOL_WAIT_SECONDS}
+    if a.kind == "finished":
+        if a.content is None:
+            return {"action": "terminate", "status": "success"}
+        return {"action": "answer", "text": a.content}
+    if a.kind == "call_user":
+        return {"action": "terminate", "status": "failure"}
+    raise ValueError(f"{a.kind} has no {TOOL_NAME} tool call (keydown/keyup: write a key action)")
+
+
+def format_tool_call(action: Action) -> str:
+    """One action as a ``<tool_call>`` block (coordinates rounded to integers)."""
+    validate_action(action)
+    call = {"name": TOOL_NAME, "arguments": _tool_arguments(action)}
+    return f"<tool_call>\n{json.dumps(call, ensure_ascii=False)}\n</tool_call>"
+
+
+def format_tool_call_response(thought: str, actions: Sequence[Action]) -> str:
+    """``Action: <thought>`` and one ``<tool_call>`` block per action; `parse_tool_call_response` reads
+    back (thought.strip(), actions) for every action it can write (decision "Qwen3-VL tool calls")."""
+    if not actions:
+        raise ValueError("a reply needs at least one action")
+    summary = thought.strip()
+    if "<tool_call>" in summary or "</tool_call>" in summary or _THINK_RE.match(summary):
+        raise ValueError(f"thought holds tool-call or think markup: {thought!r}")
+    blocks = "\n".join(format_tool_call(a) for a in actions)
+    return f"Action: {summary}\n{blocks}" if summary else blocks
+
+
+def parse_reply(text: str, action_format: str, max_actions: int = MAX_ACTIONS_PER_REPLY) -> ParsedResponse:
+    """Parse a reply in `action_format` (one of ACTION_FORMATS)."""
+    if action_format == "uitars":
+        return parse_response(text, max_actions)
+    if action_format == "qwen3vl_tool_call":
+        return parse_tool_call_response(text, max_actions)
+    raise ValueError(f"unknown action format {action_format!r} (expected one of {', '.join(ACTION_FORMATS)})")
+
+
+def format_reply(thought: str, actions: Sequence[Action], action_format: str) -> str:
+    """Write a reply in `action_format` (one of ACTION_FORMATS); `parse_reply` reads it back."""
+    if action_format == "uitars":
+        return format_response(thought, actions)
+    if action_format == "qwen3vl_tool_call":
+        return format_tool_call_response(thought, actions)
+    raise ValueError(f"unknown action format {action_format!r} (expected one of {', '.join(ACTION_FORMATS)})")
 
 
 # ---------------------------------------------------------------------------------------------------------

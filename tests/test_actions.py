@@ -392,7 +392,8 @@ def test_module_never_calls_eval_like_builtins() -> None:
                     assert isinstance(node.args[0], ast.Constant), f"line {node.lineno}"
         if isinstance(node, ast.Import | ast.ImportFrom):
             mods = [node.module] if isinstance(node, ast.ImportFrom) else [a.name for a in node.names]
-            assert set(mods) <= {"__future__", "math", "re", "collections.abc", "dataclasses"}, mods
+            # json: the tool-call grammar's json.loads (data only, actions.py, decision "Qwen3-VL tool calls")
+            assert set(mods) <= {"__future__", "math", "re", "collections.abc", "dataclasses", "json"}, mods
 
 
 # ---------------------------------------------------------------------------------------------------------

@@ -460,6 +460,60 @@ OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_S
             r"ground\.phases = .* is out of range: must have miniwob_seeds 0 in every phase when env\.kind is "
             r"osworld",
         ),
+        (  # docs/models.md: the prompt asks for the replies the grammar parses ...
+            (("policy.action_format", "qwen3vl_tool_call"), ("policy.coord_mode", "relative1000")),
+            (
+                ("policy.action_format", "qwen3vl_tool_call"),
+                ("policy.coord_mode", "relative1000"),
+                ("policy.system_prompt", "qwen3vl_compact"),
+                ("ground.checkpoint", None),
+                ("ground.eval_levels", []),
+                ("ground.eval_miniwob_seeds", 0),
+            ),
+            r"policy\.system_prompt = 'compact' is out of range: must ask for the replies action_format "
+            r"qwen3vl_tool_call parses: qwen3vl or qwen3vl_compact",
+        ),
+        (
+            (("policy.system_prompt", "qwen3vl"),),
+            (("policy.system_prompt", "uitars"),),
+            r"policy\.system_prompt = 'qwen3vl' is out of range: must ask for the replies action_format uitars "
+            r"parses: uitars or compact",
+        ),
+        (  # ... in 0-1000 units
+            (("policy.action_format", "qwen3vl_tool_call"), ("policy.system_prompt", "qwen3vl")),
+            (
+                ("policy.action_format", "qwen3vl_tool_call"),
+                ("policy.system_prompt", "qwen3vl"),
+                ("policy.coord_mode", "relative1000"),
+                ("init_policy.pretrained", None),
+                ("ground.eval_levels", []),
+                ("ground.eval_miniwob_seeds", 0),
+            ),
+            r"policy\.coord_mode = 'absolute' is out of range: must be relative1000 with action_format "
+            r"qwen3vl_tool_call",
+        ),
+        (  # the grounding recipe reads and writes UI-TARS replies
+            (
+                ("policy.action_format", "qwen3vl_tool_call"),
+                ("policy.system_prompt", "qwen3vl"),
+                ("policy.coord_mode", "relative1000"),
+            ),
+            (
+                ("policy.action_format", "qwen3vl_tool_call"),
+                ("policy.system_prompt", "qwen3vl"),
+                ("policy.coord_mode", "relative1000"),
+                ("ground.eval_levels", []),
+                ("ground.eval_miniwob_seeds", 0),
+            ),
+            r"ground\.eval_levels = .* is out of range: must be empty .* with policy\.action_format "
+            r"qwen3vl_tool_call: the grounding recipe writes and reads UI-TARS replies",
+        ),
+        (  # the versioned grounded checkpoint is a Qwen2.5-VL model
+            (("init_policy.family", "qwen3_vl"),),
+            (("init_policy.family", "qwen3_vl"), ("ground.checkpoint", None)),
+            r"ground\.checkpoint = 'assets/checkpoints/grounded-xs' is out of range: must be a qwen3_vl checkpoint "
+            r"like the one init_policy\.family builds, or null; its config\.json says qwen2_5_vl",
+        ),
         (  # remote desktops need URLs ...
             (*OSWORLD, ("env.osworld.provider", "remote")),
             (

@@ -296,3 +296,43 @@ def test_brief_thoughts_keep_the_oracles_actions(pool, tmp_path):
     check_bc_sequences(brief.trajectories, tmp_path)
     with pytest.raises(ValueError, match="thoughts must be one of oracle, brief"):
         play_oracle_episodes(pool, jobs, thoughts="long", **kw)
+
+
+def test_tool_call_demos_are_the_oracles_actions_in_the_policys_grammar(pool):
+    """demonstrations.py, decision "Demos in the policy's grammar": with the Qwen3-VL grammar every demo reply (misses included) is an
+    `Action:` line and tool calls in 0-1000 units that map to the oracle's screen actions (within the
+    0-1000 frame's rounding); with the UI-TARS grammar in a factor-32 frame the replies are UI-TARS calls
+    in that frame; the default grammar keeps the oracle's text."""
+    from arpo_core.actions import parse_tool_call_response
+    from arpo_core.offline.demonstrations import BRIEF_THOUGHT, DemoGrammar
+
+    jobs = jobs_for(["click-test-2", "enter-text"], [7])
+    kw = {"max_steps": MAX_STEPS, "recovery_rate": 1.0, "max_misses": 1, "thoughts": "brief"}
+    own = play_oracle_episodes(pool, jobs, **kw)
+    tool = play_oracle_episodes(
+        pool, jobs, grammar=DemoGrammar("qwen3vl_tool_call", "relative1000", 32), **kw
+    )
+    wide = play_oracle_episodes(pool, jobs, grammar=DemoGrammar("uitars", "absolute", 32), **kw)
+    assert tool.errors == [] == wide.errors and len(tool.trajectories) == len(own.trajectories) == len(jobs)
+    assert DemoGrammar().is_oracles and not DemoGrammar("uitars", "absolute", 32).is_oracles
+    for a, b, c in zip(own.trajectories, tool.trajectories, wide.trajectories, strict=True):
+        assert b.success == a.success == c.success == 1.0
+        assert (
+            [s.train_reply for s in a.steps]
+            == [s.train_reply for s in b.steps]
+            == [s.train_reply for s in c.steps]
+        )
+        for sa, sb, sc in zip(a.steps, b.steps, c.steps, strict=True):
+            parsed = parse_tool_call_response(sb.response_text)
+            assert parsed.thought == BRIEF_THOUGHT and sb.response_text.startswith(
+                f"Action: {BRIEF_THOUGHT}\n<tool_call>"
+            )
+            assert [x.kind for x in parsed.actions] == [
+                x.kind for x in parse_response(sa.response_text).actions
+            ]
+            for x, y in zip(sa.actions(), sb.actions(), strict=True):
+                for key in ("point", "end_point"):
+                    if x[key] is not None:  # 160 px / 1000 units: half a unit is < 0.1 px
+                        assert max(abs(u - v) for u, v in zip(x[key], y[key], strict=True)) < 0.2
+            assert sc.response_text.startswith(f"Thought: {BRIEF_THOUGHT}\nAction: ")
+            assert [x["kind"] for x in sc.actions()] == [x["kind"] for x in sa.actions()]

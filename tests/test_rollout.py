@@ -188,6 +188,42 @@ def test_format_error_ends_episode_without_env_step_and_gets_penalty(mode):
     assert res.metrics["rollout/format_error_rate"] == 1.0
 
 
+def test_replies_are_parsed_in_the_policys_grammar_and_frame():
+    """rollout.py, decisions "Format errors" and "Screen coordinates": a Qwen3-VL tool call in 0-1000 units is parsed with
+    action_format qwen3vl_tool_call and mapped by coord_mode relative1000; the same text is a format
+    error under the UI-TARS grammar; in pixels, the model image is resized with the policy's factor (the
+    160x210 screen is 168x224 at 28, 160x224 at 32)."""
+    tool = '<tool_call>\n{"name": "computer_use", "arguments": {"action": "left_click", "coordinate": [250, 500]}}\n</tool_call>'
+    cfg = rollout_cfg(max_steps=1, action_format="qwen3vl_tool_call", coord_mode="relative1000")
+    pool = FakePool(n=1, steps_to_done=1)
+    (t,) = run_episodes(
+        pool, ScriptedGenerator({"a": tool}), make_group_jobs(tasks("a"), 1, 0), cfg
+    ).trajectories
+    assert t.steps[0].parse_ok and t.success == 1.0
+    assert [e for e in pool.log if e[0] == "step"] == [("step", 0, [("click", (40.0, 105.0))])]
+    (t,) = run_episodes(
+        FakePool(n=1),
+        ScriptedGenerator({"a": tool}),
+        make_group_jobs(tasks("a"), 1, 0),
+        rollout_cfg(max_steps=1),
+    ).trajectories
+    assert not t.steps[0].parse_ok
+    points = []
+    for factor in (28, 32):
+        pool = FakePool(n=1, steps_to_done=1)
+        cfg = rollout_cfg(max_steps=1, patch_factor=factor)
+        run_episodes(
+            pool,
+            ScriptedGenerator({"a": "Action: click(start_box='(80,112)')"}),
+            make_group_jobs(tasks("a"), 1, 0),
+            cfg,
+        )
+        points += [e[2][0][1] for e in pool.log if e[0] == "step"]
+    assert points == [(80 * 160 / 168, 105.0), (80.0, 105.0)]
+    with pytest.raises(ValueError, match="action_format"):
+        rollout_cfg(action_format="json")
+
+
 def test_max_steps_stops_and_evaluates():
     pool = FakePool(n=1, steps_to_done=100)
     res = run_episodes(

@@ -17,13 +17,15 @@ Decisions:
   `generate`, `step` (send each reply's actions), `wait`, `fault`, `finish`.
 - **Format errors.** A reply that does not parse is a format error: the step is recorded (parse_ok False), the
   episode ends without touching the env, success is 0 and the reward gets the format penalty (docs/method.md
-  §1). Model text is never executed: it goes through `parse_response` only.
+  §1). Model text is never executed: it goes through `parse_reply` in the policy's grammar
+  (`RolloutConfig.action_format`, params' `policy.action_format`) only.
 - **Env fault retries.** Env faults (timeout, crashed browser, failed reset) are not policy failures: the
   episode is re-run from the start on a (restarted) env up to `env_retries` times; a job that still fails is
   reported in `RolloutResult.failed` and never as a trajectory, so it cannot enter the GRPO statistics.
 - **Screen coordinates.** Coordinates: the model answers in model-image pixels (the smart_resized screenshot
-  it saw); `to_screen` maps them to the env's screen before stepping, and the stored `actions_json` holds the
-  screen coordinates actually sent.
+  it saw, resized with its family's factor `patch_factor`: 28 for Qwen2.5-VL, 32 for Qwen3-VL) or in 0-1000
+  units (coord_mode relative1000, where the factor plays no part); `to_screen` maps them to the env's screen
+  before stepping, and the stored `actions_json` holds the screen coordinates actually sent.
 - **Per-step sampling seeds.** Reproducible: the reply of step s of job j (its index in the job list) is
   sampled with the seed `derive_seed("sample", cfg.seed, epoch, iteration, j, s)` (seeds.py), never from its
   batch row, the round of the loop, its env or the time it ran. Which envs are free when, and so who shares a
@@ -38,6 +40,8 @@ Decisions:
 - **No params defaults.** `RolloutConfig` has no defaults for what params own (sampling, step limit, reply
   length, format penalty, pixel budget, coordinate mode, seed): the caller builds it from params.yaml. The
   scheduling settings (mode, batch_wait_s) change speed, never results, and default to params.yaml's values.
+  `action_format` and `patch_factor` default to the Qwen2.5-VL family's UI-TARS grammar and 28, what every
+  caller before Qwen3-VL policies meant; `pipeline/rollouts.py` sets both from params and the checkpoint.
 - **Injectable clock.** Time and waiting go through a `Clock` (`RealClock`: time.monotonic +
   concurrent.futures.wait), so the very same loop runs under a simulated clock with fake envs and a generation
   cost model (benchmarks/rollout_sim.py, the paper's 128 OSWorld envs). `rollout/env_utilization` is the envs'
@@ -64,7 +68,7 @@ from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 from PIL import Image
 
-from arpo_core.actions import ActionParseError, parse_response, smart_resize, to_screen
+from arpo_core.actions import ACTION_FORMATS, ActionParseError, parse_reply, smart_resize, to_screen
 from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvPool, EnvResult
 from arpo_core.infra.seeds import derive_seed
@@ -124,8 +128,14 @@ class RolloutConfig:
     batch_wait_s: float = 0.0
     """Async mode: how long the oldest ready prompt may wait for others to join its batch (params'
     `env.rollout.batch_wait_s`)."""
+    action_format: str = "uitars"
+    """The reply grammar (`arpo_core.actions.ACTION_FORMATS`; params' `policy.action_format`)."""
+    patch_factor: int = 28
+    """smart_resize factor of the policy's model image (`Policy.patch_factor`: 28 Qwen2.5-VL, 32 Qwen3-VL)."""
 
     def __post_init__(self) -> None:
+        if self.action_format not in ACTION_FORMATS:
+            raise ValueError(f"action_format must be one of {ACTION_FORMATS}, got {self.action_format!r}")
         if self.mode not in ROLLOUT_MODES:
             raise ValueError(f"rollout mode must be one of {ROLLOUT_MODES}, got {self.mode!r}")
         if self.batch_wait_s < 0:
@@ -197,7 +207,9 @@ class _Episode:
 
 
 def _model_size(screen: tuple[int, int], cfg: RolloutConfig) -> tuple[int, int]:
-    h, w = smart_resize(screen[1], screen[0], min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels)
+    h, w = smart_resize(
+        screen[1], screen[0], factor=cfg.patch_factor, min_pixels=cfg.min_pixels, max_pixels=cfg.max_pixels
+    )
     return (w, h)
 
 
@@ -413,7 +425,7 @@ class _Rollout:
         ep.steps.append(step)
         ep.replies.append(Reply(gen.text, tuple(gen.token_ids)))
         try:
-            parsed = parse_response(gen.text)
+            parsed = parse_reply(gen.text, self.cfg.action_format)
         except ActionParseError as e:
             step.parse_ok, step.done, step.env_error = False, True, ""
             step.actions_json = json.dumps({"parse_error": str(e)})

@@ -157,6 +157,17 @@ class OSWorldConfig:
     """desktop_env: limit for starting the bridge and for each of its calls (VMs boot and revert slowly)."""
 
 
+def checkpoint_model_type(path: str | Path) -> str | None:
+    """config.json's `model_type` of a checkpoint directory, or None when it cannot be read here (a
+    missing path is reported by its own check)."""
+    import json
+
+    try:
+        return str(json.loads((Path(path) / "config.json").read_text()).get("model_type"))
+    except (OSError, ValueError, AttributeError):
+        return None
+
+
 def suite_backends(path: str | Path) -> set[str] | None:
     """The backends of a suite file's tasks (its `backend`, default miniwob, and any task's own), or None
     when the file cannot be read here (a missing path is reported by its own check)."""
@@ -282,19 +293,46 @@ class PolicyConfig:
     GPU) or `vllm` (a vLLM engine colocated on the trainer's GPU that receives the trainer's weights after
     every update; needs a CUDA GPU and the environment of scripts/setup_gpu.sh; the trained policy is then
     put on the GPU with either train.engine)."""
-    system_prompt: Literal["uitars", "compact"] = "compact"
-    """Prompt template: the full UI-TARS computer-use prompt, or a short one for tiny CPU models."""
+    system_prompt: Literal["uitars", "compact", "qwen3vl", "qwen3vl_compact"] = "compact"
+    """Prompt template: the full UI-TARS computer-use prompt, or a short one for tiny CPU models; `qwen3vl`
+    and `qwen3vl_compact` the same two for the Qwen3-VL tool-call grammar (docs/models.md). A prompt
+    asks for one grammar: it must be `action_format`'s (`qwen3vl*` for qwen3vl_tool_call)."""
     history_images: Annotated[int, Ge(1)] | None = 1
     """Screenshots shown as images, >= 1: the current one at least (older turns keep their text); null:
     all, which keeps the trainer's recomputed log-probs exactly equal to the generator's."""
     max_new_tokens: Annotated[int, Ge(1)] = 64
     """Reply length limit in tokens."""
     coord_mode: Literal["absolute", "relative1000"] = "absolute"
-    """Model coordinates: pixels of the smart_resized image (UI-TARS-1.5) or 0-1000 (UI-TARS-1.0)."""
+    """Model coordinates: pixels of the smart_resized image (UI-TARS-1.5) or 0-1000 (UI-TARS-1.0,
+    GUI-Owl-1.5 / Qwen3-VL)."""
+    action_format: Literal["uitars", "qwen3vl_tool_call"] = "uitars"
+    """The reply grammar the policy is parsed in and the demos are written in: UI-TARS calls
+    (`Thought: ... Action: click(start_box='(x,y)')`) or Qwen3-VL / GUI-Owl-1.5 tool calls (`Action: ...`
+    then `<tool_call>{"name": "computer_use", ...}</tool_call>`, 0-1000 coordinates: coord_mode
+    relative1000). docs/models.md."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def cross_checks(self) -> CrossChecks:
         """Rules across fields, checked by the loader: (field, rule, other fields involved)."""
+        tool_prompt = self.system_prompt.startswith("qwen3vl")  # policy/prompt.py PROMPT_FORMATS
+        if tool_prompt != (self.action_format == "qwen3vl_tool_call"):
+            yield (
+                "system_prompt",
+                f"must ask for the replies action_format {self.action_format} parses: "
+                + (
+                    "qwen3vl or qwen3vl_compact"
+                    if self.action_format == "qwen3vl_tool_call"
+                    else "uitars or compact"
+                ),
+                ("action_format",),
+            )
+        if self.action_format == "qwen3vl_tool_call" and self.coord_mode != "relative1000":
+            yield (
+                "coord_mode",
+                "must be relative1000 with action_format qwen3vl_tool_call: the prompt announces a 1000x1000 "
+                "screen, GUI-Owl-1.5's convention",
+                ("action_format",),
+            )
         if self.backend == "vllm" and self.vllm.max_model_len <= self.max_new_tokens:
             yield (
                 "vllm.max_model_len",
@@ -305,20 +343,25 @@ class PolicyConfig:
 
 @dataclass(frozen=True)
 class InitPolicyConfig:
+    family: Literal["qwen2_5_vl", "qwen3_vl"] = "qwen2_5_vl"
+    """Architecture of the tiny model built offline: Qwen2.5-VL (UI-TARS-1.5's) or Qwen3-VL (GUI-Owl-1.5's;
+    saved in the Hub's sharded layout). A `pretrained` checkpoint's own config.json decides its family."""
     size: Literal["xs", "s", "m"] = "xs"
-    """Tiny architecture built offline (xs 0.7M, s 5.1M, m 36.5M parameters)."""
+    """Tiny architecture built offline (xs 0.7M, s 5.1M, m 36.5M parameters for qwen2_5_vl)."""
     seed: Annotated[int, Ge(0)] = 0
     """Tokenizer corpus and weight initialisation."""
     pretrained: Annotated[str, ExistingPath(checkpoint=True)] | None = None
-    """Path of an existing Qwen2.5-VL checkpoint (e.g. UI-TARS-1.5-7B): used instead of building one."""
+    """Path of an existing Qwen2.5-VL or Qwen3-VL checkpoint (e.g. UI-TARS-1.5-7B, GUI-Owl-1.5-8B): used
+    instead of building one."""
     rope_theta: Annotated[float, Gt(0)] = 5.0
     """Base of the tiny LM's rotary positions. At Qwen's 1e6 a tiny head's M-RoPE h/w bands barely turn
     across the visual tokens and clicks stay image-blind; 5 made them follow the target
     (benchmarks/results/grounding.md)."""
     mrope: Annotated[list[Annotated[int, Ge(0)]], Len(3, 3)] | None = field(default_factory=lambda: [2, 7, 7])
-    """(t, h, w) split of head_dim/2 rotary frequencies; null: Qwen's proportions (xs [4,6,6], s [8,12,12]).
-    [2,7,7] (xs) is the architecture of the grounding recipe and of `ground.checkpoint`. (That the three
-    sum to head_dim/2 of `size` is checked when the model is built: the sizes live with the torch code.)"""
+    """(t, h, w) split of head_dim/2 rotary frequencies; null: the family's proportions (Qwen2.5-VL: xs
+    [4,6,6], s [8,12,12]; Qwen3-VL, interleaved: xs [6,5,5]). [2,7,7] (xs) is the architecture of the
+    grounding recipe and of `ground.checkpoint`. (That the three sum to head_dim/2 of `size`, and fit
+    Qwen3-VL's interleaving, is checked when the model is built: the sizes live with the torch code.)"""
 
 
 @dataclass(frozen=True)
@@ -598,6 +641,7 @@ class Params:
                 ("baseline.episodes_per_task", "train.use_selection"),
             )
         yield from self._instance_overlaps()
+        yield from self._family_rules()
         if self.env.kind != "miniwob":  # real MiniWoB screens need MiniWoB pages
             if self.ground.eval_miniwob_seeds:
                 yield (
@@ -611,6 +655,29 @@ class Params:
                     f"must have miniwob_seeds 0 in every phase when env.kind is {self.env.kind}: real "
                     "training screens are MiniWoB pages",
                     ("env.kind",),
+                )
+
+    def _family_rules(self) -> CrossChecks:
+        """docs/models.md: the grounded start must be of the family `init_policy` builds, and the grounding
+        recipe (UI-TARS replies in Qwen2.5-VL's frame) runs only with the UI-TARS grammar."""
+        ip, g = self.init_policy, self.ground
+        if ip.pretrained is None and g.checkpoint is not None:
+            found = checkpoint_model_type(g.checkpoint)
+            if found is not None and found != ip.family:
+                yield (
+                    "ground.checkpoint",
+                    f"must be a {ip.family} checkpoint like the one init_policy.family builds, or null; "
+                    f"its config.json says {found}",
+                    ("init_policy.family",),
+                )
+        if self.policy.action_format != "uitars":
+            measures = bool(g.eval_levels or g.eval_miniwob_seeds) and ip.pretrained is None
+            if g.phases or measures:
+                yield (
+                    "ground.phases" if g.phases else "ground.eval_levels",
+                    "must be empty (and ground.eval_levels [], eval_miniwob_seeds 0) with policy.action_format "
+                    f"{self.policy.action_format}: the grounding recipe writes and reads UI-TARS replies",
+                    ("policy.action_format", "ground.eval_miniwob_seeds"),
                 )
 
     def instance_roles(self) -> dict[str, dict[tuple[str, str], set[int]]]:

@@ -49,6 +49,15 @@ Decisions:
   thoughts (target names copied from the instruction) and the garbling spills into the action; with a
   fixed thought the reply is a fixed prefix plus the action. `oracle` keeps the oracles' replies as
   they are.
+- **Demos in the policy's grammar.** The demos speak the policy's own grammar (`DemoGrammar`: params'
+  `policy.action_format` and `coord_mode`, and the checkpoint's resize factor; docs/models.md). The oracles
+  write UI-TARS replies in a Qwen2.5-VL frame (factor 28, absolute pixels); for any other grammar each oracle
+  reply is parsed there, its actions mapped to the screen, from the screen into the policy's frame (0-1000
+  units, or the pixels of a factor-32 Qwen3-VL model image) and written in the policy's grammar with the same
+  thought (the oracle's or the brief one). That text is then parsed and mapped back like a policy's reply, and
+  those actions are what the env steps and `actions_json` holds (decision "Oracle in worker"), so behaviour cloning teaches a
+  Qwen3-VL policy its tool calls, never UI-TARS calls. The default grammar (UI-TARS, absolute, 28) keeps the
+  oracle's text as it is, byte for byte.
 """
 
 from __future__ import annotations
@@ -59,7 +68,16 @@ import random
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 
-from arpo_core.actions import ActionParseError, format_response, parse_response, smart_resize, to_screen
+from arpo_core.actions import (
+    ActionParseError,
+    format_reply,
+    format_response,
+    parse_reply,
+    parse_response,
+    smart_resize,
+    to_model,
+    to_screen,
+)
 from arpo_core.algorithm.rollout import EpisodeJob, RolloutConfig
 from arpo_core.envs.miniwob.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, miss_step, render_reply
 from arpo_core.envs.pool import EnvPool
@@ -70,6 +88,7 @@ __all__ = [
     "BRIEF_THOUGHT",
     "ENV_RETRIES",
     "THOUGHT_STYLES",
+    "DemoGrammar",
     "DemoResult",
     "miss_rng",
     "planned_misses",
@@ -82,6 +101,48 @@ default)."""
 THOUGHT_STYLES = ("oracle", "brief")
 BRIEF_THOUGHT = "I act on the screen."
 """Decision "Brief thoughts": the one Thought of every demo reply with `thoughts="brief"`."""
+
+
+@dataclasses.dataclass(frozen=True)
+class DemoGrammar:
+    """The grammar and frame the demo replies are written in (decision "Demos in the policy's grammar")."""
+
+    action_format: str = "uitars"
+    """params' `policy.action_format`."""
+    coord_mode: str = "absolute"
+    """params' `policy.coord_mode`."""
+    patch_factor: int = 28
+    """smart_resize factor of the policy's model image (`Policy.patch_factor`)."""
+
+    @property
+    def is_oracles(self) -> bool:
+        """The oracles' own grammar: their text is used as it is."""
+        return (self.action_format, self.coord_mode, self.patch_factor) == ("uitars", "absolute", 28)
+
+
+def _rewrite(
+    thought: str,
+    screen_actions: Sequence,
+    screen: tuple[int, int],
+    grammar: DemoGrammar,
+    min_pixels: int,
+    max_pixels: int,
+) -> tuple[str, list]:
+    """Decision "Demos in the policy's grammar": screen actions -> (the reply in the policy's grammar and frame, the screen actions
+    that reply means when parsed and mapped back like a policy's)."""
+    w, h = screen
+    ph, pw = smart_resize(h, w, factor=grammar.patch_factor, min_pixels=min_pixels, max_pixels=max_pixels)
+    mode = grammar.coord_mode
+
+    def frame(p):
+        return None if p is None else to_model(p, (pw, ph), screen, mode)
+
+    model_actions = [
+        dataclasses.replace(a, point=frame(a.point), end_point=frame(a.end_point)) for a in screen_actions
+    ]
+    text = format_reply(thought, model_actions, grammar.action_format)
+    parsed = parse_reply(text, grammar.action_format)
+    return text, to_screen(parsed.actions, (pw, ph), screen, mode=mode)
 
 
 @dataclasses.dataclass
@@ -147,6 +208,7 @@ def _play(
     misses: int,
     rng: random.Random,
     thoughts: str = "oracle",
+    grammar: DemoGrammar = DemoGrammar(),
 ):
     """One oracle episode: (trajectory, None, False), or (None, error, env_fault) - env_fault True when
     the env failed (decision "Fault replays": the episode is played again), False when the episode itself
@@ -182,10 +244,19 @@ def _play(
         if thoughts == "brief":  # decision "Brief thoughts"
             text = format_response(BRIEF_THOUGHT, parsed.actions)
         w, h = obs.screen_size
-        mh, mw = smart_resize(
-            h, w, min_pixels=min_pixels or MODEL_MIN_PIXELS, max_pixels=max_pixels or MODEL_MAX_PIXELS
-        )
+        lo, hi = min_pixels or MODEL_MIN_PIXELS, max_pixels or MODEL_MAX_PIXELS
+        mh, mw = smart_resize(h, w, min_pixels=lo, max_pixels=hi)
         actions = to_screen(parsed.actions, (mw, mh), (w, h))
+        if not grammar.is_oracles:  # decision "Demos in the policy's grammar"
+            thought = BRIEF_THOUGHT if thoughts == "brief" else parsed.thought
+            try:
+                text, actions = _rewrite(thought, actions, (w, h), grammar, lo, hi)
+            except (ActionParseError, ValueError) as e:
+                return (
+                    None,
+                    f"{job.task.task_id}: the oracle's reply has no {grammar.action_format} form: {e}",
+                    False,
+                )
         step = Step(
             step_idx=k,
             screenshot_png=png_bytes(obs.screenshot),
@@ -235,13 +306,15 @@ def play_oracle_episodes(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
     thoughts: str = "oracle",
+    grammar: DemoGrammar = DemoGrammar(),
     progress=None,
 ) -> DemoResult:
     """Play every job with the oracle, at most `max_steps` oracle steps each (params own the limit); keep
     the successes (decision "Successful demos only"). A share `recovery_rate` of the episodes starts with
     1..`max_misses` untrained misses, which do not count against `max_steps` (decisions "Recovery demos",
     "Untrained misses" and "Misses beyond limit"; params' `demos` section). `min_pixels`/`max_pixels`: the
-    policy's pixel budget (None: the oracles')."""
+    policy's pixel budget (None: the oracles'). `grammar`: the policy's reply grammar and frame
+    (decision "Demos in the policy's grammar")."""
     if not 0.0 <= recovery_rate <= 1.0:
         raise ValueError(f"recovery_rate must be in [0, 1], got {recovery_rate}")
     if max_misses < 1:
@@ -263,7 +336,7 @@ def play_oracle_episodes(
                 rng = miss_rng(job)
                 misses = planned_misses(rng, recovery_rate, max_misses)
                 traj, err, env_fault = _play(
-                    pool, env_idx, job, max_steps, min_pixels, max_pixels, misses, rng, thoughts
+                    pool, env_idx, job, max_steps, min_pixels, max_pixels, misses, rng, thoughts, grammar
                 )
                 if not env_fault:
                     break

@@ -4,7 +4,9 @@ the oracles read the DOM, and a share `demos.recovery_rate` of the episodes star
 (`env.kind: osworld`, providers local and remote) the oracle is the suite's scripted `oracle` replies
 (`OSWorldEnv.oracle_reply`); a desktop has no DOM, so no misses, and it is not seeded, so every episode of a
 task replays the same instance. With `demos.episodes_per_task: 0` no env is started and the file is empty: the
-`sft` stage then passes the grounded policy through (a pretrained checkpoint needs no behaviour cloning)."""
+`sft` stage then passes the grounded policy through (a pretrained checkpoint needs no behaviour cloning).
+The replies are written in the policy's grammar (`policy.action_format`, `policy.coord_mode`;
+demonstrations.py, decision "Demos in the policy's grammar")."""
 
 from __future__ import annotations
 
@@ -15,9 +17,9 @@ from typing import Any
 from arpo_core.algorithm.rollout import EpisodeJob
 from arpo_core.config import Params
 from arpo_core.config.suites import families
-from arpo_core.offline.demonstrations import play_oracle_episodes
+from arpo_core.offline.demonstrations import DemoGrammar, play_oracle_episodes
 from arpo_core.pipeline.common import progress_bar, suite_tasks
-from arpo_core.pipeline.policies import pixel_budget, resolve_policy
+from arpo_core.pipeline.policies import params_patch_factor, patch_factor, pixel_budget, resolve_policy
 from arpo_core.pipeline.rollouts import make_pool, pool_faults
 from arpo_core.pipeline.stage import SUITES, TASK_DATA, Stage
 from arpo_core.trajectory import write_trajectories
@@ -50,6 +52,10 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
         )
     jobs = demo_jobs(p)
     min_pixels, max_pixels = pixel_budget(resolve_policy(policy_dir)) if policy_dir else (None, None)
+    factor = patch_factor(resolve_policy(policy_dir)) if policy_dir else params_patch_factor(p)
+    grammar = DemoGrammar(
+        p.policy.action_format, p.policy.coord_mode, factor
+    )  # demonstrations.py, decision "Demos in the policy's grammar"
     with make_pool(p) as pool:
         bar = progress_bar(len(jobs), "demos")
         res = play_oracle_episodes(
@@ -59,6 +65,7 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
             recovery_rate=p.demos.recovery_rate,
             max_misses=p.demos.max_misses,
             thoughts=p.demos.thoughts,
+            grammar=grammar,
             min_pixels=min_pixels,
             max_pixels=max_pixels,
             progress=bar,
@@ -83,7 +90,15 @@ def run(p: Params, out_dir: str | os.PathLike, policy_dir: str | os.PathLike | N
 STAGE = Stage(
     "demos",
     run=run,
-    params=("demos", "baseline.max_steps", *SUITES),
+    params=(
+        "demos",
+        "baseline.max_steps",
+        "policy.action_format",
+        "policy.coord_mode",
+        "init_policy.family",
+        "init_policy.pretrained",
+        *SUITES,
+    ),
     inputs={},
     outputs={"out_dir": "data/demos"},
     artifacts={"data/demos": "trajectories"},

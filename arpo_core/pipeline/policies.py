@@ -1,5 +1,6 @@
 """What several pipeline stages share about the policy: its checkpoint (following a pretrained model's
-pointer), its image processor's pixel budget, the torch setup, and the name of the trained method.
+pointer), its image processor's pixel budget and resize factor, the torch setup, and the name of the
+trained method.
 
 Decisions:
 - **Pretrained pointer.** A pretrained checkpoint (e.g. UI-TARS-1.5-7B) is never copied: `init_policy` writes
@@ -17,7 +18,16 @@ from pathlib import Path
 
 from arpo_core.config import Params
 
-__all__ = ["POINTER", "method_name", "pixel_budget", "resolve_policy", "setup_torch"]
+__all__ = [
+    "FAMILY_PATCH_FACTORS",
+    "POINTER",
+    "method_name",
+    "params_patch_factor",
+    "patch_factor",
+    "pixel_budget",
+    "resolve_policy",
+    "setup_torch",
+]
 
 POINTER = "pretrained.json"
 
@@ -52,6 +62,31 @@ def pixel_budget(policy_dir: Path) -> tuple[int, int]:
             if lo is not None and hi is not None:
                 return int(lo), int(hi)
     raise FileNotFoundError(f"{policy_dir}: no image processor config with min/max pixels")
+
+
+def patch_factor(policy_dir: Path) -> int:
+    """The smart_resize factor (patch_size x merge_size) of a checkpoint's image processor without loading
+    the model: 28 for Qwen2.5-VL, 32 for Qwen3-VL (the same files as `pixel_budget`; 14 x 2 when a
+    file does not say, Qwen2-VL's image processor defaults)."""
+    for name in ("processor_config.json", "preprocessor_config.json"):
+        f = policy_dir / name
+        if f.exists():
+            proc = json.loads(f.read_text())
+            proc = proc.get("image_processor", proc)
+            return int(proc.get("patch_size", 14)) * int(proc.get("merge_size", 2))
+    raise FileNotFoundError(f"{policy_dir}: no image processor config")
+
+
+FAMILY_PATCH_FACTORS = {"qwen2_5_vl": 28, "qwen3_vl": 32}
+"""patch_size x merge_size of each `init_policy.family` (policy/model.py, decision "Two model families")."""
+
+
+def params_patch_factor(p: Params) -> int:
+    """The resize factor of the policy the params describe, for a stage that has no checkpoint input
+    (demos): the pretrained checkpoint's own, else the factor of the family `init_policy` builds."""
+    if p.init_policy.pretrained:
+        return patch_factor(Path(p.init_policy.pretrained))
+    return FAMILY_PATCH_FACTORS[p.init_policy.family]
 
 
 def method_name(p: Params) -> str:

@@ -6,9 +6,10 @@ Decisions:
   context manager), so no browser or worker process outlives a stage.
 - **One rollout config.** `rollout_config` is the one place where a `RolloutConfig` is assembled from params:
   the sampling values of the calling stage (temperature, top_p, step limit), the shared `policy` section, the
-  format penalty of `train.loss` and the pixel budget of the checkpoint itself (its image processor config),
-  so the model-image coordinates of a rollout are always those of the policy that plays it; and the schedule
-  (`env.rollout`: sync or async, batch wait), which train, evaluate and baseline all use.
+  format penalty of `train.loss` and the pixel budget and resize factor of the checkpoint itself (its image
+  processor config), so the model-image coordinates of a rollout are always those of the policy that plays it
+  (Qwen2.5-VL or Qwen3-VL); and the schedule (`env.rollout`: sync or async, batch wait), which train, evaluate
+  and baseline all use.
 - **Generator from params.** The generator comes from the params too (`generator`): `policy.backend` hf or
   vllm (arpo_core/policy/generate.py, decisions "Generator backends", "vLLM log-probs" and "One vLLM engine"),
   built for the checkpoint the stage plays.
@@ -35,7 +36,7 @@ from typing import Any
 from arpo_core.algorithm.rollout import RolloutConfig
 from arpo_core.config import Params
 from arpo_core.envs.pool import EnvFactory, EnvPool
-from arpo_core.pipeline.policies import pixel_budget
+from arpo_core.pipeline.policies import patch_factor, pixel_budget
 
 __all__ = [
     "ENV_FACTORIES",
@@ -135,6 +136,8 @@ def rollout_config(
     `policy_dir`; the sampling settings (temperature, top_p, step limit, seed) are the calling stage's own."""
     min_pixels, max_pixels = pixel_budget(policy_dir)
     return RolloutConfig(
+        action_format=p.policy.action_format,
+        patch_factor=patch_factor(policy_dir),
         max_steps=max_steps,
         temperature=temperature,
         top_p=top_p,

@@ -1,5 +1,5 @@
-"""One decode step of Qwen2.5-VL's language model without the transformers call machinery, over a KV
-cache allocated once per generate call (generate.py, decision "Lean decode steps").
+"""One decode step of Qwen2.5-VL's or Qwen3-VL's language model without the transformers call machinery,
+over a KV cache allocated once per generate call (generate.py, decision "Lean decode steps").
 
 Decisions:
 - **Why a lean decoder.** Why: a decode step of the tiny policy is a few dozen small matrix products; through
@@ -16,11 +16,16 @@ Decisions:
 - **Same arithmetic.** Numbers: the same operations in the same order as the stock layers, so logits agree to
   float rounding (the stock attention may pick another SDPA path for an unpadded batch);
   `tests/test_generate.py` holds sampled tokens equal and logits within 1e-5 of the stock forward.
-- **Applicability check.** `LeanDecoder.supports(model)` says when this path applies: the stock Qwen2.5-VL
-  text layers with the default rotary type, no sliding window, a SiLU MLP and an SDPA or eager attention
-  implementation on a model that is not being trained or sharded (a ZeRO-3 partitioned weight has `ds_id`).
-  Everything else (another attention kernel, flash-attention on a GPU, a patched model) takes the stock
-  forward.
+- **Applicability check.** `LeanDecoder.supports(model)` says when this path applies: the stock Qwen2.5-VL or
+  Qwen3-VL text layers with the default rotary type, no sliding window, a SiLU MLP and an SDPA or eager
+  attention implementation on a model that is not being trained or sharded (a ZeRO-3 partitioned weight has
+  `ds_id`). Everything else (another attention kernel, flash-attention on a GPU, a patched model, a model
+  class of another family) takes the stock forward.
+- **Qwen3-VL layers.** Qwen3-VL's layers differ from Qwen2.5-VL's in three ways this path follows: q and k go
+  through a per-head RMSNorm (`q_norm`, `k_norm`) before the rotary embedding, the projections have no biases
+  (`F.linear` takes None), and the M-RoPE frequencies are interleaved, which the module's own `rotary_emb`
+  already applies to the cos/sin it returns. Its DeepStack features are added at image positions only, i.e. in
+  the prefill, never in a decode step. `tests/test_generate_qwen3.py` holds the two paths equal.
 """
 
 from __future__ import annotations
@@ -28,6 +33,7 @@ from __future__ import annotations
 import torch
 from torch.nn import functional as F
 from transformers.models.qwen2_5_vl import modeling_qwen2_5_vl as qwen
+from transformers.models.qwen3_vl import modeling_qwen3_vl as qwen3
 
 __all__ = ["LeanDecoder"]
 
@@ -40,13 +46,29 @@ def _rms(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * h.to(dtype)
 
 
+# model class -> (decoder layer, attention, RMSNorm) classes the lean path reproduces (decisions "Applicability check" and "Qwen3-VL layers")
+_STOCK_LAYERS = {
+    qwen.Qwen2_5_VLForConditionalGeneration: (
+        qwen.Qwen2_5_VLDecoderLayer,
+        qwen.Qwen2_5_VLAttention,
+        qwen.Qwen2_5_VLRMSNorm,
+    ),
+    qwen3.Qwen3VLForConditionalGeneration: (
+        qwen3.Qwen3VLTextDecoderLayer,
+        qwen3.Qwen3VLTextAttention,
+        qwen3.Qwen3VLTextRMSNorm,
+    ),
+}
+
+
 class LeanDecoder:
     """Decode steps for one batch after the stock prefill (decision "Why a lean decoder")."""
 
     @staticmethod
     def supports(model: torch.nn.Module) -> bool:
         """Decision "Applicability check"."""
-        if type(model) is not qwen.Qwen2_5_VLForConditionalGeneration or model.training:
+        stock = _STOCK_LAYERS.get(type(model))
+        if stock is None or model.training:
             return False
         lm = model.model.language_model
         cfg = lm.config
@@ -59,10 +81,15 @@ class LeanDecoder:
             return False
         if cfg._attn_implementation not in ("sdpa", "eager"):
             return False
+        layer_cls, attn_cls, norm_cls = stock
         return all(
-            type(layer) is qwen.Qwen2_5_VLDecoderLayer
-            and type(layer.self_attn) is qwen.Qwen2_5_VLAttention
-            and type(layer.input_layernorm) is qwen.Qwen2_5_VLRMSNorm
+            type(layer) is layer_cls
+            and type(layer.self_attn) is attn_cls
+            and type(layer.input_layernorm) is norm_cls
+            and all(
+                type(getattr(layer.self_attn, n, None)) in (norm_cls, type(None))
+                for n in ("q_norm", "k_norm")
+            )
             for layer in lm.layers
         )
 
@@ -106,6 +133,10 @@ class LeanDecoder:
                         a.v_proj.bias,
                     ),
                     (a.o_proj.weight, a.o_proj.bias, a.scaling, a.head_dim, a.num_key_value_groups > 1),
+                    tuple(  # Qwen3-VL's per-head q/k norms (decision "Qwen3-VL layers"); None for Qwen2.5-VL
+                        None if norm is None else (norm.weight, norm.variance_epsilon)
+                        for norm in (getattr(a, "q_norm", None), getattr(a, "k_norm", None))
+                    ),
                     (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon),
                     (m.gate_proj.weight, m.gate_proj.bias, m.up_proj.weight, m.up_proj.bias),
                     (m.down_proj.weight, m.down_proj.bias),
@@ -132,12 +163,17 @@ class LeanDecoder:
         self.mask[:, 0, 0, t] = True
         mask = self.mask[:, :, :, : t + 1]
         x = F.embedding(ids[:, None], self.embed.weight)  # (B, 1, h)
-        for ln1, qkv, out, ln2, gate_up, down, keys, values in self.layers:
+        for ln1, qkv, out, (q_norm, k_norm), ln2, gate_up, down, keys, values in self.layers:
             qw, qb, kw, kb, vw, vb = qkv
             ow, ob, scaling, d, gqa = out
             h = _rms(x, *ln1)
-            q = F.linear(h, qw, qb).view(B, 1, -1, d).transpose(1, 2)
-            k = F.linear(h, kw, kb).view(B, 1, -1, d).transpose(1, 2)
+            q = F.linear(h, qw, qb).view(B, 1, -1, d)
+            k = F.linear(h, kw, kb).view(B, 1, -1, d)
+            if q_norm is not None:  # decision "Qwen3-VL layers"
+                q = _rms(q, *q_norm)
+            if k_norm is not None:
+                k = _rms(k, *k_norm)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = F.linear(h, vw, vb).view(B, 1, -1, d).transpose(1, 2)
             q = (q * cos) + (qwen.rotate_half(q) * sin)  # apply_rotary_pos_emb's arithmetic
             k = (k * cos) + (qwen.rotate_half(k) * sin)

@@ -1,22 +1,23 @@
 """Batched generation for live episodes: a `Generator` protocol, the HF (torch) backend, and a vLLM backend.
 
 Decisions:
-- **Own decode loop.** The HF backend runs its own decode loop over `Qwen2_5_VLForConditionalGeneration` with
-  a KV cache instead of `model.generate`, so that (a) sampling uses one private `torch.Generator` per prompt,
-  seeded with that prompt's own seed (`seeds[b]`), and never touches the global RNG: a prompt gives the
-  same reply whatever batch it shares and whatever row it sits in (a one-prompt call with the same
-  seed gives the same reply), so the caller decides reproducibility by choosing the seeds (the rollout
-  derives them from the episode's job and step, rollout.py, decision "Per-step sampling seeds"); (b) the
-  log-prob of every sampled token is taken from the same raw logits the trainer recomputes.
+- **Own decode loop.** The HF backend runs its own decode loop over the policy's model (Qwen2.5-VL or
+  Qwen3-VL) with a KV cache instead of `model.generate`, so that (a) sampling uses one private
+  `torch.Generator` per prompt, seeded with that prompt's own seed (`seeds[b]`), and never touches the global
+  RNG: a prompt gives the same reply whatever batch it shares and whatever row it sits in (a one-prompt call
+  with the same seed gives the same reply), so the caller decides reproducibility by choosing the seeds (the
+  rollout derives them from the episode's job and step, rollout.py, decision "Per-step sampling seeds"); (b) the log-prob of every
+  sampled token is taken from the same raw logits the trainer recomputes.
 - **Raw-logit log-probs.** Behaviour log-probs are log_softmax of the RAW logits (temperature 1, no top-p
   truncation) at the sampled token: GRPO's old_logps are recomputed by the trainer at temperature 1
   (docs/method.md §1), so these are directly comparable with `sequences.sequence_logprobs` (tests hold them
   within 1e-4 in fp32). Temperature and top-p only shape which token is drawn. temperature == 0 means greedy
   (argmax).
-- **Left padding positions.** Left padding with an attention mask; prompt positions are Qwen2.5-VL's 3-D
-  M-RoPE positions from `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given,
-  docs/method.md §7); each new token continues at (last position + 1) in all three axes, which is what the
-  full forward assigns to text after the last image.
+- **Left padding positions.** Left padding with an attention mask; prompt positions are the model's own 3-D
+  M-RoPE positions from its `get_rope_index` over each row's unpadded tokens (mm_token_type_ids given,
+  docs/method.md §7; Qwen3-VL has the same interface and refuses a multimodal forward without
+  mm_token_type_ids); each new token continues at (last position + 1) in all three axes, which is what the
+  full forward assigns to text after the last image, in both families.
 - **Stop tokens.** A row stops at `<|im_end|>` or `<|endoftext|>` (kept as the last token id and log-prob;
   finish_reason "stop") or after max_new_tokens ("length"). The text excludes special tokens.
 - **Vision tokens banned.** The vision special tokens (`<|image_pad|>`, `<|vision_start|>`, ...;
@@ -73,10 +74,18 @@ Decisions:
   sharing at least `MIN_SHARED_PREFIX` tokens. On this machine it made the batch-8 prefill 1.10-1.12x and the
   whole batched call 1.015-1.054x faster (A/B in three runs, benchmarks/results/generation.json,
   `unshared_head`). With one prompt there is nothing to share.
+- **Checkpoint names for vLLM.** Weights handed to vLLM carry their checkpoint names, which differ by family
+  (`checkpoint_name`): Qwen2.5-VL checkpoints (UI-TARS-1.5) use the older `model.*` / `visual.*` layout,
+  Qwen3-VL ones (GUI-Owl-1.5) the transformers parameter names themselves (`model.language_model.*`,
+  `model.visual.*`). Not run against vLLM here (no GPU).
+- **Cache keyword.** The KV cache goes in and out under the installed transformers' name for it (`CACHE_KW`,
+  `_cache_of`): `cache` since 5.2x, `past_key_values` before (5.17, the GPU environment's); nothing else
+  differs.
 """
 
 from __future__ import annotations
 
+import inspect
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -84,6 +93,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
 import torch
+from transformers import Qwen2_5_VLForConditionalGeneration
 
 from arpo_core.policy.decode import LeanDecoder
 from arpo_core.policy.model import Policy
@@ -110,6 +120,19 @@ __all__ = [
 
 MIN_SHARED_PREFIX = 16
 """Decision "Shared prompt head": shorter shared heads are not worth a second forward call."""
+
+CACHE_KW = (
+    "cache"
+    if "cache" in inspect.signature(Qwen2_5_VLForConditionalGeneration.forward).parameters
+    else "past_key_values"
+)
+"""Decision "Cache keyword": the forward's keyword (and the output's field) of the KV cache in this transformers."""
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache of a forward's output (decision "Cache keyword")."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
 
 
 @dataclass(frozen=True)
@@ -301,9 +324,11 @@ class HFGenerator:
         next_pos = pos.amax(dim=(0, 2)) + 1  # (B,)
         cache = None
         if head:  # decision "Shared prompt head": the head's keys and values once, copied to every row
-            cache = model.model.language_model(
-                input_ids=enc.input_ids[:1, :head], position_ids=pos[:, :1, :head], use_cache=True
-            ).cache
+            cache = _cache_of(
+                model.model.language_model(
+                    input_ids=enc.input_ids[:1, :head], position_ids=pos[:, :1, :head], use_cache=True
+                )
+            )
             for layer in cache.layers:
                 layer.keys = layer.keys.expand(B, -1, -1, -1).contiguous()
                 layer.values = layer.values.expand(B, -1, -1, -1).contiguous()
@@ -314,11 +339,11 @@ class HFGenerator:
             pixel_values=enc.pixel_values,
             image_grid_thw=enc.image_grid_thw,
             mm_token_type_ids=enc.mm_token_type_ids[:, head:],
-            cache=cache,
+            **{CACHE_KW: cache},
             use_cache=True,
             logits_to_keep=1,  # only the last position's logits: (B, 1, V), not (B, T, V)
         )
-        cache = out.cache
+        cache = _cache_of(out)
         logits = out.logits[:, -1]  # (B, V)
         attention = enc.attention_mask
         lean = None
@@ -347,10 +372,10 @@ class HFGenerator:
                     input_ids=nxt[:, None],
                     attention_mask=attention,
                     position_ids=next_pos.view(1, B, 1).expand(3, B, 1),
-                    cache=cache,
+                    **{CACHE_KW: cache},
                     use_cache=True,
                 )
-                cache = out.cache
+                cache = _cache_of(out)
                 logits = out.logits[:, -1]
             next_pos = next_pos + 1
 
@@ -371,10 +396,13 @@ class HFGenerator:
         ]
 
 
-def checkpoint_name(name: str) -> str:
+def checkpoint_name(name: str, family: str = "qwen2_5_vl") -> str:
     """A parameter of transformers' Qwen2.5-VL (`model.language_model.*`, `model.visual.*`, `lm_head.*`)
     -> its name in a checkpoint file (`model.*`, `visual.*`, `lm_head.*`), the layout of UI-TARS-1.5-7B's
-    safetensors and of what `save_pretrained` writes, i.e. what the vLLM engine loaded at its start."""
+    safetensors and of what `save_pretrained` writes, i.e. what the vLLM engine loaded at its start.
+    Qwen3-VL checkpoints keep the parameter names (decision "Checkpoint names for vLLM")."""
+    if family == "qwen3_vl":
+        return name
     for new, old in (("model.language_model.", "model."), ("model.visual.", "visual.")):
         if name.startswith(new):
             return old + name[len(new) :]
@@ -384,7 +412,8 @@ def checkpoint_name(name: str) -> str:
 def named_weights(model: torch.nn.Module) -> list[tuple[str, torch.nn.Parameter]]:
     """(checkpoint name, parameter) of every parameter once (tied embeddings: the embedding only, as in
     the checkpoint file)."""
-    return [(checkpoint_name(n), p) for n, p in model.named_parameters()]
+    family = str(getattr(getattr(model, "config", None), "model_type", "qwen2_5_vl"))
+    return [(checkpoint_name(n, family), p) for n, p in model.named_parameters()]
 
 
 def _load_weights_on_worker(worker: Any, weights: list[tuple[str, torch.Tensor]]) -> None:

@@ -1,5 +1,6 @@
-"""The policy: a Qwen2.5-VL model with its tokenizer and image processor, loaded from any checkpoint
-directory (UI-TARS-1.5-7B's layout) or built offline as a tiny model of the same architecture.
+"""The policy: a Qwen2.5-VL or Qwen3-VL model with its tokenizer and image processor, loaded from any
+checkpoint directory (UI-TARS-1.5-7B's layout, a Qwen3-VL / GUI-Owl-1.5 checkpoint in the Hub's sharded
+layout) or built offline as a tiny model of either architecture.
 
 Decisions:
 - **One loader.** One loader for every checkpoint. `load_policy` never goes through `AutoProcessor`: without
@@ -39,6 +40,21 @@ Decisions:
   step re-encodes its screenshots). `tests/test_policy_model.py` checks it equals the stock processor,
   bit for bit, over sizes that are and are not resized; a processor configured otherwise (no resize,
   no rescale, another class) takes the stock call.
+- **Two model families.** Two model families (`FAMILIES`, docs/models.md): `qwen2_5_vl` (Qwen2.5-VL, UI-
+  TARS-1.5) and `qwen3_vl` (Qwen3-VL, GUI-Owl-1.5), told apart by config.json's `model_type`; anything else is
+  one `InputError` line naming the type and the supported ones. Both use the same image processor class
+  (`Qwen2VLImageProcessorPil`, which reads patch 14 / mean CLIP for Qwen2.5-VL and patch 16 / mean 0.5 for
+  Qwen3-VL from the checkpoint), the same tokenizer markup and the same `get_rope_index` / `mm_token_type_ids`
+  interface, so everything above this module sees one `Policy`. The processor is the family's stock processor
+  class without its video processor (`PolicyProcessor`, `Qwen3PolicyProcessor`: both need torchvision for
+  video only). Qwen3-VL's patch embedding has a bias, so its linear form (decision "Linear patch embedding") adds it.
+- **Tiny Qwen3-VL.** The tiny Qwen3-VL is built from a stock `Qwen3VLConfig` with the same tokenizer recipe
+  (its corpus holds the tool-call replies of its grammar, and `<tool_call>` / `</tool_call>` are added tokens
+  that survive `skip_special_tokens`, as in Qwen's own tokenizer), patch 16 x merge 2 (a visual token is 32x32
+  model-image pixels), the interleaved M-RoPE split of Qwen3-VL (`mrope_section_qwen3`, [24, 20, 20] for
+  head_dim 128), a learned 16x16 position grid and one DeepStack merger. It is saved like a Hub checkpoint
+  when asked (`max_shard_size`: `model-0000k-of-0000N.safetensors` and `model.safetensors.index.json`), which
+  `load_policy` reads like any other.
 """
 
 from __future__ import annotations
@@ -64,30 +80,45 @@ from transformers import (
     Qwen2_5_VLProcessor,
     Qwen2Tokenizer,
     Qwen2VLImageProcessorPil,
+    Qwen3VLConfig,
+    Qwen3VLForConditionalGeneration,
+    Qwen3VLProcessor,
 )
 from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VisionPatchEmbed
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
+from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLVisionPatchEmbed
 
+from arpo_core.actions import Action, format_tool_call_response
 from arpo_core.infra.errors import InputError
 from arpo_core.infra.fileio import check_space, file_problem, write_error
-from arpo_core.policy.prompt import SYSTEM_PROMPTS
+from arpo_core.policy.prompt import SYSTEM_PROMPTS, system_turns
 
 __all__ = [
+    "FAMILIES",
     "QWEN_SPECIAL_TOKENS",
     "SIZES",
+    "TINY_SHARD_SIZE",
+    "TOOL_CALL_TOKENS",
     "Policy",
     "PolicyProcessor",
+    "Qwen3PolicyProcessor",
     "TinySize",
     "build_tiny_policy",
+    "checkpoint_family",
     "count_parameters",
     "default_corpus",
     "grow_depth",
     "image_inputs",
     "load_policy",
     "mrope_section",
+    "mrope_section_qwen3",
     "tiny_config",
+    "tiny_image_processor",
     "train_tokenizer",
 ]
+
+FAMILIES = ("qwen2_5_vl", "qwen3_vl")
+"""Decision "Two model families": the model families, by config.json `model_type`."""
 
 QWEN_SPECIAL_TOKENS = (
     "<|endoftext|>",
@@ -106,6 +137,13 @@ QWEN_SPECIAL_TOKENS = (
     "<|video_pad|>",
 )
 """Qwen2.5-VL's special tokens in their original order (ids 151643.. in Qwen; appended after BPE here)."""
+
+TOOL_CALL_TOKENS = ("<tool_call>", "</tool_call>")
+"""Added, not special, tokens of Qwen's tokenizers (151657, 151658 there): a decoded reply keeps them with
+`skip_special_tokens`. The tiny Qwen3-VL has them (decision "Tiny Qwen3-VL")."""
+
+TINY_SHARD_SIZE = "1MB"
+"""Shard size of the tiny Qwen3-VL as `init_policy` saves it: several shards, as on the Hub (decision "Tiny Qwen3-VL")."""
 
 # Qwen2's pre-tokeniser regex: `\p{N}` alone makes every digit its own pre-token, hence its own token.
 _QWEN_PRETOKENIZE_REGEX = r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"""
@@ -126,6 +164,13 @@ class PolicyProcessor(Qwen2_5_VLProcessor):
         super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
 
 
+class Qwen3PolicyProcessor(Qwen3VLProcessor):
+    """`Qwen3VLProcessor` without a video processor (decision "Two model families"), like `PolicyProcessor`."""
+
+    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+
 class LinearPatchEmbed(Qwen2_5_VisionPatchEmbed):
     """Qwen2.5-VL's patch embedding as the matrix product it is (decision "Linear patch embedding")."""
 
@@ -136,11 +181,69 @@ class LinearPatchEmbed(Qwen2_5_VisionPatchEmbed):
         return F.linear(hidden_states.to(w.dtype).reshape(-1, w[0].numel()), w.reshape(w.shape[0], -1))
 
 
+class Qwen3LinearPatchEmbed(Qwen3VLVisionPatchEmbed):
+    """Qwen3-VL's patch embedding (a Conv3d with a bias) as the matrix product it is (decisions "Linear patch embedding" and "Two model families")."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        w, b = self.proj.weight, self.proj.bias
+        if hasattr(w, "ds_id"):
+            return super().forward(hidden_states)
+        x = hidden_states.to(w.dtype).reshape(-1, w[0].numel())
+        return F.linear(x, w.reshape(w.shape[0], -1), b)
+
+
+_LINEAR_PATCH_EMBEDS = {
+    Qwen2_5_VisionPatchEmbed: LinearPatchEmbed,
+    Qwen3VLVisionPatchEmbed: Qwen3LinearPatchEmbed,
+}
+
+
 def use_linear_patch_embed(model: torch.nn.Module) -> None:
-    """Switch every stock patch embedding of `model` to `LinearPatchEmbed` (in place, same parameters)."""
+    """Switch every stock patch embedding of `model` to its linear form (in place, same parameters)."""
     for m in model.modules():
-        if type(m) is Qwen2_5_VisionPatchEmbed:
-            m.__class__ = LinearPatchEmbed
+        linear = _LINEAR_PATCH_EMBEDS.get(type(m))
+        if linear is not None:
+            m.__class__ = linear
+
+
+_MODEL_CLASSES = {
+    "qwen2_5_vl": Qwen2_5_VLForConditionalGeneration,
+    "qwen3_vl": Qwen3VLForConditionalGeneration,
+}
+_PROCESSOR_CLASSES = {"qwen2_5_vl": PolicyProcessor, "qwen3_vl": Qwen3PolicyProcessor}
+_FAMILY_NAMES = {"qwen2_5_vl": "Qwen2.5-VL, e.g. UI-TARS-1.5", "qwen3_vl": "Qwen3-VL, e.g. GUI-Owl-1.5"}
+
+
+def checkpoint_family(path: str | Path) -> str:
+    """The family (`FAMILIES`) of the checkpoint at `path`, from config.json's `model_type` (decision "Two model families").
+    Raises InputError with one line naming an unsupported type and the supported ones."""
+    path = Path(path)
+    try:
+        model_type = json.loads((path / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise InputError(f"cannot load the policy at {path}: config.json is unreadable ({e})") from None
+    if model_type not in _MODEL_CLASSES:
+        supported = ", ".join(f"{k} ({v})" for k, v in _FAMILY_NAMES.items())
+        raise InputError(
+            f"cannot load the policy at {path}: model_type {model_type!r} is not supported; supported: "
+            f"{supported}"
+        )
+    return str(model_type)
+
+
+def _missing_shards(path: Path) -> str | None:
+    """The Hub's sharded layout: every file the index names must be there (a partial download)."""
+    index = path / "model.safetensors.index.json"
+    if not index.exists():
+        return None
+    try:
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    except (OSError, ValueError, KeyError, AttributeError) as e:
+        return f"{index.name} is unreadable ({e})"
+    missing = [f for f in files if not (path / f).exists()]
+    if missing:
+        return f"{index.name} names {len(files)} shard(s), {len(missing)} missing: {', '.join(missing[:3])}"
+    return None
 
 
 def _fast_path_ok(proc) -> bool:
@@ -199,8 +302,8 @@ def image_inputs(
 class Policy:
     """A loaded policy: model, processor and tokenizer plus the token ids the rest of the code needs."""
 
-    model: Qwen2_5_VLForConditionalGeneration
-    processor: PolicyProcessor
+    model: Qwen2_5_VLForConditionalGeneration | Qwen3VLForConditionalGeneration
+    processor: PolicyProcessor | Qwen3PolicyProcessor
     tokenizer: Qwen2Tokenizer
 
     _text_ids: dict[str, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -228,6 +331,11 @@ class Policy:
                 self._text_ids.clear()
             ids = self._text_ids[text] = tuple(self.tokenizer.encode(text, add_special_tokens=False))
         return list(ids)
+
+    @property
+    def family(self) -> str:
+        """`qwen2_5_vl` or `qwen3_vl` (decision "Two model families")."""
+        return str(self.model.config.model_type)
 
     @property
     def image_processor(self) -> Qwen2VLImageProcessorPil:
@@ -268,25 +376,29 @@ class Policy:
 
     @property
     def patch_factor(self) -> int:
-        """Side of one visual token in model-image pixels (patch 14 x merge 2 = 28)."""
+        """Side of one visual token in model-image pixels: the smart_resize factor of the model image
+        (Qwen2.5-VL: patch 14 x merge 2 = 28; Qwen3-VL: 16 x 2 = 32)."""
         return int(self.image_processor.patch_size * self.image_processor.merge_size)
 
     @property
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
-    def save(self, out_dir: str | Path) -> Path:
+    def save(self, out_dir: str | Path, max_shard_size: int | str | None = None) -> Path:
         """save_pretrained of model and processor (tokenizer + image processor) into one directory. The
         weights' size is checked against the free space first, and a full disk or an unwritable
         directory is one `OutputError` saying what, where and how much (fileio.py,
-        decision "Clear output errors"), not safetensors' "Error while serializing"."""
+        decision "Clear output errors"), not safetensors' "Error while serializing". `max_shard_size` (e.g.
+        "1MB"): the Hub's sharded layout (decision "Tiny Qwen3-VL"); None: one weights file unless
+        transformers' default shard size is exceeded."""
         out_dir = Path(out_dir)
         tensors = [*self.model.parameters(), *self.model.buffers()]  # parameters(): tied weights once
         needed = sum(t.numel() * t.element_size() for t in tensors)
         check_space(out_dir, needed, "policy")
         try:
             out_dir.mkdir(parents=True, exist_ok=True)
-            self.model.save_pretrained(out_dir)
+            kwargs = {} if max_shard_size is None else {"max_shard_size": max_shard_size}
+            self.model.save_pretrained(out_dir, **kwargs)
             self.processor.save_pretrained(out_dir)
         except Exception as e:
             err = write_error(e, "policy", out_dir, needed=needed or None)
@@ -303,7 +415,8 @@ def load_policy(
     min_pixels: int | None = None,
     max_pixels: int | None = None,
 ) -> Policy:
-    """Load any Qwen2.5-VL checkpoint directory (UI-TARS-1.5-7B or one written by `build_tiny_policy`).
+    """Load any Qwen2.5-VL or Qwen3-VL checkpoint directory (UI-TARS-1.5-7B, GUI-Owl-1.5, one written by
+    `build_tiny_policy`), one weights file or the Hub's shards (decision "Two model families").
 
     `min_pixels` / `max_pixels` override the checkpoint's pixel budget (the ARPO reference runs
     UI-TARS-1.5 with max_pixels 2,116,800, below its stock 12,845,056; docs/method.md §2). The model is put
@@ -311,18 +424,21 @@ def load_policy(
     """
     path = Path(path)
     if not (path / "config.json").exists():
-        raise FileNotFoundError(f"no Qwen2.5-VL checkpoint at {path} (config.json missing)")
+        raise FileNotFoundError(f"no Qwen2.5-VL / Qwen3-VL checkpoint at {path} (config.json missing)")
+    family = checkpoint_family(path)
     for f in sorted(path.glob("*.safetensors")):  # a truncated copy: one line naming it, and no retry
         problem = file_problem(f)
         if problem is not None:
             raise InputError(f"cannot load the policy at {path}: {problem}")
+    if (problem := _missing_shards(path)) is not None:
+        raise InputError(f"cannot load the policy at {path}: {problem}")
     tokenizer = AutoTokenizer.from_pretrained(path)
     # Passed as min/max_pixels, which Qwen2VLImageProcessorPil applies after the stored `size` (or the
     # stock config's own min/max_pixels keys), so the override wins in both layouts.
     budget = {k: v for k, v in (("min_pixels", min_pixels), ("max_pixels", max_pixels)) if v is not None}
     image_processor = Qwen2VLImageProcessorPil.from_pretrained(path, **budget)
-    processor = PolicyProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    model = Qwen2_5_VLForConditionalGeneration.from_pretrained(path, dtype=dtype).to(device)
+    processor = _PROCESSOR_CLASSES[family](image_processor=image_processor, tokenizer=tokenizer)
+    model = _MODEL_CLASSES[family].from_pretrained(path, dtype=dtype).to(device)
     model.eval()
     return Policy(model=model, processor=processor, tokenizer=tokenizer)
 
@@ -334,20 +450,28 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
     layers (a, b) into (a, new, b, new)). A new layer is freshly initialised except its attention output
     and MLP down projections, which are zero, so it adds nothing to the residual stream until trained
     (the same trick as LoRA's zero B). The vision tower, embeddings, head and generation config are
-    copied unchanged. The result is a stock Qwen2.5-VL checkpoint with a larger `num_hidden_layers`:
-    used to give a trained tiny model more depth without losing what it learned.
+    copied unchanged. The result is a stock checkpoint of the same family with a larger
+    `num_hidden_layers`: used to give a trained tiny model more depth without losing what it learned.
+    Qwen3-VL adds its DeepStack visual features after the first decoder layers by index, so there a new
+    layer may only follow the last of them (or a later layer): anything else would move them.
     """
     old = policy.model
     n_old = old.config.text_config.num_hidden_layers
     if not after or any(not 0 <= i < n_old for i in after):
         raise ValueError(f"`after` must name layers in [0, {n_old}), got {list(after)}")
+    deepstack = len(getattr(old.config.vision_config, "deepstack_visual_indexes", None) or ())
+    if deepstack and min(after) < deepstack - 1:
+        raise ValueError(
+            f"`after` must name layers >= {deepstack - 1} for this Qwen3-VL model: its {deepstack} DeepStack "
+            f"feature(s) enter after decoder layers 0..{deepstack - 1}, got {list(after)}"
+        )
     config = old.config.__class__.from_dict(old.config.to_dict())
     n_new = n_old + len(after)
     config.text_config.num_hidden_layers = n_new
     if getattr(config.text_config, "layer_types", None) is not None:
         config.text_config.layer_types = [config.text_config.layer_types[0]] * n_new
     torch.manual_seed(seed)
-    model = Qwen2_5_VLForConditionalGeneration(config).to(old.dtype)
+    model = type(old)(config).to(old.dtype)
     order: list[int | None] = []  # new position -> old index (None = new layer)
     for i in range(n_old):
         order.append(i)
@@ -408,6 +532,33 @@ def mrope_section(head_dim: int) -> list[int]:
     t = half // 4
     h = (half - t) // 2
     return [t, h, half - t - h]
+
+
+def mrope_section_qwen3(head_dim: int) -> list[int]:
+    """Qwen3-VL's (t, h, w) split of head_dim / 2 rotary frequencies, [24, 20, 20] for 128, scaled.
+
+    Qwen3-VL interleaves the axes (frequency i is h when i % 3 == 1 and i < 3h, w when i % 3 == 2 and
+    i < 3w, t otherwise), so h and w can be at most a third of the frequencies each.
+
+    >>> mrope_section_qwen3(128), mrope_section_qwen3(32)
+    ([24, 20, 20], [6, 5, 5])
+    """
+    half = head_dim // 2
+    h = half * 20 // 64
+    return [half - 2 * h, h, h]
+
+
+def _check_mrope(section: Sequence[int], head_dim: int, family: str) -> None:
+    half = head_dim // 2
+    if len(section) != 3 or sum(section) != half:
+        raise ValueError(f"mrope must be 3 numbers summing to head_dim / 2 = {half}, got {list(section)}")
+    if family == "qwen3_vl":  # interleaved: h at 1, 4, 7, ... < 3h and w at 2, 5, 8, ... < 3w
+        h_max, w_max = len(range(1, half, 3)), len(range(2, half, 3))
+        if section[1] > h_max or section[2] > w_max:
+            raise ValueError(
+                f"mrope {list(section)}: Qwen3-VL interleaves the axes, so h <= {h_max} and w <= {w_max} "
+                f"for head_dim {head_dim} (e.g. {mrope_section_qwen3(head_dim)})"
+            )
 
 
 def count_parameters(model: torch.nn.Module) -> int:
@@ -493,15 +644,48 @@ def _action_samples(rng: random.Random) -> list[str]:
     ]
 
 
-def default_corpus(n: int = 4000, seed: int = 0) -> list[str]:
-    """A tokenizer-training corpus: both system prompts, MiniWoB-style instructions and UI-TARS replies.
+def _tool_call_samples(rng: random.Random) -> list[Action]:
+    """One action of every kind the tool-call grammar writes, 0-1000 coordinates (decision "Tiny Qwen3-VL")."""
+
+    def pt() -> tuple[float, float]:
+        return (float(rng.randint(0, 1000)), float(rng.randint(0, 1000)))
+
+    w = rng.choice(_WORDS)
+    return [
+        Action("click", point=pt()),
+        Action("left_double", point=pt()),
+        Action("right_single", point=pt()),
+        Action("hover", point=pt()),
+        Action("drag", point=pt(), end_point=pt()),
+        Action("hotkey", key=f"ctrl {rng.choice('acvxzs')}"),
+        Action("press", key=rng.choice(["enter", "tab", "space", "backspace", "escape", "down", "up"])),
+        Action("type", content=w),
+        Action("type", content=f"{w}\n"),
+        Action("scroll", point=pt(), direction=rng.choice(["up", "down", "left", "right"])),
+        Action("wait"),
+        Action("finished", content=w),
+        Action("finished"),
+        Action("call_user"),
+    ]
+
+
+def default_corpus(n: int = 4000, seed: int = 0, family: str = "qwen2_5_vl") -> list[str]:
+    """A tokenizer-training corpus: the family's prompts, MiniWoB-style instructions and replies in the
+    family's grammar (`qwen2_5_vl`: the UI-TARS and compact prompts, UI-TARS replies; `qwen3_vl`: every
+    prompt with its system turns, Qwen3-VL tool-call replies).
 
     Deterministic in `seed`. Replies mix every action kind with random coordinates so that the BPE
-    learns the grammar's punctuation (`(start_box='(`) as a few tokens.
+    learns the grammar's punctuation (`(start_box='(`, `{"name": "computer_use", "arguments": {"action":`)
+    as a few tokens. The `qwen2_5_vl` corpus is the one the versioned tiny checkpoints were built from.
     """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
     rng = random.Random(seed)
-    lines: list[str] = [p.format(instruction="") for p in SYSTEM_PROMPTS.values()]
-    lines.append("You are a helpful assistant.")
+    if family == "qwen2_5_vl":
+        lines: list[str] = [SYSTEM_PROMPTS[k].format(instruction="") for k in ("uitars", "compact")]
+        lines.append("You are a helpful assistant.")
+    else:
+        lines = [*system_turns(), "You are a helpful assistant."]
     for _ in range(n):
         fill = {
             "w": rng.choice(_WORDS),
@@ -515,16 +699,22 @@ def default_corpus(n: int = 4000, seed: int = 0) -> list[str]:
         }
         lines.append(rng.choice(_TASK_TEMPLATES).format(**fill))
         thought = rng.choice(_THOUGHTS).format(**fill)
-        action = rng.choice(_action_samples(rng))
-        lines.append(f"Thought: {thought}\nAction: {action}")
+        if family == "qwen2_5_vl":
+            action = rng.choice(_action_samples(rng))
+            lines.append(f"Thought: {thought}\nAction: {action}")
+        else:
+            lines.append(format_tool_call_response(thought, [rng.choice(_tool_call_samples(rng))]))
     return lines
 
 
-def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> Qwen2Tokenizer:
+def train_tokenizer(
+    corpus: Iterable[str], vocab_size: int, added_tokens: Sequence[str] = ()
+) -> Qwen2Tokenizer:
     """Train a byte-level BPE with Qwen2's normaliser/pre-tokeniser and wrap it as a `Qwen2Tokenizer`.
 
     Qwen's special tokens are appended after the learned vocabulary; `<|im_end|>` is the end of a turn
-    (eos) and `<|endoftext|>` pads, as in Qwen2.5-VL-Instruct.
+    (eos) and `<|endoftext|>` pads, as in Qwen2.5-VL-Instruct. `added_tokens` (e.g. `TOOL_CALL_TOKENS`)
+    follow them as added, not special, tokens: never split, kept by `skip_special_tokens`.
     """
     tok = Tokenizer(BPE(unk_token=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     tok.normalizer = normalizers.NFC()
@@ -561,6 +751,8 @@ def train_tokenizer(corpus: Iterable[str], vocab_size: int) -> Qwen2Tokenizer:
     ]
     if missing:
         raise RuntimeError(f"special tokens not registered: {missing}")
+    if added_tokens:
+        wrapped.add_tokens(list(added_tokens))
     return wrapped
 
 
@@ -569,20 +761,25 @@ def tiny_config(
     tokenizer: Qwen2Tokenizer,
     rope_theta: float = 1e6,
     mrope: Sequence[int] | None = None,
-) -> Qwen2_5_VLConfig:
-    """Qwen2.5-VL config of one tiny size, its token ids taken from `tokenizer`.
+    family: str = "qwen2_5_vl",
+) -> Qwen2_5_VLConfig | Qwen3VLConfig:
+    """Config of one tiny size in `family` (`FAMILIES`), its token ids taken from `tokenizer`.
 
-    `rope_theta` / `mrope` (the (t, h, w) split of head_dim / 2 frequencies; default `mrope_section`)
-    override the LM's rotary settings. Qwen2.5-VL gives the (t, h, w) sections contiguous frequency
-    bands, highest first, so with theta 1e6 the w band of a 64-wide head turns < 2e-4 rad per image token:
-    no usable horizontal resolution in a 6-token-wide image (arpo_core/offline/grounding.py,
-    decision "Rotary frequencies").
+    `rope_theta` / `mrope` (the (t, h, w) split of head_dim / 2 frequencies; default `mrope_section`, or
+    `mrope_section_qwen3` for Qwen3-VL) override the LM's rotary settings. Qwen2.5-VL gives the (t, h, w)
+    sections contiguous frequency bands, highest first, so with theta 1e6 the w band of a 64-wide head
+    turns < 2e-4 rad per image token: no usable horizontal resolution in a 6-token-wide image
+    (arpo_core/offline/grounding.py, decision "Rotary frequencies"). Qwen3-VL interleaves them
+    (decision "Tiny Qwen3-VL").
     """
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
     head_dim = size.hidden // size.heads
-    section = list(mrope) if mrope is not None else mrope_section(head_dim)
-    if sum(section) != head_dim // 2 or len(section) != 3:
-        raise ValueError(f"mrope must be 3 numbers summing to head_dim / 2 = {head_dim // 2}, got {section}")
+    default = mrope_section(head_dim) if family == "qwen2_5_vl" else mrope_section_qwen3(head_dim)
+    section = list(mrope) if mrope is not None else default
+    _check_mrope(section, head_dim, family)
     ids = {t: tokenizer.convert_tokens_to_ids(t) for t in QWEN_SPECIAL_TOKENS}
+    rope = {"rope_type": "default", "rope_theta": float(rope_theta), "mrope_section": section}
     text = {
         "vocab_size": len(tokenizer),
         "hidden_size": size.hidden,
@@ -591,16 +788,35 @@ def tiny_config(
         "num_attention_heads": size.heads,
         "num_key_value_heads": size.kv_heads,
         "max_position_embeddings": 32768,
-        "rope_parameters": {
-            "rope_type": "default",
-            "rope_theta": float(rope_theta),
-            "mrope_section": section,
-        },
+        "rope_parameters": rope,
         "bos_token_id": ids["<|endoftext|>"],
         "eos_token_id": ids["<|im_end|>"],
         "pad_token_id": ids["<|endoftext|>"],
         "tie_word_embeddings": True,
     }
+    tokens = {
+        "image_token_id": ids["<|image_pad|>"],
+        "video_token_id": ids["<|video_pad|>"],
+        "vision_start_token_id": ids["<|vision_start|>"],
+        "vision_end_token_id": ids["<|vision_end|>"],
+    }
+    if family == "qwen3_vl":
+        text["head_dim"] = head_dim  # Qwen3-VL's text config defaults it to 128
+        rope["mrope_interleaved"] = True  # what Qwen3-VL checkpoints write (the model always interleaves)
+        vision = {
+            "depth": size.vision_depth,
+            "hidden_size": size.vision_hidden,
+            "intermediate_size": 2 * size.vision_hidden,
+            "num_heads": size.vision_heads,
+            "out_hidden_size": size.hidden,
+            "patch_size": 16,
+            "spatial_merge_size": 2,
+            "temporal_patch_size": 2,
+            "num_position_embeddings": 256,  # a learned 16x16 grid, resampled to each image (48x48 stock)
+            # one DeepStack merger, after the first vision block (stock: blocks 8, 16, 24 of 27)
+            "deepstack_visual_indexes": [0],
+        }
+        return Qwen3VLConfig(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=True)
     vision = {
         "depth": size.vision_depth,
         "hidden_size": size.vision_hidden,
@@ -614,15 +830,23 @@ def tiny_config(
         # The last block attends over the whole image, the others within 4x4-token windows (as in 7B).
         "fullatt_block_indexes": [size.vision_depth - 1],
     }
-    return Qwen2_5_VLConfig(
-        text_config=text,
-        vision_config=vision,
-        image_token_id=ids["<|image_pad|>"],
-        video_token_id=ids["<|video_pad|>"],
-        vision_start_token_id=ids["<|vision_start|>"],
-        vision_end_token_id=ids["<|vision_end|>"],
-        tie_word_embeddings=True,
-    )
+    return Qwen2_5_VLConfig(text_config=text, vision_config=vision, **tokens, tie_word_embeddings=True)
+
+
+def tiny_image_processor(family: str, min_pixels: int, max_pixels: int) -> Qwen2VLImageProcessorPil:
+    """The family's image processor with the given pixel budget: Qwen2.5-VL's stock settings (patch 14,
+    CLIP mean/std) or Qwen3-VL's (patch 16, mean/std 0.5; its preprocessor_config.json)."""
+    size = {"shortest_edge": min_pixels, "longest_edge": max_pixels}
+    if family == "qwen3_vl":
+        return Qwen2VLImageProcessorPil(
+            size=size,
+            patch_size=16,
+            merge_size=2,
+            temporal_patch_size=2,
+            image_mean=[0.5] * 3,
+            image_std=[0.5] * 3,
+        )
+    return Qwen2VLImageProcessorPil(size=size)
 
 
 def build_tiny_policy(
@@ -634,27 +858,34 @@ def build_tiny_policy(
     max_pixels: int = TINY_MAX_PIXELS,
     rope_theta: float = 1e6,
     mrope: Sequence[int] | None = None,
+    family: str = "qwen2_5_vl",
+    max_shard_size: int | str | None = None,
 ) -> Policy:
-    """Build a randomly initialised tiny Qwen2.5-VL policy offline, save it to `out_dir`, return it.
+    """Build a randomly initialised tiny policy of `family` (`FAMILIES`) offline, save it to `out_dir`,
+    return it.
 
     The directory is a normal checkpoint (`load_policy(out_dir)` gives the same model). `corpus` trains
-    the tokenizer; default `default_corpus(seed=seed)`. `rope_theta` / `mrope` set the LM's rotary
-    frequencies (see `tiny_config`; both are plain Qwen2.5-VL config values, so any loader reads them).
+    the tokenizer; default `default_corpus(seed=seed, family=family)`. `rope_theta` / `mrope` set the LM's
+    rotary frequencies (see `tiny_config`; both are plain config values, so any loader reads them).
+    `max_shard_size` (e.g. `TINY_SHARD_SIZE`): save in the Hub's sharded layout (decision "Tiny Qwen3-VL").
     """
     if size not in SIZES:
         raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(SIZES)}")
+    if family not in FAMILIES:
+        raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
     arch = SIZES[size]
-    tokenizer = train_tokenizer(default_corpus(seed=seed) if corpus is None else corpus, arch.vocab)
-    image_processor = Qwen2VLImageProcessorPil(size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
-    processor = PolicyProcessor(image_processor=image_processor, tokenizer=tokenizer)
-    config = tiny_config(arch, tokenizer, rope_theta=rope_theta, mrope=mrope)
+    corpus = default_corpus(seed=seed, family=family) if corpus is None else corpus
+    tokenizer = train_tokenizer(corpus, arch.vocab, TOOL_CALL_TOKENS if family == "qwen3_vl" else ())
+    image_processor = tiny_image_processor(family, min_pixels, max_pixels)
+    processor = _PROCESSOR_CLASSES[family](image_processor=image_processor, tokenizer=tokenizer)
+    config = tiny_config(arch, tokenizer, rope_theta=rope_theta, mrope=mrope, family=family)
     # Weight init draws from torch's global RNG: seed it inside fork_rng so the caller's RNG is untouched.
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = Qwen2_5_VLForConditionalGeneration(config)
+        model = _MODEL_CLASSES[family](config)
     model.generation_config.eos_token_id = [tokenizer.convert_tokens_to_ids("<|im_end|>")]
     model.generation_config.pad_token_id = tokenizer.convert_tokens_to_ids("<|endoftext|>")
     model.eval()
     policy = Policy(model=model, processor=processor, tokenizer=tokenizer)
-    policy.save(out_dir)
+    policy.save(out_dir, max_shard_size=max_shard_size)
     return policy

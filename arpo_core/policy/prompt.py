@@ -19,13 +19,24 @@ Decisions:
   "compact" (a few lines: a long prompt costs the tiny CPU model most of its sequence length). The name and K
   are required arguments of every function that builds a prompt: params' `policy` section is their one
   source (a default here once silently gave the trainer one prompt and the generator another).
-- **Model-image coordinates.** Coordinates in replies are absolute pixels of the model image, i.e. the
-  screenshot after `smart_resize(h, w, factor=28, min_pixels, max_pixels)` (docs/method.md §3);
-  `model_image_size` gives that size so that env code can map clicks back to the screen.
+- **Model-image coordinates.** Coordinates in UI-TARS replies are absolute pixels of the model image, i.e. the
+  screenshot after `smart_resize(h, w, factor, min_pixels, max_pixels)` with the model's factor (28 for
+  Qwen2.5-VL, 32 for Qwen3-VL; `Policy.patch_factor`) (docs/method.md §3); `model_image_size` gives that size
+  so that env code can map clicks back to the screen.
+- **Qwen3-VL prompts.** Two Qwen3-VL prompts (docs/models.md) for the tool-call grammar: "qwen3vl" puts the
+  `computer_use` function in the system turn inside Qwen's tool markup (the `# Tools` / `<tools>` /
+  `<tool_call>` scaffold of Qwen's chat template, which the model is trained on, kept as it is; the function's
+  description in this project's words, its action and argument names those of GUI-Owl-1.5's tool) and the
+  instruction in the first user turn, as GUI-Owl-1.5's agents do; it announces a 1000x1000 screen, so
+  coordinates are 0-1000 units. "qwen3vl_compact" is the few-line form for tiny CPU models. `PROMPT_FORMATS`
+  says which grammar each prompt asks for; the config checks it against `policy.action_format`. Not reproduced
+  from GUI-Owl-1.5's agents: they fold the replies of steps outside the image window into a "Previous actions"
+  list in the user turn; here older steps keep their assistant turns (decision "History window"), for every prompt alike.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Literal
@@ -33,6 +44,7 @@ from typing import Literal
 from PIL import Image
 
 __all__ = [
+    "PROMPT_FORMATS",
     "SYSTEM_PROMPTS",
     "PromptInput",
     "Reply",
@@ -41,6 +53,7 @@ __all__ = [
     "kept_image_steps",
     "model_image_size",
     "render_text",
+    "system_turns",
 ]
 
 _UITARS_PROMPT = """You are an agent that operates a graphical user interface. You get a task, the \
@@ -81,11 +94,123 @@ type(content='...'), press(key='...'), hotkey(key='...'), scroll(start_box='(x,y
 drag(start_box='(x,y)', end_box='(x,y)'), wait(), finished(content='...') or call_user().
 Task: {instruction}"""
 
-SYSTEM_PROMPTS: dict[str, str] = {"uitars": _UITARS_PROMPT, "compact": _COMPACT_PROMPT}
+
+def _computer_use_schema() -> str:
+    """The `computer_use` function as one JSON line (decision "Qwen3-VL prompts"): the action names and argument names are
+    the interface GUI-Owl-1.5 and Qwen3-VL are trained on; the descriptions are this project's words."""
+    actions = {
+        "left_click": "click the left button at coordinate",
+        "double_click": "double-click the left button at coordinate",
+        "right_click": "click the right button at coordinate",
+        "mouse_move": "move the pointer to coordinate",
+        "left_click_drag": "press at start_coordinate, drag to coordinate, release",
+        "key": 'press the keys together, e.g. ["ctrl", "c"], or one key, e.g. ["enter"]',
+        "type": "type text (end it with \\n to submit it)",
+        "scroll": "turn the wheel: pixels > 0 up, < 0 down, at coordinate if given",
+        "hscroll": "scroll sideways: pixels > 0 right, < 0 left",
+        "wait": "wait time seconds, then look at a new screenshot",
+        "answer": "the task is done; text is the answer",
+        "terminate": "end the task: status success (done) or failure (impossible without the user)",
+    }
+    description = (
+        "Operate a graphical user interface with mouse and keyboard.\n* The screen's resolution is "
+        "1000x1000: x and y run from 0 (left, top) to 1000 (right, bottom) over the screenshot as you "
+        "see it.\n* Aim at the centre of the element you act on."
+    )
+    schema = {
+        "type": "function",
+        "function": {
+            "name": "computer_use",
+            "description": description,
+            "parameters": {
+                "properties": {
+                    "action": {
+                        "description": "The action:\n"
+                        + "\n".join(f"* `{k}`: {v}" for k, v in actions.items()),
+                        "enum": list(actions),
+                        "type": "string",
+                    },
+                    "coordinate": {"description": "(x, y) on the 1000x1000 screen", "type": "array"},
+                    "start_coordinate": {"description": "(x, y) where a drag starts", "type": "array"},
+                    "keys": {"description": "key names, for action=key", "type": "array"},
+                    "text": {"description": "for action=type and action=answer", "type": "string"},
+                    "pixels": {"description": "scroll amount and sign", "type": "number"},
+                    "time": {"description": "seconds, for action=wait", "type": "number"},
+                    "status": {
+                        "description": "for action=terminate",
+                        "type": "string",
+                        "enum": ["success", "failure"],
+                    },
+                },
+                "required": ["action"],
+                "type": "object",
+            },
+        },
+    }
+    return json.dumps(schema, ensure_ascii=False)
+
+
+_QWEN3VL_SYSTEM = f"""# Tools
+
+You may call one or more functions to assist with the user query.
+
+You are provided with function signatures within <tools></tools> XML tags:
+<tools>
+{_computer_use_schema()}
+</tools>
+
+For each function call, return a json object with function name and arguments within <tool_call></tool_call> XML tags:
+<tool_call>
+{{"name": <function-name>, "arguments": <args-json-object>}}
+</tool_call>
+
+# Reply format
+
+Every reply has two parts, in this order and nothing else:
+1) Action: one short sentence saying what you do next in the interface.
+2) One <tool_call>...</tool_call> block per action, holding only the JSON of the call.
+When the task is done, call action=answer or action=terminate."""
+
+_QWEN3VL_PROMPT = """Decide the next action from the screenshot, the instruction and the actions so far.
+
+Instruction: {instruction}"""
+
+_QWEN3VL_COMPACT_PROMPT = """Operate the GUI; the screen is 1000x1000. Reply "Action: ..." then \
+<tool_call>{{"name": "computer_use", "arguments": {{"action": "left_click", "coordinate": [x, y]}}}}</tool_call> \
+with action left_click, double_click, right_click, mouse_move, left_click_drag, key, type, scroll, wait, \
+answer or terminate.
+Task: {instruction}"""
+
+SYSTEM_PROMPTS: dict[str, str] = {
+    "uitars": _UITARS_PROMPT,
+    "compact": _COMPACT_PROMPT,
+    "qwen3vl": _QWEN3VL_PROMPT,
+    "qwen3vl_compact": _QWEN3VL_COMPACT_PROMPT,
+}
 """Task prompt templates by name; `{instruction}` is filled in. Shown in the first user turn."""
 
-_SYSTEM_TURN: dict[str, str | None] = {"uitars": "You are a helpful assistant.", "compact": None}
-"""The system turn before the task prompt (UI-TARS uses Qwen's default; compact drops it)."""
+_SYSTEM_TURN: dict[str, str | None] = {
+    "uitars": "You are a helpful assistant.",
+    "compact": None,
+    "qwen3vl": _QWEN3VL_SYSTEM,
+    "qwen3vl_compact": None,
+}
+"""The system turn before the task prompt (UI-TARS uses Qwen's default; the Qwen3-VL prompt holds the
+tool there, as Qwen's chat template and GUI-Owl-1.5 do; the compact ones drop it)."""
+
+PROMPT_FORMATS: dict[str, str] = {
+    "uitars": "uitars",
+    "compact": "uitars",
+    "qwen3vl": "qwen3vl_tool_call",
+    "qwen3vl_compact": "qwen3vl_tool_call",
+}
+"""The reply grammar (`arpo_core.actions.ACTION_FORMATS`) each prompt asks for (decision "Qwen3-VL prompts")."""
+
+
+def system_turns() -> list[str]:
+    """Every prompt's text without its instruction (system turns included): the tokenizer corpus."""
+    turns = [t for t in _SYSTEM_TURN.values() if t is not None]
+    return [*(p.format(instruction="") for p in SYSTEM_PROMPTS.values()), *turns]
 
 
 @dataclass(frozen=True)

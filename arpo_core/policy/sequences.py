@@ -27,7 +27,9 @@ Decisions:
   over the trajectory).
 - **M-RoPE token types.** `mm_token_type_ids = (input_ids == image_token_id)` goes into every hand-built
   forward: transformers 5.x builds Qwen2.5-VL's 3-D (t, h, w) M-RoPE positions only when it is given; without
-  it training silently uses 1-D positions while generation uses 3-D ones (docs/method.md §7).
+  it training silently uses 1-D positions while generation uses 3-D ones (docs/method.md §7). Qwen3-VL takes
+  the same input for its own (interleaved) positions and refuses a multimodal forward without it
+  (docs/models.md); every function here serves both families unchanged.
 - **Padding sides.** Training batches are right-padded, generation batches left-padded; both carry an
   attention mask and the positions are computed per row over its unpadded tokens, so padding changes nothing.
 - **Raw-logit log-probs.** Log-probs are of the raw logits at temperature 1 unless a temperature is given:
