@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from arpo_core.policy.prompt import PromptSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -136,7 +138,7 @@ def main() -> None:
         policy = build_tiny_policy(
             Path(d) / "p", size=args.size, rope_theta=p.init_policy.rope_theta, mrope=mrope
         )
-    gen = NoStop(policy, system="compact", history_images=None)
+    gen = NoStop(policy, spec=PromptSpec("compact", None))
     prompts = [PromptInput(f"Click button {i}", (screen(i),)) for i in range(16)]
     sampled = {"temperature": 1.0, "top_p": 1.0}
     gen.generate(prompts[:2], max_new_tokens=4, seeds=[0, 1], **sampled)  # warm-up
@@ -165,7 +167,7 @@ def main() -> None:
         print(rows[-1], flush=True)
     # The same batch-8 measurement with the stock forward for every decode step (generate.py,
     # decision "Lean decode steps")
-    stock = NoStop(policy, system="compact", history_images=None)
+    stock = NoStop(policy, spec=PromptSpec("compact", None))
     stock.lean_decode = False
     tb, ts = time_batch(stock, prompts, 8, args.repeats, args.tokens, sampled)
     lean8 = next(r for r in rows if r["batch"] == 8)
@@ -182,7 +184,7 @@ def main() -> None:
     # decision "Shared prompt head"): the ratio of that generator, and its batched call A/B-timed against the
     # default one in alternation (3x the repeats), since the gain (~10%) is within this machine's drift
     # between two measurements
-    plain = NoStop(policy, system="compact", history_images=None)
+    plain = NoStop(policy, spec=PromptSpec("compact", None))
     plain.share_prefix = False
     tb, ts = time_batch(plain, prompts, 8, args.repeats, args.tokens, sampled)
     ab = {n: ab_batched(gen, plain, prompts[:8], 3 * args.repeats, n, sampled) for n in (args.tokens, 1)}
@@ -197,7 +199,7 @@ def main() -> None:
         "shared_head_gain_prefill": ab[1][1] / ab[1][0],
     }
     print("unshared head", unshared_row, flush=True)
-    seqs = [encode_prompt(policy, q, system="compact", history_images=None) for q in prompts[:8]]
+    seqs = [encode_prompt(policy, q, spec=PromptSpec("compact", None)) for q in prompts[:8]]
     head = (shared_prefix_len(seqs, policy.image_token_id), max(len(q.input_ids) for q in seqs))
     out = {
         "benchmark": "generation",

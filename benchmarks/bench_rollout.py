@@ -66,6 +66,8 @@ from pathlib import Path
 
 import torch
 
+from arpo_core.policy.prompt import PromptSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -217,7 +219,7 @@ def bench_pool(policy, backend: str, n: int, args, cfg: RolloutConfig, pause: fl
     """Every mode of `args.modes` on one pool of `n` envs, the same jobs each (decision "Modes"); the envs
     sleep `pause` seconds after each step's actions (decision "Step pauses")."""
     gen = ClickingGenerator(
-        FixedLengthGenerator(policy, system=args.system_prompt, history_images=args.history_images),
+        FixedLengthGenerator(policy, spec=PromptSpec.of(args)),
         cfg.min_pixels,
         cfg.max_pixels,
         one_at_a_time=args.one_at_a_time,

@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 from PIL import Image, ImageDraw
 
+from arpo_core.policy.prompt import PromptSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -76,7 +78,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as d:
         policy = build_tiny_policy(Path(d) / "p", size=args.size)
     policy.model.train()
-    seqs = encode_trajectories(policy, trajectories(args.batch), system="compact", history_images=None)
+    seqs = encode_trajectories(policy, trajectories(args.batch), spec=PromptSpec("compact", None))
     adv = torch.linspace(-1, 1, args.batch)
     engine = TorchEngine(policy.model, lr=1e-6, weight_decay=1e-2, max_grad_norm=1.0)
     cfg = TrainConfig(micro_batch_size=args.micro, mini_batch_size=args.batch)

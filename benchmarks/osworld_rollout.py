@@ -22,6 +22,8 @@ from pathlib import Path
 
 import torch
 
+from arpo_core.policy.prompt import PromptSpec
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
@@ -48,7 +50,7 @@ def main() -> None:
     torch.set_num_threads(1)
 
     policy = load_policy(args.policy_dir)
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     tasks = load_osworld_suite(ROOT / args.suite)
     factory = functools.partial(make_osworld_env, provider="local", screen_size=(args.width, args.height))
     cfg = RolloutConfig(

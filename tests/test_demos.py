@@ -16,6 +16,7 @@ from arpo_core.envs.base import TaskSpec
 from arpo_core.envs.miniwob.dom import DomElement
 from arpo_core.envs.miniwob.oracles import FRAME_IDS, ORACLES, empty_points, miss_step, model_size
 from arpo_core.offline.demonstrations import miss_rng, planned_misses, play_oracle_episodes
+from arpo_core.policy.prompt import PromptSpec
 
 MAX_STEPS = 8  # params' baseline.max_steps, the demos' step limit
 
@@ -170,7 +171,7 @@ def check_bc_sequences(trajs, tmp_path):
     policy = build_tiny_policy(tmp_path / "tiny", size="xs", seed=0)
     tok = policy.tokenizer
     for t in trajs:
-        seq = encode_trajectory(policy, t, system="compact", history_images=None)
+        seq = encode_trajectory(policy, t, spec=PromptSpec("compact", None))
         ids, mask = torch.tensor(seq.input_ids), torch.tensor(seq.assistant_mask)
         trained = [s.response_text for s in t.steps if s.train_reply]
         assert tok.decode(ids[mask]) == "".join(r + "<|im_end|>" for r in trained)

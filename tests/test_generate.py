@@ -8,7 +8,7 @@ from PIL import Image, ImageDraw
 
 from arpo_core.policy.generate import Generation, HFGenerator, VLLMGenerator, sample_next, top_p_filter
 from arpo_core.policy.model import Policy, build_tiny_policy
-from arpo_core.policy.prompt import PromptInput, Reply
+from arpo_core.policy.prompt import PromptInput, PromptSpec, Reply
 from arpo_core.policy.sequences import (
     collate,
     encode_prompt,
@@ -78,7 +78,7 @@ def test_sample_next_inverse_cdf_matches_the_distribution():
 
 @pytest.mark.parametrize("system", ["compact", "uitars"])
 def test_batched_equals_one_at_a_time_greedy(policy, system):
-    gen = HFGenerator(policy, system=system, history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec(system, None))
     batched = gen.generate(prompts(), temperature=0.0, top_p=1.0, max_new_tokens=12)
     for b, p in enumerate(prompts()):
         single = gen.generate([p], temperature=0.0, top_p=1.0, max_new_tokens=12)[0]
@@ -92,7 +92,7 @@ SAMPLED = {"temperature": 1.0, "top_p": 0.9, "max_new_tokens": 12}
 def test_batched_equals_one_at_a_time_sampled(policy):
     """Prompt b is sampled with its own seed `seeds[b]` (generate.py, decision "Own decode loop"), whatever
     its row."""
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     seeds = [7, 1234567890123, 7]  # equal seeds for different prompts are fine: each has its own generator
     batched = gen.generate(prompts(), seeds=seeds, **SAMPLED)
     for b, p in enumerate(prompts()):
@@ -107,7 +107,7 @@ def test_batched_equals_one_at_a_time_sampled(policy):
 def test_reply_follows_its_seed_not_its_row(policy):
     """Reordering the batch (and its seeds) reorders the replies and changes nothing else: what a rollout
     needs so that which env an episode runs on, and with whom it shares a batch, does not matter."""
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     seeds = [11, 22, 33]
     forward = gen.generate(prompts(), seeds=seeds, **SAMPLED)
     backward = gen.generate(prompts()[::-1], seeds=seeds[::-1], **SAMPLED)
@@ -117,19 +117,19 @@ def test_reply_follows_its_seed_not_its_row(policy):
 
 
 def test_seeds_are_checked(policy):
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     with pytest.raises(ValueError, match="one seed per prompt"):
         gen.generate(prompts(), **SAMPLED)  # sampling needs seeds
     with pytest.raises(ValueError, match="3 prompts need 3 seeds, got 2"):
         gen.generate(prompts(), seeds=[1, 2], **SAMPLED)
     with pytest.raises(TypeError, match="max_new_tokens"):
         gen.generate(prompts(), temperature=0.0, top_p=1.0)  # no default: params own it
-    with pytest.raises(TypeError, match="history_images"):
-        HFGenerator(policy, system="compact")
+    with pytest.raises(TypeError, match="spec"):
+        HFGenerator(policy)  # no default prompt: params own it
 
 
 def test_generation_fields(policy):
-    g = HFGenerator(policy, system="compact", history_images=None).generate(
+    g = HFGenerator(policy, spec=PromptSpec("compact", None)).generate(
         prompts()[:1], temperature=1.0, top_p=1.0, max_new_tokens=5, seeds=[0]
     )[0]
     assert isinstance(g, Generation)
@@ -176,11 +176,11 @@ def _rollout(gen: HFGenerator, instructions: list[str], n_steps: list[int], temp
 def test_generation_logprobs_match_recomputed(policy, system, temperature, top_p):
     """Multi-turn episodes of 2-3 screenshots: the behaviour log-probs returned by generation equal the
     log-probs recomputed in one right-padded training forward (fp32), token for token."""
-    gen = HFGenerator(policy, system=system, history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec(system, None))
     trajs, gen_logps = _rollout(
         gen, ["Click the red box.", "Enter the text.", "Select alpha."], [2, 3, 3], temperature, top_p
     )
-    seqs = [encode_trajectory(policy, t, system=system, history_images=None) for t in trajs]
+    seqs = [encode_trajectory(policy, t, spec=PromptSpec(system, None)) for t in trajs]
     with torch.no_grad():
         logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
     max_diff = 0.0
@@ -197,10 +197,10 @@ def test_history_window_logprobs_match_recomputed(policy, k):
     """sequences.py, decision "History windows": with a history window K shorter than the episode, every reply
     recomputed over the trajectory's windows (as training encodes it) has the log-probs it was sampled with;
     one sequence of the whole episode gives the earlier replies other contexts (checked to differ)."""
-    gen = HFGenerator(policy, system="compact", history_images=k)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", k))
     trajs, gen_logps = _rollout(gen, ["Click the red box.", "Enter the text."], [3, 2], 1.0, 1.0)
     for traj, expected in zip(trajs, gen_logps, strict=True):
-        windows = encode_trajectory_windows(policy, traj, system="compact", history_images=k)
+        windows = encode_trajectory_windows(policy, traj, spec=PromptSpec("compact", k))
         assert len(windows) == max(1, len(traj.steps) - k + 1)
         with torch.no_grad():
             logps, mask = sequence_logprobs(
@@ -210,7 +210,7 @@ def test_history_window_logprobs_match_recomputed(policy, k):
         assert rec.shape[0] == len(expected)
         assert float((rec - torch.tensor(expected)).abs().max()) < 1e-4
         if len(traj.steps) > k:
-            one = encode_trajectory(policy, traj, system="compact", history_images=k)
+            one = encode_trajectory(policy, traj, spec=PromptSpec("compact", k))
             with torch.no_grad():
                 lp1, m1 = sequence_logprobs(
                     policy.model, collate([one], policy.pad_id, policy.image_token_id)
@@ -227,7 +227,7 @@ def test_logprob_gap_over_history_windows(policy):
     from arpo_core.algorithm.trainer import logprob_gap
     from arpo_core.algorithm.update import compute_logps, encode_trajectories
 
-    gen = HFGenerator(policy, system="compact", history_images=1)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", 1))
     trajs, gen_logps = _rollout(
         gen, ["Click the red box.", "Enter the text.", "Select alpha."], [3, 1, 2], 1.0, 1.0
     )
@@ -239,7 +239,7 @@ def test_logprob_gap_over_history_windows(policy):
             steps.append(dataclasses.replace(st, gen_logprob_sum=float(sum(lps[k : k + n]))))
             k += n
         stamped.append(dataclasses.replace(t, steps=steps))
-    seqs = encode_trajectories(policy, stamped, system="compact", history_images=1)
+    seqs = encode_trajectories(policy, stamped, spec=PromptSpec("compact", 1))
     assert len(seqs) == 6
     gap = logprob_gap(stamped, seqs, compute_logps(policy, seqs, micro_batch_size=4, bf16=False))
     assert gap["logprob/replies_compared"] == 6
@@ -249,17 +249,17 @@ def test_logprob_gap_over_history_windows(policy):
 def test_vllm_backend_import_guard(policy, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as on this CPU machine: vLLM is not installed
     with pytest.raises(ImportError, match="separate GPU environment"):
-        VLLMGenerator(policy, "/nonexistent", system="compact", history_images=None)
+        VLLMGenerator(policy, "/nonexistent", spec=PromptSpec("compact", None))
 
 
 def test_vllm_backend_prompt_tokens(policy):
     """The vLLM prompt is the HF prompt with each image collapsed to one <|image_pad|> (vLLM expands it)."""
     gen = object.__new__(VLLMGenerator)  # no engine needed to build prompts
-    gen.policy, gen.system, gen.history_images = policy, "compact", None
+    gen.policy, gen.spec = policy, PromptSpec("compact", None)
     sampled = (Reply("Thought: a.\nAction: wait()", (17, 18, policy.im_end_id)),)
     p = PromptInput("Type hello.", (screen(1), screen(2)), sampled)
     vllm_prompt = gen._prompt(p)
-    hf = encode_prompt(policy, p, system="compact", history_images=None)
+    hf = encode_prompt(policy, p, spec=PromptSpec("compact", None))
     collapsed = [
         t for i, t in enumerate(hf.input_ids) if t != policy.image_token_id or hf.input_ids[i - 1] != t
     ]
@@ -291,7 +291,7 @@ def test_vision_tokens_never_generated_and_logps_stay_raw(tmp_path):
         biased.bias.zero_()
         biased.bias[pol.image_token_id] = 50.0
     pol.model.lm_head = biased
-    gen = HFGenerator(pol, system="compact", history_images=None)
+    gen = HFGenerator(pol, spec=PromptSpec("compact", None))
     for temperature in (0.0, 1.0):
         outs = gen.generate(prompts(), temperature=temperature, top_p=1.0, max_new_tokens=6, seeds=[3, 4, 5])
         for o in outs:
@@ -309,8 +309,8 @@ def test_lean_decoder_equals_the_stock_forward(tmp_path, size):
     from arpo_core.policy.decode import LeanDecoder
 
     pol = build_tiny_policy(tmp_path / size, size=size, seed=1)
-    lean = HFGenerator(pol, system="compact", history_images=None)
-    stock = HFGenerator(pol, system="compact", history_images=None)
+    lean = HFGenerator(pol, spec=PromptSpec("compact", None))
+    stock = HFGenerator(pol, spec=PromptSpec("compact", None))
     stock.lean_decode = False
     assert lean.use_lean_decoder(pol.model) and not stock.use_lean_decoder(pol.model)
     calls = []
@@ -364,7 +364,7 @@ def test_generates_in_eval_mode_and_restores_the_mode(policy):
     (the lean decoder applies) and hands the model back in the mode it found it."""
     from arpo_core.policy.decode import LeanDecoder
 
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     seen = []
     orig = LeanDecoder.__init__
 
@@ -403,8 +403,8 @@ def test_shared_prompt_head_changes_no_reply(policy, system):
     """generate.py, decision "Shared prompt head": the batch's shared head computed once gives the same tokens
     as the unshared prefill, and log-probs within float rounding, greedy and sampled, over prompts of
     different lengths (so padding sits between the head and each row's rest)."""
-    shared = HFGenerator(policy, system=system, history_images=None)
-    plain = HFGenerator(policy, system=system, history_images=None)
+    shared = HFGenerator(policy, spec=PromptSpec(system, None))
+    plain = HFGenerator(policy, spec=PromptSpec(system, None))
     plain.share_prefix = False
     heads = []
     orig = policy.model.model.language_model.forward

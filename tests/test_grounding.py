@@ -25,6 +25,7 @@ from arpo_core.offline.grounding import (
     train_grounding,
 )
 from arpo_core.policy.model import build_tiny_policy
+from arpo_core.policy.prompt import PromptSpec
 
 # ---------------------------------------------------------------------------------------------- data
 
@@ -209,7 +210,7 @@ def test_to_trajectory_encodes_like_the_training_loop(tmp_path, one_thread):
     traj = to_trajectory(ex)
     assert traj.task_domain == "synthetic" and traj.task_id == "widget4" and traj.steps[0].done
     a, b = (
-        encode_trajectory(policy, traj, system="compact", history_images=None),
+        encode_trajectory(policy, traj, spec=PromptSpec("compact", None)),
         _encode(policy, ex, "compact"),
     )
     assert a.input_ids == b.input_ids and a.assistant_mask == b.assistant_mask

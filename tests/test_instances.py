@@ -22,6 +22,7 @@ from arpo_core.infra.seeds import derive_seed
 from arpo_core.pipeline.baseline import baseline_jobs
 from arpo_core.pipeline.common import evaluation_tasks, instance_episodes, suite_tasks
 from arpo_core.pipeline.demos import demo_jobs
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.trajectory import Step, Trajectory, png_bytes, read_trajectories
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -270,7 +271,7 @@ def test_the_image_blind_policy_sees_blank_screens_of_the_same_size(policy_dir):
     from arpo_core.policy.sequences import encode_segments
 
     policy = load_policy(policy_dir)
-    segs = build_segments("Click the link", 1, [], system="compact", history_images=1)
+    segs = build_segments("Click the link", 1, [], spec=PromptSpec("compact", 1))
     red, blue = Image.new("RGB", (160, 210), "red"), Image.new("RGB", (160, 210), "blue")
     seen = (
         encode_segments(policy, segs, [red]).pixel_values,

@@ -10,7 +10,7 @@ from PIL import Image, ImageDraw
 from arpo_core.offline.behaviour_cloning import SFTConfig, masked_mean_nll, sft
 from arpo_core.policy.generate import HFGenerator
 from arpo_core.policy.model import build_tiny_policy, load_policy
-from arpo_core.policy.prompt import PromptInput, Reply
+from arpo_core.policy.prompt import PromptInput, PromptSpec, Reply
 from arpo_core.policy.sequences import collate, encode_trajectory, sequence_logprobs
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
@@ -63,7 +63,7 @@ def test_masked_mean_nll_hand_computed():
 
 
 def _eval_loss(policy, trajs) -> float:
-    seqs = [encode_trajectory(policy, t, system="compact", history_images=None) for t in trajs]
+    seqs = [encode_trajectory(policy, t, spec=PromptSpec("compact", None)) for t in trajs]
     with torch.no_grad():
         logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
     return float(masked_mean_nll(logps, mask))
@@ -81,8 +81,7 @@ def test_sft_learns_demos_and_reproduces_them_greedily(tmp_path, one_thread):
         cfg,
         checkpoint_dir=tmp_path / "ckpt",
         progress=False,
-        system="compact",
-        history_images=None,
+        spec=PromptSpec("compact", None),
     )
     after = _eval_loss(policy, trajs)
     print(
@@ -93,7 +92,7 @@ def test_sft_learns_demos_and_reproduces_them_greedily(tmp_path, one_thread):
     assert sum(history[-10:]) / 10 < 0.1 * sum(history[:10]) / 10
 
     # Greedy replay of every demo step, with the demo's own history, reproduces the demo reply.
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     for t in trajs:
         for k, step in enumerate(t.steps):
             prompt = PromptInput(
@@ -121,7 +120,7 @@ def test_sft_bf16_grad_accum_moves_every_parameter(tmp_path, one_thread):
     trajs = demos()
     before = _eval_loss(policy, trajs)
     cfg = SFTConfig(steps=12, batch_size=2, grad_accum=2, lr=3e-3, bf16=True)
-    history = sft(policy, trajs, cfg, progress=False, system="compact", history_images=None)
+    history = sft(policy, trajs, cfg, progress=False, spec=PromptSpec("compact", None))
     assert len(history) == 12 and all(h > 0 for h in history)
     assert _eval_loss(policy, trajs) < before
     unchanged = [n for n, p in policy.model.named_parameters() if torch.equal(p, start[n])]
@@ -132,7 +131,7 @@ def test_sft_bf16_grad_accum_moves_every_parameter(tmp_path, one_thread):
 def test_sft_rejects_empty(tmp_path):
     policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
     with pytest.raises(ValueError, match="at least one"):
-        sft(policy, [], SFTConfig(steps=1), progress=False, system="compact", history_images=None)
+        sft(policy, [], SFTConfig(steps=1), progress=False, spec=PromptSpec("compact", None))
 
 
 def recovery_demos() -> list[Trajectory]:
@@ -164,12 +163,12 @@ def test_sft_loss_covers_exactly_the_trained_replies(tmp_path, one_thread):
     ]
     assert _eval_loss(policy, all_trained) != pytest.approx(expected, abs=1e-4)
     history = sft(
-        policy, trajs, SFTConfig(steps=1, batch_size=4), progress=False, system="compact", history_images=None
+        policy, trajs, SFTConfig(steps=1, batch_size=4), progress=False, spec=PromptSpec("compact", None)
     )
     assert history[0] == pytest.approx(expected, rel=1e-4)
     only_misses = [t.with_(steps=t.steps[:1]) for t in trajs]
     with pytest.raises(ValueError, match="at least one reply to train on"):
-        sft(policy, only_misses, SFTConfig(steps=1), progress=False, system="compact", history_images=None)
+        sft(policy, only_misses, SFTConfig(steps=1), progress=False, spec=PromptSpec("compact", None))
 
 
 def test_sft_over_history_windows_is_the_token_mean_of_every_window(tmp_path, one_thread):
@@ -181,19 +180,17 @@ def test_sft_over_history_windows_is_the_token_mean_of_every_window(tmp_path, on
 
     policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
     trajs = recovery_demos()
-    seqs = [
-        w for t in trajs for w in encode_trajectory_windows(policy, t, system="compact", history_images=1)
-    ]
+    seqs = [w for t in trajs for w in encode_trajectory_windows(policy, t, spec=PromptSpec("compact", 1))]
     assert len(seqs) > 4  # more rows than batch_size: several forwards
     with torch.no_grad():
         logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
     expected = float(masked_mean_nll(logps, mask))
-    one = [encode_trajectory(policy, t, system="compact", history_images=1) for t in trajs]
+    one = [encode_trajectory(policy, t, spec=PromptSpec("compact", 1)) for t in trajs]
     with torch.no_grad():
         lp1, m1 = sequence_logprobs(policy.model, collate(one, policy.pad_id, policy.image_token_id))
     assert float(masked_mean_nll(lp1, m1)) != pytest.approx(expected, abs=1e-4)
     history = sft(
-        policy, trajs, SFTConfig(steps=1, batch_size=4), progress=False, system="compact", history_images=1
+        policy, trajs, SFTConfig(steps=1, batch_size=4), progress=False, spec=PromptSpec("compact", 1)
     )
     assert history[0] == pytest.approx(expected, rel=1e-4)
 
@@ -223,10 +220,10 @@ def test_sft_is_deterministic_given_demos_and_seed(tmp_path, one_thread):
     weights = []
     for run in ("a", "b"):
         policy = build_tiny_policy(tmp_path / run, size="xs", seed=0)
-        sft(policy, demos(), cfg, progress=False, system="compact", history_images=None)
+        sft(policy, demos(), cfg, progress=False, spec=PromptSpec("compact", None))
         weights.append({k: v.clone() for k, v in policy.model.state_dict().items()})
     assert weights[0].keys() == weights[1].keys()
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
     policy = build_tiny_policy(tmp_path / "c", size="xs", seed=0)  # another seed orders the batches otherwise
-    sft(policy, demos(), replace(cfg, seed=4), progress=False, system="compact", history_images=None)
+    sft(policy, demos(), replace(cfg, seed=4), progress=False, spec=PromptSpec("compact", None))
     assert not all(torch.equal(weights[0][k], v) for k, v in policy.model.state_dict().items())

@@ -25,7 +25,7 @@ from arpo_core.policy.model import (
     tiny_config,
     train_tokenizer,
 )
-from arpo_core.policy.prompt import PromptInput
+from arpo_core.policy.prompt import PromptInput, PromptSpec
 from arpo_core.policy.sequences import collate, encode_prompt, forward_logits
 
 REPLY = "Thought: The OK button is at the bottom.\nAction: click(start_box='(120,195)')"
@@ -79,8 +79,8 @@ def test_round_trip_build_save_load(built):
     assert isinstance(loaded.processor, PolicyProcessor)
     assert (loaded.min_pixels, loaded.max_pixels) == (policy.min_pixels, policy.max_pixels)
     prompt = PromptInput("Click OK.", (_screen(),))
-    a = encode_prompt(policy, prompt, system="uitars", history_images=None)
-    b = encode_prompt(loaded, prompt, system="uitars", history_images=None)
+    a = encode_prompt(policy, prompt, spec=PromptSpec("uitars", None))
+    b = encode_prompt(loaded, prompt, spec=PromptSpec("uitars", None))
     assert a.input_ids == b.input_ids
     assert torch.equal(a.pixel_values, b.pixel_values) and torch.equal(a.image_grid_thw, b.image_grid_thw)
     assert a.image_grid_thw.tolist() == [[1, 16, 12]]  # 160x210 -> 168x224 -> 48 visual tokens
@@ -172,7 +172,7 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
         assert not new[i].self_attn.o_proj.weight.any() and not new[i].mlp.down_proj.weight.any()
         assert new[i].self_attn.q_proj.weight.any()  # freshly initialised, not zero
     batch = collate(
-        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), system="uitars", history_images=None)],
+        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), spec=PromptSpec("uitars", None))],
         policy.pad_id,
         policy.image_token_id,
     )

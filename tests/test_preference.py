@@ -29,6 +29,7 @@ from arpo_core.offline.preference import (
     sequence_logp_sums,
 )
 from arpo_core.policy.model import build_tiny_policy, load_policy
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 
@@ -232,14 +233,14 @@ def pref_data() -> list[Trajectory]:
     ]
 
 
-PROMPT = {"system": "compact", "history_images": None, "success_threshold": 0.1}
+PROMPT = {"spec": PromptSpec("compact", None), "success_threshold": 0.1}
 """The prompt of params' policy section and project.success_threshold, as the offline stages pass them."""
 
 
 def logp_sums(policy, trajs, system="compact"):
     from arpo_core.algorithm.update import compute_logps, encode_trajectories
 
-    seqs = encode_trajectories(policy, trajs, system=system, history_images=None)
+    seqs = encode_trajectories(policy, trajs, spec=PromptSpec(system, None))
     return torch.stack([lp.sum() for lp in compute_logps(policy, seqs, micro_batch_size=4, bf16=False)])
 
 

@@ -9,6 +9,7 @@ from arpo_core.actions import ACTION_KINDS
 from arpo_core.policy.prompt import (
     SYSTEM_PROMPTS,
     PromptInput,
+    PromptSpec,
     Reply,
     build_segments,
     kept_image_steps,
@@ -39,13 +40,13 @@ def test_kept_image_steps_rejects_zero():
 @pytest.mark.parametrize(("system", "k"), [("uitars", 2), ("compact", None)])
 def test_prompt_snapshot(system, k):
     """The full rendered prompt for step 3 of an episode (3 screenshots, 2 earlier replies)."""
-    segs = build_segments("Log in as alice with password 1234.", 3, REPLIES, history_images=k, system=system)
+    segs = build_segments("Log in as alice with password 1234.", 3, REPLIES, spec=PromptSpec(system, k))
     expected = (SNAPSHOTS / f"prompt_{system}_k{k}.txt").read_text()
     assert render_text(segs) == expected
 
 
 def test_window_drops_images_but_keeps_reply_text():
-    segs = build_segments("Do it.", 3, REPLIES, history_images=1, system="compact")
+    segs = build_segments("Do it.", 3, REPLIES, spec=PromptSpec("compact", 1))
     images = [s.step for s in segs if s.kind == "image"]
     replies = [s.reply.text for s in segs if s.kind == "reply"]
     assert images == [2]
@@ -58,8 +59,8 @@ def test_window_drops_images_but_keeps_reply_text():
 def test_generation_prompt_is_prefix_of_trajectory():
     """prompt.py, decision "Prompt segments": the step-2 prompt is a prefix of the 2-step trajectory's
     segments."""
-    prompt = build_segments("Do it.", 2, REPLIES[:1], system="uitars", history_images=None)
-    traj = build_segments("Do it.", 2, REPLIES, system="uitars", history_images=None)
+    prompt = build_segments("Do it.", 2, REPLIES[:1], spec=PromptSpec("uitars", None))
+    traj = build_segments("Do it.", 2, REPLIES, spec=PromptSpec("uitars", None))
     assert traj[: len(prompt)] == prompt
     assert [s.kind for s in traj[len(prompt) :]] == ["reply", "text"]
     assert render_text(traj).endswith(REPLIES[1] + "<|im_end|>\n")
@@ -75,9 +76,9 @@ def test_uitars_prompt_lists_every_action_kind_and_format():
 
 def test_bad_arguments():
     with pytest.raises(ValueError, match="unknown system prompt"):
-        build_segments("x", 1, [], system="nope", history_images=None)
+        build_segments("x", 1, [], spec=PromptSpec("nope", None))
     with pytest.raises(ValueError, match="replies"):
-        build_segments("x", 3, ["a"], system="compact", history_images=None)
+        build_segments("x", 3, ["a"], spec=PromptSpec("compact", None))
     im = Image.new("RGB", (10, 10))
     with pytest.raises(ValueError, match="one reply per earlier screenshot"):
         PromptInput("x", (im, im), ())

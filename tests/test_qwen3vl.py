@@ -33,7 +33,7 @@ from arpo_core.policy.model import (
     tiny_image_processor,
     train_tokenizer,
 )
-from arpo_core.policy.prompt import PromptInput, Reply
+from arpo_core.policy.prompt import PromptInput, PromptSpec, Reply
 from arpo_core.policy.sequences import (
     collate,
     encode_prompt,
@@ -202,7 +202,7 @@ def test_the_interleaved_mrope_split_is_checked():
 def test_grow_depth_keeps_the_function(policy):
     grown = grow_depth(policy, [1])
     batch = collate(
-        [encode_prompt(policy, prompts()[1], system=SYSTEM, history_images=None)],
+        [encode_prompt(policy, prompts()[1], spec=PromptSpec(SYSTEM, None))],
         policy.pad_id,
         policy.image_token_id,
     )
@@ -245,7 +245,7 @@ def _rollout(
 
 
 def _max_gap(policy: Policy, trajs, gen_logps) -> float:
-    seqs = [encode_trajectory(policy, t, system=SYSTEM, history_images=None) for t in trajs]
+    seqs = [encode_trajectory(policy, t, spec=PromptSpec(SYSTEM, None)) for t in trajs]
     with torch.no_grad():
         logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
     gap = 0.0
@@ -260,7 +260,7 @@ def _max_gap(policy: Policy, trajs, gen_logps) -> float:
 def test_generation_logprobs_match_the_training_forward(policy, lean):
     """The behaviour log-probs of sampled multi-turn episodes (2-3 screenshots, batched, left-padded, the
     shared prompt head on the lean path) equal the right-padded training forward's, token for token."""
-    gen = HFGenerator(policy, system=SYSTEM, history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec(SYSTEM, None))
     gen.lean_decode = lean
     assert gen.use_lean_decoder(policy.model) is lean
     trajs, gen_logps = _rollout(gen, [2, 3, 3])
@@ -274,7 +274,7 @@ def test_positions_are_the_models_own_and_a_wrong_build_is_caught(policy, monkey
     mm_token_type_ids: (a) without them a multimodal forward is refused (Qwen2.5-VL silently used 1-D
     positions, docs/method.md §7); (b) 1-D positions change the logits after the image; (c) a generator
     that builds its prompt positions wrongly fails the log-prob check above by orders of magnitude."""
-    seq = encode_prompt(policy, prompts()[0], system=SYSTEM, history_images=None)
+    seq = encode_prompt(policy, prompts()[0], spec=PromptSpec(SYSTEM, None))
     batch = collate([seq], policy.pad_id, policy.image_token_id)
     n_img = int(batch.mm_token_type_ids.sum())
     assert n_img == (224 // 32) * (160 // 32)  # 160x210 -> 160x224 at factor 32: 7 x 5 tokens
@@ -298,7 +298,7 @@ def test_positions_are_the_models_own_and_a_wrong_build_is_caught(policy, monkey
         return pos, None
 
     monkeypatch.setattr(policy.model.model, "get_rope_index", one_d)  # the generator's prefill only
-    trajs, gen_logps = _rollout(HFGenerator(policy, system=SYSTEM, history_images=None), [2])
+    trajs, gen_logps = _rollout(HFGenerator(policy, spec=PromptSpec(SYSTEM, None)), [2])
     monkeypatch.undo()
     assert _max_gap(policy, trajs, gen_logps) > 1e-3
 
@@ -306,8 +306,8 @@ def test_positions_are_the_models_own_and_a_wrong_build_is_caught(policy, monkey
 def test_lean_decoder_equals_the_stock_forward_and_applies_only_where_it_should(policy):
     from arpo_core.policy.decode import LeanDecoder
 
-    lean = HFGenerator(policy, system=SYSTEM, history_images=None)
-    stock = HFGenerator(policy, system=SYSTEM, history_images=None)
+    lean = HFGenerator(policy, spec=PromptSpec(SYSTEM, None))
+    stock = HFGenerator(policy, spec=PromptSpec(SYSTEM, None))
     stock.lean_decode = False
     calls = []
     orig = LeanDecoder.step
@@ -381,7 +381,7 @@ def test_updates_train_every_parameter_then_save_and_reload_give_identical_logit
             sample_idx=i,
         )
 
-    seqs = encode_trajectories(policy, [traj(good, 0), traj(bad, 1)], system=SYSTEM, history_images=None)
+    seqs = encode_trajectories(policy, [traj(good, 0), traj(bad, 1)], spec=PromptSpec(SYSTEM, None))
     before = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
 
     def reply_logp():

@@ -21,6 +21,7 @@ from arpo_core.envs.base import Observation, TaskSpec
 from arpo_core.envs.pool import EnvResult
 from arpo_core.infra.seeds import derive_seed
 from arpo_core.policy.generate import Generation
+from arpo_core.policy.prompt import PromptSpec
 
 SCREEN = (160, 210)
 MODES = ["sync", "async"]
@@ -430,7 +431,7 @@ def play(policy, backend: str, n_envs: int, jobs, cfg):
     from arpo_core.envs.pool import EnvPool
     from arpo_core.policy.generate import HFGenerator
 
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     with EnvPool(functools.partial(make_miniwob_env), n=n_envs, backend=backend) as pool:
         return run_episodes(pool, gen, jobs, cfg, stage="train", epoch=1)
 
@@ -495,7 +496,7 @@ def test_tiny_policy_on_real_miniwob(tmp_path):
 
     torch.set_num_threads(1)
     policy = build_tiny_policy(tmp_path / "p", size="xs")
-    gen = HFGenerator(policy, system="compact", history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec("compact", None))
     task = TaskSpec(domain="miniwob", task_id="click-test", split="in_domain", backend="miniwob")
     pool = EnvPool(functools.partial(make_miniwob_env), n=2)
     try:

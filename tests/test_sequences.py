@@ -7,7 +7,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from arpo_core.policy.model import Policy, build_tiny_policy
-from arpo_core.policy.prompt import PromptInput, Reply
+from arpo_core.policy.prompt import PromptInput, PromptSpec, Reply
 from arpo_core.policy.sequences import (
     EncodedSequence,
     collate,
@@ -94,7 +94,7 @@ def test_trajectory_sequence_mask_covers_replies_and_im_end(policy):
         "Thought: box.\nAction: click(start_box='(21,43)')",
         "Thought: done.\nAction: finished(content='ok')",
     ]
-    seq = encode_trajectory(policy, trajectory(replies), system="compact", history_images=None)
+    seq = encode_trajectory(policy, trajectory(replies), spec=PromptSpec("compact", None))
     ids = torch.tensor(seq.input_ids)
     mask = torch.tensor(seq.assistant_mask)
     assert policy.tokenizer.decode(ids[mask]) == "".join(r + "<|im_end|>" for r in replies)
@@ -112,7 +112,7 @@ def test_token_ids_used_verbatim_and_truncated_reply_closed_unmasked(policy):
     odd = [tok.convert_tokens_to_ids("T"), tok.convert_tokens_to_ids("h")]
     stopped = [*odd, policy.im_end_id]
     seq = encode_trajectory(
-        policy, trajectory(["Th", "Th"], [stopped, odd]), system="compact", history_images=None
+        policy, trajectory(["Th", "Th"], [stopped, odd]), spec=PromptSpec("compact", None)
     )
     ids = torch.tensor(seq.input_ids)
     mask = torch.tensor(seq.assistant_mask)
@@ -124,8 +124,8 @@ def test_token_ids_used_verbatim_and_truncated_reply_closed_unmasked(policy):
 
 def test_history_window_in_training_sequence(policy):
     replies = ["a", "b", "c"]
-    full = encode_trajectory(policy, trajectory(replies), system="compact", history_images=None)
-    last1 = encode_trajectory(policy, trajectory(replies), system="compact", history_images=1)
+    full = encode_trajectory(policy, trajectory(replies), spec=PromptSpec("compact", None))
+    last1 = encode_trajectory(policy, trajectory(replies), spec=PromptSpec("compact", 1))
     assert full.input_ids.count(policy.image_token_id) == 3 * 48
     assert last1.input_ids.count(policy.image_token_id) == 48
     assert sum(full.assistant_mask) == sum(last1.assistant_mask)
@@ -139,7 +139,7 @@ def test_history_windows_train_each_reply_once_in_its_generation_context(policy,
     replies = ["Thought: a.\nAction: click(start_box='(1,2)')", "b", "c", "Thought: d.\nAction: wait()"]
     traj = trajectory(replies)
     traj.steps[0].train_reply = traj.steps[1].train_reply = False
-    windows = encode_trajectory_windows(policy, traj, system="compact", history_images=k)
+    windows = encode_trajectory_windows(policy, traj, spec=PromptSpec("compact", k))
     trained = [tok for w in windows for tok, m in zip(w.input_ids, w.assistant_mask, strict=True) if m]
     rid = [reply_ids(policy, Reply(r))[0] for r in replies]
     assert trained == rid[2] + rid[3]
@@ -152,8 +152,7 @@ def test_history_windows_train_each_reply_once_in_its_generation_context(policy,
         prompt = encode_prompt(
             policy,
             PromptInput(traj.instruction, shots[: end + 1], tuple(Reply(r) for r in replies[:end])),
-            system="compact",
-            history_images=k,
+            spec=PromptSpec("compact", k),
         )
         assert w.input_ids[: len(prompt.input_ids)] == prompt.input_ids
         assert w.input_ids[len(prompt.input_ids) :][: len(rid[end])] == rid[end]
@@ -163,13 +162,12 @@ def test_history_windows_train_each_reply_once_in_its_generation_context(policy,
 def test_prompt_is_prefix_of_trajectory_tokens(policy):
     replies = ["Thought: x.\nAction: click(start_box='(1,2)')", "Thought: y.\nAction: wait()"]
     traj = trajectory(replies)
-    full = encode_trajectory(policy, traj, system="uitars", history_images=None)
+    full = encode_trajectory(policy, traj, spec=PromptSpec("uitars", None))
     shots = tuple(s.image() for s in traj.steps)
     prompt = encode_prompt(
         policy,
         PromptInput(traj.instruction, shots, (Reply(replies[0]),)),
-        system="uitars",
-        history_images=None,
+        spec=PromptSpec("uitars", None),
     )
     assert full.input_ids[: len(prompt.input_ids)] == prompt.input_ids
     assert full.assistant_mask[: len(prompt.input_ids)] == prompt.assistant_mask  # earlier reply masked
@@ -181,7 +179,7 @@ def test_padded_batch_equals_single_rows(policy):
     t2 = trajectory(
         ["Thought: longer reply here.\nAction: type(content='hello')", "Thought: b.\nAction: wait()"]
     )
-    seqs = [encode_trajectory(policy, t, system="compact", history_images=None) for t in (t1, t2)]
+    seqs = [encode_trajectory(policy, t, spec=PromptSpec("compact", None)) for t in (t1, t2)]
     with torch.no_grad():
         lp, m = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
         for b, s in enumerate(seqs):
@@ -194,7 +192,7 @@ def test_padded_batch_equals_single_rows(policy):
 def test_mm_token_type_ids_pitfall(policy):
     """docs/method.md §7: dropping mm_token_type_ids silently changes the positions (and the logits)."""
     seq = encode_trajectory(
-        policy, trajectory(["Thought: a.\nAction: wait()"]), system="compact", history_images=None
+        policy, trajectory(["Thought: a.\nAction: wait()"]), spec=PromptSpec("compact", None)
     )
     batch = collate([seq], policy.pad_id, policy.image_token_id)
     assert int(batch.mm_token_type_ids.sum()) == 48
@@ -215,7 +213,7 @@ def test_sequence_logprobs_equal_naive_full_log_softmax(policy):
     """The masked-position projection gives the same numbers as log_softmax over the full logits."""
     t = trajectory(["Thought: a.\nAction: click(start_box='(5,6)')", "Thought: b.\nAction: wait()"])
     batch = collate(
-        [encode_trajectory(policy, t, system="compact", history_images=None)],
+        [encode_trajectory(policy, t, spec=PromptSpec("compact", None))],
         policy.pad_id,
         policy.image_token_id,
     )
@@ -238,14 +236,14 @@ def test_context_replies_stay_in_the_sequence_but_out_of_the_mask(policy):
     ]
     traj = trajectory(replies)
     traj.steps[0].train_reply = False
-    seq = encode_trajectory(policy, traj, system="compact", history_images=None)
+    seq = encode_trajectory(policy, traj, spec=PromptSpec("compact", None))
     ids = torch.tensor(seq.input_ids)
     mask = torch.tensor(seq.assistant_mask)
     assert policy.tokenizer.decode(ids[mask]) == "".join(r + "<|im_end|>" for r in replies[1:])
     assert replies[0] + "<|im_end|>" in policy.tokenizer.decode(ids[~mask])
     assert int((ids == policy.image_token_id).sum()) == 3 * 48
     # the same tokens as with every reply trained; only the mask differs, and only at the first reply
-    all_trained = encode_trajectory(policy, trajectory(replies), system="compact", history_images=None)
+    all_trained = encode_trajectory(policy, trajectory(replies), spec=PromptSpec("compact", None))
     assert all_trained.input_ids == seq.input_ids
     n_first = len(policy.tokenizer.encode(replies[0], add_special_tokens=False)) + 1
     assert sum(all_trained.assistant_mask) - sum(seq.assistant_mask) == n_first
@@ -253,5 +251,5 @@ def test_context_replies_stay_in_the_sequence_but_out_of_the_mask(policy):
     odd = policy.tokenizer.encode("Th", add_special_tokens=False)
     traj2 = trajectory(["Th", "Th"], [[*odd, policy.im_end_id], odd])
     traj2.steps[0].train_reply = False
-    seq2 = encode_trajectory(policy, traj2, system="compact", history_images=None)
+    seq2 = encode_trajectory(policy, traj2, spec=PromptSpec("compact", None))
     assert torch.tensor(seq2.input_ids)[torch.tensor(seq2.assistant_mask)].tolist() == odd

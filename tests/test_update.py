@@ -11,6 +11,7 @@ from arpo_core.algorithm.engines import TorchEngine
 from arpo_core.algorithm.update import compute_logps, encode_trajectories, ppo_update
 from arpo_core.config import LossSection, TrainConfig
 from arpo_core.policy.model import build_tiny_policy, load_policy
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 
@@ -84,7 +85,7 @@ def test_micro_batching_is_exact(policy_dir, agg):
     decision "Exact micro-batching")."""
     policy = load_policy(policy_dir)
     trajs = [traj(POS), traj(NEG, n_steps=2), traj(POS + " ", color=(0, 0, 200)), traj(NEG, n_steps=3)]
-    seqs = encode_trajectories(policy, trajs, system="compact", history_images=None)
+    seqs = encode_trajectories(policy, trajs, spec=PromptSpec("compact", None))
     adv = torch.tensor([1.0, -0.5, 0.7, -1.2])
     old = logps_of(policy, seqs)
     old = [o - 0.05 for o in old]  # ratios != 1 so clipping paths are exercised
@@ -103,7 +104,7 @@ def test_micro_batching_is_exact(policy_dir, agg):
 def test_updates_train_every_parameter_and_follow_advantage_sign(policy_dir):
     policy = load_policy(policy_dir)
     trajs = [traj(POS, sample_idx=0), traj(NEG, sample_idx=1)]
-    seqs = encode_trajectories(policy, trajs, system="compact", history_images=None)
+    seqs = encode_trajectories(policy, trajs, spec=PromptSpec("compact", None))
     adv = torch.tensor([1.0, -1.0])
     before_params = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
 
@@ -130,7 +131,7 @@ def test_updates_train_every_parameter_and_follow_advantage_sign(policy_dir):
 def test_first_step_is_on_policy_ratio_one(policy_dir):
     """With old_logps recomputed from the same weights, the first forward has ratio 1: nothing clips."""
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact", history_images=None)
+    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], spec=PromptSpec("compact", None))
     eng = RecordingEngine(policy.model)
     stats = ppo_update(policy, eng, seqs, torch.tensor([1.0, -1.0]), cfg_of(mini=2), seed=0)
     assert stats.clip_low_frac == 0 and stats.clip_high_frac == 0 and stats.clip_dual_frac == 0
@@ -145,7 +146,7 @@ def test_single_on_policy_step_skips_the_old_logp_forward_with_the_same_gradient
 
     policy = load_policy(policy_dir)
     seqs = encode_trajectories(
-        policy, [traj(POS), traj(NEG, n_steps=2), traj(POS + " ")], system="compact", history_images=None
+        policy, [traj(POS), traj(NEG, n_steps=2), traj(POS + " ")], spec=PromptSpec("compact", None)
     )
     adv = torch.tensor([1.0, -1.0, 0.5])
     cfg = cfg_of(micro=2, mini=3)
@@ -165,7 +166,7 @@ def test_single_on_policy_step_skips_the_old_logp_forward_with_the_same_gradient
 
 def test_zero_advantages_give_zero_gradient(policy_dir):
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact", history_images=None)
+    seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], spec=PromptSpec("compact", None))
     eng = RecordingEngine(policy.model)
     ppo_update(policy, eng, seqs, torch.zeros(2), cfg_of(mini=2), seed=0)
     assert all(float(g.abs().max()) == 0.0 for g in eng.grads[0].values())
@@ -173,7 +174,7 @@ def test_zero_advantages_give_zero_gradient(policy_dir):
 
 def test_mini_batches_make_optimizer_steps(policy_dir):
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS)] * 5, system="compact", history_images=None)
+    seqs = encode_trajectories(policy, [traj(POS)] * 5, spec=PromptSpec("compact", None))
     eng = RecordingEngine(policy.model)
     stats = ppo_update(policy, eng, seqs, torch.ones(5), cfg_of(micro=2, mini=2, ppo_epochs=2), seed=0)
     assert stats.n_optimizer_steps == 6 == len(eng.grads)  # ceil(5/2) = 3 per epoch, 2 epochs
@@ -181,7 +182,7 @@ def test_mini_batches_make_optimizer_steps(policy_dir):
 
 def test_bad_advantage_shape_and_missing_ref(policy_dir):
     policy = load_policy(policy_dir)
-    seqs = encode_trajectories(policy, [traj(POS)], system="compact", history_images=None)
+    seqs = encode_trajectories(policy, [traj(POS)], spec=PromptSpec("compact", None))
     with pytest.raises(ValueError, match=r"advantages must have shape \(1,\)"):
         ppo_update(policy, RecordingEngine(policy.model), seqs, torch.ones(2), cfg_of(), seed=0)
     with pytest.raises(ValueError, match="kl_coef > 0 needs ref_logps"):
@@ -199,7 +200,7 @@ def test_deepspeed_zero3_update_matches_torch(policy_dir):
         lambda m: DeepSpeedEngine(m, lr=1e-3, weight_decay=0.0, max_grad_norm=1.0, zero_stage=3),
     ):
         policy = load_policy(policy_dir)
-        seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], system="compact", history_images=None)
+        seqs = encode_trajectories(policy, [traj(POS), traj(NEG)], spec=PromptSpec("compact", None))
         engine = make(policy.model)
         stats = ppo_update(
             policy,
@@ -234,7 +235,7 @@ def test_windows_keep_the_trajectory_as_the_unit(policy_dir, agg):
     seq-mean-token-sum mean_j(-A_j N_j), for any micro-batch size."""
     policy = load_policy(policy_dir)
     trajs = [traj(POS, n_steps=3), traj(NEG, n_steps=1), traj(POS, n_steps=2), traj(NEG, n_steps=3)]
-    seqs = encode_trajectories(policy, trajs, system="compact", history_images=1)
+    seqs = encode_trajectories(policy, trajs, spec=PromptSpec("compact", 1))
     assert [s.source for s in seqs] == [0, 0, 0, 1, 2, 2, 3, 3, 3]
     adv_traj = torch.tensor([1.0, -0.5, 0.25, -2.0])
     adv = adv_traj[[s.source for s in seqs]]

@@ -12,6 +12,8 @@ import pytest
 import torch
 from safetensors import safe_open
 
+from arpo_core.policy.prompt import PromptSpec
+
 sys.path.insert(0, str(Path(__file__).parent))
 import trainer_harness as harness
 
@@ -97,7 +99,7 @@ def test_sync_hands_the_trained_weights_to_the_engine(policy_dir, kind):
     policy = load_policy(policy_dir)
     model = RecordingModel()
     llm = in_process_llm(model) if kind == "in_process" else RpcLLM(model)
-    gen = VLLMGenerator(policy, str(policy_dir), system="compact", history_images=None, llm=llm)
+    gen = VLLMGenerator(policy, str(policy_dir), spec=PromptSpec("compact", None), llm=llm)
     before = {n: p.detach().clone() for n, p in named_weights(policy.model)}
     gen.sync_weights(policy.model)
     assert gen.last_sync_path == kind and gen.weights_version == 1
@@ -274,7 +276,7 @@ def test_logprob_gap_compares_each_reply_with_the_trainers_recomputation(policy_
     harness.run(policy_dir, tmp_path / "out", cfg, pcfg)
     trajs = read_trajectories(sorted((tmp_path / "out" / "trajectories").glob("*.parquet"))[0])
     policy = load_policy(policy_dir)  # the weights that played the first iteration
-    seqs = encode_trajectories(policy, trajs, system=pcfg.system_prompt, history_images=None)
+    seqs = encode_trajectories(policy, trajs, spec=PromptSpec(pcfg.system_prompt, None))
     logps = compute_logps(policy, seqs, micro_batch_size=4, bf16=False)
     shifted = []
     for k, (t, seq, lp) in enumerate(zip(trajs, seqs, logps, strict=True)):

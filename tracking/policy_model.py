@@ -33,6 +33,8 @@ from mlflow.models import ModelSignature
 from mlflow.pyfunc import PythonModel
 from mlflow.types import ColSpec, Schema
 
+from arpo_core.policy.prompt import PromptSpec
+
 __all__ = ["PolicyModel", "log_policy_model"]
 
 SIGNATURE = ModelSignature(
@@ -73,7 +75,7 @@ class PolicyModel(PythonModel):
             for r in rows
         ]
         gen = HFGenerator(
-            self.policy, system=cfg.get("system_prompt", "compact"), history_images=cfg.get("history_images")
+            self.policy, spec=PromptSpec(cfg.get("system_prompt", "compact"), cfg.get("history_images"))
         )
         out = gen.generate(
             batch, temperature=0.0, top_p=1.0, max_new_tokens=int(cfg.get("max_new_tokens", 64))

@@ -153,6 +153,7 @@ from arpo_core.infra.fileio import (
 from arpo_core.infra.seeds import derive_seed
 from arpo_core.policy.generate import Generator, HFGenerator
 from arpo_core.policy.model import Policy, load_policy
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.policy.sequences import reply_logprob_sums
 from arpo_core.trajectory import Trajectory, write_trajectories
 
@@ -680,7 +681,7 @@ def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, fl
     metrics (over all ranks)."""
     cfg, pc, ranks = run.cfg, run.policy_cfg, run.ranks
     kept = share.trajectories
-    seqs = encode_trajectories(run.policy, kept, system=pc.system_prompt, history_images=pc.history_images)
+    seqs = encode_trajectories(run.policy, kept, spec=PromptSpec.of(pc))
     seq_adv = share.advantages[[s.source for s in seqs]]  # a trajectory's windows share its advantage
     t0 = time.monotonic()
     ref_logps = (
@@ -974,9 +975,7 @@ def train(
     generator = (
         generator_factory(gen_policy)
         if generator_factory is not None
-        else HFGenerator(
-            gen_policy, system=policy_cfg.system_prompt, history_images=policy_cfg.history_images
-        )
+        else HFGenerator(gen_policy, spec=PromptSpec.of(policy_cfg))
     )
     if gen_policy is not policy:
         generator = _OnCopy(generator, gen_policy, engine)

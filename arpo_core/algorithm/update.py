@@ -62,6 +62,7 @@ from arpo_core.algorithm.distributed import Ranks
 from arpo_core.algorithm.losses import policy_loss
 from arpo_core.config import TrainConfig
 from arpo_core.policy.model import Policy
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.policy.sequences import (
     EncodedSequence,
     collate,
@@ -145,13 +146,13 @@ class UpdateStats(NamedTuple):
 
 
 def encode_trajectories(
-    policy: Policy, trajs: Sequence[Trajectory], *, system: str, history_images: int | None
+    policy: Policy, trajs: Sequence[Trajectory], *, spec: PromptSpec
 ) -> list[EncodedSequence]:
     """The training sequences of `trajs` in order: one per trajectory, or its windows
     (decision "Windowed trajectories"), each with `source` = the index of its trajectory in `trajs`."""
     out: list[EncodedSequence] = []
     for i, t in enumerate(trajs):
-        for seq in encode_trajectory_windows(policy, t, system=system, history_images=history_images):
+        for seq in encode_trajectory_windows(policy, t, spec=spec):
             seq.source = i
             out.append(seq)
     return out

@@ -46,6 +46,7 @@ from tqdm.auto import tqdm
 from arpo_core.config.sections import SFTConfig
 from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.policy.model import Policy
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.policy.sequences import collate, encode_trajectory_windows, sequence_logprobs
 from arpo_core.trajectory import Trajectory
 
@@ -82,14 +83,13 @@ def sft(
     trajectories: Sequence[Trajectory],
     config: SFTConfig,
     *,
-    system: str,
-    history_images: int | None,
+    spec: PromptSpec,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> list[float]:
     """Behaviour cloning of `policy` (in place) on the trained replies of `trajectories`
     (decision "Cloned replies"), with params' `sft` section `config` and the prompt of params' `policy`
-    section (`system`, `history_images`).
+    section (`spec`: the system prompt and the history window).
 
     Returns the loss of every optimizer step (mean NLL per assistant token over its accumulated batch).
     Checkpoints go to `checkpoint_dir/step-N/` and `checkpoint_dir/final/`.
@@ -120,13 +120,7 @@ def sft(
                     rng.shuffle(order)
                 idx.append(order.pop())
             # Encoded per batch, not up front: pixel tensors of a few thousand demos would take GBs.
-            seqs = [
-                seq
-                for i in idx
-                for seq in encode_trajectory_windows(
-                    policy, trajectories[i], system=system, history_images=history_images
-                )
-            ]
+            seqs = [seq for i in idx for seq in encode_trajectory_windows(policy, trajectories[i], spec=spec)]
             # Decision "Length-sorted forwards": at most batch_size rows per forward, rows of similar length
             # together.
             seqs.sort(key=lambda q: len(q.input_ids))

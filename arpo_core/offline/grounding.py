@@ -53,7 +53,7 @@ from arpo_core.actions import ActionParseError, parse_response
 from arpo_core.config.sections import GroundTrainConfig
 from arpo_core.offline.behaviour_cloning import lr_factor
 from arpo_core.policy.model import Policy
-from arpo_core.policy.prompt import PromptInput, build_segments, model_image_size
+from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments, model_image_size
 from arpo_core.policy.sequences import collate, encode_segments, sequence_logprobs
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
@@ -415,7 +415,7 @@ def coord_pattern(image: Image.Image, model_size: tuple[int, int], strength: flo
 
 
 def _encode(policy: Policy, ex: GroundExample, system: str, pattern: float = 0.0):
-    segs = build_segments(ex.instruction, 1, [ex.reply], system=system, history_images=None)
+    segs = build_segments(ex.instruction, 1, [ex.reply], spec=PromptSpec(system, None))
     img = ex.image
     if pattern > 0:
         img = coord_pattern(img, model_image_size(*img.size, policy.min_pixels, policy.max_pixels), pattern)
@@ -642,7 +642,7 @@ def evaluate_grounding(
     """Greedy replies (at most `max_new_tokens` tokens) of `policy` on `examples` -> GroundMetrics."""
     from arpo_core.policy.generate import HFGenerator
 
-    gen = HFGenerator(policy, system=system, history_images=None)
+    gen = HFGenerator(policy, spec=PromptSpec(system, None))
     size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
     if pattern > 0:
         examples = [replace(e, image=coord_pattern(e.image, size, pattern)) for e in examples]

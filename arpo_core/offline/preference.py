@@ -67,6 +67,7 @@ from arpo_core.config.sections import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.offline.behaviour_cloning import sft
 from arpo_core.policy.model import Policy
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.policy.sequences import (
     EncodedSequence,
     collate,
@@ -342,10 +343,8 @@ def _reference_sums(
     return torch.cat(out) if out else torch.zeros(0)
 
 
-def _encoder(
-    policy: Policy, system: str, history_images: int | None
-) -> Callable[[Trajectory], list[EncodedSequence]]:
-    return lambda t: encode_trajectory_windows(policy, t, system=system, history_images=history_images)
+def _encoder(policy: Policy, spec: PromptSpec) -> Callable[[Trajectory], list[EncodedSequence]]:
+    return lambda t: encode_trajectory_windows(policy, t, spec=spec)
 
 
 def _batches(n: int, size: int, seed: int) -> Callable[[], list[int]]:
@@ -390,8 +389,7 @@ def dpo(
     config: DPOConfig,
     *,
     success_threshold: float,
-    system: str,
-    history_images: int | None,
+    spec: PromptSpec,
     engine: Engine | None = None,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
@@ -409,7 +407,7 @@ def dpo(
             f"(success_threshold={success_threshold}, {len(trajectories)} trajectories)"
         )
     engine = _make_engine(policy, engine, config)
-    encode = _encoder(policy, system, history_images)
+    encode = _encoder(policy, spec)
     used = sorted({i for p in pairs for i in p})
     ref_all = _reference_sums(
         policy,
@@ -471,8 +469,7 @@ def kto(
     config: KTOConfig,
     *,
     success_threshold: float,
-    system: str,
-    history_images: int | None,
+    spec: PromptSpec,
     engine: Engine | None = None,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
@@ -494,7 +491,7 @@ def kto(
     partners = kl_partners(trajectories, config.seed)
     mism = [mismatched_trajectory(trajectories[i], trajectories[j]) for i, j in enumerate(partners)]
     engine = _make_engine(policy, engine, config)
-    encode = _encoder(policy, system, history_images)
+    encode = _encoder(policy, spec)
     ref = _reference_sums(policy, engine.module, trajectories, encode, config.bf16, config.micro_batch_size)
     ref_kl = _reference_sums(policy, engine.module, mism, encode, config.bf16, config.micro_batch_size)
     draw = _batches(n, config.batch_size, config.seed)
@@ -558,8 +555,7 @@ def rft(
     config: RFTConfig,
     *,
     success_threshold: float,
-    system: str,
-    history_images: int | None,
+    spec: PromptSpec,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
 ) -> list[float]:
@@ -576,6 +572,5 @@ def rft(
         config.sft,
         checkpoint_dir=checkpoint_dir,
         progress=progress,
-        system=system,
-        history_images=history_images,
+        spec=spec,
     )

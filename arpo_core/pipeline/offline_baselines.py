@@ -26,6 +26,7 @@ from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.pipeline.evaluate import evaluate_policies, headline
 from arpo_core.pipeline.policies import resolve_policy, setup_torch
 from arpo_core.pipeline.stage import EVALUATION, TASK_DATA, Stage
+from arpo_core.policy.prompt import PromptSpec
 from arpo_core.trajectory import Trajectory, read_trajectories
 
 __all__ = ["METHODS", "SKIPPED", "STAGES", "headline", "no_data_reason", "run", "train_offline"]
@@ -62,8 +63,7 @@ def _train(p: Params, method: str, policy: Any, trajs: list[Trajectory]) -> dict
     kw = {
         "progress": True,
         "success_threshold": p.project.success_threshold,
-        "system": p.policy.system_prompt,
-        "history_images": p.policy.history_images,
+        "spec": PromptSpec(p.policy.system_prompt, p.policy.history_images),
     }
     if method == "rft":
         losses = rft(policy, trajs, p.rft, **kw)

@@ -15,7 +15,7 @@ from arpo_core.config import Params
 from arpo_core.infra.fileio import atomic_write_text, copy_tree
 from arpo_core.pipeline.policies import POINTER, resolve_policy, setup_torch
 from arpo_core.pipeline.stage import Stage
-from arpo_core.policy.prompt import Reply
+from arpo_core.policy.prompt import PromptSpec, Reply
 from arpo_core.trajectory import Trajectory, read_trajectories
 
 if TYPE_CHECKING:  # torch and transformers load when the stage runs, not when the table is read
@@ -79,8 +79,7 @@ def run(
         p.sft,
         checkpoint_dir=None,
         progress=True,
-        system=p.policy.system_prompt,
-        history_images=p.policy.history_images,
+        spec=PromptSpec(p.policy.system_prompt, p.policy.history_images),
     )
     policy.save(out_dir)
     return {

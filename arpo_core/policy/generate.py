@@ -97,7 +97,7 @@ from transformers import Qwen2_5_VLForConditionalGeneration
 
 from arpo_core.policy.decode import LeanDecoder
 from arpo_core.policy.model import Policy
-from arpo_core.policy.prompt import PromptInput, build_segments
+from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments
 from arpo_core.policy.sequences import EncodedSequence, collate, encode_prompt
 
 if TYPE_CHECKING:
@@ -238,10 +238,9 @@ class HFGenerator:
     """Decision "Shared prompt head": the prompt head all rows share goes through the language model once per
     call."""
 
-    def __init__(self, policy: Policy, *, system: str, history_images: int | None):
+    def __init__(self, policy: Policy, *, spec: PromptSpec):
         self.policy = policy
-        self.system = system
-        self.history_images = history_images
+        self.spec = spec
 
     def banned_ids(self) -> list[int]:
         """Token ids never drawn (decision "Vision tokens banned"); a subclass may ban more (the benchmarks
@@ -288,9 +287,7 @@ class HFGenerator:
             return []
         policy, model = self.policy, self.policy.model
         device = policy.device
-        seqs = [
-            encode_prompt(policy, p, system=self.system, history_images=self.history_images) for p in batch
-        ]
+        seqs = [encode_prompt(policy, p, spec=self.spec) for p in batch]
         head = 0
         if self.share_prefix and len(seqs) > 1 and self.use_lean_decoder(model):
             # decision "Shared prompt head"
@@ -496,8 +493,7 @@ class VLLMGenerator:
         policy: Policy,
         model_path: str,
         *,
-        system: str,
-        history_images: int | None,
+        spec: PromptSpec,
         max_images: int = 15,
         sleep_mode: bool = False,
         llm: Any = None,
@@ -507,8 +503,7 @@ class VLLMGenerator:
         `llm`: an engine to use instead of building one (a reused engine, or a test's stand-in);
         `llm_kwargs` go to `vllm.LLM` (gpu_memory_utilization, max_model_len, dtype, enforce_eager)."""
         self.policy = policy
-        self.system = system
-        self.history_images = history_images
+        self.spec = spec
         self.sleep_mode = sleep_mode
         self.weights_version = 0
         """How many times `sync_weights` ran."""
@@ -530,7 +525,7 @@ class VLLMGenerator:
         for k, v in (("RANK", "0"), ("LOCAL_RANK", "0"), ("WORLD_SIZE", "1"), ("MASTER_ADDR", "127.0.0.1")):
             os.environ.setdefault(k, v)
         os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        limit = self.history_images if self.history_images is not None else max_images
+        limit = self.spec.history_images if self.spec.history_images is not None else max_images
         kwargs = {
             "model": str(model_path),
             "limit_mm_per_prompt": {"image": limit},
@@ -583,8 +578,7 @@ class VLLMGenerator:
             p.instruction,
             len(p.screenshots),
             p.replies,
-            system=self.system,
-            history_images=self.history_images,
+            spec=self.spec,
         )
         tok, ids, images = self.policy.tokenizer, [], []
         for s in segs:
@@ -656,7 +650,7 @@ def make_generator(
     config is reused (decision "One vLLM engine"); either way the engine gets `policy`'s weights before the
     first reply."""
     if cfg.backend == "hf":
-        return HFGenerator(policy, system=cfg.system_prompt, history_images=cfg.history_images)
+        return HFGenerator(policy, spec=PromptSpec.of(cfg))
     if cfg.backend != "vllm":
         raise ValueError(f"unknown policy.backend {cfg.backend!r}; choose 'hf' or 'vllm'")
     config_text = (Path(policy_dir) / "config.json").read_text()
@@ -667,8 +661,7 @@ def make_generator(
     gen = VLLMGenerator(
         policy,
         str(policy_dir),
-        system=cfg.system_prompt,
-        history_images=cfg.history_images,
+        spec=PromptSpec.of(cfg),
         max_images=max_images,
         sleep_mode=v.sleep_mode,
         llm=llm,

@@ -39,7 +39,7 @@ from __future__ import annotations
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal, NamedTuple
 
 from PIL import Image
 
@@ -240,6 +240,21 @@ class PromptInput:
             )
 
 
+class PromptSpec(NamedTuple):
+    """What a prompt is made of besides the episode: the system prompt's name (a key of `SYSTEM_PROMPTS`)
+    and the history window K (decision "History window"). One value travels through every function that
+    builds a prompt, whatever builds it (generation, training sequences, cloning, the offline methods);
+    params' `policy` section is its one source (`PromptSpec.of(p.policy)`)."""
+
+    system: str
+    history_images: int | None
+
+    @classmethod
+    def of(cls, policy_cfg: Any) -> PromptSpec:
+        """From params' `policy` section (`system_prompt`, `history_images`)."""
+        return cls(policy_cfg.system_prompt, policy_cfg.history_images)
+
+
 @dataclass(frozen=True)
 class Segment:
     """One piece of a prompt: literal chat text, the screenshot of step `step`, or the reply of `step`."""
@@ -267,16 +282,17 @@ def build_segments(
     n_screens: int,
     replies: Sequence[Reply | str],
     *,
-    system: str,
-    history_images: int | None,
+    spec: PromptSpec,
 ) -> list[Segment]:
-    """Chat layout for `n_screens` screenshots and their replies, with system prompt `system` (a key of
-    `SYSTEM_PROMPTS`) and the last `history_images` screenshots as images (decision "History window").
+    """Chat layout for `n_screens` screenshots and their replies, with the system prompt `spec.system` (a
+    key of `SYSTEM_PROMPTS`) and the last `spec.history_images` screenshots as images
+    (decision "History window").
 
     With `len(replies) == n_screens - 1` the result is a generation prompt ending in
     `<|im_start|>assistant\\n`; with `len(replies) == n_screens` it is a whole trajectory (for training)
     whose every reply is followed by `<|im_end|>` (part of the reply segment) and `\\n`.
     """
+    system, history_images = spec
     if system not in SYSTEM_PROMPTS:
         raise ValueError(f"unknown system prompt {system!r}; choose one of {sorted(SYSTEM_PROMPTS)}")
     if len(replies) not in (n_screens - 1, n_screens) or n_screens < 1:

@@ -46,7 +46,7 @@ import torch
 from PIL import Image
 
 from arpo_core.policy.model import Policy, image_inputs
-from arpo_core.policy.prompt import PromptInput, Reply, Segment, build_segments
+from arpo_core.policy.prompt import PromptInput, PromptSpec, Reply, Segment, build_segments
 from arpo_core.trajectory import Trajectory
 
 __all__ = [
@@ -163,45 +163,36 @@ def encode_segments(
     return EncodedSequence(ids, mask, pixel_values, grid)
 
 
-def encode_prompt(
-    policy: Policy, prompt: PromptInput, *, system: str, history_images: int | None
-) -> EncodedSequence:
+def encode_prompt(policy: Policy, prompt: PromptInput, *, spec: PromptSpec) -> EncodedSequence:
     """The generation prompt of one step (ends with `<|im_start|>assistant\\n`; earlier replies masked)."""
     segs = build_segments(
         prompt.instruction,
         len(prompt.screenshots),
         prompt.replies,
-        system=system,
-        history_images=history_images,
+        spec=spec,
     )
     return encode_segments(policy, segs, prompt.screenshots)
 
 
-def encode_trajectory(
-    policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
-) -> EncodedSequence:
+def encode_trajectory(policy: Policy, traj: Trajectory, *, spec: PromptSpec) -> EncodedSequence:
     """A whole trajectory as one sequence (decision "One sequence per trajectory"): every reply is in it, and
     the assistant mask covers those of the steps with `train_reply` set. Each reply has its exact context only
     when every screenshot fits the window (K None or n <= K); training encodes with
     `encode_trajectory_windows`."""
     replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
-    segs = build_segments(
-        traj.instruction, len(traj.steps), replies, system=system, history_images=history_images
-    )
+    segs = build_segments(traj.instruction, len(traj.steps), replies, spec=spec)
     context = {k for k, s in enumerate(traj.steps) if not s.train_reply}
     return encode_segments(policy, segs, [s.image() for s in traj.steps], context_replies=context)
 
 
-def encode_trajectory_windows(
-    policy: Policy, traj: Trajectory, *, system: str, history_images: int | None
-) -> list[EncodedSequence]:
+def encode_trajectory_windows(policy: Policy, traj: Trajectory, *, spec: PromptSpec) -> list[EncodedSequence]:
     """The trajectory as training sequences in which every trained reply has the exact context it was
     generated in (decision "History windows"): one sequence when all its screenshots fit the window (K None or
     n <= K), otherwise one for steps 0..K-1 and one per later step; windows with no trained reply are left
     out. Every trained reply is a target in exactly one window."""
-    n = len(traj.steps)
+    n, history_images = len(traj.steps), spec.history_images
     if history_images is None or n <= history_images:
-        return [encode_trajectory(policy, traj, system=system, history_images=history_images)]
+        return [encode_trajectory(policy, traj, spec=spec)]
     replies = [Reply(s.response_text, tuple(s.response_token_ids or ())) for s in traj.steps]
     shots = [s.image() for s in traj.steps]
     untrained = {k for k, s in enumerate(traj.steps) if not s.train_reply}
@@ -210,9 +201,7 @@ def encode_trajectory_windows(
         targets = set(range(end + 1)) if end == history_images - 1 else {end}
         if not targets - untrained:
             continue
-        segs = build_segments(
-            traj.instruction, end + 1, replies[: end + 1], system=system, history_images=history_images
-        )
+        segs = build_segments(traj.instruction, end + 1, replies[: end + 1], spec=spec)
         context = set(range(end + 1)) - (targets - untrained)
         out.append(encode_segments(policy, segs, shots[: end + 1], context_replies=context))
     return out
