@@ -249,7 +249,7 @@ def test_logprob_gap_over_history_windows(policy):
 def test_vllm_backend_import_guard(policy, monkeypatch):
     monkeypatch.setitem(sys.modules, "vllm", None)  # as on this CPU machine: vLLM is not installed
     with pytest.raises(ImportError, match="separate GPU environment"):
-        VLLMGenerator(policy, "/nonexistent", spec=PromptSpec("compact", None))
+        VLLMGenerator(policy, "/nonexistent", spec=PromptSpec("compact", None), max_images=3)
 
 
 def test_vllm_backend_prompt_tokens(policy):

@@ -99,7 +99,7 @@ def test_sync_hands_the_trained_weights_to_the_engine(policy_dir, kind):
     policy = load_policy(policy_dir)
     model = RecordingModel()
     llm = in_process_llm(model) if kind == "in_process" else RpcLLM(model)
-    gen = VLLMGenerator(policy, str(policy_dir), spec=PromptSpec("compact", None), llm=llm)
+    gen = VLLMGenerator(policy, str(policy_dir), spec=PromptSpec("compact", None), max_images=15, llm=llm)
     before = {n: p.detach().clone() for n, p in named_weights(policy.model)}
     gen.sync_weights(policy.model)
     assert gen.last_sync_path == kind and gen.weights_version == 1
@@ -163,11 +163,11 @@ def install_fake_vllm(monkeypatch) -> list[dict]:
 
 def test_backend_dispatch_from_params(policy_dir, monkeypatch):
     policy = load_policy(policy_dir)
-    assert isinstance(make_generator(policy, policy_dir, PolicyConfig()), HFGenerator)
+    assert isinstance(make_generator(policy, policy_dir, PolicyConfig(), max_images=3), HFGenerator)
     monkeypatch.setitem(sys.modules, "vllm", None)  # this machine: no vLLM
     monkeypatch.setattr(gen_mod, "_ENGINE", {})
     with pytest.raises(ImportError, match=r"policy\.backend=vllm needs vLLM.*setup_gpu\.sh"):
-        make_generator(policy, policy_dir, PolicyConfig(backend="vllm"))
+        make_generator(policy, policy_dir, PolicyConfig(backend="vllm"), max_images=3)
 
     built = install_fake_vllm(monkeypatch)
     cfg = PolicyConfig(
@@ -197,7 +197,7 @@ def test_backend_dispatch_from_params(policy_dir, monkeypatch):
 def test_vllm_generate_returns_the_engine_tokens_and_logprobs(policy_dir, monkeypatch):
     install_fake_vllm(monkeypatch)
     policy = load_policy(policy_dir)
-    gen = make_generator(policy, policy_dir, PolicyConfig(backend="vllm"))
+    gen = make_generator(policy, policy_dir, PolicyConfig(backend="vllm"), max_images=3)
     text = "Thought: ok.\nAction: click(start_box='(10,20)')"
     gen.llm.reply_ids = [*policy.tokenizer.encode(text, add_special_tokens=False), policy.im_end_id]
     from PIL import Image

@@ -494,7 +494,7 @@ class VLLMGenerator:
         model_path: str,
         *,
         spec: PromptSpec,
-        max_images: int = 15,
+        max_images: int,
         sleep_mode: bool = False,
         llm: Any = None,
         **llm_kwargs: Any,
@@ -643,7 +643,7 @@ _ENGINE: dict[str, Any] = {}
 
 
 def make_generator(
-    policy: Policy, policy_dir: str | os.PathLike, cfg: PolicyConfig, *, max_images: int = 15
+    policy: Policy, policy_dir: str | os.PathLike, cfg: PolicyConfig, *, max_images: int
 ) -> Generator:
     """The generator of `cfg.backend` (params' `policy` section) for `policy`, loaded from `policy_dir`
     (decision "Generator backends"). A vLLM engine already built in this process for a model of the same
