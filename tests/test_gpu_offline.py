@@ -298,3 +298,59 @@ def test_offline_script_dry_run_runs_parts_in_subprocesses(tmp_path):
     check_gen(rec["parts"]["gen"], s)
     check_update(rec["parts"]["zero2"], s, "deepspeed", 2)
     assert all(p["wall_s"] > 0 for p in rec["parts"].values())
+
+
+# ---------------------------------------------------------------------------------------- out of memory
+def test_out_of_memory_is_a_result_and_batch_128_falls_back(tmp_path, monkeypatch):
+    """An OOM at the largest batch is recorded and that batch runs again at the fallback pixel budget
+    (gpu_offline.py, decision "Batch 128 fallback"); an OOM in an update step ends the part with what it had
+    measured."""
+    import arpo_core.algorithm.update as update
+    import arpo_core.policy.generate as generate
+
+    real_generate, real_update = generate.HFGenerator._generate, update.ppo_update
+
+    def generate_oom(self, batch, **kw):
+        if len(batch) == 3 and self.policy.max_pixels == go.DRY_MAX_PIXELS:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 9.00 GiB")
+        return real_generate(self, batch, **kw)
+
+    def update_oom(policy, engine, seqs, *a, **kw):
+        if seqs[0].input_ids.count(policy.image_token_id) > 15:  # the 3-step trajectory
+            raise RuntimeError("CUDA error: out of memory")
+        return real_update(policy, engine, seqs, *a, **kw)
+
+    monkeypatch.setattr(generate.HFGenerator, "_generate", generate_oom)
+    monkeypatch.setattr(update, "ppo_update", update_oom)
+    rec = go.main(["--dry-run", "--in-process", "--parts", "gen,torch", "--out", str(tmp_path / "r.json")])
+    gen, upd = rec["parts"]["gen"], rec["parts"]["torch"]
+    assert gen["batch_2"]["new_tokens"] == 8 and "oom" not in gen["batch_2"]
+    assert gen["batch_3"]["oom"] is True and "Tried to allocate" in gen["batch_3"]["error"]
+    fb = gen["batch_3_fallback"]
+    assert fb["max_pixels"] == go.DRY_MAX_PIXELS // 4 and fb["new_tokens"] == 12
+    assert fb["image_tokens_per_screenshot"] < gen["batch_2"]["image_tokens_per_screenshot"]
+    assert fb["reason"] == f"batch 3 at max_pixels {go.DRY_MAX_PIXELS} ran out of memory"
+    assert upd["ended"] == "ok" and len(upd["shots_1"]["runs_s"]) == 2
+    assert upd["shots_3"]["oom"] is True and upd["shots_3"]["runs_s"] == []
+    assert "out of memory" in go.summary("torch", upd)
+
+
+def test_frozen_vision_zero3_runs_only_when_zero3_did_not_fit(tmp_path, monkeypatch):
+    ran = []
+
+    def fake(name, s):
+        ran.append(name)
+        fitted = {"runs_s": [1.0]} if fit else {"runs_s": [], "oom": True}
+        return {"ended": "ok", "shots_1": {"runs_s": [0.1]}, "shots_3": fitted}
+
+    monkeypatch.setattr(go, "in_process", fake)
+    for fit in (True, False):
+        ran.clear()
+        rec = go.main(
+            ["--dry-run", "--in-process", "--parts", "zero3,zero3-fv", "--out", str(tmp_path / "r")]
+        )
+        if fit:
+            assert ran == ["zero3"]
+            assert rec["parts"]["zero3-fv"] == {"skipped": "zero3's largest trajectory fitted"}
+        else:
+            assert ran == ["zero3", "zero3-fv"]
