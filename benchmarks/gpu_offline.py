@@ -76,8 +76,8 @@ Decisions:
   node's 2.11 (the project is tested on 2.13 here: not verified against 2.11). The dry run records every
   distribution it imported (`--report-imports`); tests check each is the standard library's, the node's or
   carried.
-- **Dry run.** `--dry-run` runs the same functions at gpu_bench.py's TINY shape, fp32 on CPU, DeepSpeed on
-  gloo, with 1920x1080 screenshots under a small pixel budget (15 tokens each), batches 2 and 3, 4 new
+- **Dry run.** `--dry-run` runs the same functions at gpu_bench.py's TINY shape on CPU, in bf16 as on the GPU,
+  DeepSpeed on gloo, with 1920x1080 screenshots under a small pixel budget (15 tokens each), batches 2 and 3, 4 new
   tokens, trajectories of 1 and 3 steps. `--in-process` runs the parts in one process (no time limits),
   as the tests do.
 """
@@ -218,6 +218,9 @@ class Settings:
     ds_optimizer: str
     """'torch' (decision "DeepSpeed optimizer") or 'fused' (DeepSpeed's FusedAdam, the trainer's default)."""
     checkpointing: bool
+    bf16: bool = True
+    """bf16 weights for generation and DeepSpeed, bf16 autocast in the update (decision "Random 7B
+    weights"); the dry run too, on CPU."""
     min_pixels: int = gb.MIN_PIXELS
 
     @property
@@ -386,7 +389,7 @@ def run_gen(s: Settings, emit: Callable[[str, Any], None]) -> None:
             return sorted({*super().banned_ids(), self.policy.im_end_id, self.policy.pad_id})
 
     t0 = time.perf_counter()
-    policy = build_policy(s, torch.bfloat16 if s.cuda else torch.float32)
+    policy = build_policy(s, torch.bfloat16 if s.bf16 else torch.float32)
     sync(s.device)
     model = policy.model
     n_params = sum(p.numel() for p in model.parameters())
@@ -528,7 +531,7 @@ def run_update(s: Settings, part: Part, emit: Callable[[str, Any], None], deadli
     from arpo_core.config import TrainConfig
 
     deepspeed = part.engine == "deepspeed"
-    bf16 = s.cuda
+    bf16 = s.bf16
     dtype = torch.bfloat16 if (deepspeed and bf16) else torch.float32  # decision "Random 7B weights"
     t0 = time.perf_counter()
     policy = build_policy(s, dtype)
@@ -826,7 +829,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def summary(name: str, res: dict[str, Any]) -> str:
     """One line per part for the log."""
-    bits = [f"[gpu_offline] {name}: {res.get('ended', '')}"]
+    bits = [res.get("ended", "")]
     for k, v in res.items():
         peak = f", peak {v['peak_alloc_gib']} GiB" if isinstance(v, dict) and "peak_alloc_gib" in v else ""
         if k == "skipped" or (k == "build_s" and not isinstance(v, dict)):
@@ -839,7 +842,7 @@ def summary(name: str, res: dict[str, Any]) -> str:
             bits.append(f"{k} {v['gen_tokens_per_s']} tok/s{peak}")
         elif v.get("runs_s"):
             bits.append(f"{k} {v['runs_s']} s{peak}")
-    return ", ".join(b for b in bits if b)
+    return f"[gpu_offline] {name}: " + ", ".join(b for b in bits if b)
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:

@@ -42,5 +42,5 @@ export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(
 BUDGET=$(( ${BUDGET_S:-460} - ($(date +%s) - T0) ))
 echo "[gpu_check_offline] wheels installed into $SITE in $(( $(date +%s) - T0 )) s; budget $BUDGET s"
 # The budget's hard stop; the JSON is written after every part, so a stop keeps the parts before it.
-timeout --kill-after=10 $((BUDGET + 15)) "$PY" benchmarks/gpu_offline.py --out "$RESULT" --budget-s "$BUDGET" "$@"
+timeout --kill-after=5 $((BUDGET + 10)) "$PY" benchmarks/gpu_offline.py --out "$RESULT" --budget-s "$BUDGET" "$@"
 echo "[gpu_check_offline] $(( $(date +%s) - T0 )) s in all"

@@ -270,10 +270,12 @@ def test_dry_run_on_a_simulated_node_runs_every_part(tmp_path):
     check_update(parts["torch"], s, "torch", None)
     assert parts["zero3-fv"] == {"skipped": "zero3's largest trajectory fitted"}
     assert parts["fused_adam"]["skipped"].startswith("no CUDA")
-    # the same steps on every engine (fp32 on CPU): the loss and, up to float noise, the gradient norm
+    # the same steps on every engine: the loss and, up to bf16 rounding (DeepSpeed trains bf16 weights,
+    # the torch engine fp32 ones under bf16 autocast), the gradient norm
     for n in s.shots:
         norms = [parts[p][f"shots_{n}"]["grad_norm"] for p in ("zero3", "zero2", "torch")]
-        assert norms == pytest.approx([norms[-1]] * 3, rel=1e-3)
+        assert norms == pytest.approx([norms[-1]] * 3, rel=5e-3)
+    assert parts["zero3"]["engine"]["model_dtype"] == "bfloat16" and parts["zero3"]["engine"]["bf16_autocast"]
     # what it did import (setuptools' vendored packages show under their own names)
     assert {"deepspeed", "pydantic", "annotated-types", "transformers", "torch"} <= set(rec["imports"])
     assert "arpo" not in rec["imports"] and rec["imports"]["transformers"] == version("transformers")
@@ -354,3 +356,62 @@ def test_frozen_vision_zero3_runs_only_when_zero3_did_not_fit(tmp_path, monkeypa
             assert rec["parts"]["zero3-fv"] == {"skipped": "zero3's largest trajectory fitted"}
         else:
             assert ran == ["zero3", "zero3-fv"]
+
+
+# ---------------------------------------------------------------------------------------- the real mode's plumbing
+def fake_wheel(folder: Path) -> Path:
+    """A minimal pure-Python wheel (`fakecarry`), for the install step."""
+    import zipfile
+
+    path = folder / "fakecarry-0.1-py3-none-any.whl"
+    info = "fakecarry-0.1.dist-info"
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("fakecarry/__init__.py", "VALUE = 7\n")
+        z.writestr(f"{info}/METADATA", "Metadata-Version: 2.1\nName: fakecarry\nVersion: 0.1\n")
+        z.writestr(
+            f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"
+        )
+        z.writestr(f"{info}/RECORD", "")
+    return path
+
+
+@pytest.mark.slow
+def test_offline_script_installs_the_carry_and_records_each_part(tmp_path):
+    """scripts/gpu_check_offline.sh outside --dry-run, on this CPU machine with a stand-in nvidia-smi: the
+    carry folder is checked against its manifest and installed into its own site folder, the run gets the
+    budget, the environment and the results file; a part that cannot run (no CUDA here) is recorded with
+    how it ended and its log, and the next one still runs."""
+    carry, bin_dir, site, out = tmp_path / "carry", tmp_path / "bin", tmp_path / "site", tmp_path / "gpu.json"
+    (carry / "wheels").mkdir(parents=True)
+    wheel = fake_wheel(carry / "wheels")
+    digest = subprocess.run(["sha256sum", wheel.name], cwd=wheel.parent, capture_output=True, text=True)
+    (carry / "manifest.txt").write_text(digest.stdout)
+    bin_dir.mkdir()
+    (bin_dir / "nvidia-smi").write_text("#!/bin/sh\necho 'Stand-in GPU, 1024 MiB, 0.0'\n")
+    (bin_dir / "nvidia-smi").chmod(0o755)
+    env = {
+        **os.environ,
+        "PATH": f"{bin_dir}:{os.environ['PATH']}",
+        "PYTHON": sys.executable,
+        "CARRY_DIR": str(carry),
+        "SITE": str(site),
+        "RESULT": str(out),
+        "BUDGET_S": "300",
+    }
+    cmd = ["bash", "scripts/gpu_check_offline.sh", "--parts", "gen,fused_adam"]
+    res = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    assert (site / "fakecarry" / "__init__.py").exists()
+    rec = json.loads(out.read_text())
+    assert rec["dry_run"] is False and rec["machine"]["gpu"] == "Stand-in GPU, 1024 MiB, 0.0"
+    assert 0 < rec["budget_s"] <= 300
+    assert rec["env"]["DS_ACCELERATOR"] == "cuda"
+    assert rec["env"]["PYTORCH_CUDA_ALLOC_CONF"] == "expandable_segments:True"
+    assert rec["env"]["PYTHONPATH"].split(":")[0] == str(site)
+    gen, fused = rec["parts"]["gen"], rec["parts"]["fused_adam"]
+    assert gen["ended"] == "exit 1" and "CUDA" in gen["log_tail"] and "batch_8" not in gen
+    assert fused["ended"] == "exit 1" and fused["wall_s"] > 0
+    # a carry folder that differs from its manifest stops the run before anything is installed
+    (carry / "manifest.txt").write_text(digest.stdout.replace(digest.stdout[:8], "0" * 8))
+    bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "differs from its manifest" in bad.stderr
