@@ -36,7 +36,7 @@ Decisions:
   the decode steps bypass it) and the rest (decode steps). The vision tower of transformers' SDPA path
   runs one attention call per 112-pixel window (about 5,000 per 1080p image), which the split shows.
 - **Batch 128 fallback.** If batch 128 runs out of memory at the reference pixel budget, it is run once more
-  at `--fallback-max-pixels` (default 921,600 = 1280x720, 1196 tokens per screenshot) and recorded as
+  at `--fallback-max-pixels` (default 921,600, the area of 1280x720: 1125 tokens per screenshot) and recorded as
   such (`fallback`, with the reason); a part that runs out of time keeps what it measured before
   (decision "Subprocess parts").
 - **Update at 7B.** One trajectory of N 1920x1080 steps (N = 1, then 15; all screenshots in one sequence,

@@ -49,7 +49,10 @@ def test_parse_args_parts_and_budget():
     for p in go.PARTS.values():
         assert 0 < p.min_s <= p.limit_s
     s = go.settings_of(a)
-    assert s.cuda and s.max_pixels == 2_116_800 and s.ds_optimizer == "torch" and s.checkpointing
+    assert s.cuda and s.max_pixels == 2_116_800 and s.ds_optimizer == "torch" and s.checkpointing and s.bf16
+    # the numbers docs/scale-out.md gives: 2691 image tokens per 1080p screenshot, 1125 in the fallback
+    assert go.gb.image_tokens(*go.SCREEN, max_pixels=s.max_pixels) == 2691
+    assert go.gb.image_tokens(*go.SCREEN, max_pixels=s.fallback_max_pixels) == 1125
 
 
 def test_budget_skips_parts_that_do_not_fit(tmp_path):
