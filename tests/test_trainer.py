@@ -573,3 +573,31 @@ def test_deepspeed_engine_checkpoints_and_resumes_like_an_uninterrupted_run(poli
     assert [float(v) for k, v in ta.items() if k.endswith("/step")] == [4.0]
     for k in ta:
         torch.testing.assert_close(ta[k], tb[k], rtol=1e-5, atol=1e-7)
+
+
+def test_gradient_checkpointing_trains_the_same_weights(policy_dir, tmp_path, monkeypatch):
+    """train.gradient_checkpointing recomputes activations in the backward (policy/model.py, decision
+    "Gradient checkpointing"): the same episodes and, up to float rounding, the same weights."""
+    from arpo_core.policy.model import Policy, load_policy
+
+    torch.set_num_threads(1)
+    cfg, pc = harness.configs(2)
+    harness.run(policy_dir, tmp_path / "plain", cfg, pc)
+    switched = []
+    original = Policy.set_gradient_checkpointing
+
+    def spy(self, enabled):
+        original(self, enabled)
+        switched.append(self.gradient_checkpointing)
+
+    monkeypatch.setattr(Policy, "set_gradient_checkpointing", spy)
+    harness.run(policy_dir, tmp_path / "ckpt", replace(cfg, gradient_checkpointing=True), pc)
+    assert switched == [True]  # the trained policy checkpoints its blocks
+    assert harness.episodes(tmp_path / "ckpt") == harness.episodes(tmp_path / "plain")
+    last = "checkpoints/epoch-0002/policy"
+    a = load_policy(tmp_path / "plain" / last).model.state_dict()
+    b = load_policy(tmp_path / "ckpt" / last).model.state_dict()
+    base = load_policy(policy_dir).model.state_dict()
+    assert max(float((a[k] - base[k]).abs().max()) for k in a) > 1e-4  # the runs trained
+    for k in a:
+        torch.testing.assert_close(b[k], a[k], rtol=0, atol=1e-5)

@@ -32,6 +32,12 @@ Decisions:
   is whole on every rank and resumes on any number of ranks; a DeepSpeed checkpoint is sharded by rank:
   resumed on the same number it restores exactly, on another one the weights come from the checkpoint's policy
   and the optimizer starts afresh, said in one warning line.
+- **Torch AdamW option.** On CUDA the DeepSpeed engine asks DeepSpeed for its own AdamW (FusedAdam), which
+  DeepSpeed compiles on first use (JIT, with nvcc and ninja, a minute or more, once per machine).
+  `torch_adamw=True` hands DeepSpeed torch's AdamW instead (fused on CUDA, without optimizer offload), as on
+  CPU: the same update rule and the same fp32 optimizer states, no build step, for a machine where the
+  build is not wanted or cannot run (benchmarks/gpu_offline.py, decision "DeepSpeed optimizer"). The
+  default stays DeepSpeed's.
 """
 
 from __future__ import annotations
@@ -125,6 +131,7 @@ class DeepSpeedEngine:
         bf16: bool = False,
         offload_optimizer: bool = False,
         ranks: Ranks = SINGLE,
+        torch_adamw: bool = False,
     ) -> None:
         import deepspeed
 
@@ -161,11 +168,13 @@ class DeepSpeedEngine:
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
         }
-        if not torch.cuda.is_available():
-            # DeepSpeed's fused/CPU-Adam kernels need a JIT build; torch's AdamW runs anywhere.
+        if not torch.cuda.is_available() or torch_adamw:
+            # DeepSpeed's fused/CPU-Adam kernels need a JIT build; torch's AdamW runs anywhere
+            # (decision "Torch AdamW option").
             config.pop("optimizer")
+            fused = {"fused": True} if torch.cuda.is_available() and not offload_optimizer else {}
             optimizer = torch.optim.AdamW(
-                [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay
+                [p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=weight_decay, **fused
             )
         else:
             optimizer = None
@@ -286,6 +295,7 @@ def make_engine(name: str, model: torch.nn.Module, **kwargs: Any):
         kwargs.pop("zero_stage", None)
         kwargs.pop("bf16", None)
         kwargs.pop("offload_optimizer", None)
+        kwargs.pop("torch_adamw", None)
         return TorchEngine(model, **kwargs)
     if name == "deepspeed":
         return DeepSpeedEngine(model, **kwargs)

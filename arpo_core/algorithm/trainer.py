@@ -619,6 +619,8 @@ def _restore_or_start(
             # decision "Buffer preload": before epoch 1 only; a resumed buffer holds them
             replay.add(preload)
     policy.image_blind = cfg.image_blind  # decision "Image-blind arm"
+    if cfg.gradient_checkpointing:  # model.py, decision "Gradient checkpointing"
+        policy.set_gradient_checkpointing(True)
     reference = _load_reference(policy_dir, policy) if cfg.loss.kl_coef > 0 else None
     engine = make_engine(
         cfg.engine,

@@ -569,6 +569,10 @@ class TrainConfig:
     them, which also dilutes the token-mean)."""
     bf16: bool = False
     """bf16 autocast (CPU or GPU)."""
+    gradient_checkpointing: bool = False
+    """Recompute each block's activations in the backward instead of keeping them (policy/model.py,
+    decision "Gradient checkpointing"): the same gradients for about one more forward, what lets a
+    15-screenshot trajectory of a 7B model fit beside its optimizer states. Operational: not in the key."""
     image_blind: bool = False
     """The image-blind control arm: the trained policy sees a blank screenshot of the same size wherever
     it would see one, in training rollouts, in the update and in its evaluations (the base it starts from,

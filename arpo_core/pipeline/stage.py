@@ -97,6 +97,7 @@ OPERATIONAL = (
     "env.osworld.desktop_env_timeout_s",
     "env.osworld.command_timeout_s",
     "train.distributed",
+    "train.gradient_checkpointing",
 )
 """Keys stages read that change speed or where episodes run, not their results (decision "Read params keys"):
 in no stage's params, so changing them re-runs nothing."""

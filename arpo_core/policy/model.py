@@ -55,6 +55,13 @@ Decisions:
   head_dim 128), a learned 16x16 position grid and one DeepStack merger. It is saved like a Hub checkpoint
   when asked (`max_shard_size`: `model-0000k-of-0000N.safetensors` and `model.safetensors.index.json`), which
   `load_policy` reads like any other.
+- **Gradient checkpointing.** `Policy.set_gradient_checkpointing(True)` turns on transformers' activation
+  checkpointing for every decoder and vision block (non-reentrant: it works with DeepSpeed ZeRO-3's
+  gather hooks and with inputs that need no grad): a training forward keeps only each block's input and
+  the backward recomputes the rest, so the activations of a 15-screenshot 1080p trajectory (~40k tokens)
+  fit beside a 7B model's optimizer states. The same gradients (tests/test_gpu_offline.py), about one
+  more forward of compute. It applies in train mode only; generation (eval mode) is unchanged. Off by
+  default: params `train.gradient_checkpointing` (the paper preset turns it on; benchmarks/gpu_offline.py too).
 """
 
 from __future__ import annotations
@@ -314,6 +321,26 @@ class Policy:
 
     def __post_init__(self) -> None:
         use_linear_patch_embed(self.model)  # decision "Linear patch embedding"
+
+    def set_gradient_checkpointing(self, enabled: bool) -> None:
+        """Decision "Gradient checkpointing". (transformers 5.24 renamed `gradient_checkpointing_*` to
+        `activation_checkpointing_*` and deprecated the old names; either is used, whichever exists.)"""
+        m = self.model
+        if enabled:
+            kwargs = {"use_reentrant": False}
+            if hasattr(m, "activation_checkpointing_enable"):
+                m.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+            else:
+                m.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+        elif hasattr(m, "activation_checkpointing_disable"):
+            m.activation_checkpointing_disable()
+        else:
+            m.gradient_checkpointing_disable()
+
+    @property
+    def gradient_checkpointing(self) -> bool:
+        """Whether any block of the model checkpoints its activations (decision "Gradient checkpointing")."""
+        return any(getattr(m, "gradient_checkpointing", False) for m in self.model.modules())
 
     def model_images(self, images: Sequence[Image.Image]) -> list[Image.Image]:
         """The images the model sees for `images`: themselves, or blank white ones of the same sizes
