@@ -1,9 +1,10 @@
 """One rank of a data-parallel harness run (tests/test_distributed.py), started by torch's launcher:
 
-    python tests/dist_harness.py POLICY_DIR OUT EPOCHS ENGINE ZERO MICRO MINI [KILL_RANK EPOCH ITERATION]
+    python tests/dist_harness.py POLICY_DIR OUT EPOCHS ENGINE ZERO MICRO MINI [RANK EPOCH ITERATION [stop]]
 
 It trains with tests/trainer_harness.py's fake pool and seeded replies on this rank's share; with the
-KILL arguments that rank SIGKILLs itself once it reports the update phase of that iteration.
+RANK arguments that rank SIGKILLs itself (with `stop`: hangs, asleep, and the collective timeout is 20 s
+instead of 120 s) once it reports the update phase of that iteration.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -25,7 +27,8 @@ def main(argv: list[str]) -> None:
 
     torch.set_num_threads(1)
     policy_dir, out, epochs, engine, zero, micro, mini = argv[:7]
-    ranks = Ranks.from_env(timeout_s=120)
+    hang = argv[10:] == ["stop"]
+    ranks = Ranks.from_env(timeout_s=20 if hang else 120)
     if len(argv) > 7:
         kill = (int(argv[7]), int(argv[8]), int(argv[9]))
 
@@ -33,6 +36,8 @@ def main(argv: list[str]) -> None:
             def __call__(self, epoch, iteration, phase):
                 super().__call__(epoch, iteration, phase)
                 if (self.rank, epoch, iteration) == kill and phase == "update":
+                    if hang:
+                        time.sleep(3600)  # a hung rank: alive, silent
                     os.kill(os.getpid(), signal.SIGKILL)
 
         trainer.Heartbeat = Dying

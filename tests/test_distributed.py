@@ -160,7 +160,7 @@ def reference(policy_dir, tmp_path_factory):
 
 
 def _ranks(
-    policy_dir: Path, out: Path, engine: str, zero: int, micro: int, mini: int, *kill: int
+    policy_dir: Path, out: Path, engine: str, zero: int, micro: int, mini: int, *kill: int | str
 ) -> str | None:
     argv = [WORKER, str(policy_dir), str(out), str(EPOCHS), engine, str(zero), str(micro), str(mini)]
     return launch_ranks(2, argv + [str(k) for k in kill], out / "ranks", free_port())
@@ -221,14 +221,29 @@ def test_a_killed_rank_ends_the_job_naming_it_and_the_run_resumes_on_one_rank(
     t0 = time.monotonic()
     failure = _ranks(policy_dir, out, "torch", 0, 2, 4, 1, 2, 0)  # rank 1 dies in epoch 2's first update
     took = time.monotonic() - t0
-    assert (
-        failure
-        == "rank 1 was killed by signal 9 at epoch 2 iteration 0 (update) (then the launcher stopped rank 0)"
+    assert failure == (
+        "rank 1 was killed by signal 9 at epoch 2 iteration 0 (update); "
+        "then the launcher stopped rank 0 (last at epoch 2 iteration 0 (update))"
     )
     assert took < 100, took  # the launcher stopped rank 0 at once, not after its 120 s collective timeout
     assert (out / "checkpoints" / "latest").read_text() == "epoch-0001"
     _one_rank(policy_dir, out, 2, 4)  # resume the same run with one rank
     _assert_same_run(reference("torch", 0, 2, 4), out)
+
+
+@pytest.mark.slow
+def test_a_hung_rank_ends_the_job_at_the_collective_timeout(policy_dir, tmp_path):
+    """Rank 1 hangs (sleeps) in epoch 2's first update: rank 0's next collective times out after 20 s
+    (`train.distributed.timeout_s` in a real run), rank 0 fails and the launcher ends the job; the line
+    names the failing rank and where the silent one was."""
+    out = tmp_path / "hung"
+    t0 = time.monotonic()
+    failure = _ranks(policy_dir, out, "torch", 0, 2, 4, 1, 2, 0, "stop")
+    took = time.monotonic() - t0
+    assert failure is not None, "the job with a hung rank succeeded"
+    assert failure.startswith("rank 0 exited with code 1 at epoch 2 iteration 0 (update)"), failure
+    assert "then the launcher stopped rank 1 (last at epoch 2 iteration 0 (update))" in failure, failure
+    assert took < 100, took  # the 20 s timeout, then the launcher stops the sleeper
 
 
 @pytest.mark.slow

@@ -324,9 +324,9 @@ def launch_ranks(
         code = first.exitcode
         how = f"was killed by signal {-code}" if code < 0 else f"exited with code {code}"
         line = describe_failure(heartbeat_dir, {rank: how}, since=started)
-        others = sorted(r for r in range(n) if r != rank)
-        return line + (f" (then the launcher stopped rank{'s' if len(others) > 1 else ''} "
-                       f"{', '.join(map(str, others))})" if others else "")  # fmt: skip
+        beats = {r: b for r, b in read_heartbeats(heartbeat_dir).items() if b.get("time", 0.0) >= started}
+        others = [f"rank {r} (last at {where(beats.get(r))})" for r in range(n) if r != rank]
+        return line + (f"; then the launcher stopped {', '.join(others)}" if others else "")
     return None
 
 
