@@ -382,7 +382,7 @@ def run_gen(s: Settings, emit: Callable[[str, Any], None]) -> None:
     import torch
 
     import arpo_core.policy.generate as generate
-    from arpo_core.policy.prompt import PromptInput
+    from arpo_core.policy.prompt import PromptInput, PromptSpec
 
     class ExactLength(generate.HFGenerator):
         def banned_ids(self) -> list[int]:
@@ -393,7 +393,7 @@ def run_gen(s: Settings, emit: Callable[[str, Any], None]) -> None:
     sync(s.device)
     model = policy.model
     n_params = sum(p.numel() for p in model.parameters())
-    gen = ExactLength(policy, system=SYSTEM, history_images=None)
+    gen = ExactLength(policy, spec=PromptSpec(SYSTEM, None))
     emit(
         "model",
         {
@@ -529,6 +529,7 @@ def run_update(s: Settings, part: Part, emit: Callable[[str, Any], None], deadli
     from arpo_core.algorithm.engines import make_engine
     from arpo_core.algorithm.update import encode_trajectories, ppo_update
     from arpo_core.config import TrainConfig
+    from arpo_core.policy.prompt import PromptSpec
 
     deepspeed = part.engine == "deepspeed"
     bf16 = s.bf16
@@ -593,7 +594,7 @@ def run_update(s: Settings, part: Part, emit: Callable[[str, Any], None], deadli
     )
     for n_steps in s.shots:
         traj = trajectory(n_steps)
-        seqs = encode_trajectories(policy, [traj], system=SYSTEM, history_images=None)
+        seqs = encode_trajectories(policy, [traj], spec=PromptSpec(SYSTEM, None))
         tokens = sum(len(q.input_ids) for q in seqs)
         image_tokens = sum(1 for q in seqs for t in q.input_ids if t == policy.image_token_id)
         rec: dict[str, Any] = {

@@ -111,6 +111,7 @@ def _update_once(checkpointing: bool):
     from arpo_core.algorithm.engines import TorchEngine
     from arpo_core.algorithm.update import encode_trajectories, ppo_update
     from arpo_core.config import TrainConfig
+    from arpo_core.policy.prompt import PromptSpec
 
     policy = go.build_policy(dry_settings(), torch.float32)
     policy.set_gradient_checkpointing(checkpointing)
@@ -118,9 +119,16 @@ def _update_once(checkpointing: bool):
     # a module inside the checkpointed block: the recompute enters it again (a pre-hook: torch's
     # non-reentrant recompute stops as soon as it has the last tensor the backward needs)
     policy.model.model.language_model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
-    seqs = encode_trajectories(policy, [go.trajectory(2)], system=go.SYSTEM, history_images=None)
+    seqs = encode_trajectories(policy, [go.trajectory(2)], spec=PromptSpec(go.SYSTEM, None))
     cfg = TrainConfig(lr=1e-2, micro_batch_size=1, mini_batch_size=1, ppo_epochs=1)
-    stats = ppo_update(policy, TorchEngine(policy.model, lr=1e-2), seqs, torch.tensor([1.0]), cfg, seed=0)
+    stats = ppo_update(
+        policy,
+        TorchEngine(policy.model, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0),
+        seqs,
+        torch.tensor([1.0]),
+        cfg,
+        seed=0,
+    )
     return policy, stats, len(calls)
 
 
@@ -156,14 +164,18 @@ def test_deepspeed_torch_adamw_option_on_cuda_takes_the_fused_torch_optimizer(mo
             engine.step()
         return [p.detach().clone() for p in engine.model.parameters()]
 
-    DeepSpeedEngine(model(), lr=1e-2, zero_stage=2)  # the process group, on gloo, before CUDA is pretended
+    DeepSpeedEngine(
+        model(), lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, zero_stage=2
+    )  # the process group, on gloo, before CUDA is pretended
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    eng = DeepSpeedEngine(model(), lr=1e-2, zero_stage=2, torch_adamw=True)
+    eng = DeepSpeedEngine(
+        model(), lr=1e-2, weight_decay=0.0, max_grad_norm=1.0, zero_stage=2, torch_adamw=True
+    )
     inner = eng.optimizer.optimizer
     assert type(inner) is torch.optim.AdamW and inner.defaults["fused"] is True
     got = train(eng)
     monkeypatch.undo()
-    want = train(TorchEngine(model(), lr=1e-2))
+    want = train(TorchEngine(model(), lr=1e-2, weight_decay=0.0, max_grad_norm=1.0))
     for p, q in zip(got, want, strict=True):
         torch.testing.assert_close(p, q, atol=1e-5, rtol=1e-4)
 
