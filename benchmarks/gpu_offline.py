@@ -528,7 +528,7 @@ def run_update(s: Settings, part: Part, emit: Callable[[str, Any], None], deadli
 
     from arpo_core.algorithm.engines import make_engine
     from arpo_core.algorithm.update import encode_trajectories, ppo_update
-    from arpo_core.config import TrainConfig
+    from arpo_core.config import OptimizerConfig, TrainConfig
     from arpo_core.policy.prompt import PromptSpec
 
     deepspeed = part.engine == "deepspeed"
@@ -544,15 +544,12 @@ def run_update(s: Settings, part: Part, emit: Callable[[str, Any], None], deadli
     n_train = sum(p.numel() for p in model.parameters() if p.requires_grad)
     build_s = time.perf_counter() - t0
     cfg = TrainConfig(
-        lr=1e-6,
-        weight_decay=1e-2,
-        max_grad_norm=1.0,
+        optimizer=OptimizerConfig(lr=1e-6, weight_decay=1e-2, max_grad_norm=1.0, bf16=bf16),
         micro_batch_size=1,
         mini_batch_size=1,
         ppo_epochs=1,
         engine=part.engine,
         zero_stage=part.zero_stage,
-        bf16=bf16,
     )
     reset_peak(s.device)
     t0 = time.perf_counter()
@@ -560,11 +557,8 @@ def run_update(s: Settings, part: Part, emit: Callable[[str, Any], None], deadli
         engine = make_engine(
             part.engine,
             model,
-            lr=cfg.lr,
-            weight_decay=cfg.weight_decay,
-            max_grad_norm=cfg.max_grad_norm,
+            cfg.optimizer,
             zero_stage=part.zero_stage,
-            bf16=cfg.bf16,
             torch_adamw=s.ds_optimizer == "torch",
         )
     except Exception as e:
@@ -586,7 +580,7 @@ def run_update(s: Settings, part: Part, emit: Callable[[str, Any], None], deadli
             "freeze_vision": part.freeze_vision,
             "gradient_checkpointing": policy.gradient_checkpointing,
             "model_dtype": str(dtype).removeprefix("torch."),
-            "bf16_autocast": cfg.bf16,
+            "bf16_autocast": cfg.optimizer.bf16,
             "build_s": round(build_s, 2),
             "init_s": round(time.perf_counter() - t0, 2),
             **memory(s.device),

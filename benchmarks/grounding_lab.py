@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.grounding import GroundConfig, synthetic_examples, train_grounding
 from arpo_core.policy.model import build_tiny_policy, count_parameters
 
@@ -225,9 +226,8 @@ def main(argv: list[str] | None = None) -> int:
     cfg = GroundConfig(
         steps=args.steps,
         batch_size=args.batch,
-        lr=args.lr,
+        optimizer=OptimizerConfig(lr=args.lr, bf16=not args.fp32),
         warmup_steps=args.warmup,
-        bf16=not args.fp32,
         mix=parse_mix(args.mix),
         curriculum=parse_curriculum(args.curriculum),
         eval_every=args.eval_every,

@@ -18,7 +18,7 @@ DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 VENV=${VENV:-.venv-gpu}
 WORK=${WORK:-/tmp/arpo-gpu-check}
 OUT=${OUT:-benchmarks/results/gpu.json}
-SETS=(--preset quick -S policy.backend=vllm -S train.engine=deepspeed -S train.zero_stage=2 -S train.bf16=true
+SETS=(--preset quick -S policy.backend=vllm -S train.engine=deepspeed -S train.zero_stage=2 -S train.optimizer.bf16=true
       -S train.epochs=2 -S policy.vllm.gpu_memory_utilization=0.3 -S policy.vllm.max_model_len=4096
       -S policy.vllm.enforce_eager=true -S project.torch_threads=4)
 STAGES=(init_policy ground demos sft baseline select train)

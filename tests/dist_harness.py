@@ -28,7 +28,7 @@ def main(argv: list[str]) -> None:
     torch.set_num_threads(1)
     policy_dir, out, epochs, engine, zero, micro, mini = argv[:7]
     hang = argv[10:] == ["stop"]
-    ranks = Ranks.from_env(timeout_s=20 if hang else 120)
+    ranks = Ranks.from_env(timeout_s=20 if hang else 120, backend="auto")
     if len(argv) > 7:
         kill = (int(argv[7]), int(argv[8]), int(argv[9]))
 

@@ -22,6 +22,7 @@ from arpo_core.algorithm.selection import SelectConfig
 from arpo_core.config import (
     ConfigError,
     GroundPhase,
+    OptimizerConfig,
     Params,
     TrainConfig,
     apply_overrides,
@@ -32,6 +33,7 @@ from arpo_core.config import (
     to_dict,
 )
 from arpo_core.config.check import Provenance, Source, check_fields
+from arpo_core.config.sections import DPOConfig, KTOConfig, SFTConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 # paper names a checkpoint that must exist: tests/test_paper_preset.py loads it with a stand-in path
@@ -109,8 +111,8 @@ def test_defaults_equal_empty_mapping_and_pass_every_rule():
         ({"train": {"replay": {"enabeld": False}}}, "unknown key 'enabeld' in section 'train.replay'"),
         ({"train": {"epochs": "3"}}, "train.epochs = '3' is not an integer"),
         ({"train": {"epochs": True}}, "train.epochs = True is not an integer"),
-        ({"train": {"lr": float("nan")}}, "train.lr = nan is not a finite number"),
-        ({"train": {"lr": float("inf")}}, "train.lr = inf is not a finite number"),
+        ({"train": {"optimizer": {"lr": float("nan")}}}, "train.optimizer.lr = nan is not a finite number"),
+        ({"train": {"optimizer": {"lr": float("inf")}}}, "train.optimizer.lr = inf is not a finite number"),
         ({"train": {"replay": {"enabled": "no"}}}, "train.replay.enabled = 'no' is not true or false"),
         ({"train": {"loss": {"agg": "mean"}}}, "train.loss.agg = 'mean' is not one of"),
         ({"train": {"replay": 3}}, "train.replay = 3 is not a section"),
@@ -133,8 +135,10 @@ def test_bad_values_name_key_value_and_file(raw, needle):
 
 
 def test_int_accepted_for_float_and_null_for_optional():
-    p = parse_params({"train": {"lr": 1, "loss": {"clip_dual": None}}, "select": {"max_tasks": None}})
-    assert p.train.lr == 1.0 and isinstance(p.train.lr, float)
+    p = parse_params(
+        {"train": {"optimizer": {"lr": 1}, "loss": {"clip_dual": None}}, "select": {"max_tasks": None}}
+    )
+    assert p.train.optimizer.lr == 1.0 and isinstance(p.train.optimizer.lr, float)
     assert p.train.loss.clip_dual is None
     assert p.select.max_tasks is None
 
@@ -186,12 +190,12 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.miniwob_per_screen", 0, 1, ()),
     ("ground.phases[0].steps", 0, 1, ()),
     ("ground.phases[0].batch_size", 0, 1, ()),
-    ("ground.phases[0].lr", 0, TINY, ()),
+    ("ground.phases[0].optimizer.lr", 0, TINY, ()),
     ("ground.phases[0].warmup_steps", -1, 0, ()),
     ("ground.phases[0].min_lr_frac", -0.1, 0, ()),
     ("ground.phases[0].min_lr_frac", 1.1, 1, ()),
-    ("ground.phases[0].weight_decay", -0.1, 0, ()),
-    ("ground.phases[0].max_grad_norm", 0, TINY, ()),
+    ("ground.phases[0].optimizer.weight_decay", -0.1, 0, ()),
+    ("ground.phases[0].optimizer.max_grad_norm", 0, TINY, ()),
     ("ground.phases[0].mix", {}, {"box1": 1}, ()),
     ("ground.phases[0].mix", {"box1": 0}, {"box1": TINY}, ()),
     ("ground.phases[0].seed", -1, 0, ()),
@@ -205,12 +209,12 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("sft.steps", 0, 1, ()),
     ("sft.batch_size", 0, 1, ()),
     ("sft.grad_accum", 0, 1, ()),
-    ("sft.lr", 0, TINY, ()),
+    ("sft.optimizer.lr", 0, TINY, ()),
     ("sft.warmup_steps", -1, 0, ()),
     ("sft.min_lr_frac", -0.1, 0, ()),
     ("sft.min_lr_frac", 1.1, 1, ()),
-    ("sft.weight_decay", -0.1, 0, ()),
-    ("sft.max_grad_norm", 0, TINY, ()),
+    ("sft.optimizer.weight_decay", -0.1, 0, ()),
+    ("sft.optimizer.max_grad_norm", 0, TINY, ()),
     ("sft.checkpoint_every", -1, 0, ()),
     ("sft.seed", -1, 0, ()),
     ("sft.grow_after", [0, -1], [0], ()),
@@ -230,9 +234,9 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("train.tasks_per_iteration", 0, 1, ()),
     ("train.group_size", 1, 2, ()),
     ("train.groups_per_task", 0, 1, ()),
-    ("train.lr", 0, TINY, ()),
-    ("train.weight_decay", -0.01, 0, ()),
-    ("train.max_grad_norm", 0, TINY, ()),
+    ("train.optimizer.lr", 0, TINY, ()),
+    ("train.optimizer.weight_decay", -0.01, 0, ()),
+    ("train.optimizer.max_grad_norm", 0, TINY, ()),
     ("train.micro_batch_size", 0, 1, ()),
     ("train.mini_batch_size", 0, 1, (("train.micro_batch_size", 1),)),
     ("train.ppo_epochs", 0, 1, ()),
@@ -271,7 +275,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("rft.max_per_task", 0, 1, ()),
     ("rft.seed", -1, 0, ()),
     ("rft.sft.steps", 0, 1, ()),
-    ("rft.sft.lr", 0, TINY, ()),
+    ("rft.sft.optimizer.lr", 0, TINY, ()),
     ("dpo.beta", 0, TINY, ()),
     ("dpo.label_smoothing", -0.1, 0, ()),
     ("dpo.label_smoothing", 0.5, 0.49, ()),
@@ -279,9 +283,9 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("dpo.steps", 0, 1, ()),
     ("dpo.batch_size", 0, 1, (("dpo.micro_batch_size", 1),)),
     ("dpo.micro_batch_size", 0, 1, ()),
-    ("dpo.lr", 0, TINY, ()),
-    ("dpo.weight_decay", -0.1, 0, ()),
-    ("dpo.max_grad_norm", 0, TINY, ()),
+    ("dpo.optimizer.lr", 0, TINY, ()),
+    ("dpo.optimizer.weight_decay", -0.1, 0, ()),
+    ("dpo.optimizer.max_grad_norm", 0, TINY, ()),
     ("dpo.seed", -1, 0, ()),
     ("kto.beta", 0, TINY, ()),
     ("kto.desirable_weight", 0, TINY, ()),
@@ -289,9 +293,9 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("kto.steps", 0, 1, ()),
     ("kto.batch_size", 1, 2, (("kto.micro_batch_size", 1),)),
     ("kto.micro_batch_size", 0, 1, ()),
-    ("kto.lr", 0, TINY, ()),
-    ("kto.weight_decay", -0.1, 0, ()),
-    ("kto.max_grad_norm", 0, TINY, ()),
+    ("kto.optimizer.lr", 0, TINY, ()),
+    ("kto.optimizer.weight_decay", -0.1, 0, ()),
+    ("kto.optimizer.max_grad_norm", 0, TINY, ()),
     ("kto.seed", -1, 0, ()),
 ]
 
@@ -553,13 +557,37 @@ def test_osworld_rules_hold_only_when_the_desktops_are_used():
 # Provenance: the message names where the value came from
 
 
+def test_optimizer_is_one_sub_section_and_a_partial_one_keeps_the_sections_defaults():
+    """Every training section declares its optimizer through the one `OptimizerConfig`; a sub-section given
+    in part takes the rest from its section's default (train's weight decay 1e-2, ground's bf16), not from
+    `OptimizerConfig`'s; a key from before the sub-section existed names where it lives now."""
+    p = parse_params(
+        {"train": {"optimizer": {"lr": 1e-5}}, "ground": {"phases": [{"optimizer": {"lr": 0.5}}]}}
+    )
+    assert p.train.optimizer == OptimizerConfig(lr=1e-5, weight_decay=1e-2, max_grad_norm=1.0, bf16=False)
+    assert p.ground.phases[0].optimizer == OptimizerConfig(lr=0.5, bf16=True)
+    assert parse_params({"sft": {"optimizer": {"bf16": True}}}).sft.optimizer == OptimizerConfig(
+        lr=1e-3, bf16=True
+    )
+    for section in (Params, TrainConfig, SFTConfig, DPOConfig, KTOConfig, GroundPhase):
+        names = {f.name for f in dataclasses.fields(section)}
+        assert not names & {"lr", "weight_decay", "max_grad_norm", "bf16"}, section
+    for section in (TrainConfig, SFTConfig, DPOConfig, KTOConfig, GroundPhase):
+        assert typing.get_type_hints(section)["optimizer"] is OptimizerConfig
+    with pytest.raises(ConfigError) as err:
+        parse_params({"dpo": {"lr": 1e-6}}, file="old.yaml")
+    assert str(err.value).startswith(
+        "unknown key 'lr' in section 'dpo' (set by params file old.yaml); it now lives in 'dpo.optimizer.lr';"
+    )
+
+
 @pytest.fixture
 def project(tmp_path):
     """A params file (line numbers below matter), a presets folder beside it, suite files for the paths."""
     (tmp_path / "params.yaml").write_text(
         "# comment\n"
         "train:\n"
-        "  lr: 1.0e-05\n"  # line 3
+        "  optimizer: {lr: 1.0e-05}\n"  # line 3
         "  epochs: 2\n"  # line 4
         "  loss:\n"
         "    clip_low: 0.2\n"  # line 6
@@ -568,7 +596,7 @@ def project(tmp_path):
         "    - {steps: 5}\n"  # line 9
     )
     (tmp_path / "presets").mkdir()
-    (tmp_path / "presets" / "bad-lr.yaml").write_text("# a bad preset\ntrain:\n  lr: -1\n")
+    (tmp_path / "presets" / "bad-lr.yaml").write_text("# a bad preset\ntrain:\n  optimizer:\n    lr: -1\n")
     (tmp_path / "presets" / "typo.yaml").write_text("train:\n  loss:\n    clip_lwo: 0.1\n")
     (tmp_path / "presets" / "phase.yaml").write_text(
         "ground:\n  phases:\n    - {steps: 3}\n    - {steps: 0}\n"
@@ -588,23 +616,29 @@ def test_value_from_params_file_names_file_and_line(project):
 def test_value_from_preset_names_preset_and_line(project):
     preset = re.escape(str(project / "presets" / "bad-lr.yaml"))
     with pytest.raises(
-        ConfigError, match=rf"train\.lr = -1 is out of range: must be > 0 \(set by preset {preset}:3\)$"
+        ConfigError,
+        match=rf"train\.optimizer\.lr = -1 is out of range: must be > 0 \(set by preset {preset}:4\)$",
     ):
         load_params(project / "params.yaml", preset="bad-lr")
 
 
 def test_override_wins_and_is_named(project):
-    p = load_params(project / "params.yaml", ["train.lr=0.5"], preset="bad-lr")  # override over preset
-    assert p.train.lr == 0.5
+    p = load_params(
+        project / "params.yaml", ["train.optimizer.lr=0.5"], preset="bad-lr"
+    )  # override over preset
+    assert p.train.optimizer.lr == 0.5
     with pytest.raises(ConfigError) as err:
-        load_params(project / "params.yaml", ["train.lr=-2"])
-    assert str(err.value).endswith("(set by command-line override -S train.lr=-2)")
+        load_params(project / "params.yaml", ["train.optimizer.lr=-2"])
+    assert str(err.value).endswith("(set by command-line override -S train.optimizer.lr=-2)")
 
 
 def test_type_error_from_an_override_names_the_override_not_the_file(project):
     with pytest.raises(ConfigError) as err:
-        load_params(project / "params.yaml", ["train.lr=abc"])
-    assert str(err.value) == "train.lr = 'abc' is not a number (set by command-line override -S train.lr=abc)"
+        load_params(project / "params.yaml", ["train.optimizer.lr=abc"])
+    assert (
+        str(err.value)
+        == "train.optimizer.lr = 'abc' is not a number (set by command-line override -S train.optimizer.lr=abc)"
+    )
 
 
 def test_unknown_keys_name_their_source(project):
@@ -621,7 +655,7 @@ def test_unknown_keys_name_their_source(project):
         ConfigError, match=r"unknown key 'trian' in the top level \(set by command-line override"
     ):
         load_params(project / "params.yaml", ["trian.lr=3"])
-    (project / "params.yaml").write_text("train:\n  lr: 0.1\n  epochz: 3\n")
+    (project / "params.yaml").write_text("train:\n  epochs: 1\n  epochz: 3\n")
     with pytest.raises(
         ConfigError, match=r"unknown key 'epochz' in section 'train' \(set by params file .*params\.yaml:3\)"
     ):
@@ -707,9 +741,9 @@ def test_yaml_syntax_error_names_file_line_and_column(tmp_path):
 
 def test_a_bad_yaml_override_names_the_override():
     with pytest.raises(
-        ConfigError, match=r"^command-line override -S train\.lr=\[1: the value is not valid YAML"
+        ConfigError, match=r"^command-line override -S train\.optimizer\.lr=\[1: the value is not valid YAML"
     ):
-        load_params(ROOT / "params.yaml", ["train.lr=[1"])
+        load_params(ROOT / "params.yaml", ["train.optimizer.lr=[1"])
 
 
 def test_a_key_written_twice_is_an_error(tmp_path):

@@ -102,7 +102,7 @@ def test_one_process_collectives_are_identities():
     assert SINGLE.gather("x") == ["x"] and SINGLE.scatter(["y"]) == "y" and SINGLE.broadcast(3) == 3
     t = torch.tensor([1.0, 2.0])
     assert torch.equal(SINGLE.all_reduce_sum(t), t) and torch.equal(SINGLE.all_reduce_max(t), t)
-    assert Ranks.from_env() is SINGLE  # no launcher variables here
+    assert Ranks.from_env(timeout_s=60, backend="auto") is SINGLE  # no launcher variables here
 
 
 def test_a_failure_line_names_the_rank_and_its_last_step(tmp_path):

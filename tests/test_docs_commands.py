@@ -195,7 +195,7 @@ def test_check_arpo_catches_drift():
     ):
         with pytest.raises(AssertionError):
             check_arpo(bad)
-    check_arpo(["arpo", "--debug", "run", "--preset", "quick", "-S", "train.lr=0.001", "--force"])
+    check_arpo(["arpo", "--debug", "run", "--preset", "quick", "-S", "train.optimizer.lr=0.001", "--force"])
 
 
 def _project_copy(tmp_path: Path) -> Path:

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from arpo_core.algorithm.engines import DeepSpeedEngine, TorchEngine, make_engine
+from arpo_core.config.sections import OptimizerConfig
 
 
 def make_model():
@@ -85,7 +86,7 @@ def test_torch_engine_state_round_trip(tmp_path):
 
 def test_make_engine_rejects_unknown():
     with pytest.raises(ValueError, match="unknown engine 'jax'"):
-        make_engine("jax", make_model(), lr=1e-3, weight_decay=0.0, max_grad_norm=1.0)
+        make_engine("jax", make_model(), OptimizerConfig(lr=1e-3))
 
 
 def adam_state(engine):

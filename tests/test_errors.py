@@ -88,9 +88,9 @@ def test_bad_params_file_is_one_line_naming_the_file(tmp_path, text, args, want)
 
 
 def test_override_and_preset_errors_name_what_was_given():
-    res = arpo("params", "-S", "train.lr=abc")
+    res = arpo("params", "-S", "train.optimizer.lr=abc")
     assert res.returncode == 2
-    assert "(set by command-line override -S train.lr=abc)" in one_line(res)
+    assert "(set by command-line override -S train.optimizer.lr=abc)" in one_line(res)
     res = arpo("params", "--preset", "nosuch")
     line = one_line(res)
     assert "unknown preset 'nosuch'" in line and "quick" in line and "grpo" in line

@@ -103,7 +103,7 @@ def test_stage_key_changes_with_its_params_and_deps_only(tmp_path):
     p = parse_params({})
     k0 = stage_key(p, spec, tmp_path)
     assert stage_key(parse_params({"env": {"n_envs": 3}}), spec, tmp_path) == k0
-    assert stage_key(parse_params({"train": {"lr": 0.5}}), spec, tmp_path) == k0
+    assert stage_key(parse_params({"train": {"optimizer": {"lr": 0.5}}}), spec, tmp_path) == k0
     assert stage_key(parse_params({"select": {"min_successes": 2}}), spec, tmp_path) != k0
     (tmp_path / "arpo_core" / "algorithm" / "selection.py").write_text("# changed code\n")
     assert stage_key(p, spec, tmp_path) != k0
@@ -166,7 +166,7 @@ def test_outputs_brought_back_with_their_params_are_up_to_date_again(tmp_path):
     [
         (None, None, None, "default"),
         ("quick", [], None, "quick"),
-        ("presets/grpo.yaml", ["train.lr=0.001"], None, "grpo | train.lr=0.001"),
+        ("presets/grpo.yaml", ["train.optimizer.lr=0.001"], None, "grpo | train.optimizer.lr=0.001"),
         ("quick", ["train.replay.enabled=false"], None, "quick | train.replay.enabled=false"),
         (None, None, "puffy-walk", "dvc-exp:puffy-walk"),
     ],
@@ -421,7 +421,7 @@ def test_effective_params_carry_the_upstream_stages(tmp_path):
     diff = {k for k in a.keys() | g.keys() if a.get(k) != g.get(k)}
     assert diff == {"train.replay.enabled", "method"}
     assert (a["method"], g["method"]) == ("arpo", "grpo")
-    assert "sft.lr" in a and "init_policy.size" in a and "select.min_successes" in a
+    assert "sft.optimizer.lr" in a and "init_policy.size" in a and "select.min_successes" in a
     assert effective_params(arpo, SPECS["rft"])["method"] == "rft"
 
 

@@ -110,7 +110,7 @@ def test_carried_packages_need_only_the_node_and_each_other():
 def _update_once(checkpointing: bool):
     from arpo_core.algorithm.engines import TorchEngine
     from arpo_core.algorithm.update import encode_trajectories, ppo_update
-    from arpo_core.config import TrainConfig
+    from arpo_core.config import OptimizerConfig, TrainConfig
     from arpo_core.policy.prompt import PromptSpec
 
     policy = go.build_policy(dry_settings(), torch.float32)
@@ -120,7 +120,7 @@ def _update_once(checkpointing: bool):
     # non-reentrant recompute stops as soon as it has the last tensor the backward needs)
     policy.model.model.language_model.layers[0].mlp.register_forward_pre_hook(lambda *_: calls.append(1))
     seqs = encode_trajectories(policy, [go.trajectory(2)], spec=PromptSpec(go.SYSTEM, None))
-    cfg = TrainConfig(lr=1e-2, micro_batch_size=1, mini_batch_size=1, ppo_epochs=1)
+    cfg = TrainConfig(optimizer=OptimizerConfig(lr=1e-2), micro_batch_size=1, mini_batch_size=1, ppo_epochs=1)
     stats = ppo_update(
         policy,
         TorchEngine(policy.model, lr=1e-2, weight_decay=0.0, max_grad_norm=1.0),

@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from arpo_core.config import ConfigError, GroundPhase, load_params, parse_params, to_dict
+from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.grounding import GroundConfig
 from arpo_core.pipeline import ground, init_policy, policies
 from arpo_core.policy.model import load_policy
@@ -31,7 +32,9 @@ MEASURES = {
     "blind_hit_rate",
     "coord_nll",
 }
-TINY_PHASE = "ground.phases=[{steps: 3, batch_size: 4, warmup_steps: 1, bf16: false, mix: {box1: 1}}]"
+TINY_PHASE = (
+    "ground.phases=[{steps: 3, batch_size: 4, warmup_steps: 1, optimizer: {bf16: false}, mix: {box1: 1}}]"
+)
 TINY_EVAL = ("ground.eval_levels=[box1h, box4]", "ground.eval_per_level=3")
 
 
@@ -113,10 +116,16 @@ def test_every_phase_training_field_is_a_ground_config_field():
 
 def test_ground_config_copies_a_phase():
     phase = GroundPhase(
-        steps=7, batch_size=6, lr=0.5, warmup_steps=2, mix={"box4": 2}, seed=3, grow_after=[0]
+        steps=7,
+        batch_size=6,
+        optimizer=OptimizerConfig(lr=0.5),
+        warmup_steps=2,
+        mix={"box4": 2},
+        seed=3,
+        grow_after=[0],
     )
     cfg = ground.ground_config(phase)
-    assert (cfg.steps, cfg.batch_size, cfg.lr, cfg.warmup_steps, cfg.seed) == (7, 6, 0.5, 2, 3)
+    assert (cfg.steps, cfg.batch_size, cfg.optimizer.lr, cfg.warmup_steps, cfg.seed) == (7, 6, 0.5, 2, 3)
     assert cfg.mix == {"box4": 2.0} and isinstance(cfg.mix["box4"], float)
     assert cfg.eval_every == 0 and cfg.curriculum == ()
 
@@ -150,8 +159,8 @@ def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(ini
 
 def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
     phases = (
-        "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, bf16: false},"
-        " {steps: 2, batch_size: 2, warmup_steps: 1, bf16: false, grow_after: [0, 1]}]"
+        "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
+        " {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0, 1]}]"
     )
     m = ground.run(params("ground.checkpoint=null", phases, *TINY_EVAL), init_dir, tmp_path / "g")
     policy = load_policy(tmp_path / "g")
@@ -212,7 +221,7 @@ def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch)
     opened, closed = [], []
     monkeypatch.setattr(MiniWoBEnv, "__init__", _spy(MiniWoBEnv.__init__, opened))
     monkeypatch.setattr(MiniWoBEnv, "close", _spy(MiniWoBEnv.close, closed))
-    phase = "ground.phases=[{steps: 2, batch_size: 4, warmup_steps: 1, bf16: false, miniwob_seeds: 1}]"
+    phase = "ground.phases=[{steps: 2, batch_size: 4, warmup_steps: 1, optimizer: {bf16: false}, miniwob_seeds: 1}]"
     p = params("ground.checkpoint=null", phase, "ground.eval_levels=[]", "ground.eval_miniwob_seeds=1")
     m = ground.run(p, init_dir, tmp_path / "g")
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())

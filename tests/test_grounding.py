@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from arpo_core.actions import parse_response
+from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.grounding import (
     LEVELS,
     GroundConfig,
@@ -142,7 +143,12 @@ def test_training_lowers_the_loss_and_reports_measures(tmp_path, one_thread):
     policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, mrope=[2, 7, 7])
     heldout = synthetic_examples(8, {"box1": 1.0}, seed=99)
     cfg = GroundConfig(
-        steps=30, batch_size=8, lr=3e-3, warmup_steps=5, bf16=False, mix={"box1": 1.0}, eval_every=0
+        steps=30,
+        batch_size=8,
+        optimizer=OptimizerConfig(lr=3e-3),
+        warmup_steps=5,
+        mix={"box1": 1.0},
+        eval_every=0,
     )
     hist = train_grounding(policy, cfg, system="compact", max_new_tokens=48, heldout=heldout)
     loss = hist["loss"]

@@ -7,6 +7,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.behaviour_cloning import SFTConfig, masked_mean_nll, sft
 from arpo_core.policy.generate import HFGenerator
 from arpo_core.policy.model import build_tiny_policy, load_policy
@@ -74,7 +75,9 @@ def test_sft_learns_demos_and_reproduces_them_greedily(tmp_path, one_thread):
     policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
     trajs = demos()
     before = _eval_loss(policy, trajs)
-    cfg = SFTConfig(steps=100, batch_size=4, lr=5e-3, warmup_steps=10, checkpoint_every=50)
+    cfg = SFTConfig(
+        steps=100, batch_size=4, optimizer=OptimizerConfig(lr=5e-3), warmup_steps=10, checkpoint_every=50
+    )
     history = sft(
         policy,
         trajs,
@@ -119,7 +122,7 @@ def test_sft_bf16_grad_accum_moves_every_parameter(tmp_path, one_thread):
     start = {n: p.detach().clone() for n, p in policy.model.named_parameters()}
     trajs = demos()
     before = _eval_loss(policy, trajs)
-    cfg = SFTConfig(steps=12, batch_size=2, grad_accum=2, lr=3e-3, bf16=True)
+    cfg = SFTConfig(steps=12, batch_size=2, grad_accum=2, optimizer=OptimizerConfig(lr=3e-3, bf16=True))
     history = sft(policy, trajs, cfg, progress=False, spec=PromptSpec("compact", None))
     assert len(history) == 12 and all(h > 0 for h in history)
     assert _eval_loss(policy, trajs) < before
@@ -216,7 +219,7 @@ def test_long_replies_counts_demo_replies_the_policy_cannot_finish(tmp_path):
 def test_sft_is_deterministic_given_demos_and_seed(tmp_path, one_thread):
     """Two behaviour-cloning runs on the same demos from the same start give the same weights, bit for bit
     (so a difference between two main-job bases comes from their demos, not from training)."""
-    cfg = SFTConfig(steps=6, batch_size=2, lr=5e-3, warmup_steps=2, seed=3)
+    cfg = SFTConfig(steps=6, batch_size=2, optimizer=OptimizerConfig(lr=5e-3), warmup_steps=2, seed=3)
     weights = []
     for run in ("a", "b"):
         policy = build_tiny_policy(tmp_path / run, size="xs", seed=0)

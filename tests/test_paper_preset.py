@@ -49,8 +49,12 @@ def test_paper_preset_loads_the_reference_hyperparameters(uitars_dir, monkeypatc
         15,
         15,
     )
-    assert p.train.lr == 1e-6 and p.train.weight_decay == 0.01 and p.train.max_grad_norm == 1.0
-    assert (p.train.engine, p.train.zero_stage, p.train.bf16) == ("deepspeed", 3, True)
+    assert (
+        p.train.optimizer.lr == 1e-6
+        and p.train.optimizer.weight_decay == 0.01
+        and p.train.optimizer.max_grad_norm == 1.0
+    )
+    assert (p.train.engine, p.train.zero_stage, p.train.optimizer.bf16) == ("deepspeed", 3, True)
     assert (p.train.mini_batch_size, p.train.epochs) == (64, 15)
     loss = p.train.loss
     assert (loss.clip_low, loss.clip_high, loss.clip_dual, loss.kl_coef, loss.agg) == (

@@ -10,6 +10,7 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
+from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.behaviour_cloning import SFTConfig
 from arpo_core.offline.preference import (
     DPOConfig,
@@ -248,7 +249,7 @@ def test_dpo_raises_the_log_ratio_margin(policy_dir, one_thread, tmp_path):
     policy = load_policy(policy_dir)
     data = pref_data()
     before = logp_sums(policy, data)
-    cfg = DPOConfig(steps=6, batch_size=3, micro_batch_size=2, lr=2e-3, beta=0.1)
+    cfg = DPOConfig(steps=6, batch_size=3, micro_batch_size=2, optimizer=OptimizerConfig(lr=2e-3), beta=0.1)
     res = dpo(policy, data, cfg, checkpoint_dir=tmp_path / "ckpt", progress=False, **PROMPT)
     after = logp_sums(policy, data)
     ratio = after - before  # log pi / ref per trajectory
@@ -329,7 +330,7 @@ def test_kto_separates_desirable_from_undesirable(policy_dir, one_thread):
     policy = load_policy(policy_dir)
     data = pref_data()
     before = logp_sums(policy, data)
-    cfg = KTOConfig(steps=6, batch_size=5, micro_batch_size=5, lr=2e-3, beta=0.1)
+    cfg = KTOConfig(steps=6, batch_size=5, micro_batch_size=5, optimizer=OptimizerConfig(lr=2e-3), beta=0.1)
     res = kto(policy, data, cfg, progress=False, **PROMPT)
     ratio = logp_sums(policy, data) - before
     assert ratio[[0, 2]].mean() - ratio[[1, 3, 4]].mean() > 0.5

@@ -70,11 +70,18 @@ def test_metrics_batched_past_mlflow_limit_with_steps(store, tmp_path):
 def test_params_batched_and_stringified(store, tmp_path):
     exp = mlflow_runs.ensure_experiment(store, "e", tmp_path)
     run_id = mlflow_runs.start_run(store, exp, "train")
-    params = {f"train.k{i:03d}": i for i in range(150)} | {"train.sum_norm": None, "train.bf16": False}
+    params = {f"train.k{i:03d}": i for i in range(150)} | {
+        "train.sum_norm": None,
+        "train.optimizer.bf16": False,
+    }
     mlflow_runs.log_params(store, run_id, params)
     got = store.get_run(run_id).data.params
     assert len(got) == 152
-    assert got["train.k042"] == "42" and got["train.sum_norm"] == "null" and got["train.bf16"] == "False"
+    assert (
+        got["train.k042"] == "42"
+        and got["train.sum_norm"] == "null"
+        and got["train.optimizer.bf16"] == "False"
+    )
 
 
 def test_finish_run_sets_status(store, tmp_path):
@@ -132,7 +139,7 @@ def test_differing_params_compare_runs_of_the_same_stage():
     rows = [
         {"stage": "evaluate", "params": {"method": "arpo", "train.replay.enabled": "True", "seed": "0"}},
         {"stage": "evaluate", "params": {"method": "grpo", "train.replay.enabled": "False", "seed": "0"}},
-        {"stage": "sft", "params": {"sft.lr": "1"}},
+        {"stage": "sft", "params": {"sft.optimizer.lr": "1"}},
     ]
     assert mlflow_runs.differing_params(rows) == ["method", "train.replay.enabled"]
     assert mlflow_runs.differing_params(rows[:1]) == []
@@ -166,7 +173,9 @@ def _two_train_runs(store, tmp_path):
         rid = mlflow_runs.start_run(
             store, exp, "train", {"arpo.variant": variant, "arpo.stage": "train"}, parent
         )
-        mlflow_runs.log_params(store, rid, {"train.replay.enabled": variant == "default", "train.lr": 1e-5})
+        mlflow_runs.log_params(
+            store, rid, {"train.replay.enabled": variant == "default", "train.optimizer.lr": 1e-5}
+        )
         mlflow_runs.log_metrics(store, rid, {"rollout/success_rate": sr})
         mlflow_runs.finish_run(store, rid, True)
         mlflow_runs.finish_run(store, parent, True)
@@ -194,7 +203,9 @@ def test_arpo_runs_prints_comparison(store, tmp_path):
     assert res.exit_code == 0, res.output
     lines = res.output.splitlines()
     assert "rollout/success" in lines[0]
-    assert "train.replay.enabled" in lines[0] and "train.lr" not in lines[0]  # what the variants changed
+    assert (
+        "train.replay.enabled" in lines[0] and "train.optimizer.lr" not in lines[0]
+    )  # what the variants changed
     assert "False" in lines[2] and "True" in lines[3]
     assert "grpo" in lines[2] and "0.25" in lines[2] and "default" in lines[3] and "0.5" in lines[3]
     missing = CliRunner().invoke(app, ["runs", "-e", "nothing-here"])

@@ -95,13 +95,13 @@ def configs(epochs: int, **train):
     """(train section, policy section) of the harness runs: 2 tasks per iteration, groups of 4,
     one-step episodes, a small buffer; `train` overrides train-section fields."""
     from arpo_core.algorithm.replay import ReplayConfig
-    from arpo_core.config import PolicyConfig, TrainConfig
+    from arpo_core.config import OptimizerConfig, PolicyConfig, TrainConfig
 
     fields = {
         "epochs": epochs,
         "tasks_per_iteration": 2,
         "group_size": 4,
-        "lr": 1e-3,
+        "optimizer": OptimizerConfig(lr=1e-3, weight_decay=1e-2),
         "micro_batch_size": 4,
         "mini_batch_size": 8,
         "max_steps": 1,

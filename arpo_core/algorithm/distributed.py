@@ -90,7 +90,7 @@ class Ranks:
         return self.world > 1
 
     @classmethod
-    def from_env(cls, timeout_s: float = 1800.0, backend: str = "auto") -> Ranks:
+    def from_env(cls, timeout_s: float, backend: str) -> Ranks:
         """Decision "Standard launchers": join the launcher's process group (idempotent), or `SINGLE` without
         a launcher."""
         world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -55,6 +55,7 @@ from typing import Any
 import torch
 
 from arpo_core.algorithm.distributed import SINGLE, Ranks
+from arpo_core.config.sections import OptimizerConfig
 
 _log = logging.getLogger("arpo.train")
 
@@ -289,8 +290,15 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def make_engine(name: str, model: torch.nn.Module, **kwargs: Any):
-    """'torch' or 'deepspeed'; kwargs go to the engine (lr, weight_decay, max_grad_norm, ...)."""
+def make_engine(name: str, model: torch.nn.Module, optimizer: OptimizerConfig, **kwargs: Any):
+    """'torch' or 'deepspeed' with a section's optimizer settings (lr, weight decay, clip, bf16); other kwargs
+    go to the engine (zero_stage, ranks, ...)."""
+    kwargs |= {
+        "lr": optimizer.lr,
+        "weight_decay": optimizer.weight_decay,
+        "max_grad_norm": optimizer.max_grad_norm,
+        "bf16": optimizer.bf16,
+    }
     if name == "torch":
         kwargs.pop("zero_stage", None)
         kwargs.pop("bf16", None)

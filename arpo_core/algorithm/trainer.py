@@ -625,11 +625,8 @@ def _restore_or_start(
     engine = make_engine(
         cfg.engine,
         policy.model,
-        lr=cfg.lr,
-        weight_decay=cfg.weight_decay,
-        max_grad_norm=cfg.max_grad_norm,
+        cfg.optimizer,
         zero_stage=cfg.zero_stage,
-        bf16=cfg.bf16,
         ranks=ranks,
     )
     if cfg.engine == "torch":
@@ -687,7 +684,7 @@ def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, fl
     seq_adv = share.advantages[[s.source for s in seqs]]  # a trajectory's windows share its advantage
     t0 = time.monotonic()
     ref_logps = (
-        compute_logps(run.reference, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.bf16)
+        compute_logps(run.reference, seqs, micro_batch_size=cfg.micro_batch_size, bf16=cfg.optimizer.bf16)
         if run.reference is not None
         else None
     )
@@ -703,7 +700,7 @@ def _update(run: _Run, share: _UpdateShare, epoch: int, it: int) -> dict[str, fl
             run.policy,
             seqs,
             micro_batch_size=cfg.micro_batch_size,
-            bf16=cfg.bf16,
+            bf16=cfg.optimizer.bf16,
             module=run.engine.module,
             pad_to=pad,
         )

@@ -270,7 +270,7 @@ def ppo_update(
             policy,
             seqs,
             micro_batch_size=cfg.micro_batch_size,
-            bf16=cfg.bf16,
+            bf16=cfg.optimizer.bf16,
             module=engine.module,
             pad_to=pad,
         )
@@ -325,10 +325,12 @@ def ppo_update(
             if (
                 not micro
             ):  # decision "Global normalisation": a zero-weight pass keeps this rank in step with the others
-                logps, _ = _forward(policy, seqs[:1], cfg.bf16, engine.module)
+                logps, _ = _forward(policy, seqs[:1], cfg.optimizer.bf16, engine.module)
                 engine.backward(logps.sum() * 0.0, boundary=boundary)
                 continue
-            logps, mask = _forward(policy, [seqs[i] for i in micro], cfg.bf16, engine.module)  # (B, T)
+            logps, mask = _forward(
+                policy, [seqs[i] for i in micro], cfg.optimizer.bf16, engine.module
+            )  # (B, T)
             T = logps.shape[1]
             old = logps.detach() if on_policy else _pad([old_logps[i] for i in micro], T).to(logps.device)
             ref = _pad([ref_logps[i] for i in micro], T).to(logps.device) if ref_logps else None

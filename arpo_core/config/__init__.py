@@ -61,6 +61,7 @@ from arpo_core.config.sections import (
     DPOConfig,
     GroundTrainConfig,
     KTOConfig,
+    OptimizerConfig,
     ReplayConfig,
     RFTConfig,
     SelectConfig,
@@ -80,6 +81,7 @@ __all__ = [
     "InitPolicyConfig",
     "LossSection",
     "OSWorldConfig",
+    "OptimizerConfig",
     "Params",
     "PolicyConfig",
     "ProjectConfig",
@@ -539,12 +541,9 @@ class TrainConfig:
     groups_per_task: Annotated[int, Ge(1)] = 1
     """Groups per task per iteration, each on its own task instance (env seed): small groups keep the
     rollouts per task of one update (G=4 x 4 groups = 16 rollouts per task, like G=16 x 1)."""
-    lr: Annotated[float, Gt(0)] = 1e-4
-    """AdamW learning rate (reference 1e-6 for a 7B model; the tiny policy needs more)."""
-    weight_decay: Annotated[float, Ge(0)] = 1e-2
-    """AdamW weight decay."""
-    max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    """Gradient norm clip."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-4, weight_decay=1e-2))
+    """AdamW (reference: lr 1e-6 for a 7B model, weight decay 1e-2; the tiny policy needs a larger lr),
+    gradient clip and bf16 autocast."""
     micro_batch_size: Annotated[int, Ge(1)] = 16
     """Trajectories per forward/backward; <= mini_batch_size."""
     mini_batch_size: Annotated[int, Ge(1)] = 64
@@ -567,8 +566,6 @@ class TrainConfig:
     skip_zero_advantage: bool = False
     """Leave sequences with advantage exactly 0 out of the update (compute saving; the reference keeps
     them, which also dilutes the token-mean)."""
-    bf16: bool = False
-    """bf16 autocast (CPU or GPU)."""
     gradient_checkpointing: bool = False
     """Recompute each block's activations in the backward instead of keeping them (policy/model.py,
     decision "Gradient checkpointing"): the same gradients for about one more forward, what lets a

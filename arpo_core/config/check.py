@@ -99,7 +99,7 @@ class Source:
     kind: str
     """What set the value."""
     where: str
-    """'params.yaml:87', 'presets/quick.yaml:12', '-S train.lr=abc'."""
+    """'params.yaml:87', 'presets/quick.yaml:12', '-S train.optimizer.lr=abc'."""
 
     def __str__(self) -> str:
         return f"{self.kind} {self.where}"
@@ -323,6 +323,40 @@ def coerce(
     raise ConfigError(f"{dotted(path)}: unsupported annotation {tp!r}")
 
 
+def _subsection_keys(tp: Any) -> frozenset[str]:
+    """The keys of a sub-section type (`OptimizerConfig` for `train.optimizer`), else none."""
+    return frozenset(f.name for f in dataclasses.fields(tp)) if dataclasses.is_dataclass(tp) else frozenset()
+
+
+def _over_default(cls: type, name: str, value: Any) -> Any:
+    """A sub-section given in part takes its missing keys from the parent's default for it, not from the
+    sub-section class: `train: {optimizer: {lr: 1e-5}}` keeps train's weight decay 1e-2 (its default
+    factory's), not `OptimizerConfig`'s 0.0. Only the values the parent's default sets differently from
+    the class (or that the class leaves without default) are filled in."""
+    f = next(f for f in dataclasses.fields(cls) if f.name == name)
+    if not isinstance(value, Mapping) or f.default_factory is dataclasses.MISSING:
+        return value
+    default = f.default_factory()
+    if not dataclasses.is_dataclass(default):
+        return value
+    own = {g.name: g for g in dataclasses.fields(default)}
+    filled = {}
+    for key, g in own.items():
+        if key in value:
+            continue
+        v = getattr(default, key)
+        if g.default is not dataclasses.MISSING:
+            base = g.default
+        elif g.default_factory is not dataclasses.MISSING:
+            base = g.default_factory()
+        else:
+            filled[key] = v
+            continue
+        if v != base:
+            filled[key] = v
+    return {**filled, **value} if filled else value
+
+
 def build(cls: type[T], raw: Mapping[str, Any], path: KeyPath, ctx: Context) -> T:
     """Section `cls` from the raw mapping found at `path`: unknown keys, then each value's type and ranges
     (`coerce`), then the section's `cross_checks()`; every error names key, value and source."""
@@ -331,11 +365,13 @@ def build(cls: type[T], raw: Mapping[str, Any], path: KeyPath, ctx: Context) -> 
     for key in raw:
         if key not in known:
             section = f"section '{dotted(path)}'" if path else "the top level"
+            moved = next((s for s in known if key in _subsection_keys(hints[s])), None)
+            hint = f"; it now lives in '{dotted((*path, moved, key))}'" if moved else ""
             raise ConfigError(
-                f"unknown key '{key}' in {section} ({ctx.origin((*path, key))}); "
+                f"unknown key '{key}' in {section} ({ctx.origin((*path, key))}){hint}; "
                 f"known keys: {', '.join(sorted(known))}"
             )
-    kwargs = {k: coerce(v, hints[k], (*path, k), ctx) for k, v in raw.items()}
+    kwargs = {k: coerce(_over_default(cls, k, v), hints[k], (*path, k), ctx) for k, v in raw.items()}
     try:
         obj = cls(**kwargs)
     except (ValueError, TypeError) as e:  # a section's own __post_init__ (the loader checked first)

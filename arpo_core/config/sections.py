@@ -22,11 +22,29 @@ __all__ = [
     "DPOConfig",
     "GroundTrainConfig",
     "KTOConfig",
+    "OptimizerConfig",
     "RFTConfig",
     "ReplayConfig",
     "SFTConfig",
     "SelectConfig",
 ]
+
+
+@dataclass(frozen=True)
+class OptimizerConfig:
+    """The optimizer of a training section (`train`, `sft`, `dpo`, `kto`, each `ground` phase): AdamW with
+    gradient-norm clipping, and the autocast the forward passes run in. Declared once; each section says its
+    own learning rate (no default here: the right one depends on what is trained and how big it is)."""
+
+    lr: Annotated[float, Gt(0)]
+    """AdamW (peak) learning rate."""
+    weight_decay: Annotated[float, Ge(0)] = 0.0
+    """AdamW weight decay."""
+    max_grad_norm: Annotated[float, Gt(0)] = 1.0
+    """Gradient-norm clip."""
+    bf16: bool = False
+    """bf16 autocast of the forward passes (CPU or GPU); parameters and optimizer states stay fp32 (under
+    DeepSpeed with bf16 on, its engine keeps bf16 weights and fp32 master copies)."""
 
 
 @dataclass(frozen=True)
@@ -39,18 +57,12 @@ class GroundTrainConfig:
     batch_size: Annotated[int, Ge(1)] = 16
     """Examples per optimizer step (half from a fixed example list when one is given, e.g. real MiniWoB
     screens; the rest fresh synthetic screens)."""
-    lr: Annotated[float, Gt(0)] = 3e-3
-    """AdamW peak learning rate."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=3e-3, bf16=True))
+    """AdamW (lr, weight decay, clip) and bf16 autocast; parameters and optimizer state stay fp32."""
     warmup_steps: Annotated[int, Ge(0)] = 50
-    """Linear warm-up from 0 to `lr` over this many steps."""
+    """Linear warm-up from 0 to `optimizer.lr` over this many steps."""
     min_lr_frac: Annotated[float, Interval(ge=0, le=1)] = 0.1
-    """Cosine decay from `lr` to `min_lr_frac * lr` at the last step."""
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = True
-    """bf16 autocast; parameters and optimizer state stay fp32."""
+    """Cosine decay from `optimizer.lr` to `min_lr_frac * optimizer.lr` at the last step."""
     mix: Annotated[dict[str, Annotated[float, Gt(0)]], MinLen(1)] = field(
         default_factory=lambda: {"box1": 1.0}
     )
@@ -71,18 +83,13 @@ class SFTConfig:
     """Trajectories per micro-batch."""
     grad_accum: Annotated[int, Ge(1)] = 1
     """Micro-batches per optimizer step."""
-    lr: Annotated[float, Gt(0)] = 1e-3
-    """AdamW peak learning rate."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-3))
+    """AdamW (lr, weight decay, clip) and bf16 autocast."""
     warmup_steps: Annotated[int, Ge(0)] = 0
     """Linear warm-up from 0 over this many optimizer steps."""
     min_lr_frac: Annotated[float, Interval(ge=0, le=1)] = 1.0
-    """Cosine decay from `lr` to `min_lr_frac * lr` at the last step (1.0: constant after warm-up)."""
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = False
-    """bf16 autocast (CPU or GPU); parameters and optimizer stay fp32."""
+    """Cosine decay from `optimizer.lr` to `min_lr_frac * optimizer.lr` at the last step (1.0: constant
+    after warm-up)."""
     checkpoint_every: Annotated[int, Ge(0)] = 0
     """Save every N optimizer steps (0 = only at the end, and only with a checkpoint_dir)."""
     seed: Annotated[int, Ge(0)] = 0
@@ -112,14 +119,8 @@ class DPOConfig:
     """Pairs per optimizer step."""
     micro_batch_size: Annotated[int, Ge(1)] = 2
     """Pairs per forward/backward (2x as many sequences); <= batch_size."""
-    lr: Annotated[float, Gt(0)] = 1e-5
-    """AdamW learning rate (TRL's DPO default 1e-6 is for 7B models; the tiny policy needs more)."""
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = False
-    """bf16 autocast for the forward passes."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """AdamW (TRL's DPO default lr 1e-6 is for 7B models; the tiny policy needs more) and bf16 autocast."""
     seed: Annotated[int, Ge(0)] = 0
     """Seed of pairing and batch order."""
 
@@ -148,14 +149,8 @@ class KTOConfig:
     """Trajectories per optimizer step (the KL reference point is estimated on this batch; >= 2)."""
     micro_batch_size: Annotated[int, Ge(1)] = 4
     """Trajectories per forward/backward; <= batch_size."""
-    lr: Annotated[float, Gt(0)] = 1e-5
-    """AdamW learning rate."""
-    weight_decay: Annotated[float, Ge(0)] = 0.0
-    """AdamW weight decay."""
-    max_grad_norm: Annotated[float, Gt(0)] = 1.0
-    """Gradient clipping norm."""
-    bf16: bool = False
-    """bf16 autocast for the forward passes."""
+    optimizer: OptimizerConfig = field(default_factory=lambda: OptimizerConfig(lr=1e-5))
+    """AdamW and bf16 autocast."""
     seed: Annotated[int, Ge(0)] = 0
     """Seed of KL partners and batch order."""
 

@@ -101,11 +101,13 @@ def sft(
     model = policy.model
     device = policy.device
     rng = random.Random(config.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
     )
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.optimizer.bf16 else nullcontext()
     order: list[int] = []
     history: list[float] = []
     model.train()
@@ -141,7 +143,7 @@ def sft(
             loss = masked_mean_nll(logps, mask) * (mask.sum() / max(n_total, 1))
             loss.backward()
             loss_sum += float(loss.detach())
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
         optimizer.step()
         sched.step()
         history.append(loss_sum)

@@ -446,11 +446,13 @@ def train_grounding(
     device = policy.device
     rng = random.Random(config.seed)
     msize = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=config.lr, weight_decay=config.weight_decay)
+    optimizer = torch.optim.AdamW(
+        model.parameters(), lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
+    )
     sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
     )
-    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.bf16 else nullcontext()
+    autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.optimizer.bf16 else nullcontext()
     order: list[int] = []
     history: dict = {"loss": [], "evals": []}
     t0 = time.perf_counter()
@@ -477,7 +479,7 @@ def train_grounding(
         loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
         optimizer.step()
         sched.step()
         history["loss"].append(float(loss.detach()))

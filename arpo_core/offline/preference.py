@@ -61,7 +61,7 @@ import torch
 import torch.nn.functional as F
 from tqdm.auto import tqdm
 
-from arpo_core.algorithm.engines import TorchEngine
+from arpo_core.algorithm.engines import make_engine
 from arpo_core.algorithm.update import Engine
 from arpo_core.config.sections import DPOConfig, KTOConfig, RFTConfig
 from arpo_core.infra.fileio import atomic_write_json
@@ -373,9 +373,7 @@ def _make_engine(policy: Policy, engine: Engine | None, cfg: DPOConfig | KTOConf
                 "ZeRO-3, engines.py): set micro_batch_size >= batch_size"
             )
         return engine
-    return TorchEngine(
-        policy.model, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm
-    )
+    return make_engine("torch", policy.model, cfg.optimizer)
 
 
 def _save(policy: Policy, out: Path, state: dict) -> None:
@@ -414,7 +412,7 @@ def dpo(
         engine.module,
         [trajectories[i] for i in used],
         encode,
-        config.bf16,
+        config.optimizer.bf16,
         2 * config.micro_batch_size,
     )
     ref = dict(zip(used, ref_all.tolist(), strict=True))
@@ -429,7 +427,7 @@ def dpo(
             P = len(micro)
             seqs = [encode(trajectories[c]) for c, _ in micro]
             seqs += [encode(trajectories[r]) for _, r in micro]
-            pol = _logp_sums(policy, engine.module, seqs, config.bf16)  # (2P,)
+            pol = _logp_sums(policy, engine.module, seqs, config.optimizer.bf16)  # (2P,)
             dev = pol.device
             ref_c = torch.tensor([ref[c] for c, _ in micro], device=dev)
             ref_r = torch.tensor([ref[r] for _, r in micro], device=dev)
@@ -492,8 +490,12 @@ def kto(
     mism = [mismatched_trajectory(trajectories[i], trajectories[j]) for i, j in enumerate(partners)]
     engine = _make_engine(policy, engine, config)
     encode = _encoder(policy, spec)
-    ref = _reference_sums(policy, engine.module, trajectories, encode, config.bf16, config.micro_batch_size)
-    ref_kl = _reference_sums(policy, engine.module, mism, encode, config.bf16, config.micro_batch_size)
+    ref = _reference_sums(
+        policy, engine.module, trajectories, encode, config.optimizer.bf16, config.micro_batch_size
+    )
+    ref_kl = _reference_sums(
+        policy, engine.module, mism, encode, config.optimizer.bf16, config.micro_batch_size
+    )
     draw = _batches(n, config.batch_size, config.seed)
     history: list[dict[str, float]] = []
     policy.model.train()
@@ -503,7 +505,7 @@ def kto(
         with torch.no_grad():
             pol_kl = torch.cat(
                 [
-                    _logp_sums(policy, engine.module, [encode(mism[i]) for i in micro], config.bf16)
+                    _logp_sums(policy, engine.module, [encode(mism[i]) for i in micro], config.optimizer.bf16)
                     for micro in _chunks(batch, config.micro_batch_size)
                 ]
             )
@@ -512,7 +514,9 @@ def kto(
         rewards = torch.zeros(len(batch))
         for u0 in range(0, len(batch), config.micro_batch_size):
             micro = batch[u0 : u0 + config.micro_batch_size]
-            pol = _logp_sums(policy, engine.module, [encode(trajectories[i]) for i in micro], config.bf16)
+            pol = _logp_sums(
+                policy, engine.module, [encode(trajectories[i]) for i in micro], config.optimizer.bf16
+            )
             dev = pol.device
             out = kto_loss(
                 pol, ref[micro].to(dev), desirable[micro].to(dev), z0.to(dev), config.beta, w_d, w_u

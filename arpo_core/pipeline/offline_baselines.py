@@ -57,7 +57,7 @@ def no_data_reason(p: Params, method: str, trajs: list[Trajectory]) -> str | Non
 
 
 def _train(p: Params, method: str, policy: Any, trajs: list[Trajectory]) -> dict[str, float]:
-    from arpo_core.algorithm.engines import TorchEngine
+    from arpo_core.algorithm.engines import make_engine
     from arpo_core.offline.preference import dpo, kto, rft
 
     kw = {
@@ -69,9 +69,7 @@ def _train(p: Params, method: str, policy: Any, trajs: list[Trajectory]) -> dict
         losses = rft(policy, trajs, p.rft, **kw)
         return {"rft/loss_first": losses[0], "rft/loss_last": losses[-1], "rft/steps": float(len(losses))}
     cfg = getattr(p, method)
-    engine = TorchEngine(
-        policy.model, lr=cfg.lr, weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm
-    )
+    engine = make_engine("torch", policy.model, cfg.optimizer)
     res = (dpo if method == "dpo" else kto)(policy, trajs, cfg, engine=engine, **kw)
     metrics = {k if k.startswith(f"{method}/") else f"{method}/{k}": float(v) for k, v in res.info.items()}
     metrics[f"{method}/examples"] = float(res.n_examples)
