@@ -170,6 +170,50 @@ def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
     assert m["ground/steps"] == 4.0
 
 
+def test_an_interrupted_stage_resumes_its_phases_to_the_same_weights(init_dir, tmp_path, monkeypatch):
+    """ground.py, decision "Resumable phases": a stage stopped in its second phase (after one step; the
+    first phase finished) and run again on the same staged output trains only what was left and ends with
+    the weights, losses and report of a run that never stopped, leaving no checkpoints in its output."""
+    from arpo_core.offline import grounding
+
+    phases = (
+        "ground.phases=[{steps: 3, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
+        " {steps: 4, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0], seed: 2}]"
+    )
+    p = params("ground.checkpoint=null", phases, *TINY_EVAL, "ground.checkpoint_every_s=0")
+    ground.run(p, init_dir, tmp_path / "whole")
+
+    real = grounding.train_grounding
+
+    def stop_in_phase_1(*args, checkpoint, **kw):
+        if checkpoint.name == "phase-1.pt":
+            real(*args, checkpoint=checkpoint, time_limit_s=0.0, **kw)  # one step, saved
+            raise KeyboardInterrupt
+        return real(*args, checkpoint=checkpoint, **kw)
+
+    monkeypatch.setattr(grounding, "train_grounding", stop_in_phase_1)
+    with pytest.raises(KeyboardInterrupt):
+        ground.run(p, init_dir, tmp_path / "again")
+    saved = tmp_path / "again" / ground.CHECKPOINTS
+    assert sorted(f.name for f in saved.iterdir()) == ["phase-0.pt", "phase-1.pt"]
+    assert torch.load(saved / "phase-1.pt", weights_only=False)["step"] == 1
+    monkeypatch.setattr(grounding, "train_grounding", real)
+    drawn = []
+    draw = grounding.synthetic_example
+    monkeypatch.setattr(grounding, "synthetic_example", lambda *a, **k: drawn.append(1) or draw(*a, **k))
+    ground.run(p, init_dir, tmp_path / "again")
+    # phase 0 not trained again; phase 1's last 3 steps of 2 screens each; then 2 levels x 3 held-out screens
+    # (a run from scratch draws 3 x 2 + 4 x 2 + 6)
+    assert len(drawn) == 3 * 2 + 2 * 3
+
+    want, got = _state(tmp_path / "whole"), _state(tmp_path / "again")
+    assert want.keys() == got.keys() and all(torch.equal(want[k], got[k]) for k in want)
+    reports = [json.loads((tmp_path / d / ground.GROUND_REPORT).read_text()) for d in ("whole", "again")]
+    whole, again = ([ph["loss_every_50"] for ph in r["phases"]] for r in reports)
+    assert whole == again and [ph["steps"] for ph in reports[1]["phases"]] == [3, 4]
+    assert not saved.exists() and not (tmp_path / "whole" / ground.CHECKPOINTS).exists()
+
+
 def test_checkpoint_without_phases_is_copied_bit_for_bit_and_measured(init_dir, tmp_path):
     p = params(f"ground.checkpoint={CHECKPOINT}", "ground.eval_levels=[box1h]", "ground.eval_per_level=16")
     m = ground.run(p, init_dir, tmp_path / "g")

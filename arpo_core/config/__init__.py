@@ -404,6 +404,10 @@ class GroundSectionConfig:
     0 = none (no browser)."""
     miniwob_per_screen: Annotated[int, Ge(1)] = 4
     """At most this many targets per real MiniWoB screen (training and held-out)."""
+    checkpoint_every_s: Annotated[float, Ge(0)] = 300.0
+    """Each phase saves its whole training state this often (and when it ends), in the stage's staged output;
+    a killed or interrupted stage restarted with the same params continues each phase where it was, to the
+    same weights (grounding.py, decision "Resumable training"). Operational: not in the stage's key."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -34,16 +34,25 @@ Decisions:
   follow a single target after ~1k steps of the xs model, where theta 1e6 stayed image-blind. A
   coordinate code blended into the pixels (`coord_pattern`, `GroundConfig.pattern`) was tried as well;
   it is off by default and would have to become part of the saved image processor to be used.
+- **Resumable training.** Given a checkpoint file, the loop saves everything the next step depends on (step,
+  weights, AdamW and schedule states, the example stream's RNG and the fixed list's pending order, torch's
+  RNG, the history) atomically every `checkpoint_every_s` seconds and at the end, and a call with the same
+  file and config continues from it: a run killed at any point and restarted trains the same weights and
+  loss curve as one that never stopped (a test kills one mid-run). A file made under another config is an
+  error naming both, never silently resumed; a finished file returns at once, so a multi-phase caller (the
+  ground stage) resumes phase by phase.
 """
 
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, replace
+from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -51,6 +60,7 @@ from PIL import Image, ImageDraw, ImageFont
 
 from arpo_core.actions import ActionParseError, parse_response
 from arpo_core.config.sections import GroundTrainConfig
+from arpo_core.infra.fileio import atomic_open
 from arpo_core.offline.behaviour_cloning import lr_factor
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments, model_image_size
@@ -432,6 +442,8 @@ def train_grounding(
     heldout: Sequence[GroundExample] | None = None,
     time_limit_s: float | None = None,
     callback: Callable[[dict], None] | None = None,
+    checkpoint: Path | None = None,
+    checkpoint_every_s: float | None = None,
 ) -> dict:
     """Train `policy` in place on grounding replies with system prompt `system`; returns the history.
     Held-out evaluations decode greedily up to `max_new_tokens` tokens.
@@ -441,7 +453,11 @@ def train_grounding(
     synthetic; without one all are synthetic. The loss is BC's token-mean NLL of the reply
     (decision "Grounding example"). History: {"loss": [per step], "evals": [{"step", "seconds", **metrics}],
     "seconds": total}. `callback` gets each evaluation dict as it is made (for a driver to print or save).
+    With `checkpoint` (a file path) the loop saves its state there every `checkpoint_every_s` seconds and at
+    the end, and resumes from it when it exists (decision "Resumable training").
     """
+    if (checkpoint is None) != (checkpoint_every_s is None):
+        raise ValueError("train_grounding: give checkpoint and checkpoint_every_s together")
     model = policy.model
     device = policy.device
     rng = random.Random(config.seed)
@@ -456,7 +472,43 @@ def train_grounding(
     order: list[int] = []
     history: dict = {"loss": [], "evals": []}
     t0 = time.perf_counter()
-    for step in range(1, config.steps + 1):
+    done = 0
+    fingerprint = _fingerprint(config, system, examples)
+    if checkpoint is not None and Path(checkpoint).exists():
+        state = torch.load(checkpoint, weights_only=False)
+        if state["fingerprint"] != fingerprint:
+            raise ValueError(
+                f"grounding checkpoint {checkpoint} was made with another config, prompt or example list "
+                f"(fingerprint {state['fingerprint']}, this run's {fingerprint}): remove it to start over"
+            )
+        model.load_state_dict(state["model"])
+        optimizer.load_state_dict(state["optimizer"])
+        sched.load_state_dict(state["scheduler"])
+        rng.setstate(state["rng"])
+        torch.set_rng_state(state["torch_rng"])
+        order, history, done = state["order"], state["history"], state["step"]
+        t0 -= state["seconds"]
+    saved_at = time.perf_counter()
+
+    def save(step: int) -> None:
+        nonlocal saved_at
+        state = {
+            "fingerprint": fingerprint,
+            "step": step,
+            "model": model.state_dict(),
+            "optimizer": optimizer.state_dict(),
+            "scheduler": sched.state_dict(),
+            "rng": rng.getstate(),
+            "torch_rng": torch.get_rng_state(),
+            "order": list(order),
+            "history": history,
+            "seconds": time.perf_counter() - t0,
+        }
+        with atomic_open(checkpoint, "wb") as f:
+            torch.save(state, f)
+        saved_at = time.perf_counter()
+
+    for step in range(done + 1, config.steps + 1):
         mix = config.mix_at(step)
         n_fixed = config.batch_size // 2 if examples else 0
         batch_ex: list[GroundExample] = []
@@ -494,12 +546,24 @@ def train_grounding(
             history["evals"].append(ev)
             if callback is not None:
                 callback(ev)
+        if checkpoint is not None and (
+            last or out_of_time or time.perf_counter() - saved_at >= checkpoint_every_s
+        ):
+            save(step)
         if out_of_time:
             break
     model.eval()
     history["seconds"] = time.perf_counter() - t0
     history["steps"] = len(history["loss"])
     return history
+
+
+def _fingerprint(config: GroundConfig, system: str, examples: Sequence[GroundExample] | None) -> str:
+    """What a checkpoint must have been made by to be resumed: the config, the prompt and the fixed list
+    (its length and targets; its screens are derived from the same seeds)."""
+    fixed = [(e.instruction, e.reply) for e in examples or ()]
+    text = repr((sorted(asdict(config).items()), system, fixed))
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 # ----------------------------------------------------------------------------------------------------

@@ -23,11 +23,17 @@ Decisions:
   previous `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree`
   (space checked first; a full disk is one line saying what, where, MB needed and free), policies through
   `Policy.save` (the same for the weights).
+- **Resumable phases.** Each phase checkpoints its whole training state to `out_dir/checkpoints/phase-<i>.pt`
+  every `ground.checkpoint_every_s` seconds and when it ends (grounding.py, decision "Resumable training").
+  The staged output survives a failed or killed attempt with the same key (the runner empties it for another
+  key), so the restarted stage passes finished phases at once and continues the interrupted one to the
+  same weights; a run of hours loses minutes to a kill. The checkpoints are removed when the stage succeeds.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, fields
@@ -48,6 +54,8 @@ __all__ = ["GROUND_REPORT", "STAGE", "ground_config", "ground_measure_keys", "ru
 GROUND_EVAL_SEED = 10_000
 MINIWOB_HELDOUT_SEED = 1000
 GROUND_REPORT = "ground_report.json"
+CHECKPOINTS = "checkpoints"
+"""Phase checkpoints, inside the staged output while the stage runs (decision "Resumable phases")."""
 
 
 def ground_config(phase: GroundPhase) -> Any:
@@ -162,6 +170,8 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
                 system=p.policy.system_prompt,
                 max_new_tokens=tokens,
                 examples=fixed,
+                checkpoint=out_dir / CHECKPOINTS / f"phase-{i}.pt",  # decision "Resumable phases"
+                checkpoint_every_s=g.checkpoint_every_s,
             )
             losses = hist["loss"]
             head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
@@ -206,6 +216,9 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     metrics["ground/steps"] = float(sum(ph["steps"] for ph in report["phases"]))
     report["measures"] = measures
     atomic_write_json(out_dir / GROUND_REPORT, report, indent=1, sort_keys=True)
+    shutil.rmtree(
+        out_dir / CHECKPOINTS, ignore_errors=True
+    )  # the output is the policy, not its training state
     return metrics
 
 

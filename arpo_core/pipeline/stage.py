@@ -98,6 +98,7 @@ OPERATIONAL = (
     "env.osworld.command_timeout_s",
     "train.distributed",
     "train.gradient_checkpointing",
+    "ground.checkpoint_every_s",
 )
 """Keys stages read that change speed or where episodes run, not their results (decision "Read params keys"):
 in no stage's params, so changing them re-runs nothing."""
