@@ -542,6 +542,28 @@ def run_part(part: str, args: argparse.Namespace) -> dict[str, Any]:
         return {"zero_stage": int(part.removeprefix("zero")), "oom": True, "error": str(e)[:500]}
 
 
+def run_child(cmd: Sequence[str], timeout_s: float, merge_output: bool) -> tuple[int | None, str]:
+    """Run `cmd` from the project root in its own process group, killed as a group when it ends, when it runs
+    past `timeout_s` and when this process is stopped (vLLM starts engine processes of its own, which must
+    not outlive a part: they would hold GPU memory through the next one). Returns (exit code, or None when
+    timed out; its stderr, or stdout and stderr interleaved with `merge_output`)."""
+    stderr = subprocess.STDOUT if merge_output else subprocess.PIPE
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.PIPE, stderr=stderr, text=True, cwd=ROOT, start_new_session=True
+    )
+    try:
+        out, err = proc.communicate(timeout=timeout_s)
+        code: int | None = proc.returncode
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        out, err = proc.communicate()
+        code = None
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+    return code, (out if merge_output else err) or ""
+
+
 def spawn_part(part: str, args: argparse.Namespace, argv: Sequence[str], timeout_s: float) -> dict[str, Any]:
     """Run `part` in a child process with a time limit; its JSON, or what went wrong."""
     with tempfile.TemporaryDirectory() as tmp:
@@ -556,25 +578,12 @@ def spawn_part(part: str, args: argparse.Namespace, argv: Sequence[str], timeout
             str(part_out),
         ]
         t0 = time.perf_counter()
-        # Own process group: vLLM starts engine processes of its own, which must not outlive the part
-        # (they would hold GPU memory through the next part).
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=ROOT, start_new_session=True
-        )
-        timed_out = False
-        try:
-            _, stderr = proc.communicate(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            timed_out = True
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
-        if timed_out:
-            _, stderr = proc.communicate()
+        code, stderr = run_child(cmd, timeout_s, merge_output=False)
+        if code is None:
             return {"error": f"timed out after {timeout_s} s", "stderr_tail": stderr[-3000:]}
         wall = round(time.perf_counter() - t0, 1)
-        if proc.returncode != 0 or not part_out.exists():
-            return {"error": f"exit {proc.returncode}", "stderr_tail": stderr[-3000:], "wall_s": wall}
+        if code != 0 or not part_out.exists():
+            return {"error": f"exit {code}", "stderr_tail": stderr[-3000:], "wall_s": wall}
         res = json.loads(part_out.read_text())
         res["wall_s"] = wall
         return res

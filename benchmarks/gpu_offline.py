@@ -697,25 +697,16 @@ def spawn(name: str, argv: Sequence[str], limit_s: float) -> dict[str, Any]:
             str(time.time() + limit_s),
         ]
         t0 = time.perf_counter()
-        proc = subprocess.Popen(
-            cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=ROOT, start_new_session=True
+        code, log = gb.run_child(cmd, limit_s, merge_output=True)  # the part and what it started end with it
+        ended = (
+            f"timed out after {round(limit_s)} s" if code is None else "ok" if code == 0 else f"exit {code}"
         )
-        try:
-            log, _ = proc.communicate(timeout=limit_s)
-            ended = "ok" if proc.returncode == 0 else f"exit {proc.returncode}"
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            log, _ = proc.communicate()
-            ended = f"timed out after {round(limit_s)} s"
-        finally:  # also when this process is stopped: the part (and what it started) ends with it
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)
         res: dict[str, Any] = json.loads(part_out.read_text()) if part_out.exists() else {}
         res.pop("started", None)
         res["ended"] = ended
         res["wall_s"] = round(time.perf_counter() - t0, 1)
         if ended != "ok":
-            res["log_tail"] = (log or "")[-3000:]
+            res["log_tail"] = log[-3000:]
         return res
 
 
