@@ -335,33 +335,17 @@ def _save_checkpoint(
     final = ckpts / name
     if (
         ranks.distributed
-    ):  # decision "Data-parallel ranks": the collective parts on every rank, the rest on rank 0
+    ):  # decision "Data-parallel ranks": collective parts on every rank, the rest on rank 0
         return _save_checkpoint_ranks(out_dir, policy, engine, replay, state, ranks)
-    ckpts.mkdir(parents=True, exist_ok=True)
-    for stale in ckpts.glob(".epoch-*.tmp"):  # partial checkpoints of a killed run
-        shutil.rmtree(stale, ignore_errors=True)
     # Disk full: fail before writing when the last checkpoint's size does not fit, and on any write
     # failure remove the partial temp dir and say what, where and how much (fileio.py,
     # decision "Clear output errors"); the previous checkpoint and `latest` stay as they were.
-    previous = latest_checkpoint(out_dir)
-    needed = tree_size(previous) if previous is not None else 0
-    check_space(ckpts, needed, f"checkpoint {name}")
+    needed = _prepare_checkpoint(out_dir, name)
     try:
         tmp.mkdir()
         policy.save(tmp / "policy")
         engine.save(tmp)
-        replay.save(tmp / "replay")
-        torch.save(_rng_state(), tmp / "rng.pt")
-        (tmp / "state.json").write_text(
-            json.dumps(
-                {"epoch": state.epoch, "policy_version": state.policy_version, "history": state.history},
-                indent=1,
-            )
-        )
-        _write_manifest(tmp)  # decision "Checkpoint integrity": last, once every other file is on disk
-        problem = checkpoint_problem(tmp, hashes=False)
-        if problem is not None:
-            raise RuntimeError(f"checkpoint {name} failed its check after writing: {problem}")
+        _finish_checkpoint(tmp, name, replay, state)
     except Exception as e:
         written = tree_size(tmp)
         shutil.rmtree(tmp, ignore_errors=True)
@@ -370,6 +354,37 @@ def _save_checkpoint(
             raise
         raise err from e
     return _publish_checkpoint(ckpts, tmp, final, state)
+
+
+def _prepare_checkpoint(out_dir: Path, name: str) -> int:
+    """Remove the partial checkpoints of a killed run and check there is room for one more the size of the
+    last; returns that size."""
+    ckpts = out_dir / "checkpoints"
+    ckpts.mkdir(parents=True, exist_ok=True)
+    for stale in ckpts.glob(".epoch-*.tmp"):
+        shutil.rmtree(stale, ignore_errors=True)
+    previous = latest_checkpoint(out_dir)
+    needed = tree_size(previous) if previous is not None else 0
+    check_space(ckpts, needed, f"checkpoint {name}")
+    return needed
+
+
+def _finish_checkpoint(tmp: Path, name: str, replay: ReplayBuffer, state: TrainState) -> None:
+    """Write what rank 0 alone owns (buffer, RNG, epoch state) beside the policy and engine files already
+    in `tmp`, then the manifest (decision "Checkpoint integrity": last, once every other file is on disk),
+    and check the whole."""
+    replay.save(tmp / "replay")
+    torch.save(_rng_state(), tmp / "rng.pt")
+    (tmp / "state.json").write_text(
+        json.dumps(
+            {"epoch": state.epoch, "policy_version": state.policy_version, "history": state.history},
+            indent=1,
+        )
+    )
+    _write_manifest(tmp)
+    problem = checkpoint_problem(tmp, hashes=False)
+    if problem is not None:
+        raise RuntimeError(f"checkpoint {name} failed its check after writing: {problem}")
 
 
 def _publish_checkpoint(ckpts: Path, tmp: Path, final: Path, state: TrainState) -> Path:
@@ -406,11 +421,7 @@ def _save_checkpoint_ranks(
     error = None
     if ranks.main:
         try:
-            ckpts.mkdir(parents=True, exist_ok=True)
-            for stale in ckpts.glob(".epoch-*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            previous = latest_checkpoint(out_dir)
-            check_space(ckpts, tree_size(previous) if previous is not None else 0, f"checkpoint {name}")
+            _prepare_checkpoint(out_dir, name)
             tmp.mkdir()
         except Exception as e:
             error = f"{type(e).__name__}: {e}"
@@ -426,18 +437,7 @@ def _save_checkpoint_ranks(
     ranks.barrier()
     if ranks.main:
         try:
-            replay.save(tmp / "replay")
-            torch.save(_rng_state(), tmp / "rng.pt")
-            (tmp / "state.json").write_text(
-                json.dumps(
-                    {"epoch": state.epoch, "policy_version": state.policy_version, "history": state.history},
-                    indent=1,
-                )
-            )
-            _write_manifest(tmp)
-            problem = checkpoint_problem(tmp, hashes=False)
-            if problem is not None:
-                raise RuntimeError(f"checkpoint {name} failed its check after writing: {problem}")
+            _finish_checkpoint(tmp, name, replay, state)
             _publish_checkpoint(ckpts, tmp, final, state)
         except Exception as e:
             shutil.rmtree(tmp, ignore_errors=True)
