@@ -473,7 +473,7 @@ def train_grounding(
     history: dict = {"loss": [], "evals": []}
     t0 = time.perf_counter()
     done = 0
-    fingerprint = _fingerprint(config, system, examples)
+    fingerprint = _fingerprint(config, system, examples) if checkpoint is not None else None
     if checkpoint is not None and Path(checkpoint).exists():
         state = torch.load(checkpoint, weights_only=False)
         if state["fingerprint"] != fingerprint:
