@@ -216,9 +216,8 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     metrics["ground/steps"] = float(sum(ph["steps"] for ph in report["phases"]))
     report["measures"] = measures
     atomic_write_json(out_dir / GROUND_REPORT, report, indent=1, sort_keys=True)
-    shutil.rmtree(
-        out_dir / CHECKPOINTS, ignore_errors=True
-    )  # the output is the policy, not its training state
+    # the output is the policy, not its training state
+    shutil.rmtree(out_dir / CHECKPOINTS, ignore_errors=True)
     return metrics
 
 
