@@ -3,8 +3,9 @@ its own torch 2.11 and transformers 5.17, no vLLM, no DeepSpeed, no browser, at 
 the project's OWN code at Qwen2.5-VL-7B shape with random weights: `HFGenerator` throughput at batch 8, 32
 and 128 with a 1920x1080 screenshot per prompt, and one `ppo_update` step through the project's engines
 (DeepSpeed ZeRO-3, ZeRO-2, the torch engine) on a trajectory of 1 and of 15 such screenshots, with time
-and peak GPU memory; everything into one JSON file. UNTESTED ON A GPU: written and dry-run on CPU (the
-same functions at a tiny shape, tests/test_gpu_offline.py); docs/scale-out.md, "Offline GPU check".
+and peak GPU memory; everything into one JSON file. Run once on one H200 (2026-12-04,
+benchmarks/results/gpu.json, docs/scale-out.md "Measured on one H200"); its dry run (the same functions at a
+tiny shape on CPU) is tested in tests/test_gpu_offline.py; docs/scale-out.md, "Offline GPU check".
 
     # here, where PyPI is reachable: the carry folder .gpu-offline/ (wheels the node lacks)
     bash scripts/gpu_check_prepare.sh
@@ -636,6 +637,13 @@ def run_fused_adam(s: Settings, emit: Callable[[str, Any], None]) -> None:
     import torch
     from deepspeed.ops.op_builder import FusedAdamBuilder
 
+    from arpo_core.algorithm.engines import ds_arch_list
+
+    # engines.py, decision "Arch list for the JIT build": the node sets 9.0a, which DeepSpeed cannot parse
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if arch and ds_arch_list(arch) != arch:
+        os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(arch)
+        emit("arch_list", {"node": arch, "used": ds_arch_list(arch)})
     builder = FusedAdamBuilder()
     emit("compatible", bool(builder.is_compatible(verbose=False)))
     t0 = time.perf_counter()

@@ -10,8 +10,9 @@
 #   bash scripts/gpu_check_offline.sh            # there, in the repo root with .gpu-offline: < 8 minutes
 #   bash scripts/gpu_check_offline.sh --dry-run  # here, on CPU: the same code at a tiny shape
 #
-# Extra arguments go to benchmarks/gpu_offline.py (e.g. --parts gen,zero3). UNTESTED ON A GPU: the dry
-# run is tested on CPU (tests/test_gpu_offline.py); what is untested: docs/scale-out.md, "Not run yet".
+# Extra arguments go to benchmarks/gpu_offline.py (e.g. --parts gen,zero3). Ran once on one H200
+# (2026-12-04: docs/scale-out.md, "Measured on one H200"); the dry run is tested on CPU
+# (tests/test_gpu_offline.py); what is untested: docs/scale-out.md, "Not run yet".
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RESULT=${RESULT:-benchmarks/results/gpu.json}
@@ -37,7 +38,8 @@ compgen -G "$DIR/wheels/*.whl" >/dev/null || {
 export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 DS_ACCELERATOR=cuda
 # Fewer out-of-memory errors from fragmentation near the card's limit (the 7B update's 16 bytes/param).
 export PYTORCH_CUDA_ALLOC_CONF=${PYTORCH_CUDA_ALLOC_CONF:-expandable_segments:True}
-# DeepSpeed's FusedAdam (the fused_adam part) is compiled for this GPU only, with every core.
+# DeepSpeed's FusedAdam (the fused_adam part) is compiled for this GPU only, with every core (a node's
+# arch-specific 9.0a is turned into 9.0 before the build: engines.py, decision "Arch list for the JIT build").
 export TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-9.0} MAX_JOBS=${MAX_JOBS:-$(nproc)}
 BUDGET=$(( ${BUDGET_S:-460} - ($(date +%s) - T0) ))
 echo "[gpu_check_offline] wheels installed into $SITE in $(( $(date +%s) - T0 )) s; budget $BUDGET s"

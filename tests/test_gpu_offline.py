@@ -430,3 +430,35 @@ def test_offline_script_installs_the_carry_and_records_each_part(tmp_path):
     (carry / "manifest.txt").write_text(digest.stdout.replace(digest.stdout[:8], "0" * 8))
     bad = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert bad.returncode == 2 and "differs from its manifest" in bad.stderr
+
+
+def test_arch_list_for_deepspeeds_jit_build_drops_arch_specific_suffixes(monkeypatch):
+    """engines.py, decision "Arch list for the JIT build": the H200 node sets TORCH_CUDA_ARCH_LIST=9.0a, on
+    which DeepSpeed's op builder fails (the first fused_adam part there, benchmarks/results/gpu.json);
+    the normalised list parses, keeps +PTX and the other entries."""
+    from deepspeed.ops.op_builder.builder import CUDAOpBuilder
+
+    from arpo_core.algorithm.engines import ds_arch_list
+
+    assert ds_arch_list("9.0a") == "9.0"
+    assert ds_arch_list("8.0;9.0a") == "8.0;9.0"
+    assert ds_arch_list("9.0a+PTX 8.6") == "9.0+PTX;8.6"
+    assert ds_arch_list("8.0 8.0;9.0") == "8.0;9.0"
+
+    class Builder(CUDAOpBuilder):
+        def __init__(self):
+            super().__init__(name="arch_probe")
+
+        def absolute_name(self):
+            return "arch_probe"
+
+        def sources(self):
+            return []
+
+    builder = Builder()
+    builder.jit_mode = True
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "8.0;9.0a")
+    with pytest.raises(ValueError, match="0a"):
+        builder.compute_capability_args()
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", ds_arch_list("8.0;9.0a"))
+    builder.compute_capability_args()  # parses

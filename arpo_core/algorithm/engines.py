@@ -38,6 +38,11 @@ Decisions:
   CPU: the same update rule and the same fp32 optimizer states, no build step, for a machine where the
   build is not wanted or cannot run (benchmarks/gpu_offline.py, decision "DeepSpeed optimizer"). The
   default stays DeepSpeed's.
+- **Arch list for the JIT build.** DeepSpeed 0.19.8's op builder reads `TORCH_CUDA_ARCH_LIST` as numbers and
+  fails on an arch-specific entry such as `9.0a` (seen on the H200 node, which sets `9.0a`: `ValueError:
+  invalid literal for int() with base 10: '0a'`, benchmarks/results/gpu.json). Before DeepSpeed
+  builds FusedAdam the engine drops such suffixes (`9.0a` -> `9.0`; `+PTX` stays) and logs the change.
+  FusedAdam uses no Hopper-only instruction, so nothing is lost.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import json
 import logging
 import math
 import os
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -179,6 +185,12 @@ class DeepSpeedEngine:
             )
         else:
             optimizer = None
+            arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
+            if arch and ds_arch_list(arch) != arch:  # decision "Arch list for the JIT build"
+                _log.info(
+                    "TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed's FusedAdam build", arch, ds_arch_list(arch)
+                )
+                os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(arch)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -280,6 +292,18 @@ def _gather_on_save_pretrained(model: torch.nn.Module) -> None:
             return save(*args, **kwargs)
 
     model.save_pretrained = save_pretrained
+
+
+def ds_arch_list(value: str) -> str:
+    """`TORCH_CUDA_ARCH_LIST` as DeepSpeed's op builder can parse it: arch-specific suffixes dropped
+    (`"8.0;9.0a"` -> `"8.0;9.0"`, `"9.0a+PTX"` -> `"9.0+PTX"`), duplicates once; decision "Arch list for the
+    JIT build"."""
+    out: list[str] = []
+    for entry in re.split(r"[;\s]+", value.strip()):
+        entry = re.sub(r"^(\d+\.\d+)[a-z]+", r"\1", entry)
+        if entry and entry not in out:
+            out.append(entry)
+    return ";".join(out)
 
 
 def free_port() -> int:
