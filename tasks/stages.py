@@ -54,7 +54,7 @@ def run_stage(
     decision "Staged outputs")."""
     s = stage(name)
     kwargs = s.kwargs(root) | dict(outputs or {})
-    if s.iterations:
+    if s.iterations or s.progress:
         kwargs["on_metrics"] = on_metrics
     return s.run(p, **kwargs)
 

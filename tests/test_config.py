@@ -56,9 +56,23 @@ def _raw(key: str, value: Any) -> dict[str, Any]:
 
 
 def _raws(*pairs: tuple[str, Any]) -> dict[str, Any]:
+    """Several keys in one raw dict; keys inside the same one-item list ('ground.phases[0].x') share the item."""
     out: dict[str, Any] = {}
     for key, value in pairs:
-        out = merge(out, _raw(key, value))
+        out = _merge_items(out, _raw(key, value))
+    return out
+
+
+def _merge_items(base: dict[str, Any], over: dict[str, Any]) -> dict[str, Any]:
+    out = {**base}
+    for k, v in over.items():  # merge() would replace lists; _raw's one-item lists are one item
+        old = base.get(k)
+        if isinstance(v, list) and isinstance(old, list) and len(v) == len(old) == 1:
+            out[k] = [_merge_items(old[0], v[0])]
+        elif isinstance(v, dict) and isinstance(old, dict):
+            out[k] = _merge_items(old, v)
+        else:
+            out[k] = v
     return out
 
 
@@ -202,6 +216,9 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].seed", -1, 0, ()),
     ("ground.phases[0].miniwob_seeds", -1, 0, ()),
     ("ground.phases[0].grow_after", [0, -1], [0], ()),
+    ("ground.phases[0].eval_every", -1, 0, ()),
+    ("ground.phases[0].until_hit", 0, TINY, (("ground.phases[0].eval_every", 100),)),
+    ("ground.phases[0].until_hit", 1.1, 1, (("ground.phases[0].eval_every", 100),)),
     ("demos.episodes_per_task", -1, 0, ()),
     ("demos.seed", -1, 0, ()),
     ("demos.recovery_rate", -0.1, 0, ()),

@@ -280,3 +280,9 @@ def _spy(fn, calls):
         return fn(*args, **kwargs)
 
     return wrapped
+
+
+def test_until_hit_without_measurements_is_a_one_line_error():
+    with pytest.raises(ValueError, match=r"until_hit 0\.8 needs eval_every > 0"):
+        GroundPhase(until_hit=0.8)
+    assert GroundPhase(until_hit=0.8, eval_every=100).until_hit == 0.8

@@ -381,6 +381,11 @@ class GroundPhase(GroundTrainConfig):
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.until_hit is not None and not self.eval_every:
+            raise ValueError(
+                f"ground phase: until_hit {self.until_hit} needs eval_every > 0 (the held-out hit rate is "
+                "measured every eval_every steps)"
+            )
 
 
 @dataclass(frozen=True)

@@ -71,6 +71,13 @@ class GroundTrainConfig:
     seed: Annotated[int, Ge(0)] = 0
     """Seed of the stream of synthetic screens and of the fixed list's order (held-out sets use other
     seeds)."""
+    eval_every: Annotated[int, Ge(0)] = 0
+    """Measure the held-out sets every N steps (greedy clicks: the curves, and the test of `until_hit`);
+    0 = only at the end."""
+    until_hit: Annotated[float, Interval(gt=0, le=1)] | None = None
+    """End early, at a measurement, once the held-out hit rate reaches this on every held-out set (the
+    curriculum's advance to its next level, grounding.py decision "Reading curriculum"); `steps` is then the
+    most it trains; null = always `steps`. Needs `eval_every` > 0."""
 
 
 @dataclass(frozen=True)

@@ -18,6 +18,16 @@ Decisions:
   loop draws fresh screens every step (no overfitting, no dataset on disk).
 - **Synthetic curriculum.** A curriculum of synthetic levels (`LEVELS`): one salient box -> a named box among
   distractors -> text widgets -> mixtures. The level of each drawn example comes from `GroundConfig.mix`.
+- **Reading curriculum.** Picking the named target among look-alikes is what real MiniWoB screens ask (a
+  label read off the screen), and what the first levels did not teach (the named box among 1-3 at chance).
+  The reading levels put 2-8 targets on a screen that differ ONLY in what the instruction names: boxes of one
+  size in distinct colours, or widgets of one kind in one font size (Pillow's bundled sans at 10-14 px,
+  MiniWoB's Arial sizes) with distinct words, scattered or in MiniWoB's column layout (checkboxes, links),
+  the named one at a random place in the order. Size, kind, style and position carry no hint, so the only
+  way to the target is to read it. A phase advances to the next level on held-out evidence (`until_hit`,
+  measured every `eval_every` steps on held-out screens of the phase's own levels, never trained on), with
+  `steps` as its most; real MiniWoB screens (`miniwob_examples`) are the last level and the fixed half of
+  each batch.
 - **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
   pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
   spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
@@ -49,7 +59,7 @@ import hashlib
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
 from pathlib import Path
@@ -252,6 +262,101 @@ def _level_widgets(rng: random.Random, draw: ImageDraw.ImageDraw, n_distract: in
     return instr, boxes[0], f"I will click the {kind} {word}."
 
 
+def _font(size: int):
+    """Pillow's bundled FreeType sans (Aileron) at `size` px, MiniWoB's 10-14 px Arial range (decision
+    "Reading curriculum"); the bitmap default where Pillow has no FreeType."""
+    try:
+        return ImageFont.load_default(size=size)
+    except (ImportError, OSError, TypeError):
+        return _FONT
+
+
+def _lookalike_widget(draw, kind: str, word: str, font, b: tuple[int, int, int, int]):
+    """Draw one look-alike widget of `kind` filling screen box `b`; returns the target box."""
+    if kind == "button":
+        draw.rectangle(b, fill=(239, 239, 239), outline=(118, 118, 118))
+        draw.text((b[0] + 6, b[1] + 3), word, fill=(0, 0, 0), font=font)
+        return b
+    if kind == "link":
+        draw.text((b[0] + 1, b[1]), word, fill=(0, 0, 238), font=font)
+        draw.line((b[0] + 1, b[3] - 1, b[2] - 1, b[3] - 1), fill=(0, 0, 238))
+        return b
+    if kind == "text":
+        draw.text((b[0] + 1, b[1]), word, fill=(0, 0, 0), font=font)
+        return b
+    side = b[3] - b[1]  # checkbox: the square at the left, its label to the right; the target is the square
+    draw.rectangle((b[0], b[1], b[0] + side - 1, b[1] + side - 1), fill=(255, 255, 255), outline=(80, 80, 80))
+    draw.text((b[0] + side + 4, b[1] - 1), word, fill=(0, 0, 0), font=font)
+    return (b[0], b[1], b[0] + side - 1, b[1] + side - 1)
+
+
+_INSTRUCTIONS = {
+    "button": ('Click on the "{w}" button.', "I will click the button {w}."),
+    "link": ("Click on the link {w}.", "I will click the link {w}."),
+    "text": ('Click on the "{w}" text.', "I will click the text {w}."),
+    "checkbox": ("Check the {w} checkbox.", "I will click the checkbox {w}."),
+}
+
+
+def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, n_max: int = 8):
+    """2..n_max targets that differ only in the named attribute (decision "Reading curriculum"): boxes of one
+    size in distinct colours, or widgets of one kind and one font size with distinct words, scattered (boxes,
+    buttons, links, text) or in MiniWoB's column layout (checkboxes, `kind` 'checks'; links too, half the
+    time). The first one drawn is the named target."""
+    n = rng.randint(2, n_max)
+    top = HEADER_H
+    if kind == "boxes":
+        names = rng.sample(sorted(COLORS), n)
+        side = rng.randint(14, 30)
+        taken: list[tuple] = []
+        boxes = []
+        for name in names:
+            try:
+                b = _free_box(rng, side, side, taken, top)
+            except RuntimeError:
+                break  # no room for more look-alikes
+            taken.append(b)
+            boxes.append(b)
+            draw.rectangle(b, fill=COLORS[name])
+        return f"Click the {names[0]} box.", boxes[0], f"I will click the {names[0]} box."
+    font_px = rng.randint(10, 14)
+    font = _font(font_px)
+    words = rng.sample(WORDS, n)
+    widths = [math.ceil(draw.textlength(w, font=font)) for w in words]
+    column = kind == "checks" or (kind == "link" and rng.random() < 0.5)
+    widget = "checkbox" if kind == "checks" else kind
+    targets = []
+    if column:  # one item per row, left-aligned, as click-checkboxes and click-link lay them out
+        x0, y = rng.randint(2, 30), top + rng.randint(3, 12)
+        row = font_px + rng.randint(3, 8)
+        rows = min(n, (SCREEN_H - 3 - font_px - y) // row + 1)
+        words, widths = words[:rows], widths[:rows]
+        named = rng.randrange(rows)  # the named row is anywhere in the column, not always the first
+        words.insert(0, words.pop(named))
+        widths.insert(0, widths.pop(named))
+        for i in [*range(1, named + 1), 0, *range(named + 1, rows)]:
+            h = font_px if widget == "checkbox" else font_px + 2
+            width = (font_px + 4 + widths[i]) if widget == "checkbox" else widths[i] + 2
+            b = (x0, y, min(x0 + width, SCREEN_W - 2), y + h)
+            targets.append((i, _lookalike_widget(draw, widget, words[i], font, b)))
+            y += row
+        targets = [box for _, box in sorted(targets)]
+    else:
+        taken = []
+        for w, tw in zip(words, widths, strict=True):
+            bw, bh = (tw + 12, font_px + 8) if widget == "button" else (tw + 2, font_px + 2)
+            if bw > SCREEN_W - 6:
+                continue
+            try:
+                b = _free_box(rng, bw, bh, taken, top)
+            except RuntimeError:
+                break
+            taken.append(b)
+            targets.append(_lookalike_widget(draw, widget, w, font, b))
+    instr, thought = _INSTRUCTIONS[widget]
+    return instr.format(w=words[0]), targets[0], thought.format(w=words[0])
+
+
 LEVELS: dict[str, Callable] = {
     "big1": lambda rng, d: _level_box(rng, d, 0, header=False, size=(48, 96)),
     "box1": lambda rng, d: _level_box(rng, d, 0, header=False),
@@ -259,10 +364,18 @@ LEVELS: dict[str, Callable] = {
     "box4": lambda rng, d: _level_box(rng, d, rng.randint(1, 3), header=True),
     "widget1": lambda rng, d: _level_widgets(rng, d, 0, header=True),
     "widget4": lambda rng, d: _level_widgets(rng, d, rng.randint(1, 4), header=True),
+    "boxes8": lambda rng, d: _level_lookalikes(rng, d, "boxes"),
+    "buttons8": lambda rng, d: _level_lookalikes(rng, d, "button"),
+    "links8": lambda rng, d: _level_lookalikes(rng, d, "link"),
+    "texts8": lambda rng, d: _level_lookalikes(rng, d, "text"),
+    "checks8": lambda rng, d: _level_lookalikes(rng, d, "checks"),
 }
 """Synthetic levels: `big1` one large (48-96 px) box on white; `box1` one box on white; `box1h` one box below the instruction strip; `box4` the
 named box among 1-3 distractors; `widget1` one button/link/checkbox; `widget4` the named widget among 1-4
-others. A name maps (rng, draw) -> (instruction, screen box, thought)."""
+others; the reading levels (decision "Reading curriculum"): `boxes8` the named colour among 1-7 boxes of one
+size, `buttons8` / `links8` / `texts8` the named word among 1-7 widgets of one kind and font size
+(10-14 px), `checks8` the named checkbox in a column of 2-8. A name maps (rng, draw) -> (instruction,
+screen box, thought)."""
 
 
 def synthetic_example(
@@ -394,8 +507,6 @@ class GroundConfig(GroundTrainConfig):
 
     curriculum: tuple[tuple[int, dict[str, float]], ...] = ()
     """(start step, mix) phases; from each start step on, that mix is used (empty: `mix` throughout)."""
-    eval_every: int = 100
-    """Evaluate on the held-out set every N steps (0: never during training)."""
     pattern: float = 0.0
     """Experimental: strength of the coordinate code blended into the pixels (coord_pattern); 0 = off."""
 
@@ -439,11 +550,12 @@ def train_grounding(
     system: str,
     max_new_tokens: int,
     examples: Sequence[GroundExample] | None = None,
-    heldout: Sequence[GroundExample] | None = None,
+    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]] | None = None,
     time_limit_s: float | None = None,
     callback: Callable[[dict], None] | None = None,
     checkpoint: Path | None = None,
     checkpoint_every_s: float | None = None,
+    gate: Sequence[str] | None = None,
 ) -> dict:
     """Train `policy` in place on grounding replies with system prompt `system`; returns the history.
     Held-out evaluations decode greedily up to `max_new_tokens` tokens.
@@ -452,12 +564,17 @@ def train_grounding(
     mixed with fresh synthetic screens: with a fixed list each batch takes half from the list and half
     synthetic; without one all are synthetic. The loss is BC's token-mean NLL of the reply
     (decision "Grounding example"). History: {"loss": [per step], "evals": [{"step", "seconds", **metrics}],
-    "seconds": total}. `callback` gets each evaluation dict as it is made (for a driver to print or save).
+    "seconds": total}; with several named held-out sets (a mapping) an evaluation has `<name>/<measure>`
+    keys and `hit_rate`, the lowest of the `gate` sets' (default: all). With `config.until_hit` the loop
+    ends at the first evaluation whose `hit_rate` reaches it (history "stopped_at"). `callback` gets each evaluation dict as it is made
+    (for a driver to print or save, the stage to log).
     With `checkpoint` (a file path) the loop saves its state there every `checkpoint_every_s` seconds and at
     the end, and resumes from it when it exists (decision "Resumable training").
     """
     if (checkpoint is None) != (checkpoint_every_s is None):
         raise ValueError("train_grounding: give checkpoint and checkpoint_every_s together")
+    if config.until_hit is not None and not (heldout and config.eval_every):
+        raise ValueError("train_grounding: until_hit needs held-out examples and eval_every > 0")
     model = policy.model
     device = policy.device
     rng = random.Random(config.seed)
@@ -488,6 +605,8 @@ def train_grounding(
         torch.set_rng_state(state["torch_rng"])
         order, history, done = state["order"], state["history"], state["step"]
         t0 -= state["seconds"]
+        if "stopped_at" in history:  # ended early (until_hit): finished, like a last step
+            done = config.steps
     saved_at = time.perf_counter()
 
     def save(step: int) -> None:
@@ -537,25 +656,49 @@ def train_grounding(
         history["loss"].append(float(loss.detach()))
         last = step == config.steps
         out_of_time = time_limit_s is not None and time.perf_counter() - t0 > time_limit_s
+        reached = False
         if heldout and (last or out_of_time or (config.eval_every and step % config.eval_every == 0)):
-            m = evaluate_grounding(
-                policy, heldout, system=system, max_new_tokens=max_new_tokens, pattern=config.pattern
-            )
-            ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1), **m.as_dict()}
+            ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1)}
+            ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
             history["evals"].append(ev)
+            reached = config.until_hit is not None and ev["hit_rate"] >= config.until_hit
+            if reached:
+                history["stopped_at"] = step
             if callback is not None:
                 callback(ev)
         if checkpoint is not None and (
-            last or out_of_time or time.perf_counter() - saved_at >= checkpoint_every_s
+            last or out_of_time or reached or time.perf_counter() - saved_at >= checkpoint_every_s
         ):
             save(step)
-        if out_of_time:
+        if out_of_time or reached:
             break
     model.eval()
     history["seconds"] = time.perf_counter() - t0
     history["steps"] = len(history["loss"])
     return history
+
+
+def _measure(
+    policy: Policy,
+    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
+    system: str,
+    max_new_tokens: int,
+    pattern: float,
+    gate: Sequence[str] | None = None,
+) -> dict:
+    """One evaluation's measures: a list's GroundMetrics, or per named set `<name>/<measure>` plus
+    `hit_rate`, the lowest of the `gate` sets' (default all; the one `until_hit` waits for)."""
+    if not isinstance(heldout, Mapping):
+        return evaluate_grounding(
+            policy, heldout, system=system, max_new_tokens=max_new_tokens, pattern=pattern
+        ).as_dict()
+    out: dict = {}
+    for name, exs in heldout.items():
+        m = evaluate_grounding(policy, exs, system=system, max_new_tokens=max_new_tokens, pattern=pattern)
+        out |= {f"{name}/{k}": v for k, v in m.as_dict().items()}
+    out["hit_rate"] = min(out[f"{name}/hit_rate"] for name in (heldout if gate is None else gate))
+    return out
 
 
 def _fingerprint(config: GroundConfig, system: str, examples: Sequence[GroundExample] | None) -> str:

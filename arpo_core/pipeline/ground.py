@@ -28,6 +28,13 @@ Decisions:
   The staged output survives a failed or killed attempt with the same key (the runner empties it for another
   key), so the restarted stage passes finished phases at once and continues the interrupted one to the
   same weights; a run of hours loses minutes to a kill. The checkpoints are removed when the stage succeeds.
+- **Curves while it trains.** A phase with `eval_every` > 0 measures, every that many steps, the held-out
+  screens of its own levels (the same screens as the final measures) and the held-out real screens; each
+  measurement goes to `on_metrics` at the stage-wide step (the runner logs it to the stage's MLflow run as
+  `iter/ground/curve/<set>/<measure>`, so an hours-long run is watched while it runs) and into the report's
+  `curve`. `until_hit` ends a phase once every one of its levels' sets reaches that hit rate (the real
+  screens are measured, not gated on): the curriculum advances to its next level on held-out evidence, and
+  `steps` is the most a level may take (grounding.py, decision "Reading curriculum").
 """
 
 from __future__ import annotations
@@ -35,7 +42,7 @@ from __future__ import annotations
 import os
 import shutil
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
@@ -59,13 +66,32 @@ CHECKPOINTS = "checkpoints"
 
 
 def ground_config(phase: GroundPhase) -> Any:
-    """The `grounding.GroundConfig` of one params phase: the shared fields copied, the level weights as
-    floats, no evaluation during training (the stage measures once, at the end)."""
+    """The `grounding.GroundConfig` of one params phase: the shared fields copied (held-out measures every
+    `eval_every` steps, 0 = none during training; `until_hit`), the level weights as floats."""
     from arpo_core.offline.grounding import GroundConfig
 
     shared = {f.name: getattr(phase, f.name) for f in fields(GroundTrainConfig)}
     shared["mix"] = {level: float(w) for level, w in phase.mix.items()}
-    return GroundConfig(**shared, eval_every=0)
+    return GroundConfig(**shared)
+
+
+CURVE_MEASURES = ("hit_rate", "corr_x", "corr_y", "parse_rate")
+"""Held-out measures a phase's curve logs per set (decision "Curves while it trains")."""
+
+
+def curve_metrics(phase: int, ev: dict[str, Any]) -> dict[str, float]:
+    """One in-training evaluation as the stage's progress metrics (decision "Curves while it trains").
+
+    >>> m = curve_metrics(1, {"step": 500, "loss": 0.5, "hit_rate": 0.25, "box4/hit_rate": 0.25, "box4/n": 64})
+    >>> sorted(m), m["ground/curve/box4/hit_rate"]
+    (['ground/curve/box4/hit_rate', 'ground/curve/hit_rate', 'ground/curve/loss', 'ground/curve/phase'], 0.25)
+    """
+    out = {"ground/curve/phase": float(phase), "ground/curve/loss": float(ev["loss"])}
+    out["ground/curve/hit_rate"] = float(ev["hit_rate"])
+    for k, v in ev.items():
+        if "/" in k and k.rsplit("/", 1)[1] in CURVE_MEASURES:
+            out[f"ground/curve/{k}"] = float(v)
+    return out
 
 
 def ground_measure_keys(name: str, measures: dict[str, float]) -> dict[str, float]:
@@ -126,10 +152,16 @@ def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], li
         env.close()
 
 
-def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) -> dict[str, Any]:
+def run(
+    p: Params,
+    policy_dir: str | os.PathLike,
+    out_dir: str | os.PathLike,
+    on_metrics: Callable[[int, dict[str, float]], None] | None = None,
+) -> dict[str, Any]:
     """Grounding pretraining (decisions "Grounding start" and "Image dependence measured"): start policy ->
     `ground.phases` -> `out_dir` (a loadable checkpoint with `ground_report.json`); returns the held-out
-    image-dependence measures."""
+    image-dependence measures. `on_metrics(step, metrics)` gets the phases' held-out curves as they are
+    measured (decision "Curves while it trains")."""
     from arpo_core.offline.grounding import (
         LEVELS,
         SCREEN_H,
@@ -156,23 +188,43 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     size = model_image_size(SCREEN_W, SCREEN_H, *pixel_budget(start))  # growing depth keeps it
     train_real, held_real = _real_screens(p, size)
 
+    def held_synthetic(level: str) -> list:  # the same held-out screens for curves and final measures
+        return synthetic_examples(
+            g.eval_per_level, {level: 1.0}, GROUND_EVAL_SEED + list(LEVELS).index(level), size
+        )
+
     metrics: dict[str, Any] = {}
     report: dict[str, Any] = {"start": str(start), "config": asdict(g), "phases": []}
+    done_steps = 0
     if g.phases:
         policy = load_policy(start)
         for i, phase in enumerate(g.phases):
             if phase.grow_after:
                 policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
             fixed = train_real[phase.miniwob_seeds] if phase.miniwob_seeds else None
+            heldout = None
+            if phase.eval_every:  # decision "Curves while it trains"
+                heldout = {level: held_synthetic(level) for level in phase.mix}
+                if len(held_real) >= 2:
+                    heldout["miniwob"] = held_real
+
+            def curve(ev: dict[str, Any], phase_i: int = i, offset: int = done_steps) -> None:
+                if on_metrics is not None:
+                    on_metrics(offset + ev["step"], curve_metrics(phase_i, ev))
+
             hist = train_grounding(
                 policy,
                 ground_config(phase),
                 system=p.policy.system_prompt,
                 max_new_tokens=tokens,
                 examples=fixed,
+                heldout=heldout,
+                gate=list(phase.mix),  # the phase's own levels decide its until_hit
+                callback=curve,
                 checkpoint=out_dir / CHECKPOINTS / f"phase-{i}.pt",  # decision "Resumable phases"
                 checkpoint_every_s=g.checkpoint_every_s,
             )
+            done_steps += hist["steps"]
             losses = hist["loss"]
             head, tail = losses[: min(10, len(losses))], losses[-min(10, len(losses)) :]
             metrics[f"ground/phase{i}/loss_first"] = sum(head) / len(head)
@@ -186,6 +238,8 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
                     "real_examples": len(fixed or ()),
                     "layers": policy.model.config.text_config.num_hidden_layers,
                     "loss_every_50": _loss_summary(losses),
+                    "stopped_at": hist.get("stopped_at"),
+                    "curve": hist["evals"],
                 }
             )
         policy.save(out_dir)
@@ -196,8 +250,7 @@ def run(p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike) ->
     t0 = time.perf_counter()
     measures: dict[str, dict[str, float]] = {}
     for level in g.eval_levels:
-        seed = GROUND_EVAL_SEED + list(LEVELS).index(level)
-        exs = synthetic_examples(g.eval_per_level, {level: 1.0}, seed, size)
+        exs = held_synthetic(level)
         measures[level] = evaluate_grounding(
             policy, exs, system=p.policy.system_prompt, max_new_tokens=tokens
         ).as_dict()
@@ -236,6 +289,7 @@ STAGE = Stage(
     inputs={"policy_dir": "models/init"},
     outputs={"out_dir": "models/grounded"},
     artifacts={"models/grounded": "policy"},
+    progress=True,  # decision "Curves while it trains"
     # ground.checkpoint lives here; a DVC dep cannot depend on a param, so the whole folder is one.
     data=(*TASK_DATA, "assets/checkpoints"),
 )

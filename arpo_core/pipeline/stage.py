@@ -124,7 +124,11 @@ class Stage:
     envs: bool = False
     """Runs environments (browsers, desktops): Prefect retries it with back-off."""
     iterations: bool = False
-    """Reports per-iteration metrics: `run` takes an `on_metrics(step, metrics)` hook."""
+    """Reports per-iteration metrics: `run` takes an `on_metrics(step, metrics)` hook (and DVC tracks the
+    stage's per-epoch table)."""
+    progress: bool = False
+    """Reports curves while it runs (ground's held-out measures): `run` takes the same `on_metrics(step,
+    metrics)` hook, logged under `iter/` like iterations; no per-epoch table."""
     viewer: bool = True
     """Trajectory outputs get viewer pages (the oracle demos do not: nothing of the policy's to see)."""
     artifacts: Mapping[str, str] = field(default_factory=dict)

@@ -878,7 +878,7 @@ def tiny_image_processor(family: str, min_pixels: int, max_pixels: int) -> Qwen2
 
 def build_tiny_policy(
     out_dir: str | Path,
-    size: str = "xs",
+    size: str | TinySize = "xs",
     seed: int = 0,
     corpus: Iterable[str] | None = None,
     min_pixels: int = TINY_MIN_PIXELS,
@@ -891,16 +891,17 @@ def build_tiny_policy(
     """Build a randomly initialised tiny policy of `family` (`FAMILIES`) offline, save it to `out_dir`,
     return it.
 
-    The directory is a normal checkpoint (`load_policy(out_dir)` gives the same model). `corpus` trains
+    `size` is a name of `SIZES` or a `TinySize` (e.g. a grounding experiment's wider vision tower). The
+    directory is a normal checkpoint (`load_policy(out_dir)` gives the same model). `corpus` trains
     the tokenizer; default `default_corpus(seed=seed, family=family)`. `rope_theta` / `mrope` set the LM's
     rotary frequencies (see `tiny_config`; both are plain config values, so any loader reads them).
     `max_shard_size` (e.g. `TINY_SHARD_SIZE`): save in the Hub's sharded layout (decision "Tiny Qwen3-VL").
     """
-    if size not in SIZES:
+    if not isinstance(size, TinySize) and size not in SIZES:
         raise ValueError(f"unknown tiny size {size!r}; choose one of {sorted(SIZES)}")
     if family not in FAMILIES:
         raise ValueError(f"unknown model family {family!r}; choose one of {', '.join(FAMILIES)}")
-    arch = SIZES[size]
+    arch = size if isinstance(size, TinySize) else SIZES[size]
     corpus = default_corpus(seed=seed, family=family) if corpus is None else corpus
     tokenizer = train_tokenizer(corpus, arch.vocab, TOOL_CALL_TOKENS if family == "qwen3_vl" else ())
     image_processor = tiny_image_processor(family, min_pixels, max_pixels)
