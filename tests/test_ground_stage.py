@@ -286,3 +286,38 @@ def test_until_hit_without_measurements_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"until_hit 0\.8 needs eval_every > 0"):
         GroundPhase(until_hit=0.8)
     assert GroundPhase(until_hit=0.8, eval_every=100).until_hit == 0.8
+
+
+def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_dir, tmp_path):
+    """ground.py, decision "Curves while it trains": every eval_every steps a phase measures its own levels'
+    held-out screens; `on_metrics` gets them at the stage-wide step (phase 2 continues phase 1's count), the
+    report keeps each phase's curve."""
+    phases = (
+        "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 1,"
+        " mix: {box1: 1}}, {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false},"
+        " eval_every: 2, mix: {box1h: 1, boxes8: 1}}]"
+    )
+    seen: list[tuple[int, dict]] = []
+    p = params("ground.checkpoint=null", phases, *TINY_EVAL)
+    ground.run(p, init_dir, tmp_path / "g", on_metrics=lambda step, m: seen.append((step, m)))
+    assert [s for s, _ in seen] == [1, 2, 4]
+    assert {k for k in seen[0][1] if k.endswith("hit_rate")} == {
+        "ground/curve/hit_rate",
+        "ground/curve/box1/hit_rate",
+    }
+    last = seen[-1][1]
+    assert last["ground/curve/phase"] == 1.0
+    assert {"ground/curve/box1h/hit_rate", "ground/curve/boxes8/corr_x", "ground/curve/loss"} <= set(last)
+    assert last["ground/curve/hit_rate"] == min(
+        last["ground/curve/box1h/hit_rate"], last["ground/curve/boxes8/hit_rate"]
+    )
+    report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
+    assert [len(ph["curve"]) for ph in report["phases"]] == [2, 1]
+    assert [ph["stopped_at"] for ph in report["phases"]] == [None, None]
+
+
+def test_the_stage_reports_progress_through_the_runner_hook():
+    from arpo_core.pipeline.table import stage
+
+    s = stage("ground")
+    assert s.progress and not s.iterations  # curves to MLflow, no per-epoch table in DVC

@@ -232,3 +232,130 @@ def test_tiny_policy_rope_options_are_saved_and_validated(tmp_path):
     assert cfg.rope_parameters["rope_theta"] == 5.0 and cfg.rope_parameters["mrope_section"] == [2, 7, 7]
     with pytest.raises(ValueError, match="head_dim / 2 = 16"):
         build_tiny_policy(tmp_path / "q", size="xs", mrope=[4, 4, 4])
+
+
+# ------------------------------------------------------------------------------------ reading levels
+
+READING = ("boxes8", "buttons8", "links8", "texts8", "checks8")
+
+
+def _recorder(draw_call, seen: list, word: bool = False):
+    def call(*args, **kw):
+        seen.append(args[1] if word else tuple(args[0]))
+        return draw_call(*args, **kw)
+
+    return call
+
+
+@pytest.mark.parametrize("level", READING)
+def test_reading_levels_put_look_alikes_beside_the_named_target(level):
+    """grounding.py, decision "Reading curriculum": 2-8 targets that differ only in what the instruction names;
+    the named one's word is on the screen once (other widgets carry other words), its box is not always the
+    top or left one, and screens with 1 target are absent."""
+    from PIL import Image, ImageDraw
+
+    from arpo_core.offline.grounding import _level_lookalikes
+
+    kind = {"boxes8": "boxes", "buttons8": "button", "links8": "link", "texts8": "text", "checks8": "checks"}
+    rng = random.Random(4)
+    counts, tops = [], []
+    for _ in range(60):
+        img = Image.new("RGB", (160, 210), "white")
+        draw = ImageDraw.Draw(img)
+        seen: list = []
+        # count the targets drawn (one rectangle per box; one text per widget's word)
+        if kind[level] == "boxes":
+            draw.rectangle = _recorder(draw.rectangle, seen)
+        else:
+            draw.text = _recorder(draw.text, seen, word=True)
+        _, box, thought = _level_lookalikes(rng, draw, kind[level])
+        counts.append(len(seen))
+        if kind[level] != "boxes":
+            named = [w for w in seen if f" {w}" in thought]
+            assert len(named) == 1 and len(set(seen)) == len(seen), (seen, thought)
+        tops.append(box[1])
+    assert min(counts) >= 2 and max(counts) <= 8 and len(set(counts)) >= 4
+    assert len(set(tops)) > 10  # the named one sits anywhere, not always first in the column
+
+
+def test_column_layout_puts_the_named_checkbox_at_any_row():
+    rng = random.Random(9)
+    rows = {round(synthetic_example(rng, "checks8").target[1]) for _ in range(200)}
+    assert max(rows) - min(rows) > 80  # model pixels: from near the strip to far down the column
+
+
+def _heldout_policy(tmp_path):
+    torch.manual_seed(0)
+    return build_tiny_policy(tmp_path / "m", size="xs", seed=0, rope_theta=5.0, mrope=[2, 7, 7])
+
+
+def test_named_held_out_sets_and_until_hit_end_a_phase_early_and_resume_finished(tmp_path, one_thread):
+    """Several named held-out sets give `<set>/<measure>` keys and the gate's lowest hit rate; `until_hit`
+    stops at the first evaluation that reaches it (here 1e-9 with a constant first click that surely
+    misses some sets: gate on the set it hits), and the checkpoint of an early stop resumes as finished."""
+    from arpo_core.offline import grounding as g
+
+    policy = _heldout_policy(tmp_path)
+    sets = {lv: synthetic_examples(3, {lv: 1.0}, seed=50 + i) for i, lv in enumerate(("box1h", "box4"))}
+    cfg = GroundConfig(
+        steps=6,
+        batch_size=2,
+        optimizer=OptimizerConfig(lr=1e-3),
+        warmup_steps=1,
+        mix={"box1": 1.0},
+        eval_every=2,
+        until_hit=1e-9,
+    )
+    calls = []
+
+    def fake_measure(policy, heldout, system, max_new_tokens, pattern, gate=None):
+        calls.append(sorted(heldout))
+        hits = {"box1h": 0.0 if len(calls) < 2 else 0.5, "box4": 0.0}
+        out = {f"{k}/hit_rate": v for k, v in hits.items()}
+        out["hit_rate"] = min(hits[k] for k in (gate or hits))
+        return out
+
+    import unittest.mock
+
+    ckpt = tmp_path / "phase.pt"
+    with unittest.mock.patch.object(g, "_measure", fake_measure):
+        hist = train_grounding(
+            policy,
+            cfg,
+            system="compact",
+            max_new_tokens=8,
+            heldout=sets,
+            gate=["box1h"],
+            checkpoint=ckpt,
+            checkpoint_every_s=1e9,
+        )
+    assert calls == [["box1h", "box4"], ["box1h", "box4"]]
+    assert hist["stopped_at"] == 4 and hist["steps"] == 4 and [e["step"] for e in hist["evals"]] == [2, 4]
+    assert hist["evals"][-1]["box1h/hit_rate"] == 0.5
+    again = train_grounding(
+        _heldout_policy(tmp_path / "b"),
+        cfg,
+        system="compact",
+        max_new_tokens=8,
+        heldout=sets,
+        gate=["box1h"],
+        checkpoint=ckpt,
+        checkpoint_every_s=1e9,
+    )
+    assert again["steps"] == 4 and again["stopped_at"] == 4  # finished: not one step more
+
+
+def test_named_held_out_sets_measure_each_set(tmp_path, one_thread):
+    from arpo_core.offline.grounding import _measure
+
+    policy = _heldout_policy(tmp_path)
+    sets = {lv: synthetic_examples(2, {lv: 1.0}, seed=60) for lv in ("box1h", "boxes8")}
+    m = _measure(policy, sets, "compact", 8, 0.0, gate=["boxes8"])
+    assert {"box1h/hit_rate", "boxes8/hit_rate", "box1h/corr_x", "boxes8/n"} <= set(m)
+    assert m["hit_rate"] == m["boxes8/hit_rate"] and m["boxes8/n"] == 2
+
+
+def test_until_hit_needs_measurements():
+    cfg = GroundConfig(steps=2, batch_size=1, optimizer=OptimizerConfig(lr=1e-3), until_hit=0.5)
+    with pytest.raises(ValueError, match="until_hit needs held-out examples and eval_every > 0"):
+        train_grounding(None, cfg, system="compact", max_new_tokens=8)
