@@ -300,11 +300,13 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     seen: list[tuple[int, dict]] = []
     p = params("ground.checkpoint=null", phases, *TINY_EVAL)
     ground.run(p, init_dir, tmp_path / "g", on_metrics=lambda step, m: seen.append((step, m)))
-    assert [s for s, _ in seen] == [1, 2, 4]
-    assert {k for k in seen[0][1] if k.endswith("hit_rate")} == {
+    assert [s for s, _ in seen] == [0, 1, 2, 2, 4]  # each phase's start, then every eval_every steps
+    assert {k for k in seen[1][1] if k.endswith("hit_rate")} == {
         "ground/curve/hit_rate",
         "ground/curve/box1/hit_rate",
     }
+    assert "ground/curve/loss" not in seen[0][1] and "ground/curve/loss" in seen[1][1]
+
     last = seen[-1][1]
     assert last["ground/curve/phase"] == 1.0
     assert {"ground/curve/box1h/hit_rate", "ground/curve/boxes8/corr_x", "ground/curve/loss"} <= set(last)
@@ -312,7 +314,7 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
         last["ground/curve/box1h/hit_rate"], last["ground/curve/boxes8/hit_rate"]
     )
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
-    assert [len(ph["curve"]) for ph in report["phases"]] == [2, 1]
+    assert [len(ph["curve"]) for ph in report["phases"]] == [3, 2]
     assert [ph["stopped_at"] for ph in report["phases"]] == [None, None]
 
 

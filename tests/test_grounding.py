@@ -288,8 +288,9 @@ def _heldout_policy(tmp_path):
 
 def test_named_held_out_sets_and_until_hit_end_a_phase_early_and_resume_finished(tmp_path, one_thread):
     """`until_hit` stops at the first evaluation whose gate sets reach it (the measures are scripted here:
-    box1h reaches 0.5 at the second evaluation, box4, measured but not in the gate, never does), every named
-    set is measured, and the checkpoint of an early stop resumes as finished."""
+    box1h reaches 0.5 at step 4, box4, measured but not in the gate, never does), every named set is
+    measured, the start (step 0) too, and the checkpoint of an early stop resumes as finished; a start that
+    already reaches it trains no step."""
     from arpo_core.offline import grounding as g
 
     policy = _heldout_policy(tmp_path)
@@ -299,7 +300,7 @@ def test_named_held_out_sets_and_until_hit_end_a_phase_early_and_resume_finished
 
     def fake_measure(policy, heldout, system, max_new_tokens, pattern, gate=None):
         calls.append(sorted(heldout))
-        hits = {"box1h": 0.0 if len(calls) < 2 else 0.5, "box4": 0.0}
+        hits = {"box1h": 0.0 if len(calls) < 3 else 0.5, "box4": 0.0}
         out = {f"{k}/hit_rate": v for k, v in hits.items()}
         out["hit_rate"] = min(hits[k] for k in (gate or hits))
         return out
@@ -311,11 +312,18 @@ def test_named_held_out_sets_and_until_hit_end_a_phase_early_and_resume_finished
     kw |= {"checkpoint": ckpt, "checkpoint_every_s": 1e9}
     with unittest.mock.patch.object(g, "_measure", fake_measure):
         hist = train_grounding(policy, cfg, **kw)
-    assert calls == [["box1h", "box4"], ["box1h", "box4"]]
-    assert hist["stopped_at"] == 4 and hist["steps"] == 4 and [e["step"] for e in hist["evals"]] == [2, 4]
+    assert calls == [["box1h", "box4"]] * 3  # the start, steps 2 and 4
+    assert hist["stopped_at"] == 4 and hist["steps"] == 4 and [e["step"] for e in hist["evals"]] == [0, 2, 4]
+    assert "loss" not in hist["evals"][0] and "loss" in hist["evals"][1]
     assert hist["evals"][-1]["box1h/hit_rate"] == 0.5
     again = train_grounding(_heldout_policy(tmp_path / "b"), cfg, **kw)
     assert again["steps"] == 4 and again["stopped_at"] == 4  # finished: not one step more
+    mastered = {"hit_rate": 1.0, "box1h/hit_rate": 1.0}
+    with unittest.mock.patch.object(g, "_measure", lambda *a, **k: dict(mastered)):
+        start = train_grounding(
+            _heldout_policy(tmp_path / "c"), cfg, **{**kw, "checkpoint": tmp_path / "c.pt"}
+        )
+    assert start["steps"] == 0 and start["stopped_at"] == 0 and (tmp_path / "c.pt").exists()
 
 
 def test_named_held_out_sets_measure_each_set(tmp_path, one_thread):

@@ -566,8 +566,9 @@ def train_grounding(
     (decision "Grounding example"). History: {"loss": [per step], "evals": [{"step", "seconds", **metrics}],
     "seconds": total}; with several named held-out sets (a mapping) an evaluation has `<name>/<measure>`
     keys and `hit_rate`, the lowest of the `gate` sets' (default: all). With `config.until_hit` the loop
-    ends at the first evaluation whose `hit_rate` reaches it (history "stopped_at"). `callback` gets each evaluation dict as it is made
-    (for a driver to print or save, the stage to log).
+    ends at the first evaluation whose `hit_rate` reaches it (history "stopped_at"). With `eval_every` the
+    start is measured too (step 0, no loss yet; a start that already reaches `until_hit` trains no step).
+    `callback` gets each evaluation dict as it is made (for a driver to print or save, the stage to log).
     With `checkpoint` (a file path) the loop saves its state there every `checkpoint_every_s` seconds and at
     the end, and resumes from it when it exists (decision "Resumable training").
     """
@@ -627,6 +628,26 @@ def train_grounding(
             torch.save(state, f)
         saved_at = time.perf_counter()
 
+    def evaluate(step: int) -> bool:
+        """Measure the held-out sets at `step`; True when `until_hit` is reached."""
+        ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1)}
+        ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
+        if history["loss"]:  # none yet at step 0
+            ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
+        history["evals"].append(ev)
+        reached = config.until_hit is not None and ev["hit_rate"] >= config.until_hit
+        if reached:
+            history["stopped_at"] = step
+        if callback is not None:
+            callback(ev)
+        return reached
+
+    # the start, so that a curve shows what training bought; a level already mastered is passed at once
+    start_measured = heldout and config.eval_every and done == 0 and not history["evals"]
+    if start_measured and evaluate(0):
+        done = config.steps
+        if checkpoint is not None:
+            save(0)
     for step in range(done + 1, config.steps + 1):
         mix = config.mix_at(step)
         n_fixed = config.batch_size // 2 if examples else 0
@@ -658,15 +679,7 @@ def train_grounding(
         out_of_time = time_limit_s is not None and time.perf_counter() - t0 > time_limit_s
         reached = False
         if heldout and (last or out_of_time or (config.eval_every and step % config.eval_every == 0)):
-            ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1)}
-            ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
-            ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
-            history["evals"].append(ev)
-            reached = config.until_hit is not None and ev["hit_rate"] >= config.until_hit
-            if reached:
-                history["stopped_at"] = step
-            if callback is not None:
-                callback(ev)
+            reached = evaluate(step)
         if checkpoint is not None and (
             last or out_of_time or reached or time.perf_counter() - saved_at >= checkpoint_every_s
         ):

@@ -86,8 +86,9 @@ def curve_metrics(phase: int, ev: dict[str, Any]) -> dict[str, float]:
     >>> sorted(m), m["ground/curve/box4/hit_rate"]
     (['ground/curve/box4/hit_rate', 'ground/curve/hit_rate', 'ground/curve/loss', 'ground/curve/phase'], 0.25)
     """
-    out = {"ground/curve/phase": float(phase), "ground/curve/loss": float(ev["loss"])}
-    out["ground/curve/hit_rate"] = float(ev["hit_rate"])
+    out = {"ground/curve/phase": float(phase), "ground/curve/hit_rate": float(ev["hit_rate"])}
+    if "loss" in ev:  # not at step 0, the start's measure
+        out["ground/curve/loss"] = float(ev["loss"])
     for k, v in ev.items():
         if "/" in k and k.rsplit("/", 1)[1] in CURVE_MEASURES:
             out[f"ground/curve/{k}"] = float(v)
