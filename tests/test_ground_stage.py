@@ -152,6 +152,10 @@ def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(ini
     assert m["ground/steps"] == 3.0 and m["ground/layers"] == 2.0 and m["ground/box4/n"] == 3.0
     report = json.loads((tmp_path / "grounded" / ground.GROUND_REPORT).read_text())
     assert report["start"] == str(init_dir)
+    if (ROOT / ".git").exists():  # provenance; a source tree without git history reports none
+        assert len(report["code"]["commit"]) == 40 and isinstance(report["code"]["dirty"], bool)
+    else:
+        assert report["code"] is None
     assert report["phases"][0]["steps"] == 3 and len(report["phases"][0]["loss_every_50"]) == 1
     assert report["config"]["phases"][0]["steps"] == 3
     assert set(report["measures"]) == {"box1h", "box4"}

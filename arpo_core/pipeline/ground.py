@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, fields
@@ -102,6 +103,28 @@ def ground_measure_keys(name: str, measures: dict[str, float]) -> dict[str, floa
     {'ground/box4/hit_rate': 0.5, 'ground/box4/n': 64.0}
     """
     return {f"ground/{name}/{k}": float(v) for k, v in measures.items()}
+
+
+def source_commit() -> dict[str, Any] | None:
+    """The project's git commit and whether tracked files differ from it (the provenance a versioned
+    checkpoint's report carries); None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2]
+    try:
+        head = subprocess.run(
+            ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30
+        )
+        diff = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    if head.returncode != 0:
+        return None
+    return {"commit": head.stdout.strip(), "dirty": bool(diff.stdout.strip())}
 
 
 def _check_levels(levels: Sequence[str]) -> None:
@@ -195,7 +218,7 @@ def run(
         )
 
     metrics: dict[str, Any] = {}
-    report: dict[str, Any] = {"start": str(start), "config": asdict(g), "phases": []}
+    report: dict[str, Any] = {"start": str(start), "config": asdict(g), "code": source_commit(), "phases": []}
     done_steps = 0
     if g.phases:
         policy = load_policy(start)
