@@ -399,7 +399,12 @@ class GroundSectionConfig:
     `init_policy.pretrained` wins over it (this is a tiny model)."""
     phases: list[GroundPhase] = field(default_factory=list)
     """Training phases run in order on the starting policy; empty = use the start as it is."""
-    eval_levels: list[str] = field(default_factory=lambda: ["box1h", "box4", "widget1", "widget4"])
+    eval_levels: list[str] = field(
+        default_factory=lambda: [
+            *("box1h", "box4", "widget1", "widget4"),
+            *("boxes8", "buttons8", "links8", "texts8", "checks8"),  # the reading levels
+        ]
+    )
     """Held-out synthetic levels measured after training (one measure set per level)."""
     eval_per_level: Annotated[int, Ge(1)] = 64
     """Held-out synthetic screens per level (>= 2 when `eval_levels` is not empty: correlations need two
