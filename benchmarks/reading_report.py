@@ -1,0 +1,117 @@
+"""The reading curriculum's runs side by side (issue 33): the held-out curves and final measures of `ground`
+stage outputs (each `ground_report.json`: the recipe, the code, each phase's curve, the final measures),
+against the start they were trained from, into benchmarks/results/reading_curriculum.{json,md,png}.
+
+    .venv/bin/python benchmarks/reading_report.py --start START/models/grounded \\
+        --arm "4 layers=A/models/grounded" --arm "2 layers=B/models/grounded"
+
+An arm still running is read from its staged phase checkpoints (`models/.grounded.staging/checkpoints/
+phase-<i>.pt`, their histories) with `--arm name=DIR/models/.grounded.staging`: curves only, no final measures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SETS = ("box4", "widget4", "boxes8", "buttons8", "links8", "texts8", "checks8", "box1h", "widget1", "miniwob")
+PANELS = {
+    "colours among look-alikes": ("box4", "boxes8"),
+    "words among look-alikes": ("widget4", "buttons8", "links8", "texts8", "checks8"),
+    "real MiniWoB (held out)": ("miniwob",),
+}
+
+
+def read_arm(path: Path) -> dict:
+    """Phases (steps, seconds, stopped_at, curve at stage-wide steps) and final measures of one output."""
+    report = path / "ground_report.json"
+    if report.exists():
+        r = json.loads(report.read_text())
+        phases = [
+            {k: ph.get(k) for k in ("phase", "steps", "seconds", "layers", "stopped_at")}
+            | {"curve": ph["curve"]}
+            for ph in r["phases"]
+        ]
+        return {"phases": phases, "measures": r["measures"], "code": r.get("code"), "start": r["start"]}
+    import torch
+
+    phases = []
+    for f in sorted((path / "checkpoints").glob("phase-*.pt")):
+        s = torch.load(f, weights_only=False)
+        h = s["history"]
+        phases.append(
+            {
+                "phase": int(f.stem.split("-")[1]),
+                "steps": s["step"],
+                "seconds": round(s["seconds"], 1),
+                "stopped_at": h.get("stopped_at"),
+                "curve": h["evals"],
+                "running": True,
+            }
+        )
+    return {"phases": phases, "measures": None}
+
+
+def curve_rows(arm: str, phases: list[dict], start: dict) -> list[dict]:
+    """Every measurement of an arm at its stage-wide step: {"step", "<arm> <set>": hit rate}; the start's
+    measures at step 0 when the run did not measure its start itself (growing depth keeps the function)."""
+    rows, offset = [], 0
+    if not (phases and phases[0]["curve"] and phases[0]["curve"][0]["step"] == 0):
+        rows.append({"step": 0, **{f"{arm} {s}": m["hit_rate"] for s, m in start.items() if s in SETS}})
+    for ph in phases:
+        for ev in ph["curve"]:
+            row = {"step": offset + ev["step"], "phase": ph["phase"]}
+            row |= {f"{arm} {s}": ev[f"{s}/hit_rate"] for s in SETS if f"{s}/hit_rate" in ev}
+            rows.append(row)
+        offset += ph["steps"]
+    return rows
+
+
+def table(start: dict, arms: dict[str, dict]) -> list[str]:
+    names = [n for n, a in arms.items() if a["measures"]]
+    head = "| held-out set | start: hit (blind) | " + " | ".join(names) + " |"
+    lines = [head, "|" + "---|" * (2 + len(names))]
+    for s in SETS:
+        if s not in start:
+            continue
+        m0 = start[s]
+        cells = [f"{m0['hit_rate']:.2f} ({m0['blind_hit_rate']:.2f})"]
+        cells += [f"{arms[n]['measures'][s]['hit_rate']:.2f}" for n in names if s in arms[n]["measures"]]
+        lines.append(f"| {s} (n={int(m0['n'])}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--start", required=True, help="the start's ground output (phases: [])")
+    ap.add_argument("--arm", action="append", required=True, help="name=ground output dir")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "reading_curriculum"))
+    ap.add_argument("--note", default="", help="a line for the markdown (how the runs were made)")
+    args = ap.parse_args()
+    start = json.loads((Path(args.start) / "ground_report.json").read_text())["measures"]
+    arms = {n: read_arm(Path(p)) for n, p in (a.split("=", 1) for a in args.arm)}
+    rows = [r for n, a in arms.items() for r in curve_rows(n, a["phases"], start)]
+    out = Path(args.out)
+    record = {"benchmark": "reading_curriculum", "start": start, "arms": arms, "note": args.note}
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+
+    from arpo_core.analysis.report import plot_epoch_panels
+
+    panels = {t: [f"{n} {s}" for n in arms for s in sets] for t, sets in PANELS.items()}
+    plot_epoch_panels(sorted(rows, key=lambda r: r["step"]), panels, out.with_suffix(".png"), x_key="step")
+    md = ["# Reading curriculum (issue 33)\n", args.note, "", *table(start, arms), ""]
+    for n, a in arms.items():
+        for ph in a["phases"]:
+            stop = f", advanced at step {ph['stopped_at']}" if ph.get("stopped_at") is not None else ""
+            md.append(f"- {n}, phase {ph['phase']}: {ph['steps']} steps, {ph['seconds']:.0f} s{stop}")
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
