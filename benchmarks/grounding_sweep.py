@@ -169,7 +169,9 @@ def run_lever(name: str, args: argparse.Namespace) -> None:
     path = out / f"{name}.json"
 
     def on_eval(ev: dict) -> None:
-        row = {"step": ev["step"], "seconds": ev["seconds"], "loss": round(ev["loss"], 4)}
+        row = {"step": ev["step"], "seconds": ev["seconds"]}
+        if "loss" in ev:  # none at step 0
+            row["loss"] = round(ev["loss"], 4)
         for lv in sets:
             row[lv] = {
                 k: ev[f"{lv}/{m}"]
@@ -207,7 +209,7 @@ def run_lever(name: str, args: argparse.Namespace) -> None:
     path.write_text(json.dumps(rec, indent=1))
 
 
-def cpu_cost(out: Path, steps: int) -> None:
+def cpu_cost(out: Path, steps: int, names: list[str]) -> None:
     """Seconds per training step (batch 16, one thread, fp32 + bf16 autocast as the ground stage) and per
     greedy held-out click of every lever on this machine."""
     import tempfile
@@ -230,7 +232,7 @@ def cpu_cost(out: Path, steps: int) -> None:
     torch.set_num_threads(1)
     prompt = prompt_settings()
     rows = {}
-    for name in levers():
+    for name in names:
         with tempfile.TemporaryDirectory() as d:
             policy = build(name, Path(d))
             size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
@@ -277,8 +279,12 @@ def main() -> None:
     ap.add_argument("--cpu-steps", type=int, default=30)
     ap.add_argument("--lever", default="", help=argparse.SUPPRESS)  # a child's lever
     args = ap.parse_args()
+    names = [n for n in args.levers.split(",") if n] or list(levers())
+    unknown = sorted(set(names) - set(levers()))
+    if unknown:
+        ap.error(f"unknown lever(s) {unknown}; levers: {', '.join(levers())}")
     if args.cpu_cost:
-        cpu_cost(Path(args.out), args.cpu_steps)
+        cpu_cost(Path(args.out), args.cpu_steps, names)
         return
     if args.lever:
         run_lever(args.lever, args)
@@ -286,7 +292,6 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))  # `timeout` too runs the clean-up below
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    names = [n for n in args.levers.split(",") if n] or list(levers())
     procs = []
     for name in names:
         cmd = [

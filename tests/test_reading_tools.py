@@ -1,0 +1,75 @@
+"""The reading levers' sweep (benchmarks/grounding_sweep.py) and the reading runs' report
+(benchmarks/reading_report.py) run end to end on CPU at a tiny size."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.slow
+def test_sweep_trains_each_lever_in_its_own_process_and_records_curves(tmp_path):
+    out = tmp_path / "sweep"
+    cmd = [sys.executable, "benchmarks/grounding_sweep.py", "--device", "cpu", "--levers", "xs,xs-l4"]
+    cmd += ["--seconds", "4", "--grace", "120", "--eval-every", "3", "--eval-n", "2", "--batch", "2"]
+    res = subprocess.run(
+        [*cmd, "--threads", "1", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=600
+    )
+    assert res.returncode == 0, res.stdout[-2000:] + res.stderr[-2000:]
+    summary = json.loads((out / "summary.json").read_text())
+    assert set(summary) == {"xs", "xs-l4"}
+    for name, layers in (("xs", 2), ("xs-l4", 4)):
+        rec = json.loads((out / f"{name}.json").read_text())
+        assert rec["arch"]["layers"] == layers and rec["steps"] >= 1
+        assert rec["evals"][0]["step"] == 0  # the start is measured too
+        assert set(rec["evals"][-1]) >= {"step", "box4", "widget4", "boxes8", "buttons8", "checks8"}
+
+
+def test_sweep_names_an_unknown_lever():
+    res = subprocess.run(
+        [sys.executable, "benchmarks/grounding_sweep.py", "--out", "x", "--levers", "xs,huge"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert res.returncode == 2 and "unknown lever(s) ['huge']" in res.stderr
+
+
+def _report(path: Path, hits: dict[str, float], phases: list[dict]) -> None:
+    path.mkdir(parents=True)
+    measures = {s: {"n": 64, "hit_rate": h, "blind_hit_rate": 0.1} for s, h in hits.items()}
+    (path / "ground_report.json").write_text(
+        json.dumps({"start": "x", "measures": measures, "phases": phases})
+    )
+
+
+def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(tmp_path):
+    _report(tmp_path / "start", {"box4": 0.25, "boxes8": 0.1}, [])
+    curve = [{"step": 0, "box4/hit_rate": 0.25}, {"step": 10, "box4/hit_rate": 0.5}]
+    phase = {"phase": 0, "steps": 10, "seconds": 5.0, "layers": 4, "stopped_at": None, "curve": curve}
+    _report(tmp_path / "a", {"box4": 0.75, "boxes8": 0.5}, [phase, {**phase, "phase": 1, "stopped_at": 10}])
+    out = tmp_path / "rc"
+    cmd = [sys.executable, "benchmarks/reading_report.py", "--start", str(tmp_path / "start")]
+    res = subprocess.run(
+        [*cmd, "--arm", f"deep={tmp_path / 'a'}", "--out", str(out), "--note", "tiny"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    md = out.with_suffix(".md").read_text()
+    assert (
+        "| box4 (n=64) | 0.25 (0.10) | 0.75 |" in md
+        and "deep, phase 1: 10 steps, 5 s, advanced at step 10" in md
+    )
+    rec = json.loads(out.with_suffix(".json").read_text())
+    assert rec["arms"]["deep"]["measures"]["boxes8"]["hit_rate"] == 0.5
+    assert out.with_suffix(".png").stat().st_size > 1000
