@@ -302,7 +302,7 @@ def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, 
     """2..n_max targets that differ only in the named attribute (decision "Reading curriculum"): boxes of one
     size in distinct colours, or widgets of one kind and one font size with distinct words, scattered (boxes,
     buttons, links, text) or in MiniWoB's column layout (checkboxes, `kind` 'checks'; links too, half the
-    time). The first one drawn is the named target."""
+    time) with the named one at a random row. Returns (instruction, the named one's screen box, thought)."""
     n = rng.randint(2, n_max)
     top = HEADER_H
     if kind == "boxes":
@@ -345,9 +345,7 @@ def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, 
         taken = []
         for w, tw in zip(words, widths, strict=True):
             bw, bh = (tw + 12, font_px + 8) if widget == "button" else (tw + 2, font_px + 2)
-            if bw > SCREEN_W - 6:
-                continue
-            try:
+            try:  # the named one goes first, onto an empty area: only a look-alike can find no room
                 b = _free_box(rng, bw, bh, taken, top)
             except RuntimeError:
                 break
