@@ -190,6 +190,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dump-seeds", default="0:120", help="first:count env seeds for --dump-miniwob")
     ap.add_argument("--grow-after", default="", help="insert zero-output layers after these, e.g. 0,1")
     ap.add_argument(
+        "--min-pixels",
+        type=int,
+        default=0,
+        help="with --init: the model image's pixel floor (0: the checkpoint's; 134400 = 2x linear on 160x210)",
+    )
+    ap.add_argument(
+        "--eval-sets", default="", help="held-out levels measured one by one on the ground stage's screens"
+    )
+    ap.add_argument(
         "--miniwob-train", default="", help="pickle of real MiniWoB examples (half of each batch)"
     )
     ap.add_argument(
@@ -213,7 +222,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.init:
         from arpo_core.policy.model import load_policy
 
-        policy = load_policy(args.init)
+        budget = {"min_pixels": args.min_pixels, "max_pixels": max(448 * 448, 2 * args.min_pixels)}
+        policy = load_policy(args.init, **(budget if args.min_pixels else {}))
         if args.grow_after:
             from arpo_core.policy.model import grow_depth
 
@@ -233,7 +243,17 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         pattern=args.pattern,
     )
-    heldout = synthetic_examples(args.eval_n, parse_mix(args.eval_mix or args.mix), seed=10_000)
+    from arpo_core.offline.grounding import LEVELS, SCREEN_H, SCREEN_W
+    from arpo_core.pipeline.ground import GROUND_EVAL_SEED
+    from arpo_core.policy.prompt import model_image_size
+
+    size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
+    heldout = synthetic_examples(args.eval_n, parse_mix(args.eval_mix or args.mix), 10_000, size)
+    if args.eval_sets:  # the ground stage's held-out screens of each level (ground.py, GROUND_EVAL_SEED)
+        heldout = {
+            lv: synthetic_examples(args.eval_n, {lv: 1.0}, GROUND_EVAL_SEED + list(LEVELS).index(lv), size)
+            for lv in args.eval_sets.split(",")
+        }
     train_fixed = load_examples(args.miniwob_train) if args.miniwob_train else None
     if args.miniwob_heldout:
         heldout = load_examples(args.miniwob_heldout)
@@ -259,6 +279,7 @@ def main(argv: list[str] | None = None) -> int:
         "name": args.name,
         "argv": sys.argv[1:],
         "size": args.size if not args.init else f"init:{args.init}",
+        "model_image": list(size),
         "params": count_parameters(policy.model),
         "config": {k: v for k, v in asdict(cfg).items()},
         "prompt": prompt,
