@@ -637,13 +637,12 @@ def run_fused_adam(s: Settings, emit: Callable[[str, Any], None]) -> None:
     import torch
     from deepspeed.ops.op_builder import FusedAdamBuilder
 
-    from arpo_core.algorithm.engines import ds_arch_list
+    from arpo_core.algorithm.engines import use_ds_arch_list
 
     # engines.py, decision "Arch list for the JIT build": the node sets 9.0a, which DeepSpeed cannot parse
-    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
-    if arch and ds_arch_list(arch) != arch:
-        os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(arch)
-        emit("arch_list", {"node": arch, "used": ds_arch_list(arch)})
+    changed = use_ds_arch_list()
+    if changed:
+        emit("arch_list", {"node": changed[0], "used": changed[1]})
     builder = FusedAdamBuilder()
     emit("compatible", bool(builder.is_compatible(verbose=False)))
     t0 = time.perf_counter()

@@ -243,17 +243,14 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         pattern=args.pattern,
     )
-    from arpo_core.offline.grounding import LEVELS, SCREEN_H, SCREEN_W
-    from arpo_core.pipeline.ground import GROUND_EVAL_SEED
+    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
+    from arpo_core.pipeline.ground import held_out_screens
     from arpo_core.policy.prompt import model_image_size
 
     size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
     heldout = synthetic_examples(args.eval_n, parse_mix(args.eval_mix or args.mix), 10_000, size)
-    if args.eval_sets:  # the ground stage's held-out screens of each level (ground.py, GROUND_EVAL_SEED)
-        heldout = {
-            lv: synthetic_examples(args.eval_n, {lv: 1.0}, GROUND_EVAL_SEED + list(LEVELS).index(lv), size)
-            for lv in args.eval_sets.split(",")
-        }
+    if args.eval_sets:  # the ground stage's held-out screens of each level
+        heldout = {lv: held_out_screens(lv, args.eval_n, size) for lv in args.eval_sets.split(",")}
     train_fixed = load_examples(args.miniwob_train) if args.miniwob_train else None
     if args.miniwob_heldout:
         heldout = load_examples(args.miniwob_heldout)

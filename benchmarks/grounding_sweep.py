@@ -32,7 +32,7 @@ import signal
 import subprocess
 import sys
 import time
-from dataclasses import asdict, replace
+from dataclasses import asdict
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -96,9 +96,9 @@ def build(name: str, out_dir: Path):
 
 
 def heldout(size: tuple[int, int], n: int, real: list) -> dict[str, list]:
-    from arpo_core.offline.grounding import LEVELS, synthetic_examples
+    from arpo_core.pipeline.ground import held_out_screens
 
-    sets = {lv: synthetic_examples(n, {lv: 1.0}, 10_000 + list(LEVELS).index(lv), size) for lv in EVAL_LEVELS}
+    sets = {lv: held_out_screens(lv, n, size) for lv in EVAL_LEVELS}
     if real:
         sets["miniwob"] = real
     return sets
@@ -152,14 +152,14 @@ def run_lever(name: str, args: argparse.Namespace) -> None:
         min_lr_frac=1.0,
         mix=MIX,
         seed=0,
-        eval_every=0,
+        eval_every=args.eval_every,
     )
     rec = {
         "lever": name,
         "arch": asdict(levers()[name]["size"]),
         "res": levers()[name]["res"],
         "model_image": list(size),
-        "image_tokens": (size[0] // 28) * (size[1] // 28),
+        "image_tokens": (size[0] // policy.patch_factor) * (size[1] // policy.patch_factor),
         "parameters": count_parameters(policy.model),
         "device": args.device,
         "batch": args.batch,
@@ -190,7 +190,6 @@ def run_lever(name: str, args: argparse.Namespace) -> None:
             flush=True,
         )
 
-    config = replace(config, eval_every=args.eval_every)
     hist = train_grounding(
         policy,
         config,

@@ -462,3 +462,8 @@ def test_arch_list_for_deepspeeds_jit_build_drops_arch_specific_suffixes(monkeyp
         builder.compute_capability_args()
     monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", ds_arch_list("8.0;9.0a"))
     builder.compute_capability_args()  # parses
+    from arpo_core.algorithm.engines import use_ds_arch_list
+
+    monkeypatch.setenv("TORCH_CUDA_ARCH_LIST", "9.0a")  # what the engine does before DeepSpeed builds
+    assert use_ds_arch_list() == ("9.0a", "9.0") and os.environ["TORCH_CUDA_ARCH_LIST"] == "9.0"
+    assert use_ds_arch_list() is None

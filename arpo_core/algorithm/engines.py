@@ -185,12 +185,9 @@ class DeepSpeedEngine:
             )
         else:
             optimizer = None
-            arch = os.environ.get("TORCH_CUDA_ARCH_LIST")
-            if arch and ds_arch_list(arch) != arch:  # decision "Arch list for the JIT build"
-                _log.info(
-                    "TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed's FusedAdam build", arch, ds_arch_list(arch)
-                )
-                os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(arch)
+            changed = use_ds_arch_list()  # decision "Arch list for the JIT build"
+            if changed:
+                _log.info("TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed's FusedAdam build", *changed)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
@@ -304,6 +301,16 @@ def ds_arch_list(value: str) -> str:
         if entry and entry not in out:
             out.append(entry)
     return ";".join(out)
+
+
+def use_ds_arch_list() -> tuple[str, str] | None:
+    """Set `TORCH_CUDA_ARCH_LIST` to what DeepSpeed's op builder can parse (`ds_arch_list`) before a JIT
+    build; returns (as it was, as it is now) when that changed it, else None."""
+    arch = os.environ.get("TORCH_CUDA_ARCH_LIST", "")
+    if not arch or ds_arch_list(arch) == arch:
+        return None
+    os.environ["TORCH_CUDA_ARCH_LIST"] = ds_arch_list(arch)
+    return arch, os.environ["TORCH_CUDA_ARCH_LIST"]
 
 
 def free_port() -> int:

@@ -75,9 +75,10 @@ class GroundTrainConfig:
     """Measure the held-out sets every N steps (greedy clicks: the curves, and the test of `until_hit`);
     0 = only at the end."""
     until_hit: Annotated[float, Interval(gt=0, le=1)] | None = None
-    """End early, at a measurement, once the held-out hit rate reaches this on every held-out set (the
-    curriculum's advance to its next level, grounding.py decision "Reading curriculum"); `steps` is then the
-    most it trains; null = always `steps`. Needs `eval_every` > 0."""
+    """End early, at a measurement, once the held-out hit rate reaches this on every gated set (the ground
+    stage gates on the phase's own levels, not on the real screens: the curriculum's advance to its next
+    level, grounding.py decision "Reading curriculum"); `steps` is then the most it trains; null = always
+    `steps`. Needs `eval_every` > 0."""
 
 
 @dataclass(frozen=True)

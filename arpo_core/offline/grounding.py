@@ -641,7 +641,7 @@ def train_grounding(
         return reached
 
     # the start, so that a curve shows what training bought; a level already mastered is passed at once
-    start_measured = heldout and config.eval_every and done == 0 and not history["evals"]
+    start_measured = heldout and config.eval_every and done == 0
     if start_measured and evaluate(0):
         done = config.steps
         if checkpoint is not None:

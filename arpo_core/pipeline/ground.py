@@ -56,7 +56,7 @@ from arpo_core.pipeline.common import suite_tasks
 from arpo_core.pipeline.policies import POINTER, pixel_budget, resolve_policy, setup_torch
 from arpo_core.pipeline.stage import TASK_DATA, Stage
 
-__all__ = ["GROUND_REPORT", "STAGE", "ground_config", "ground_measure_keys", "run"]
+__all__ = ["GROUND_REPORT", "STAGE", "ground_config", "ground_measure_keys", "held_out_screens", "run"]
 
 # Held-out seeds of the measures (decision "Image dependence measured").
 GROUND_EVAL_SEED = 10_000
@@ -103,6 +103,15 @@ def ground_measure_keys(name: str, measures: dict[str, float]) -> dict[str, floa
     {'ground/box4/hit_rate': 0.5, 'ground/box4/n': 64.0}
     """
     return {f"ground/{name}/{k}": float(v) for k, v in measures.items()}
+
+
+def held_out_screens(level: str, n: int, size: tuple[int, int]) -> list:
+    """The held-out synthetic screens of `level` (decision "Image dependence measured": seed
+    GROUND_EVAL_SEED + the level's index in `grounding.LEVELS`) in the model frame `size`: the same screens
+    for the stage's curves and final measures and for the grounding benchmarks."""
+    from arpo_core.offline.grounding import LEVELS, synthetic_examples
+
+    return synthetic_examples(n, {level: 1.0}, GROUND_EVAL_SEED + list(LEVELS).index(level), size)
 
 
 def source_commit() -> dict[str, Any] | None:
@@ -187,11 +196,9 @@ def run(
     image-dependence measures. `on_metrics(step, metrics)` gets the phases' held-out curves as they are
     measured (decision "Curves while it trains")."""
     from arpo_core.offline.grounding import (
-        LEVELS,
         SCREEN_H,
         SCREEN_W,
         evaluate_grounding,
-        synthetic_examples,
         train_grounding,
     )
     from arpo_core.policy.model import count_parameters, grow_depth, load_policy
@@ -212,11 +219,6 @@ def run(
     size = model_image_size(SCREEN_W, SCREEN_H, *pixel_budget(start))  # growing depth keeps it
     train_real, held_real = _real_screens(p, size)
 
-    def held_synthetic(level: str) -> list:  # the same held-out screens for curves and final measures
-        return synthetic_examples(
-            g.eval_per_level, {level: 1.0}, GROUND_EVAL_SEED + list(LEVELS).index(level), size
-        )
-
     metrics: dict[str, Any] = {}
     report: dict[str, Any] = {"start": str(start), "config": asdict(g), "code": source_commit(), "phases": []}
     done_steps = 0
@@ -228,7 +230,7 @@ def run(
             fixed = train_real[phase.miniwob_seeds] if phase.miniwob_seeds else None
             heldout = None
             if phase.eval_every:  # decision "Curves while it trains"
-                heldout = {level: held_synthetic(level) for level in phase.mix}
+                heldout = {level: held_out_screens(level, g.eval_per_level, size) for level in phase.mix}
                 if len(held_real) >= 2:
                     heldout["miniwob"] = held_real
 
@@ -274,7 +276,7 @@ def run(
     t0 = time.perf_counter()
     measures: dict[str, dict[str, float]] = {}
     for level in g.eval_levels:
-        exs = held_synthetic(level)
+        exs = held_out_screens(level, g.eval_per_level, size)
         measures[level] = evaluate_grounding(
             policy, exs, system=p.policy.system_prompt, max_new_tokens=tokens
         ).as_dict()
