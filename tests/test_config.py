@@ -106,6 +106,10 @@ def test_presets_mean_what_they_say():
     assert load_params(ROOT / "params.yaml", preset="no-selection").train.use_selection is False
     recipe = load_params(ROOT / "params.yaml", preset="ground-recipe").ground
     assert recipe.checkpoint is None and len(recipe.phases) == 4 and recipe.phases[3].miniwob_seeds == 120
+    aloud = load_params(ROOT / "params.yaml", preset="ground-reading-aloud").ground.phases
+    control = load_params(ROOT / "params.yaml", preset="ground-reading-2l").ground.phases
+    assert all(p.read_aloud for p in aloud) and not any(p.read_aloud for p in control)
+    assert [dataclasses.replace(p, read_aloud=False) for p in aloud] == control  # the one lever, nothing else
 
 
 def test_defaults_equal_empty_mapping_and_pass_every_rule():

@@ -2,6 +2,7 @@
 
 import math
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -10,6 +11,7 @@ from arpo_core.actions import parse_response
 from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.grounding import (
     LEVELS,
+    WORDS,
     GroundConfig,
     best_constant_click,
     click_reply,
@@ -21,6 +23,7 @@ from arpo_core.offline.grounding import (
     make_grounding_examples,
     miniwob_examples,
     pearson,
+    read_aloud,
     synthetic_example,
     synthetic_examples,
     train_grounding,
@@ -265,14 +268,47 @@ def test_reading_levels_put_look_alikes_beside_the_named_target(level):
             draw.rectangle = _recorder(draw.rectangle, seen)
         else:
             draw.text = _recorder(draw.text, seen, word=True)
-        _, box, thought = _level_lookalikes(rng, draw, kind[level])
+        _, box, thought, listed = _level_lookalikes(rng, draw, kind[level])
         counts.append(len(seen))
+        assert box in [b for b, _ in listed] and len(listed) == len(seen)  # what read_aloud reads
+        if kind[level] != "boxes":
+            assert sorted(w for _, w in listed) == sorted(seen)
         if kind[level] != "boxes":
             named = [w for w in seen if f" {w}" in thought]
             assert len(named) == 1 and len(set(seen)) == len(seen), (seen, thought)
         tops.append(box[1])
     assert min(counts) >= 2 and max(counts) <= 8 and len(set(counts)) >= 4
     assert len(set(tops)) > 10  # the named one sits anywhere, not always first in the column
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_read_aloud_names_every_look_alike_in_reading_order_on_the_same_screen(level):
+    plain = synthetic_examples(12, {level: 1.0}, seed=3)
+    aloud = synthetic_examples(12, {level: 1.0}, seed=3, aloud=True)
+    for p, a in zip(plain, aloud, strict=True):
+        assert a.image.tobytes() == p.image.tobytes() and (a.instruction, a.target) == (
+            p.instruction,
+            p.target,
+        )
+        read, rest = a.thought.split(". ", 1)
+        assert read.startswith("I see ") and rest == p.thought
+        names = read.removeprefix("I see ").split(", ")
+        assert len(set(names)) == len(names) and any(f" {n}" in p.thought for n in names)
+        assert first_click(a.reply) == first_click(p.reply)
+
+
+def test_read_aloud_orders_top_to_bottom_then_left_to_right_and_fits_the_reply_budget():
+    from transformers import AutoTokenizer
+
+    seen = [((90, 100, 99, 110), "c"), ((70, 60, 80, 70), "b"), ((10, 60, 20, 70), "a")]
+    assert read_aloud(seen, "I will click the box c.") == "I see a, b, c. I will click the box c."
+    # the longest: eight long words and a 3-digit click, in the versioned policy's tokenizer
+    words = sorted(WORDS, key=len)[-8:]
+    thought = read_aloud(
+        [((0, i, 1, i + 1), w) for i, w in enumerate(words)], f"I will click the checkbox {words[0]}."
+    )
+    tok = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "assets/checkpoints/grounded-xs")
+    assert len(tok(click_reply(thought, (150.0, 210.0))).input_ids) < 64  # params' policy.max_new_tokens
 
 
 def test_column_layout_puts_the_named_checkbox_at_any_row():

@@ -79,6 +79,10 @@ class GroundTrainConfig:
     stage gates on the phase's own levels, not on the real screens: the curriculum's advance to its next
     level, grounding.py decision "Reading curriculum"); `steps` is then the most it trains; null = always
     `steps`. Needs `eval_every` > 0."""
+    read_aloud: bool = False
+    """Synthetic replies first read every look-alike on the screen in reading order, then name and click
+    the target ("I see next, back, ok. I will click the button ok."): the reading supervised token by
+    token, not only through the click (arpo_core/offline/grounding.py, decision "Reading aloud")."""
 
 
 @dataclass(frozen=True)

@@ -28,6 +28,14 @@ Decisions:
   measured every `eval_every` steps on held-out screens of the phase's own levels, never trained on), with
   `steps` as its most; real MiniWoB screens (`miniwob_examples`) are the last level and the fixed half of
   each batch.
+- **Reading aloud.** A click among look-alikes says whether the model read the screen only through a few
+  coordinate digits per example, and a wrong pick and a blurred point look alike in them (the 2-layer
+  reading run's misses on held-out boxes8: 12 of 64 clicks on another box, 24 between boxes). With
+  `read_aloud` a synthetic reply's thought first names every look-alike in reading order, then the
+  target (`read_aloud`): each colour or word on the screen becomes a supervised token, as a VLM learns
+  to read from transcripts, while the screen, the instruction and the action stay the same. What the
+  policy is asked at inference does not change; its greedy reply is longer (an 8-word screen: 44 tokens
+  with the tiny tokenizer, under `policy.max_new_tokens` 64). Real MiniWoB screens keep their thought.
 - **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
   pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
   spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
@@ -95,6 +103,7 @@ __all__ = [
     "make_grounding_examples",
     "miniwob_examples",
     "pearson",
+    "read_aloud",
     "synthetic_example",
     "synthetic_examples",
     "to_trajectory",
@@ -220,7 +229,7 @@ def _level_box(
         boxes.append(b)
         draw.rectangle(b, fill=COLORS[name])
     instr = f"Click the {names[0]} box."
-    return instr, boxes[0], f"I will click the {names[0]} box."
+    return instr, boxes[0], f"I will click the {names[0]} box.", list(zip(boxes, names, strict=True))
 
 
 def _widget(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, word: str, taken: list, top: int):
@@ -259,7 +268,7 @@ def _level_widgets(rng: random.Random, draw: ImageDraw.ImageDraw, n_distract: in
         "link": f"Click on the link {word}.",
         "checkbox": f"Check the {word} checkbox.",
     }[kind]
-    return instr, boxes[0], f"I will click the {kind} {word}."
+    return instr, boxes[0], f"I will click the {kind} {word}.", list(zip(boxes, words, strict=True))
 
 
 def _font(size: int):
@@ -318,7 +327,8 @@ def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, 
             taken.append(b)
             boxes.append(b)
             draw.rectangle(b, fill=COLORS[name])
-        return f"Click the {names[0]} box.", boxes[0], f"I will click the {names[0]} box."
+        seen = list(zip(boxes, names, strict=False))
+        return f"Click the {names[0]} box.", boxes[0], f"I will click the {names[0]} box.", seen
     font_px = rng.randint(10, 14)
     font = _font(font_px)
     words = rng.sample(WORDS, n)
@@ -352,7 +362,8 @@ def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, 
             taken.append(b)
             targets.append(_lookalike_widget(draw, widget, w, font, b))
     instr, thought = _INSTRUCTIONS[widget]
-    return instr.format(w=words[0]), targets[0], thought.format(w=words[0])
+    seen = list(zip(targets, words, strict=False))
+    return instr.format(w=words[0]), targets[0], thought.format(w=words[0]), seen
 
 
 LEVELS: dict[str, Callable] = {
@@ -373,16 +384,32 @@ named box among 1-3 distractors; `widget1` one button/link/checkbox; `widget4` t
 others; the reading levels (decision "Reading curriculum"): `boxes8` the named colour among 1-7 boxes of one
 size, `buttons8` / `links8` / `texts8` the named word among 1-7 widgets of one kind and font size
 (10-14 px), `checks8` the named checkbox in a column of 2-8. A name maps (rng, draw) -> (instruction,
-screen box, thought)."""
+screen box, thought, seen): `seen` is every look-alike as (screen box, its colour or word), the named one
+included."""
+
+
+def read_aloud(seen: Sequence[tuple[tuple[int, int, int, int], str]], thought: str) -> str:
+    """The thought that first reads every look-alike on the screen in reading order (top to bottom, then
+    left to right by box corner), then names the target (decision "Reading aloud").
+
+    >>> read_aloud([((50, 90, 60, 99), "ok"), ((5, 60, 30, 70), "next"), ((80, 60, 99, 70), "back")],
+    ...            "I will click the button ok.")
+    'I see next, back, ok. I will click the button ok.'
+    """
+    ordered = sorted(seen, key=lambda s: (s[0][1], s[0][0]))
+    return f"I see {', '.join(name for _, name in ordered)}. {thought}"
 
 
 def synthetic_example(
-    rng: random.Random, level: str, model_size: tuple[int, int] = (168, 224)
+    rng: random.Random, level: str, model_size: tuple[int, int] = (168, 224), aloud: bool = False
 ) -> GroundExample:
-    """One synthetic 160x210 screen of `level` (see LEVELS); deterministic in the rng state."""
+    """One synthetic 160x210 screen of `level` (see LEVELS); deterministic in the rng state. With `aloud`
+    the thought first reads every look-alike (`read_aloud`); the screen is the same either way."""
     img = Image.new("RGB", (SCREEN_W, SCREEN_H), (255, 255, 255))
     draw = ImageDraw.Draw(img)
-    instr, box, thought = LEVELS[level](rng, draw)
+    instr, box, thought, seen = LEVELS[level](rng, draw)
+    if aloud:
+        thought = read_aloud(seen, thought)
     if level not in ("box1", "big1"):
         _header(draw, instr)
     sx, sy = _scale((SCREEN_W, SCREEN_H), model_size)
@@ -391,12 +418,16 @@ def synthetic_example(
 
 
 def synthetic_examples(
-    n: int, mix: dict[str, float], seed: int = 0, model_size: tuple[int, int] = (168, 224)
+    n: int,
+    mix: dict[str, float],
+    seed: int = 0,
+    model_size: tuple[int, int] = (168, 224),
+    aloud: bool = False,
 ) -> list[GroundExample]:
     """`n` synthetic examples, levels drawn with the weights of `mix`; deterministic in `seed`."""
     rng = random.Random(seed)
     names, weights = zip(*sorted(mix.items()), strict=True)
-    return [synthetic_example(rng, rng.choices(names, weights)[0], model_size) for _ in range(n)]
+    return [synthetic_example(rng, rng.choices(names, weights)[0], model_size, aloud) for _ in range(n)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -657,7 +688,7 @@ def train_grounding(
             batch_ex.append(examples[order.pop()])
         names, weights = zip(*sorted(mix.items()), strict=True)
         for _ in range(config.batch_size - n_fixed):
-            batch_ex.append(synthetic_example(rng, rng.choices(names, weights)[0], msize))
+            batch_ex.append(synthetic_example(rng, rng.choices(names, weights)[0], msize, config.read_aloud))
         batch = collate(
             [_encode(policy, e, system, config.pattern) for e in batch_ex],
             policy.pad_id,
