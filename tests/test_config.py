@@ -854,6 +854,22 @@ def test_overrides_are_dotted_yaml_values(tmp_path):
         load_params(f, ["ground.checkpoint=null", "ground.checkpoint.x=1"])
 
 
+def test_an_override_names_a_list_item_by_its_index():
+    root = ROOT / "params.yaml"
+    p = load_params(
+        root, ["ground.phases.1.seed=22", "ground.phases.0.mix.box4=2"], preset="ground-reading-2l"
+    )
+    control = load_params(root, preset="ground-reading-2l").ground.phases
+    assert [ph.seed for ph in p.ground.phases] == [11, 22, 13] and p.ground.phases[0].mix["box4"] == 2
+    assert p.ground.phases[2] == control[2] and p.ground.phases[1].mix == control[1].mix
+    with pytest.raises(ConfigError, match=r"'ground.phases' is a list of 3, so '3' must be an index 0..2"):
+        load_params(root, ["ground.phases.3.seed=1"], preset="ground-reading-2l")
+    with pytest.raises(
+        ConfigError, match=r"ground.phases\[0\].seed = -1 is out of range.*-S ground.phases.0.seed=-1"
+    ):
+        load_params(root, ["ground.phases.0.seed=-1"], preset="ground-reading-2l")
+
+
 def test_overrides_and_merge_do_not_mutate_input():
     raw = {"train": {"epochs": 1, "loss": {"clip_low": 0.1}}, "ground": {"phases": [{"steps": 1}]}}
     apply_overrides(raw, ["train.epochs=5", "train.loss.clip_low=0.3"])

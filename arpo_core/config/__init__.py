@@ -10,7 +10,8 @@ Decisions:
 - **Type-checked values.** Values are type-checked against the annotations (bool is not accepted for int, an
   int is accepted for float, floats must be finite); nested sections are nested dataclasses (`train.replay`).
 - **Dotted overrides.** Overrides use DVC's dotted syntax (`train.replay.enabled=false`, values parsed as
-  YAML) so that `dvc exp run -S`, the CLI and Prefect deployment parameters mean the same thing.
+  YAML) so that `dvc exp run -S`, the CLI and Prefect deployment parameters mean the same thing; a list
+  item is named by its index, as in DVC and Hydra (`ground.phases.0.seed=21`).
 - **One default per field.** Every field has exactly one default, its dataclass default, equal to the embedded
   default pipeline, so a partial params file is valid; `params.yaml` in the repo lists every key anyway, for
   discoverability (its values win where they differ). An empty params file is an error, not the
@@ -794,18 +795,30 @@ def _apply_override(out: dict[str, Any], item: str, provenance: Provenance | Non
         value = yaml.safe_load(text)
     except yaml.YAMLError as e:
         raise ConfigError(f"{source}: the value is not valid YAML: {_yaml_problem(e)}") from None
-    node = out
-    for i, k in enumerate(keys[:-1]):
-        if k not in node:
+    path: list[str | int] = []
+    node: Any = out
+    for k in keys:  # a list item is named by its index: ground.phases.0.seed=21
+        if isinstance(node, list):
+            if not (k.isdigit() and int(k) < len(node)):
+                raise ConfigError(
+                    f"override {item!r}: '{dotted(tuple(path))}' is a list of {len(node)}, "
+                    f"so '{k}' must be an index 0..{len(node) - 1}"
+                )
+            path.append(int(k))
+        elif isinstance(node, dict):
+            path.append(k)
+        else:
+            raise ConfigError(f"override {item!r}: '{path[-1]}' is not a section")
+        if len(path) == len(keys):
+            break
+        if k not in node and isinstance(node, dict):
             node[k] = {}
             if provenance is not None:
-                provenance.replace(keys[: i + 1], {}, lambda _: source)
-        if not isinstance(node[k], dict):
-            raise ConfigError(f"override {item!r}: '{k}' is not a section")
-        node = node[k]
-    node[keys[-1]] = value
+                provenance.replace(tuple(path), {}, lambda _: source)
+        node = node[path[-1]]
+    node[path[-1]] = value
     if provenance is not None:
-        provenance.replace(keys, value, lambda _: source)
+        provenance.replace(tuple(path), value, lambda _: source)
 
 
 def _deepcopy(m: Mapping[str, Any]) -> dict[str, Any]:
