@@ -120,6 +120,25 @@ def test_grounding_metrics_hand_computed():
     assert m.blind_hit_rate == pytest.approx(1 / 3)
 
 
+def test_a_click_on_another_target_is_a_wrong_pick_and_a_click_between_them_is_neither():
+    boxes = [(0, 0, 10, 10)] * 4
+    others = [[(20, 0, 30, 10), (0, 20, 10, 30)]] * 3 + [[]]
+    clicks = [(5.0, 5.0), (25.0, 5.0), (15.0, 15.0), (25.0, 5.0)]  # named, other, between, no others
+    m = grounding_metrics(clicks, [(5.0, 5.0)] * 4, boxes, image_size=(40, 40), others=others)
+    assert (m.hit_rate, m.other_hit_rate) == (0.25, 0.25)
+    assert grounding_metrics(clicks, [(5.0, 5.0)] * 4, boxes, image_size=(40, 40)).other_hit_rate == 0.0
+
+
+@pytest.mark.parametrize("level", ["boxes8", "buttons8", "checks8", "widget4", "box4"])
+def test_synthetic_examples_list_the_other_look_alikes_in_the_model_frame(level):
+    for ex in synthetic_examples(20, {level: 1.0}, seed=5, model_size=(168, 224)):
+        assert ex.bbox not in ex.lookalikes and len(ex.lookalikes) >= 1
+        assert all(0 <= b[0] < b[2] <= 168 and 50 * 224 / 210 <= b[1] < b[3] <= 224 for b in ex.lookalikes)
+        # the target's centre is inside no other look-alike: a click on it is never counted a wrong pick
+        assert not any(b[0] <= ex.target[0] <= b[2] and b[1] <= ex.target[1] <= b[3] for b in ex.lookalikes)
+    assert synthetic_examples(1, {"box1": 1.0})[0].lookalikes == ()
+
+
 def test_constant_clicks_have_zero_spread_and_correlation():
     targets = [(10.0, 20.0), (30.0, 40.0), (50.0, 60.0)]
     boxes = [(0, 0, 100, 100)] * 3
@@ -200,6 +219,14 @@ def test_miniwob_examples_target_the_named_element(tmp_path):
             assert named in text
             assert 0 <= e.bbox[0] < e.target[0] < e.bbox[2] <= 168
             assert parse_response(e.reply).actions[0].kind == "click"
+            # every other unique-text element is listed as a look-alike, and none of them is the target
+            assert len(e.lookalikes) >= 2 and e.bbox not in e.lookalikes
+            for b in e.lookalikes:
+                cx, cy = (b[0] + b[2]) / 2 * 160 / 168, (b[1] + b[3]) / 2 * 210 / 224
+                other = env.instance.driver.execute_script(
+                    "return document.elementFromPoint(arguments[0], arguments[1]).textContent;", cx, cy
+                )
+                assert named not in other
             checked += 1
         assert checked >= 1
     finally:

@@ -153,6 +153,9 @@ class GroundExample:
     """'synthetic/<level>' or 'miniwob/<task>'."""
     thought: str = ""
     """Thought of the reply (names the target)."""
+    lookalikes: tuple[tuple[float, float, float, float], ...] = ()
+    """The boxes of the screen's other targets (model pixels): a click inside one is a wrong pick, not a
+    blurred point (`GroundMetrics.other_hit_rate`)."""
 
     @property
     def reply(self) -> str:
@@ -414,7 +417,8 @@ def synthetic_example(
         _header(draw, instr)
     sx, sy = _scale((SCREEN_W, SCREEN_H), model_size)
     centre, mbox = _to_model_box(box, sx, sy)
-    return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought)
+    others = tuple(_to_model_box(b, sx, sy)[1] for b, _ in seen if b != box)
+    return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought, others)
 
 
 def synthetic_examples(
@@ -487,16 +491,14 @@ def miniwob_examples(
                 counts[e.text.lower()] = counts.get(e.text.lower(), 0) + 1
             els = [e for e in els if counts[e.text.lower()] == 1]
             random.Random(seed).shuffle(els)
-            for e in els[:max_per_screen]:
-                left, top, w, h = e.bbox
-                centre, mbox = _to_model_box((left, top, left + w, top + h), sx, sy)
+            placed = [_to_model_box((x, y, x + w, y + h), sx, sy) for x, y, w, h in (e.bbox for e in els)]
+            for i, e in enumerate(els[:max_per_screen]):
+                centre, mbox = placed[i]
                 kind = element_kind(e.tag, e.classes)
                 instr = f'Click on the "{e.text}" {kind}.'
-                out.append(
-                    GroundExample(
-                        shot, instr, centre, mbox, f"miniwob/{task}", f"I will click the {kind} {e.text}."
-                    )
-                )
+                thought = f"I will click the {kind} {e.text}."
+                others = tuple(b for j, (_, b) in enumerate(placed) if j != i)
+                out.append(GroundExample(shot, instr, centre, mbox, f"miniwob/{task}", thought, others))
     return out
 
 
@@ -827,6 +829,10 @@ class GroundMetrics:
     coord_nll: float = float("nan")
     """Teacher-forced NLL (nats) of the coordinate digits of the correct reply, summed over one reply's
     digits and averaged over examples: falls below the blind prior's entropy before greedy clicks move."""
+    other_hit_rate: float = 0.0
+    """Clicks inside another target of the screen and not the named one (`GroundExample.lookalikes`): the
+    model pointed at a target but picked the wrong one. 1 - hit_rate - other_hit_rate missed every target
+    (a point between them, or off). 0 where no example lists other targets (one target on the screen)."""
 
     def as_dict(self) -> dict[str, float]:
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in self.__dict__.items()}
@@ -837,9 +843,10 @@ def grounding_metrics(
     targets: Sequence[tuple[float, float]],
     boxes: Sequence[tuple[float, float, float, float]],
     image_size: tuple[int, int] = (168, 224),
+    others: Sequence[Sequence[tuple[float, float, float, float]]] | None = None,
 ) -> GroundMetrics:
     """Measures of decision "Image dependence metrics" from predicted clicks (None = unparsable reply), target
-    centres and boxes."""
+    centres and boxes, and with `others` (each example's other targets' boxes) the wrong picks."""
     n = len(targets)
     if not (n == len(clicks) == len(boxes)) or n < 2:
         raise ValueError("clicks, targets and boxes need the same length >= 2")
@@ -852,6 +859,10 @@ def grounding_metrics(
     py = [p[1] for p in pts]
     mpx, mpy = sum(px) / n, sum(py) / n
     spread = math.sqrt(sum((x - mpx) ** 2 for x in px) / n + sum((y - mpy) ** 2 for y in py) / n)
+    wrong = sum(
+        c is not None and not _inside(c, b) and any(_inside(c, o) for o in os)
+        for c, b, os in zip(clicks, boxes, others or [()] * n, strict=True)
+    )
     return GroundMetrics(
         n=n,
         parse_rate=sum(c is not None for c in clicks) / n,
@@ -862,6 +873,7 @@ def grounding_metrics(
         spread_px=spread,
         blind_err_px=sum(math.dist((mx, my), t) for t in targets) / n,
         blind_hit_rate=best_constant_click(boxes)[1],
+        other_hit_rate=wrong / n,
     )
 
 
@@ -908,7 +920,8 @@ def evaluate_grounding(
         )
         clicks += [first_click(o.text) for o in outs]
     nll = coordinate_nll(policy, examples, system=system, batch_size=batch_size)
-    m = grounding_metrics(clicks, [e.target for e in examples], [e.bbox for e in examples], size)
+    others = [e.lookalikes for e in examples]
+    m = grounding_metrics(clicks, [e.target for e in examples], [e.bbox for e in examples], size, others)
     return replace(m, coord_nll=nll)
 
 
