@@ -110,6 +110,9 @@ def test_presets_mean_what_they_say():
     control = load_params(ROOT / "params.yaml", preset="ground-reading-2l").ground.phases
     assert all(p.read_aloud for p in aloud) and not any(p.read_aloud for p in control)
     assert [dataclasses.replace(p, read_aloud=False) for p in aloud] == control  # the one lever, nothing else
+    transcribe = load_params(ROOT / "params.yaml", preset="ground-reading-transcribe").ground.phases
+    assert [dataclasses.replace(p, read_share=0.0) for p in transcribe] == control
+    assert all(p.read_share == 0.5 for p in transcribe)
 
 
 def test_defaults_equal_empty_mapping_and_pass_every_rule():
@@ -223,6 +226,8 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].eval_every", -1, 0, ()),
     ("ground.phases[0].until_hit", 0, TINY, (("ground.phases[0].eval_every", 100),)),
     ("ground.phases[0].until_hit", 1.1, 1, (("ground.phases[0].eval_every", 100),)),
+    ("ground.phases[0].read_share", -0.1, 0, ()),
+    ("ground.phases[0].read_share", 1, 0.99, ()),
     ("demos.episodes_per_task", -1, 0, ()),
     ("demos.seed", -1, 0, ()),
     ("demos.recovery_rate", -0.1, 0, ()),

@@ -31,6 +31,7 @@ MEASURES = {
     "blind_err_px",
     "blind_hit_rate",
     "coord_nll",
+    "other_hit_rate",
 }
 TINY_PHASE = (
     "ground.phases=[{steps: 3, batch_size: 4, warmup_steps: 1, optimizer: {bf16: false}, mix: {box1: 1}}]"
@@ -305,7 +306,7 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     p = params("ground.checkpoint=null", phases, *TINY_EVAL)
     ground.run(p, init_dir, tmp_path / "g", on_metrics=lambda step, m: seen.append((step, m)))
     assert [s for s, _ in seen] == [0, 1, 2, 2, 4]  # each phase's start, then every eval_every steps
-    assert {k for k in seen[1][1] if k.endswith("hit_rate")} == {
+    assert {k for k in seen[1][1] if k.rsplit("/", 1)[1] == "hit_rate"} == {
         "ground/curve/hit_rate",
         "ground/curve/box1/hit_rate",
     }
@@ -320,6 +321,27 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert [len(ph["curve"]) for ph in report["phases"]] == [3, 2]
     assert [ph["stopped_at"] for ph in report["phases"]] == [None, None]
+
+
+def test_a_phase_that_reads_measures_its_reading_sets_and_the_stage_reads_at_the_end(init_dir, tmp_path):
+    """grounding.py, decision "Reading examples": read_share turns screens into reading examples; the curves
+    and the final measures score reading on the click sets' screens."""
+    phases = (
+        "ground.phases=[{steps: 2, batch_size: 4, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 2,"
+        " read_share: 0.5, mix: {boxes8: 1}}]"
+    )
+    seen: list[tuple[int, dict]] = []
+    m = ground.run(
+        params("ground.checkpoint=null", phases, *TINY_EVAL),
+        init_dir,
+        tmp_path / "g",
+        on_metrics=lambda step, m: seen.append((step, m)),
+    )
+    assert [s for s, _ in seen] == [0, 2]
+    assert 0.0 <= seen[-1][1]["ground/curve/read-boxes8/read_score"] <= 1.0
+    assert "ground/curve/read-boxes8/hit_rate" not in seen[-1][1]
+    assert seen[-1][1]["ground/curve/hit_rate"] == seen[-1][1]["ground/curve/boxes8/hit_rate"]  # clicks gate
+    assert {"ground/read-box1h/read_score", "ground/read-box4/read_score", "ground/box4/hit_rate"} <= set(m)
 
 
 def test_the_stage_reports_progress_through_the_runner_hook():

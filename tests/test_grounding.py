@@ -24,6 +24,7 @@ from arpo_core.offline.grounding import (
     miniwob_examples,
     pearson,
     read_aloud,
+    read_score,
     synthetic_example,
     synthetic_examples,
     train_grounding,
@@ -336,6 +337,52 @@ def test_read_aloud_orders_top_to_bottom_then_left_to_right_and_fits_the_reply_b
     )
     tok = AutoTokenizer.from_pretrained(Path(__file__).parents[1] / "assets/checkpoints/grounded-xs")
     assert len(tok(click_reply(thought, (150.0, 210.0))).input_ids) < 64  # params' policy.max_new_tokens
+
+
+@pytest.mark.parametrize("level", ["boxes8", "buttons8", "checks8", "widget4", "box1h"])
+def test_a_reading_example_asks_to_read_the_click_examples_screen_in_reading_order(level):
+    clicks = synthetic_examples(10, {level: 1.0}, seed=7)
+    reads = synthetic_examples(10, {level: 1.0}, seed=7, read=True)
+    for c, r in zip(clicks, reads, strict=True):
+        below = (0, 50, 160, 210)  # the instruction strip differs: it shows the instruction
+        assert r.image.crop(below).tobytes() == c.image.crop(below).tobytes()
+        assert r.instruction.startswith("Read the ") and r.instruction.endswith(" from top to bottom.")
+        (action,) = parse_response(r.reply).actions
+        assert action.kind == "finished" and action.content == r.answer
+        names = r.answer.split(", ")
+        assert len(names) == len(c.lookalikes) + 1 and len(set(names)) == len(names)
+        assert read_score(r.reply, r.answer) == 1.0
+        tops = sorted([c.bbox, *c.lookalikes], key=lambda b: (b[1], b[0]))
+        assert r.bbox == tops[0]  # the first item read is the top one
+
+
+def test_read_score_counts_items_at_their_place():
+    reply = "Thought: I read the buttons.\nAction: finished(content='{}')"
+    assert read_score(reply.format("ok, next, back"), "ok, next, back") == 1.0
+    assert read_score(reply.format("ok, back"), "ok, next, back") == pytest.approx(1 / 3)
+    assert read_score(reply.format("ok, next, back, yes"), "ok, next, back") == 0.75
+    assert read_score("Thought: x\nAction: click(start_box='(1,2)')", "ok") == 0.0
+    assert read_score("no reply", "ok") == 0.0
+
+
+def test_read_share_zero_keeps_the_stream_and_a_share_mixes_reading_into_training(
+    tmp_path, one_thread, monkeypatch
+):
+    import arpo_core.offline.grounding as g
+
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    base = dict(
+        steps=2, batch_size=4, warmup_steps=1, mix={"boxes8": 1.0}, optimizer=OptimizerConfig(lr=1e-3)
+    )
+    seen: list = []
+    real = g.synthetic_example
+    monkeypatch.setattr(g, "synthetic_example", lambda *a, **k: seen.append(real(*a, **k)) or seen[-1])
+    train_grounding(policy, GroundConfig(**base), system="compact", max_new_tokens=8)
+    plain = [e.instruction for e in seen]
+    seen.clear()
+    train_grounding(policy, GroundConfig(**base, read_share=0.5), system="compact", max_new_tokens=8)
+    assert plain == [e.instruction for e in synthetic_examples(8, {"boxes8": 1.0}, seed=0)]  # the old stream
+    assert 0 < sum(e.answer is not None for e in seen) < len(seen)
 
 
 def test_column_layout_puts_the_named_checkbox_at_any_row():

@@ -83,6 +83,10 @@ class GroundTrainConfig:
     """Synthetic replies first read every look-alike on the screen in reading order, then name and click
     the target ("I see next, back, ok. I will click the button ok."): the reading supervised token by
     token, not only through the click (arpo_core/offline/grounding.py, decision "Reading aloud")."""
+    read_share: Annotated[float, Interval(ge=0, lt=1)] = 0.0
+    """Share of the synthetic screens drawn as reading examples ("Read the buttons from top to bottom." ->
+    finished(content='next, back, ok')) instead of clicks (arpo_core/offline/grounding.py, decision
+    "Reading examples"); 0 = clicks only, the same stream of screens as without the field."""
 
 
 @dataclass(frozen=True)

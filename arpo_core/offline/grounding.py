@@ -36,6 +36,15 @@ Decisions:
   to read from transcripts, while the screen, the instruction and the action stay the same. What the
   policy is asked at inference does not change; its greedy reply is longer (an 8-word screen: 44 tokens
   with the tiny tokenizer, under `policy.max_new_tokens` 64). Real MiniWoB screens keep their thought.
+- **Reading examples.** Reading aloud before the click broke the click (measured: the 2-layer base's
+  held-out box1h hit rate fell from 0.95 to 0.11 in 1,000 steps, box4 to 0.06): the tiny policy reads a
+  target's position through relative rotary positions between the coordinate tokens and the image, and a
+  thought whose length varies with the screen moves those tokens. So reading is taught by examples of
+  its own instead (`read_share` of a phase's synthetic screens): the same screen asks "Read the buttons
+  from top to bottom." and the reply answers `finished(content='next, back, ok')`, every look-alike's
+  colour or word in reading order, while the click examples keep their short thought. The embeddings are
+  tied, so reading pulls a patch's features toward the very word embedding the click's instruction
+  carries. Held-out reading sets (`read-<level>`, the click set's screens) are scored by `read_score`.
 - **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
   pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
   spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
@@ -96,6 +105,7 @@ __all__ = [
     "coordinate_nll",
     "element_kind",
     "evaluate_grounding",
+    "evaluate_reading",
     "first_click",
     "grounding_metrics",
     "image_dependence",
@@ -104,6 +114,7 @@ __all__ = [
     "miniwob_examples",
     "pearson",
     "read_aloud",
+    "read_score",
     "synthetic_example",
     "synthetic_examples",
     "to_trajectory",
@@ -156,9 +167,14 @@ class GroundExample:
     lookalikes: tuple[tuple[float, float, float, float], ...] = ()
     """The boxes of the screen's other targets (model pixels): a click inside one is a wrong pick, not a
     blurred point (`GroundMetrics.other_hit_rate`)."""
+    answer: str | None = None
+    """A reading example's answer (decision "Reading examples"): the reply is `finished(content=answer)`,
+    not a click; `target` and `bbox` are then the first item read."""
 
     @property
     def reply(self) -> str:
+        if self.answer is not None:
+            return f"Thought: {self.thought}\nAction: finished(content='{self.answer}')"
         return click_reply(self.thought, self.target)
 
 
@@ -403,22 +419,69 @@ def read_aloud(seen: Sequence[tuple[tuple[int, int, int, int], str]], thought: s
     return f"I see {', '.join(name for _, name in ordered)}. {thought}"
 
 
+def read_score(reply: str, answer: str) -> float:
+    """How much of a reading example's `answer` a reply reads: the share of the answer's items read at
+    their place (a missing or extra item counts as wrong; an unparsable reply or another action 0).
+
+    >>> read_score("Thought: x\\nAction: finished(content='red, blue, gray')", "red, green, gray")
+    0.6666666666666666
+    """
+    try:
+        actions = parse_response(reply).actions
+    except ActionParseError:
+        return 0.0
+    if len(actions) != 1 or actions[0].kind != "finished" or actions[0].content is None:
+        return 0.0
+    got, want = actions[0].content.split(", "), answer.split(", ")
+    return sum(g == w for g, w in zip(got, want, strict=False)) / max(len(got), len(want))
+
+
+READ_NOUNS = {
+    "big1": "box colours",
+    "box1": "box colours",
+    "box1h": "box colours",
+    "box4": "box colours",
+    "boxes8": "box colours",
+    "widget1": "widgets",
+    "widget4": "widgets",
+    "buttons8": "buttons",
+    "links8": "links",
+    "texts8": "words",
+    "checks8": "checkbox labels",
+}
+"""What a reading example of each level asks to read (decision "Reading examples")."""
+
+
 def synthetic_example(
-    rng: random.Random, level: str, model_size: tuple[int, int] = (168, 224), aloud: bool = False
+    rng: random.Random,
+    level: str,
+    model_size: tuple[int, int] = (168, 224),
+    aloud: bool = False,
+    read: bool = False,
 ) -> GroundExample:
     """One synthetic 160x210 screen of `level` (see LEVELS); deterministic in the rng state. With `aloud`
-    the thought first reads every look-alike (`read_aloud`); the screen is the same either way."""
+    the thought first reads every look-alike (`read_aloud`); with `read` it is a reading example
+    instead of a click: "Read the buttons from top to bottom." -> finished(content='next, back, ok')
+    (decision "Reading examples"). The screen below the instruction strip is the same in all three."""
     img = Image.new("RGB", (SCREEN_W, SCREEN_H), (255, 255, 255))
     draw = ImageDraw.Draw(img)
     instr, box, thought, seen = LEVELS[level](rng, draw)
-    if aloud:
+    answer = None
+    if read:
+        ordered = sorted(seen, key=lambda s: (s[0][1], s[0][0]))
+        box, answer = ordered[0][0], ", ".join(name for _, name in ordered)
+        instr, thought = (
+            f"Read the {READ_NOUNS[level]} from top to bottom.",
+            f"I read the {READ_NOUNS[level]}.",
+        )
+    elif aloud:
         thought = read_aloud(seen, thought)
     if level not in ("box1", "big1"):
         _header(draw, instr)
     sx, sy = _scale((SCREEN_W, SCREEN_H), model_size)
     centre, mbox = _to_model_box(box, sx, sy)
     others = tuple(_to_model_box(b, sx, sy)[1] for b, _ in seen if b != box)
-    return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought, others)
+    return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought, others, answer)
 
 
 def synthetic_examples(
@@ -427,11 +490,13 @@ def synthetic_examples(
     seed: int = 0,
     model_size: tuple[int, int] = (168, 224),
     aloud: bool = False,
+    read: bool = False,
 ) -> list[GroundExample]:
-    """`n` synthetic examples, levels drawn with the weights of `mix`; deterministic in `seed`."""
+    """`n` synthetic examples, levels drawn with the weights of `mix`; deterministic in `seed` (with `aloud`
+    or `read`, the same screens: see `synthetic_example`)."""
     rng = random.Random(seed)
     names, weights = zip(*sorted(mix.items()), strict=True)
-    return [synthetic_example(rng, rng.choices(names, weights)[0], model_size, aloud) for _ in range(n)]
+    return [synthetic_example(rng, rng.choices(names, weights)[0], model_size, aloud, read) for _ in range(n)]
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -690,7 +755,9 @@ def train_grounding(
             batch_ex.append(examples[order.pop()])
         names, weights = zip(*sorted(mix.items()), strict=True)
         for _ in range(config.batch_size - n_fixed):
-            batch_ex.append(synthetic_example(rng, rng.choices(names, weights)[0], msize, config.read_aloud))
+            level = rng.choices(names, weights)[0]
+            read = config.read_share > 0 and rng.random() < config.read_share  # 0: the stream as before
+            batch_ex.append(synthetic_example(rng, level, msize, config.read_aloud, read))
         batch = collate(
             [_encode(policy, e, system, config.pattern) for e in batch_ex],
             policy.pad_id,
@@ -739,6 +806,10 @@ def _measure(
         ).as_dict()
     out: dict = {}
     for name, exs in heldout.items():
+        if exs and exs[0].answer is not None:  # a reading set
+            score = evaluate_reading(policy, exs, system=system, max_new_tokens=max_new_tokens)
+            out[f"{name}/read_score"] = round(score, 4)
+            continue
         m = evaluate_grounding(policy, exs, system=system, max_new_tokens=max_new_tokens, pattern=pattern)
         out |= {f"{name}/{k}": v for k, v in m.as_dict().items()}
     out["hit_rate"] = min(out[f"{name}/hit_rate"] for name in (heldout if gate is None else gate))
@@ -923,6 +994,31 @@ def evaluate_grounding(
     others = [e.lookalikes for e in examples]
     m = grounding_metrics(clicks, [e.target for e in examples], [e.bbox for e in examples], size, others)
     return replace(m, coord_nll=nll)
+
+
+def evaluate_reading(
+    policy: Policy,
+    examples: Sequence[GroundExample],
+    *,
+    system: str,
+    max_new_tokens: int,
+    batch_size: int = 32,
+) -> float:
+    """Mean `read_score` of `policy`'s greedy replies on reading examples (decision "Reading examples")."""
+    from arpo_core.policy.generate import HFGenerator
+
+    gen = HFGenerator(policy, spec=PromptSpec(system, None))
+    scores: list[float] = []
+    for i in range(0, len(examples), batch_size):
+        chunk = examples[i : i + batch_size]
+        outs = gen.generate(
+            [PromptInput(e.instruction, (e.image,)) for e in chunk],
+            temperature=0.0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+        )
+        scores += [read_score(o.text, e.answer or "") for o, e in zip(outs, chunk, strict=True)]
+    return sum(scores) / max(len(scores), 1)
 
 
 @torch.no_grad()

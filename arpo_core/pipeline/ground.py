@@ -76,7 +76,7 @@ def ground_config(phase: GroundPhase) -> Any:
     return GroundConfig(**shared)
 
 
-CURVE_MEASURES = ("hit_rate", "corr_x", "corr_y", "parse_rate")
+CURVE_MEASURES = ("hit_rate", "other_hit_rate", "corr_x", "corr_y", "parse_rate", "read_score")
 """Held-out measures a phase's curve logs per set (decision "Curves while it trains")."""
 
 
@@ -105,13 +105,15 @@ def ground_measure_keys(name: str, measures: dict[str, float]) -> dict[str, floa
     return {f"ground/{name}/{k}": float(v) for k, v in measures.items()}
 
 
-def held_out_screens(level: str, n: int, size: tuple[int, int]) -> list:
+def held_out_screens(level: str, n: int, size: tuple[int, int], read: bool = False) -> list:
     """The held-out synthetic screens of `level` (decision "Image dependence measured": seed
     GROUND_EVAL_SEED + the level's index in `grounding.LEVELS`) in the model frame `size`: the same screens
-    for the stage's curves and final measures and for the grounding benchmarks."""
+    for the stage's curves and final measures and for the grounding benchmarks; with `read`, the same
+    screens as reading examples (grounding.py, decision "Reading examples")."""
     from arpo_core.offline.grounding import LEVELS, synthetic_examples
 
-    return synthetic_examples(n, {level: 1.0}, GROUND_EVAL_SEED + list(LEVELS).index(level), size)
+    seed = GROUND_EVAL_SEED + list(LEVELS).index(level)
+    return synthetic_examples(n, {level: 1.0}, seed, size, read=read)
 
 
 def source_commit() -> dict[str, Any] | None:
@@ -199,6 +201,7 @@ def run(
         SCREEN_H,
         SCREEN_W,
         evaluate_grounding,
+        evaluate_reading,
         train_grounding,
     )
     from arpo_core.policy.model import count_parameters, grow_depth, load_policy
@@ -231,6 +234,10 @@ def run(
             heldout = None
             if phase.eval_every:  # decision "Curves while it trains"
                 heldout = {level: held_out_screens(level, g.eval_per_level, size) for level in phase.mix}
+                if phase.read_share:  # the same screens asked to be read (grounding.py "Reading examples")
+                    heldout |= {
+                        f"read-{lv}": held_out_screens(lv, g.eval_per_level, size, True) for lv in phase.mix
+                    }
                 if len(held_real) >= 2:
                     heldout["miniwob"] = held_real
 
@@ -280,6 +287,11 @@ def run(
         measures[level] = evaluate_grounding(
             policy, exs, system=p.policy.system_prompt, max_new_tokens=tokens
         ).as_dict()
+    if any(ph.read_share for ph in g.phases):  # trained to read: the same screens asked to be read
+        for level in g.eval_levels:
+            exs = held_out_screens(level, g.eval_per_level, size, read=True)
+            score = evaluate_reading(policy, exs, system=p.policy.system_prompt, max_new_tokens=tokens)
+            measures[f"read-{level}"] = {"read_score": round(score, 4)}
     if g.eval_miniwob_seeds:
         if len(held_real) >= 2:  # correlations need two points
             measures["miniwob"] = evaluate_grounding(
