@@ -20,11 +20,19 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 SETS = ("box4", "widget4", "boxes8", "buttons8", "links8", "texts8", "checks8", "box1h", "widget1", "miniwob")
+READ_SETS = tuple(f"read-{s}" for s in SETS if s != "miniwob")
+"""The same screens asked to be read (grounding.py, decision "Reading examples"): `read_score`."""
 PANELS = {
     "colours among look-alikes": ("box4", "boxes8"),
     "words among look-alikes": ("widget4", "buttons8", "links8", "texts8", "checks8"),
     "real MiniWoB (held out)": ("miniwob",),
+    "reading (read_score)": READ_SETS,
 }
+
+
+def score(m: dict) -> float:
+    """A set's headline: the hit rate of clicks, the read score of a reading set."""
+    return m["read_score"] if "read_score" in m else m["hit_rate"]
 
 
 def read_arm(path: Path) -> dict:
@@ -62,27 +70,42 @@ def curve_rows(arm: str, phases: list[dict], start: dict) -> list[dict]:
     measures at step 0 when the run did not measure its start itself (growing depth keeps the function)."""
     rows, offset = [], 0
     if not (phases and phases[0]["curve"] and phases[0]["curve"][0]["step"] == 0):
-        rows.append({"step": 0, **{f"{arm} {s}": m["hit_rate"] for s, m in start.items() if s in SETS}})
+        rows.append(
+            {"step": 0, **{f"{arm} {s}": score(m) for s, m in start.items() if s in SETS + READ_SETS}}
+        )
     for ph in phases:
         for ev in ph["curve"]:
             row = {"step": offset + ev["step"], "phase": ph["phase"]}
             row |= {f"{arm} {s}": ev[f"{s}/hit_rate"] for s in SETS if f"{s}/hit_rate" in ev}
+            row |= {f"{arm} {s}": ev[f"{s}/read_score"] for s in READ_SETS if f"{s}/read_score" in ev}
             rows.append(row)
         offset += ph["steps"]
     return rows
 
 
+def cell(m: dict | None) -> str:
+    """'hit' or 'hit / wrong pick' (a click on another target, when measured), or a read score."""
+    if m is None:
+        return "-"
+    if "read_score" in m:
+        return f"{m['read_score']:.2f}"
+    wrong = f" / {m['other_hit_rate']:.2f}" if "other_hit_rate" in m else ""
+    return f"{m['hit_rate']:.2f}{wrong}"
+
+
 def table(start: dict, arms: dict[str, dict]) -> list[str]:
     names = [n for n, a in arms.items() if a["measures"]]
-    head = "| held-out set | start: hit (blind) | " + " | ".join(names) + " |"
+    head = "| held-out set | start (blind) | " + " | ".join(names) + " |"
     lines = [head, "|" + "---|" * (2 + len(names))]
-    for s in SETS:
-        if s not in start:
+    for s in SETS + READ_SETS:
+        ms = [arms[n]["measures"].get(s) for n in names]
+        if s not in start and not any(ms):
             continue
-        m0 = start[s]
-        cells = [f"{m0['hit_rate']:.2f} ({m0['blind_hit_rate']:.2f})"]
-        cells += [f"{arms[n]['measures'][s]['hit_rate']:.2f}" for n in names if s in arms[n]["measures"]]
-        lines.append(f"| {s} (n={int(m0['n'])}) | " + " | ".join(cells) + " |")
+        m0 = start.get(s)
+        first = cell(m0) + (f" ({m0['blind_hit_rate']:.2f})" if m0 and "blind_hit_rate" in m0 else "")
+        n = next(int(m["n"]) for m in (m0, *ms) if m and "n" in m) if s in SETS else None
+        label = f"{s} (n={n})" if n else s
+        lines.append(f"| {label} | {first} | " + " | ".join(cell(m) for m in ms) + " |")
     return lines
 
 
@@ -104,7 +127,11 @@ def main() -> None:
 
     panels = {t: [f"{n} {s}" for n in arms for s in sets] for t, sets in PANELS.items()}
     plot_epoch_panels(sorted(rows, key=lambda r: r["step"]), panels, out.with_suffix(".png"), x_key="step")
-    md = ["# Reading curriculum (issue 33)\n", args.note, "", *table(start, arms), ""]
+    legend = (
+        "Cells: held-out greedy hit rate / share of clicks on another target (a wrong pick; the rest missed "
+        "every target), or a reading set's read_score; 'blind' = the best constant click."
+    )
+    md = ["# Reading curriculum (issue 33)\n", args.note, "", legend, "", *table(start, arms), ""]
     for n, a in arms.items():
         for ph in a["phases"]:
             stop = f", advanced at step {ph['stopped_at']}" if ph.get("stopped_at") is not None else ""

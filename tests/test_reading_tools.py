@@ -42,9 +42,9 @@ def test_sweep_names_an_unknown_lever():
     assert res.returncode == 2 and "unknown lever(s) ['huge']" in res.stderr
 
 
-def _report(path: Path, hits: dict[str, float], phases: list[dict]) -> None:
+def _report(path: Path, hits: dict[str, float], phases: list[dict], extra: dict | None = None) -> None:
     path.mkdir(parents=True)
-    measures = {s: {"n": 64, "hit_rate": h, "blind_hit_rate": 0.1} for s, h in hits.items()}
+    measures = {s: {"n": 64, "hit_rate": h, "blind_hit_rate": 0.1} for s, h in hits.items()} | (extra or {})
     (path / "ground_report.json").write_text(
         json.dumps({"start": "x", "measures": measures, "phases": phases})
     )
@@ -56,9 +56,16 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
     phase = {"phase": 0, "steps": 10, "seconds": 5.0, "layers": 4, "stopped_at": None, "curve": curve}
     _report(tmp_path / "a", {"box4": 0.75, "boxes8": 0.5}, [phase, {**phase, "phase": 1, "stopped_at": 10}])
     out = tmp_path / "rc"
+    reads = {
+        "boxes8": {"n": 64, "hit_rate": 0.5, "other_hit_rate": 0.25, "blind_hit_rate": 0.1},
+        "read-boxes8": {"read_score": 0.4},
+    }
+    read_curve = [{"step": 0, "read-boxes8/read_score": 0.1}, {"step": 10, "read-boxes8/read_score": 0.4}]
+    _report(tmp_path / "r", {"box4": 0.5}, [{**phase, "curve": read_curve}], reads)
     cmd = [sys.executable, "benchmarks/reading_report.py", "--start", str(tmp_path / "start")]
+    cmd += ["--arm", f"deep={tmp_path / 'a'}", "--arm", f"reads={tmp_path / 'r'}"]
     res = subprocess.run(
-        [*cmd, "--arm", f"deep={tmp_path / 'a'}", "--out", str(out), "--note", "tiny"],
+        [*cmd, "--out", str(out), "--note", "tiny"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -66,8 +73,10 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
     )
     assert res.returncode == 0, res.stderr[-2000:]
     md = out.with_suffix(".md").read_text()
+    assert "| boxes8 (n=64) | 0.10 (0.10) | 0.50 | 0.50 / 0.25 |" in md  # hit / wrong pick
+    assert "| read-boxes8 | - | - | 0.40 |" in md
     assert (
-        "| box4 (n=64) | 0.25 (0.10) | 0.75 |" in md
+        "| box4 (n=64) | 0.25 (0.10) | 0.75 | 0.50 |" in md
         and "deep, phase 1: 10 steps, 5 s, advanced at step 10" in md
     )
     rec = json.loads(out.with_suffix(".json").read_text())
