@@ -107,6 +107,7 @@ __all__ = [
     "evaluate_grounding",
     "evaluate_reading",
     "first_click",
+    "greedy_replies",
     "grounding_metrics",
     "image_dependence",
     "lr_factor",
@@ -964,6 +965,30 @@ def first_click(text: str) -> tuple[float, float] | None:
     return None
 
 
+def greedy_replies(
+    policy: Policy,
+    examples: Sequence[GroundExample],
+    *,
+    system: str,
+    max_new_tokens: int,
+    batch_size: int = 32,
+) -> list[str]:
+    """`policy`'s greedy replies (at most `max_new_tokens` tokens) to the examples' screens and instructions."""
+    from arpo_core.policy.generate import HFGenerator
+
+    gen = HFGenerator(policy, spec=PromptSpec(system, None))
+    texts: list[str] = []
+    for i in range(0, len(examples), batch_size):
+        outs = gen.generate(
+            [PromptInput(e.instruction, (e.image,)) for e in examples[i : i + batch_size]],
+            temperature=0.0,
+            top_p=1.0,
+            max_new_tokens=max_new_tokens,
+        )
+        texts += [o.text for o in outs]
+    return texts
+
+
 def evaluate_grounding(
     policy: Policy,
     examples: Sequence[GroundExample],
@@ -974,22 +999,13 @@ def evaluate_grounding(
     pattern: float = 0.0,
 ) -> GroundMetrics:
     """Greedy replies (at most `max_new_tokens` tokens) of `policy` on `examples` -> GroundMetrics."""
-    from arpo_core.policy.generate import HFGenerator
-
-    gen = HFGenerator(policy, spec=PromptSpec(system, None))
     size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
     if pattern > 0:
         examples = [replace(e, image=coord_pattern(e.image, size, pattern)) for e in examples]
-    clicks: list[tuple[float, float] | None] = []
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        outs = gen.generate(
-            [PromptInput(e.instruction, (e.image,)) for e in chunk],
-            temperature=0.0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-        )
-        clicks += [first_click(o.text) for o in outs]
+    replies = greedy_replies(
+        policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=batch_size
+    )
+    clicks = [first_click(text) for text in replies]
     nll = coordinate_nll(policy, examples, system=system, batch_size=batch_size)
     others = [e.lookalikes for e in examples]
     m = grounding_metrics(clicks, [e.target for e in examples], [e.bbox for e in examples], size, others)
@@ -997,28 +1013,13 @@ def evaluate_grounding(
 
 
 def evaluate_reading(
-    policy: Policy,
-    examples: Sequence[GroundExample],
-    *,
-    system: str,
-    max_new_tokens: int,
-    batch_size: int = 32,
+    policy: Policy, examples: Sequence[GroundExample], *, system: str, max_new_tokens: int
 ) -> float:
     """Mean `read_score` of `policy`'s greedy replies on reading examples (decision "Reading examples")."""
-    from arpo_core.policy.generate import HFGenerator
-
-    gen = HFGenerator(policy, spec=PromptSpec(system, None))
-    scores: list[float] = []
-    for i in range(0, len(examples), batch_size):
-        chunk = examples[i : i + batch_size]
-        outs = gen.generate(
-            [PromptInput(e.instruction, (e.image,)) for e in chunk],
-            temperature=0.0,
-            top_p=1.0,
-            max_new_tokens=max_new_tokens,
-        )
-        scores += [read_score(o.text, e.answer or "") for o, e in zip(outs, chunk, strict=True)]
-    return sum(scores) / max(len(scores), 1)
+    replies = greedy_replies(policy, examples, system=system, max_new_tokens=max_new_tokens)
+    return sum(read_score(t, e.answer or "") for t, e in zip(replies, examples, strict=True)) / max(
+        len(examples), 1
+    )
 
 
 @torch.no_grad()
