@@ -1,0 +1,212 @@
+"""Can the policy's image tokens tell the words apart? A linear probe (issue 33).
+
+The reading curriculum's clicks pick the named word among look-alikes at chance, and reading examples
+("Read the buttons ...") read almost no word. Either the words are not in the image tokens at all (the
+vision tower and the visual resolution lose them), or they are and the language model has not learned to
+use them. This probe tells the two apart: it draws the ground stage's word screens (`texts8`, Pillow's
+sans at 10-14 px), takes the merged image tokens that the language model gets (the vision tower's output)
+in a fixed window of screen around each word, and fits a linear classifier of which of the
+`grounding.WORDS` it is, on screens other than the ones it is scored on. Chance is 1/len(WORDS).
+
+    .venv/bin/python benchmarks/word_probe.py --model grounded-xs=assets/checkpoints/grounded-xs \\
+        --model "grounded-xs 2x=assets/checkpoints/grounded-xs@134400" --model random=init
+
+`NAME=DIR[@MIN_PIXELS]`: a checkpoint, optionally at another visual resolution; `init` builds a freshly
+initialised xs policy (random features); `pixels` probes the pixels of the 1x tokens' window themselves,
+`pixels-centred` a window of that size centred on the word (what a probe reads without a token grid's
+offsets). Writes benchmarks/results/word_probe.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+WINDOW_SCREEN_PX = (84, 56)
+"""The screen region around a word's centre whose image tokens the probe reads (width, height): three
+merged tokens by two at the tiny policy's 1x resolution, more at a higher one."""
+
+
+def word_items(n_screens: int, seed: int) -> list[tuple]:
+    """(screen image, word, screen box) for every word on `n_screens` fresh `texts8` screens."""
+    from PIL import Image, ImageDraw
+
+    from arpo_core.offline.grounding import LEVELS, SCREEN_H, SCREEN_W
+
+    rng = random.Random(seed)
+    items = []
+    for _ in range(n_screens):
+        img = Image.new("RGB", (SCREEN_W, SCREEN_H), (255, 255, 255))
+        _, _, _, seen = LEVELS["texts8"](rng, ImageDraw.Draw(img))
+        items += [(img, word, box) for box, word in seen]
+    return items
+
+
+def token_features(policy, items: list[tuple]) -> torch.Tensor:  # noqa: F821
+    """The merged image tokens (the language model's image inputs) in the window around each word,
+    concatenated in raster order (zeros off the image): (len(items), window tokens x hidden)."""
+    import torch
+
+    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
+    from arpo_core.policy.model import image_inputs
+
+    proc = policy.processor.image_processor
+    unit = int(proc.patch_size) * int(proc.merge_size)  # model pixels per merged token
+    feats, by_image = [], {}
+    for img, _, box in items:
+        if id(img) not in by_image:
+            pixels, grid = image_inputs(proc, [img])
+            with torch.no_grad():
+                out = policy.model.model.visual(pixels, grid_thw=grid)
+            tokens = getattr(out, "pooler_output", out)
+            rows, cols = int(grid[0, 1]) // int(proc.merge_size), int(grid[0, 2]) // int(proc.merge_size)
+            by_image[id(img)] = (
+                tokens.reshape(rows, cols, -1),
+                rows * unit / SCREEN_H,
+                cols * unit / SCREEN_W,
+            )
+        tok, sy, sx = by_image[id(img)]
+        rows, cols, hidden = tok.shape
+        r0, c0, nh, nw = window(box, sx, sy, unit)
+        win = torch.zeros(nh, nw, hidden)
+        for i in range(nh):
+            for j in range(nw):
+                if 0 <= r0 + i < rows and 0 <= c0 + j < cols:
+                    win[i, j] = tok[r0 + i, c0 + j]
+        feats.append(win.flatten())
+    return torch.stack(feats)
+
+
+def window(box, sx: float, sy: float, unit: int) -> tuple[int, int, int, int]:
+    """(first row, first column, rows, columns) of the merged tokens in the window around `box` (screen
+    px) on a token grid of `unit` model px, the model frame `sx`, `sy` model px per screen px."""
+    cx, cy = (box[0] + box[2]) / 2 * sx / unit, (box[1] + box[3]) / 2 * sy / unit  # in tokens
+    half_w, half_h = WINDOW_SCREEN_PX[0] / 2 * sx / unit, WINDOW_SCREEN_PX[1] / 2 * sy / unit
+    return math.floor(cy - half_h + 0.5), math.floor(cx - half_w + 0.5), round(2 * half_h), round(2 * half_w)
+
+
+def pixel_features(
+    items: list[tuple], model_size: tuple[int, int] = (168, 224), unit: int = 28, centred: bool = False
+):
+    """The references: the pixels (grey, 0..1) of exactly the 1x tokens' window, in the 1x model frame
+    (`model_size`, tokens of `unit` px), what an encoder of those tokens starts from; with `centred` a
+    window of the same size centred on the word instead (no offset against a token grid)."""
+    import numpy as np
+    import torch
+
+    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
+
+    sx, sy = model_size[0] / SCREEN_W, model_size[1] / SCREEN_H
+    feats, frames = [], {}
+    for img, _, box in items:
+        if id(img) not in frames:
+            frames[id(img)] = img.convert("L").resize(model_size, resample=3)  # bicubic, as the processor
+        r0, c0, nh, nw = window(box, sx, sy, unit)
+        x0, y0 = c0 * unit, r0 * unit
+        if centred:
+            x0 = round((box[0] + box[2]) / 2 * sx - nw * unit / 2)
+            y0 = round((box[1] + box[3]) / 2 * sy - nh * unit / 2)
+        crop = frames[id(img)].crop((x0, y0, x0 + nw * unit, y0 + nh * unit))  # off the frame: black
+        feats.append(torch.from_numpy(np.asarray(crop, dtype=np.float32).ravel() / 255.0))
+    return torch.stack(feats)
+
+
+def probe(x_train, y_train, x_test, y_test, classes: int, steps: int = 400) -> dict[str, float]:
+    """Multinomial logistic regression (standardised features, AdamW, weight decay) -> accuracies."""
+    import torch
+
+    mean, std = x_train.mean(0), x_train.std(0).clamp(min=1e-6)
+    xtr, xte = (x_train - mean) / std, (x_test - mean) / std
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(xtr.shape[1], classes)
+    opt = torch.optim.AdamW(lin.parameters(), lr=1e-2, weight_decay=1e-2)
+    for _ in range(steps):
+        opt.zero_grad()
+        torch.nn.functional.cross_entropy(lin(xtr), y_train).backward()
+        opt.step()
+    with torch.no_grad():
+        return {
+            "train_acc": float((lin(xtr).argmax(1) == y_train).float().mean()),
+            "test_acc": float((lin(xte).argmax(1) == y_test).float().mean()),
+        }
+
+
+def load(spec: str, workdir: Path):
+    from arpo_core.policy.model import build_tiny_policy, load_policy
+
+    path, _, pixels = spec.partition("@")
+    if path == "init":
+        return build_tiny_policy(workdir / "init", size="xs")
+    return load_policy(path, min_pixels=int(pixels) if pixels else None)
+
+
+def main() -> None:
+    import torch
+
+    from arpo_core.offline.grounding import WORDS
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", action="append", required=True, help="NAME=DIR[@MIN_PIXELS] or NAME=init")
+    ap.add_argument("--train-screens", type=int, default=600)
+    ap.add_argument("--test-screens", type=int, default=200)
+    ap.add_argument("--steps", type=int, default=400, help="probe optimiser steps")
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "word_probe"))
+    args = ap.parse_args()
+    torch.set_num_threads(1)
+    train, test = word_items(args.train_screens, seed=1), word_items(args.test_screens, seed=2)
+    index = {w: i for i, w in enumerate(WORDS)}
+    y_train = torch.tensor([index[w] for _, w, _ in train])
+    y_test = torch.tensor([index[w] for _, w, _ in test])
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for name, spec in (m.split("=", 1) for m in args.model):
+            t0 = time.perf_counter()
+            if spec in ("pixels", "pixels-centred"):
+                centred = spec == "pixels-centred"
+                x_train, x_test = (
+                    pixel_features(train, centred=centred),
+                    pixel_features(test, centred=centred),
+                )
+            else:
+                policy = load(spec, Path(tmp))
+                x_train, x_test = token_features(policy, train), token_features(policy, test)
+            row = {"model": name, "spec": spec, "features": x_train.shape[1]}
+            row |= probe(x_train, y_train, x_test, y_test, len(WORDS), args.steps)
+            row["seconds"] = round(time.perf_counter() - t0, 1)
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+    out = Path(args.out)
+    record = {
+        "benchmark": "word_probe",
+        "words": len(WORDS),
+        "chance": round(1 / len(WORDS), 4),
+        "train_words": len(train),
+        "test_words": len(test),
+        "window_screen_px": WINDOW_SCREEN_PX,
+        "rows": rows,
+    }
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1))
+    md = [
+        "# Word probe (issue 33): are the words in the image tokens?\n",
+        f"A linear probe on the merged image tokens in a {WINDOW_SCREEN_PX[0]}x{WINDOW_SCREEN_PX[1]} screen-px "
+        f"window around each word of `texts8` screens; {len(WORDS)} words (chance {1 / len(WORDS):.3f}); "
+        f"{len(train)} training words, {len(test)} held-out words on other screens.\n",
+        "| model | features | probe train acc | held-out acc |",
+        "|---|---|---|---|",
+        *(f"| {r['model']} | {r['features']} | {r['train_acc']:.2f} | {r['test_acc']:.2f} |" for r in rows),
+    ]
+    out.with_suffix(".md").write_text("\n".join(md) + "\n")
+    print("\n".join(md))
+
+
+if __name__ == "__main__":
+    main()
