@@ -100,4 +100,4 @@ def test_word_probe_reads_the_tokens_window_around_each_word_and_scores_other_sc
     assert [r["model"] for r in rec["rows"]] == ["px", "rand"]
     assert rec["rows"][0]["features"] == 84 * 56 and rec["rows"][1]["features"] == 6 * 128  # 3 x 2 tokens
     assert rec["test_words"] >= 12 and 0 <= rec["rows"][1]["test_acc"] <= 1
-    assert "| rand | 768 |" in out.with_suffix(".md").read_text()
+    assert "| rand | 768 |" in out.with_suffix(".md").read_text() and 0 <= rec["rows"][1]["mlp_test_acc"] <= 1
