@@ -11,7 +11,7 @@ Decisions:
   int is accepted for float, floats must be finite); nested sections are nested dataclasses (`train.replay`).
 - **Dotted overrides.** Overrides use DVC's dotted syntax (`train.replay.enabled=false`, values parsed as
   YAML) so that `dvc exp run -S`, the CLI and Prefect deployment parameters mean the same thing; a list
-  item is named by its index, as in DVC and Hydra (`ground.phases.0.seed=21`).
+  item is named by its index (`ground.phases.0.seed=21`: one phase's seed, the rest of the list as set).
 - **One default per field.** Every field has exactly one default, its dataclass default, equal to the embedded
   default pipeline, so a partial params file is valid; `params.yaml` in the repo lists every key anyway, for
   discoverability (its values win where they differ). An empty params file is an error, not the

@@ -36,6 +36,10 @@ Decisions:
   to read from transcripts, while the screen, the instruction and the action stay the same. What the
   policy is asked at inference does not change; its greedy reply is longer (an 8-word screen: 44 tokens
   with the tiny tokenizer, under `policy.max_new_tokens` 64). Real MiniWoB screens keep their thought.
+  Measured, and not to be used for clicks: `presets/ground-reading-aloud.yaml` against its control
+  `ground-reading-2l` at the end of the colour level (4,000 steps, the same screens): box1h 0.55 vs 0.97,
+  box4 0.05 vs 0.44, boxes8 0.03 vs 0.27 (the held-out hit rates); decision "Reading examples" says why
+  and what replaced it. The option stays so that the measurement re-runs.
 - **Reading examples.** Reading aloud before the click broke the click (measured: the 2-layer base's
   held-out box1h hit rate fell from 0.95 to 0.11 in 1,000 steps, box4 to 0.06): the tiny policy reads a
   target's position through relative rotary positions between the coordinate tokens and the image, and a
