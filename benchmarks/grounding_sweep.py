@@ -71,6 +71,8 @@ def levers() -> dict[str, dict]:
         "xs-l4-v2": {"size": size(layers=4, vision_hidden=128, vision_depth=2), "res": 1.0},
         "xs-l4-v2-r2": {"size": size(layers=4, vision_hidden=128, vision_depth=2), "res": 2.0},
         "xs-l6-v2": {"size": size(layers=6, vision_hidden=128, vision_depth=2), "res": 1.0},
+        "xs-v4": {"size": size(vision_hidden=256, vision_depth=4), "res": 1.0},
+        "xs-v4-r2": {"size": size(vision_hidden=256, vision_depth=4), "res": 2.0},
         "s": {"size": SIZES["s"], "res": 1.0},
         "s-r2": {"size": SIZES["s"], "res": 2.0},
     }

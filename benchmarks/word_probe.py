@@ -12,7 +12,10 @@ in a fixed window of screen around each word, and fits a linear classifier of wh
         --model "grounded-xs 2x=assets/checkpoints/grounded-xs@134400" --model random=init
 
 `NAME=DIR[@MIN_PIXELS]`: a checkpoint, optionally at another visual resolution; `init` builds a freshly
-initialised xs policy (random features); `pixels` probes the pixels of the 1x tokens' window themselves,
+initialised xs policy (random features); `tower:LEVER` builds the vision tower of one of
+`grounding_sweep.py`'s levers fresh and trains it, with a linear head on the same window, to name the word
+directly on fresh screens for `--tower-seconds` (the tower's capacity to read when reading is what it is
+taught, the policy's language model left out), then probes it like the others; `pixels` probes the pixels of the 1x tokens' window themselves,
 `pixels-centred` a window of that size centred on the word (what a probe reads without a token grid's
 offsets). Writes benchmarks/results/word_probe.{json,md}.
 """
@@ -51,9 +54,12 @@ def word_items(n_screens: int, seed: int) -> list[tuple]:
     return items
 
 
-def token_features(policy, items: list[tuple]) -> torch.Tensor:  # noqa: F821
+def token_features(policy, items: list[tuple], grad: bool = False) -> torch.Tensor:  # noqa: F821
     """The merged image tokens (the language model's image inputs) in the window around each word,
-    concatenated in raster order (zeros off the image): (len(items), window tokens x hidden)."""
+    concatenated in raster order (zeros off the image): (len(items), window tokens x hidden); with `grad`
+    differentiable in the vision tower."""
+    from contextlib import nullcontext
+
     import torch
 
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
@@ -65,7 +71,7 @@ def token_features(policy, items: list[tuple]) -> torch.Tensor:  # noqa: F821
     for img, _, box in items:
         if id(img) not in by_image:
             pixels, grid = image_inputs(proc, [img])
-            with torch.no_grad():
+            with nullcontext() if grad else torch.no_grad():
                 out = policy.model.model.visual(pixels, grid_thw=grid)
             tokens = getattr(out, "pooler_output", out)
             rows, cols = int(grid[0, 1]) // int(proc.merge_size), int(grid[0, 2]) // int(proc.merge_size)
@@ -77,12 +83,13 @@ def token_features(policy, items: list[tuple]) -> torch.Tensor:  # noqa: F821
         tok, sy, sx = by_image[id(img)]
         rows, cols, hidden = tok.shape
         r0, c0, nh, nw = window(box, sx, sy, unit)
-        win = torch.zeros(nh, nw, hidden)
-        for i in range(nh):
-            for j in range(nw):
-                if 0 <= r0 + i < rows and 0 <= c0 + j < cols:
-                    win[i, j] = tok[r0 + i, c0 + j]
-        feats.append(win.flatten())
+        zero = torch.zeros(hidden)
+        win = [
+            tok[r0 + i, c0 + j] if 0 <= r0 + i < rows and 0 <= c0 + j < cols else zero
+            for i in range(nh)
+            for j in range(nw)
+        ]
+        feats.append(torch.cat(win))
     return torch.stack(feats)
 
 
@@ -152,12 +159,50 @@ def probe(x_train, y_train, x_test, y_test, classes: int, steps: int = 400, hidd
         }
 
 
+def train_tower(policy, seconds: float, batch_screens: int = 8, lr: float = 1e-3, seed: int = 3) -> dict:
+    """Train `policy`'s vision tower and a linear head on its window tokens to name the word (cross-entropy)
+    on fresh `texts8` screens for `seconds`; returns the steps and seconds per step."""
+    import torch
+
+    from arpo_core.offline.grounding import WORDS
+
+    index = {w: i for i, w in enumerate(WORDS)}
+    width = token_features(policy, word_items(1, seed=10**6)).shape[1]
+    head = torch.nn.Linear(width, len(WORDS))
+    visual = policy.model.model.visual
+    params = [*visual.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    visual.train()
+    t0, steps, loss = time.perf_counter(), 0, None
+    while time.perf_counter() - t0 < seconds:
+        items = word_items(batch_screens, seed=seed * 10**6 + steps)
+        x = token_features(policy, items, grad=True)
+        y = torch.tensor([index[w] for _, w, _ in items])
+        loss = torch.nn.functional.cross_entropy(head(x), y)
+        opt.zero_grad()
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        steps += 1
+    visual.eval()
+    secs = time.perf_counter() - t0
+    return {
+        "tower_steps": steps,
+        "tower_s_per_step": round(secs / max(steps, 1), 3),
+        "tower_last_loss": None if loss is None else round(float(loss), 4),
+    }
+
+
 def load(spec: str, workdir: Path):
     from arpo_core.policy.model import build_tiny_policy, load_policy
 
     path, _, pixels = spec.partition("@")
     if path == "init":
         return build_tiny_policy(workdir / "init", size="xs")
+    if path.startswith("tower:"):
+        import grounding_sweep
+
+        return grounding_sweep.build(path.removeprefix("tower:"), workdir / path.replace(":", "-"))
     return load_policy(path, min_pixels=int(pixels) if pixels else None)
 
 
@@ -172,6 +217,7 @@ def main() -> None:
     ap.add_argument("--test-screens", type=int, default=200)
     ap.add_argument("--steps", type=int, default=400, help="probe optimiser steps")
     ap.add_argument("--hidden", type=int, default=256, help="the MLP probe's hidden width")
+    ap.add_argument("--tower-seconds", type=float, default=300.0, help="training time of a tower:LEVER")
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "word_probe"))
     args = ap.parse_args()
     torch.set_num_threads(1)
@@ -182,7 +228,7 @@ def main() -> None:
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in (m.split("=", 1) for m in args.model):
-            t0 = time.perf_counter()
+            t0, trained = time.perf_counter(), {}
             if spec in ("pixels", "pixels-centred"):
                 centred = spec == "pixels-centred"
                 x_train, x_test = (
@@ -191,11 +237,13 @@ def main() -> None:
                 )
             else:
                 policy = load(spec, Path(tmp))
+                if spec.startswith("tower:"):
+                    trained = train_tower(policy, args.tower_seconds)
                 x_train, x_test = token_features(policy, train), token_features(policy, test)
             row = {"model": name, "spec": spec, "features": x_train.shape[1]}
             row |= probe(x_train, y_train, x_test, y_test, len(WORDS), args.steps)
             mlp = probe(x_train, y_train, x_test, y_test, len(WORDS), args.steps, hidden=args.hidden)
-            row |= {f"mlp_{k}": v for k, v in mlp.items()}
+            row |= {f"mlp_{k}": v for k, v in mlp.items()} | trained
             row["seconds"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
             print(json.dumps(row), flush=True)
