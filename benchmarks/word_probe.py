@@ -39,8 +39,15 @@ WINDOW_SCREEN_PX = (84, 56)
 merged tokens by two at the tiny policy's 1x resolution, more at a higher one."""
 
 
-def word_items(n_screens: int, seed: int) -> list[tuple]:
-    """(screen image, word, screen box) for every word on `n_screens` fresh `texts8` screens."""
+def names_of(level: str) -> list[str]:
+    """What a level's look-alikes are told apart by: colours (`boxes8`) or words (the word levels)."""
+    from arpo_core.offline.grounding import COLORS, WORDS
+
+    return sorted(COLORS) if level.startswith("box") else list(WORDS)
+
+
+def word_items(n_screens: int, seed: int, level: str = "texts8") -> list[tuple]:
+    """(screen image, name, screen box) for every look-alike on `n_screens` fresh screens of `level`."""
     from PIL import Image, ImageDraw
 
     from arpo_core.offline.grounding import LEVELS, SCREEN_H, SCREEN_W
@@ -49,7 +56,7 @@ def word_items(n_screens: int, seed: int) -> list[tuple]:
     items = []
     for _ in range(n_screens):
         img = Image.new("RGB", (SCREEN_W, SCREEN_H), (255, 255, 255))
-        _, _, _, seen = LEVELS["texts8"](rng, ImageDraw.Draw(img))
+        _, _, _, seen = LEVELS[level](rng, ImageDraw.Draw(img))
         items += [(img, word, box) for box, word in seen]
     return items
 
@@ -159,23 +166,24 @@ def probe(x_train, y_train, x_test, y_test, classes: int, steps: int = 400, hidd
         }
 
 
-def train_tower(policy, seconds: float, batch_screens: int = 8, lr: float = 1e-3, seed: int = 3) -> dict:
-    """Train `policy`'s vision tower and a linear head on its window tokens to name the word (cross-entropy)
-    on fresh `texts8` screens for `seconds`; returns the steps and seconds per step."""
+def train_tower(
+    policy, seconds: float, level: str = "texts8", batch_screens: int = 8, lr: float = 1e-3, seed: int = 3
+) -> dict:
+    """Train `policy`'s vision tower and a linear head on its window tokens to name the look-alike
+    (cross-entropy) on fresh screens of `level` for `seconds`; returns the steps and seconds per step."""
     import torch
 
-    from arpo_core.offline.grounding import WORDS
-
-    index = {w: i for i, w in enumerate(WORDS)}
-    width = token_features(policy, word_items(1, seed=10**6)).shape[1]
-    head = torch.nn.Linear(width, len(WORDS))
+    names = names_of(level)
+    index = {w: i for i, w in enumerate(names)}
+    width = token_features(policy, word_items(1, seed=10**6, level=level)).shape[1]
+    head = torch.nn.Linear(width, len(names))
     visual = policy.model.model.visual
     params = [*visual.parameters(), *head.parameters()]
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
     visual.train()
     t0, steps, loss = time.perf_counter(), 0, None
     while time.perf_counter() - t0 < seconds:
-        items = word_items(batch_screens, seed=seed * 10**6 + steps)
+        items = word_items(batch_screens, seed=seed * 10**6 + steps, level=level)
         x = token_features(policy, items, grad=True)
         y = torch.tensor([index[w] for _, w, _ in items])
         loss = torch.nn.functional.cross_entropy(head(x), y)
@@ -209,8 +217,6 @@ def load(spec: str, workdir: Path):
 def main() -> None:
     import torch
 
-    from arpo_core.offline.grounding import WORDS
-
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", action="append", required=True, help="NAME=DIR[@MIN_PIXELS] or NAME=init")
     ap.add_argument("--train-screens", type=int, default=600)
@@ -218,11 +224,16 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="probe optimiser steps")
     ap.add_argument("--hidden", type=int, default=256, help="the MLP probe's hidden width")
     ap.add_argument("--tower-seconds", type=float, default=300.0, help="training time of a tower:LEVER")
+    ap.add_argument(
+        "--level", default="texts8", help="the screens: a word level, or boxes8 (colours) as a control"
+    )
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "word_probe"))
     args = ap.parse_args()
     torch.set_num_threads(1)
-    train, test = word_items(args.train_screens, seed=1), word_items(args.test_screens, seed=2)
-    index = {w: i for i, w in enumerate(WORDS)}
+    names = names_of(args.level)
+    train = word_items(args.train_screens, seed=1, level=args.level)
+    test = word_items(args.test_screens, seed=2, level=args.level)
+    index = {w: i for i, w in enumerate(names)}
     y_train = torch.tensor([index[w] for _, w, _ in train])
     y_test = torch.tensor([index[w] for _, w, _ in test])
     rows = []
@@ -238,11 +249,11 @@ def main() -> None:
             else:
                 policy = load(spec, Path(tmp))
                 if spec.startswith("tower:"):
-                    trained = train_tower(policy, args.tower_seconds)
+                    trained = train_tower(policy, args.tower_seconds, level=args.level)
                 x_train, x_test = token_features(policy, train), token_features(policy, test)
             row = {"model": name, "spec": spec, "features": x_train.shape[1]}
-            row |= probe(x_train, y_train, x_test, y_test, len(WORDS), args.steps)
-            mlp = probe(x_train, y_train, x_test, y_test, len(WORDS), args.steps, hidden=args.hidden)
+            row |= probe(x_train, y_train, x_test, y_test, len(names), args.steps)
+            mlp = probe(x_train, y_train, x_test, y_test, len(names), args.steps, hidden=args.hidden)
             row |= {f"mlp_{k}": v for k, v in mlp.items()} | trained
             row["seconds"] = round(time.perf_counter() - t0, 1)
             rows.append(row)
@@ -250,8 +261,9 @@ def main() -> None:
     out = Path(args.out)
     record = {
         "benchmark": "word_probe",
-        "words": len(WORDS),
-        "chance": round(1 / len(WORDS), 4),
+        "level": args.level,
+        "words": len(names),
+        "chance": round(1 / len(names), 4),
         "train_words": len(train),
         "test_words": len(test),
         "window_screen_px": WINDOW_SCREEN_PX,
@@ -261,8 +273,8 @@ def main() -> None:
     md = [
         "# Word probe (issue 33): are the words in the image tokens?\n",
         f"A linear probe on the merged image tokens in a {WINDOW_SCREEN_PX[0]}x{WINDOW_SCREEN_PX[1]} screen-px "
-        f"window around each word of `texts8` screens; {len(WORDS)} words (chance {1 / len(WORDS):.3f}); "
-        f"{len(train)} training words, {len(test)} held-out words on other screens.\n",
+        f"window around each look-alike of `{args.level}` screens; {len(names)} names (chance "
+        f"{1 / len(names):.3f}); {len(train)} training items, {len(test)} held-out items on other screens.\n",
         f"Held-out accuracy of a linear probe and of an MLP probe ({args.hidden} hidden); train accuracy in "
         "brackets.\n",
         "| model | features | linear | MLP |",

@@ -103,3 +103,10 @@ def test_word_probe_reads_the_tokens_window_around_each_word_and_scores_other_sc
     assert rec["rows"][0]["features"] == 84 * 56 and rec["rows"][1]["features"] == 6 * 128  # 3 x 2 tokens
     assert rec["test_words"] >= 12 and 0 <= rec["rows"][1]["test_acc"] <= 1
     assert "| rand | 768 |" in out.with_suffix(".md").read_text() and 0 <= rec["rows"][1]["mlp_test_acc"] <= 1
+    # the colour control: the boxes' colours are the names
+    cmd = [sys.executable, "benchmarks/word_probe.py", "--model", "px=pixels", "--level", "boxes8"]
+    cmd += ["--train-screens", "8", "--test-screens", "4", "--steps", "5", "--out", str(tmp_path / "colours")]
+    res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads((tmp_path / "colours.json").read_text())
+    assert (rec["level"], rec["words"], rec["chance"]) == ("boxes8", 10, 0.1)
