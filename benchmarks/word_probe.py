@@ -15,9 +15,10 @@ in a fixed window of screen around each word, and fits a linear classifier of wh
 initialised xs policy (random features); `tower:LEVER` builds the vision tower of one of
 `grounding_sweep.py`'s levers fresh and trains it, with a linear head on the same window, to name the word
 directly on fresh screens for `--tower-seconds` (the tower's capacity to read when reading is what it is
-taught, the policy's language model left out), then probes it like the others; `pixels` probes the pixels of the 1x tokens' window themselves,
-`pixels-centred` a window of that size centred on the word (what a probe reads without a token grid's
-offsets). Writes benchmarks/results/word_probe.{json,md}.
+taught, the policy's language model left out), then probes it like the others; `pixels` probes the pixels
+of the 1x tokens' window themselves, `pixels-centred` a window of that size centred on the word (what a
+probe reads without a token grid's offsets). `--level boxes8` asks for the boxes' colours instead (the
+control). Writes benchmarks/results/word_probe.{json,md} (`--out`).
 """
 
 from __future__ import annotations

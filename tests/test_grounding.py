@@ -385,6 +385,21 @@ def test_read_share_zero_keeps_the_stream_and_a_share_mixes_reading_into_trainin
     assert 0 < sum(e.answer is not None for e in seen) < len(seen)
 
 
+def test_without_a_gate_the_hit_rate_is_the_click_sets_lowest_and_reading_sets_get_a_read_score(
+    tmp_path, one_thread
+):
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    heldout = {
+        "box1h": synthetic_examples(2, {"box1h": 1.0}, seed=1),
+        "boxes8": synthetic_examples(2, {"boxes8": 1.0}, seed=2),
+        "read-boxes8": synthetic_examples(2, {"boxes8": 1.0}, seed=2, read=True),
+    }
+    cfg = GroundConfig(steps=1, batch_size=2, warmup_steps=0, eval_every=1, mix={"box1h": 1.0})
+    ev = train_grounding(policy, cfg, system="compact", max_new_tokens=8, heldout=heldout)["evals"][-1]
+    assert 0.0 <= ev["read-boxes8/read_score"] <= 1.0 and "read-boxes8/hit_rate" not in ev
+    assert ev["hit_rate"] == min(ev["box1h/hit_rate"], ev["boxes8/hit_rate"])
+
+
 def test_column_layout_puts_the_named_checkbox_at_any_row():
     rng = random.Random(9)
     rows = {round(synthetic_example(rng, "checks8").target[1]) for _ in range(200)}

@@ -811,7 +811,7 @@ def _apply_override(out: dict[str, Any], item: str, provenance: Provenance | Non
             raise ConfigError(f"override {item!r}: '{path[-1]}' is not a section")
         if len(path) == len(keys):
             break
-        if k not in node and isinstance(node, dict):
+        if isinstance(node, dict) and k not in node:
             node[k] = {}
             if provenance is not None:
                 provenance.replace(tuple(path), {}, lambda _: source)

@@ -420,8 +420,13 @@ def read_aloud(seen: Sequence[tuple[tuple[int, int, int, int], str]], thought: s
     ...            "I will click the button ok.")
     'I see next, back, ok. I will click the button ok.'
     """
-    ordered = sorted(seen, key=lambda s: (s[0][1], s[0][0]))
-    return f"I see {', '.join(name for _, name in ordered)}. {thought}"
+    return f"I see {', '.join(name for _, name in _reading_order(seen))}. {thought}"
+
+
+def _reading_order(seen: Sequence[tuple[tuple[int, int, int, int], str]]) -> list:
+    """`seen` (screen box, name) pairs top to bottom, then left to right by the box's top-left corner: the
+    one order of reading aloud and of reading examples."""
+    return sorted(seen, key=lambda s: (s[0][1], s[0][0]))
 
 
 def read_score(reply: str, answer: str) -> float:
@@ -473,7 +478,7 @@ def synthetic_example(
     instr, box, thought, seen = LEVELS[level](rng, draw)
     answer = None
     if read:
-        ordered = sorted(seen, key=lambda s: (s[0][1], s[0][0]))
+        ordered = _reading_order(seen)
         box, answer = ordered[0][0], ", ".join(name for _, name in ordered)
         instr, thought = (
             f"Read the {READ_NOUNS[level]} from top to bottom.",
@@ -666,8 +671,9 @@ def train_grounding(
     synthetic; without one all are synthetic. The loss is BC's token-mean NLL of the reply
     (decision "Grounding example"). History: {"loss": [per step], "evals": [{"step", "seconds", **metrics}],
     "seconds": total}; with several named held-out sets (a mapping) an evaluation has `<name>/<measure>`
-    keys and `hit_rate`, the lowest of the `gate` sets' (default: all). With `config.until_hit` the loop
-    ends at the first evaluation whose `hit_rate` reaches it (history "stopped_at"). With `eval_every` the
+    keys and `hit_rate`, the lowest of the `gate` sets' (default: every click set, not a reading set).
+    With `config.until_hit` the loop ends at the first evaluation whose `hit_rate` reaches it (history
+    "stopped_at"). With `eval_every` the
     start is measured too (step 0, no loss yet; a start that already reaches `until_hit` trains no step).
     `callback` gets each evaluation dict as it is made (for a driver to print or save, the stage to log).
     With `checkpoint` (a file path) the loop saves its state there every `checkpoint_every_s` seconds and at
@@ -803,8 +809,9 @@ def _measure(
     pattern: float,
     gate: Sequence[str] | None = None,
 ) -> dict:
-    """One evaluation's measures: a list's GroundMetrics, or per named set `<name>/<measure>` plus
-    `hit_rate`, the lowest of the `gate` sets' (default all; the one `until_hit` waits for)."""
+    """One evaluation's measures: a list's GroundMetrics, or per named set `<name>/<measure>` (a reading
+    set: `read_score`) plus `hit_rate`, the lowest of the `gate` sets' (default every click set; the one
+    `until_hit` waits for)."""
     if not isinstance(heldout, Mapping):
         return evaluate_grounding(
             policy, heldout, system=system, max_new_tokens=max_new_tokens, pattern=pattern
@@ -817,7 +824,8 @@ def _measure(
             continue
         m = evaluate_grounding(policy, exs, system=system, max_new_tokens=max_new_tokens, pattern=pattern)
         out |= {f"{name}/{k}": v for k, v in m.as_dict().items()}
-    out["hit_rate"] = min(out[f"{name}/hit_rate"] for name in (heldout if gate is None else gate))
+    gated = [n for n in heldout if f"{n}/hit_rate" in out] if gate is None else gate
+    out["hit_rate"] = min(out[f"{name}/hit_rate"] for name in gated)
     return out
 
 
@@ -977,7 +985,8 @@ def greedy_replies(
     max_new_tokens: int,
     batch_size: int = 32,
 ) -> list[str]:
-    """`policy`'s greedy replies (at most `max_new_tokens` tokens) to the examples' screens and instructions."""
+    """`policy`'s greedy replies (at most `max_new_tokens` tokens each) to the examples' screens and
+    instructions."""
     from arpo_core.policy.generate import HFGenerator
 
     gen = HFGenerator(policy, spec=PromptSpec(system, None))
