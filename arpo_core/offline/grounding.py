@@ -49,6 +49,18 @@ Decisions:
   colour or word in reading order, while the click examples keep their short thought. The embeddings are
   tied, so reading pulls a patch's features toward the very word embedding the click's instruction
   carries. Held-out reading sets (`read-<level>`, the click set's screens) are scored by `read_score`.
+- **Naming loss.** The reading levels' clicks picked the named word at chance, and a probe of the
+  merged image tokens found no word in them (benchmarks/word_probe.py): the vision tower never built glyph
+  features. Two causes, both measured on the probe's word screens: a click among look-alikes supervises
+  the tower only through a few coordinate digits, and a tiny tower at the language model's learning rate
+  (1e-3) does not learn words even when taught to name them directly (it stays at the chance loss for
+  4,000 steps), where at 3e-4 the same tower and data do (the loss leaves chance after ~1,500 steps). So
+  a phase may add a naming loss (`name_weight`): a linear head (`NameHead`, the phase's own, saved in its
+  checkpoint and discarded at the end: the saved policy stays a stock Qwen2.5-VL) names every look-alike
+  of the batch's synthetic screens, its colour ("red box") or word (`NAMES`), from the merged image tokens
+  in a fixed screen window around it (`name_window`, `window_tokens`), the tokens the language model
+  gets; and `vision_lr_scale` gives the tower its own learning rate. The phase's curves add the head's
+  held-out accuracy (`<set>/name_acc`).
 - **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
   pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
   spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
@@ -175,6 +187,9 @@ class GroundExample:
     answer: str | None = None
     """A reading example's answer (decision "Reading examples"): the reply is `finished(content=answer)`,
     not a click; `target` and `bbox` are then the first item read."""
+    named: tuple[tuple[tuple[float, float, float, float], str], ...] = ()
+    """A synthetic screen's every look-alike, the target included, as (box in model pixels, its label in
+    `NAMES`): what the naming loss names (decision "Naming loss"); empty on real screens."""
 
     @property
     def reply(self) -> str:
@@ -491,7 +506,9 @@ def synthetic_example(
     sx, sy = _scale((SCREEN_W, SCREEN_H), model_size)
     centre, mbox = _to_model_box(box, sx, sy)
     others = tuple(_to_model_box(b, sx, sy)[1] for b, _ in seen if b != box)
-    return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought, others, answer)
+    colours = level.startswith(("big", "box"))
+    named = tuple((_to_model_box(b, sx, sy)[1], f"{n} box" if colours else n) for b, n in seen)
+    return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought, others, answer, named)
 
 
 def synthetic_examples(
@@ -507,6 +524,65 @@ def synthetic_examples(
     rng = random.Random(seed)
     names, weights = zip(*sorted(mix.items()), strict=True)
     return [synthetic_example(rng, rng.choices(names, weights)[0], model_size, aloud, read) for _ in range(n)]
+
+
+# ----------------------------------------------------------------------------------------------------
+# Naming loss (decision "Naming loss")
+
+NAMES: tuple[str, ...] = (*(f"{c} box" for c in sorted(COLORS)), *WORDS)
+"""The labels the naming loss tells apart: a box's colour ("red box"), or a widget's word."""
+
+NAME_WINDOW_SCREEN_PX = (84, 56)
+"""The screen region around a look-alike's centre whose merged image tokens the naming head reads (width,
+height): 3 x 2 tokens of the tiny policy at 1x, more at a higher visual resolution."""
+
+
+def name_window(
+    box: tuple[float, float, float, float], scale: tuple[float, float], unit: int
+) -> tuple[int, int, int, int]:
+    """(first row, first column, rows, columns) of the merged image tokens around `box` (model pixels) on a
+    token grid of `unit` model px, `scale` the model pixels per screen pixel (x, y): a window of
+    `NAME_WINDOW_SCREEN_PX` screen px, the same number of tokens wherever the box is.
+
+    >>> name_window((40.0, 30.0, 60.0, 40.0), (1.05, 1.07), 28)
+    (0, 0, 2, 3)
+    """
+    cx, cy = (box[0] + box[2]) / 2 / unit, (box[1] + box[3]) / 2 / unit  # in tokens
+    half_w = NAME_WINDOW_SCREEN_PX[0] / 2 * scale[0] / unit
+    half_h = NAME_WINDOW_SCREEN_PX[1] / 2 * scale[1] / unit
+    return math.floor(cy - half_h + 0.5), math.floor(cx - half_w + 0.5), round(2 * half_h), round(2 * half_w)
+
+
+def window_tokens(
+    policy: Policy,
+    images: Sequence[Image.Image],
+    boxes: Sequence[Sequence[tuple[float, float, float, float]]],
+) -> torch.Tensor:
+    """The merged image tokens (what the language model gets from the vision tower) in the `name_window`
+    of each box of each image (`boxes[i]` in model pixels of image i's frame), concatenated in raster order,
+    zeros off the image -> (boxes in all, window tokens x hidden); differentiable in the vision tower. One
+    tower call for all images."""
+    from arpo_core.policy.model import image_inputs
+
+    proc = policy.processor.image_processor
+    merge = int(proc.merge_size)
+    unit = int(proc.patch_size) * merge
+    pixels, grid = image_inputs(proc, list(images))
+    out = policy.model.model.visual(pixels.to(policy.device), grid_thw=grid.to(policy.device))
+    tokens = getattr(out, "pooler_output", out)
+    feats, at = [], 0
+    for img, img_boxes, (_, gh, gw) in zip(images, boxes, grid.tolist(), strict=True):
+        rows, cols = gh // merge, gw // merge
+        tok = tokens[at : at + rows * cols].reshape(rows, cols, -1)
+        at += rows * cols
+        scale = (cols * unit / img.size[0], rows * unit / img.size[1])
+        padded = None
+        for box in img_boxes:
+            r0, c0, nh, nw = name_window(box, scale, unit)
+            if padded is None:  # zeros around the grid, as wide as a window
+                padded = torch.nn.functional.pad(tok, (0, 0, nw, nw, nh, nh))
+            feats.append(padded[r0 + nh : r0 + 2 * nh, c0 + nw : c0 + 2 * nw].reshape(-1))
+    return torch.stack(feats)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -687,15 +763,27 @@ def train_grounding(
     device = policy.device
     rng = random.Random(config.seed)
     msize = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
-    optimizer = torch.optim.AdamW(
-        model.parameters(), lr=config.optimizer.lr, weight_decay=config.optimizer.weight_decay
-    )
+    lr = config.optimizer.lr
+    if config.vision_lr_scale == 1:
+        groups = [{"params": list(model.parameters()), "lr": lr}]
+    else:
+        tower = list(model.model.visual.parameters())
+        ids = {id(p) for p in tower}
+        lm = [p for p in model.parameters() if id(p) not in ids]
+        groups = [{"params": lm, "lr": lr}, {"params": tower, "lr": lr * config.vision_lr_scale}]
+    head = None
+    if config.name_weight:  # the naming loss's head: the phase's own, in its checkpoint, then discarded
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            head = NameHead(*_name_window_shape(policy, msize)).to(device)
+        groups.append({"params": list(head.parameters()), "lr": lr})
+    optimizer = torch.optim.AdamW(groups, weight_decay=config.optimizer.weight_decay)
     sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
     )
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.optimizer.bf16 else nullcontext()
     order: list[int] = []
-    history: dict = {"loss": [], "evals": []}
+    history: dict = {"loss": [], "evals": []} | ({"name_loss": []} if head is not None else {})
     t0 = time.perf_counter()
     done = 0
     fingerprint = _fingerprint(config, system, examples) if checkpoint is not None else None
@@ -707,6 +795,8 @@ def train_grounding(
                 f"(fingerprint {state['fingerprint']}, this run's {fingerprint}): remove it to start over"
             )
         model.load_state_dict(state["model"])
+        if head is not None:
+            head.load_state_dict(state["head"])
         optimizer.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         rng.setstate(state["rng"])
@@ -723,6 +813,7 @@ def train_grounding(
             "fingerprint": fingerprint,
             "step": step,
             "model": model.state_dict(),
+            "head": None if head is None else head.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": sched.state_dict(),
             "rng": rng.getstate(),
@@ -739,6 +830,8 @@ def train_grounding(
         """Measure the held-out sets at `step`; True when `until_hit` is reached."""
         ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1)}
         ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
+        if head is not None:
+            ev |= _name_accuracy(policy, head, heldout)
         if history["loss"]:  # none yet at step 0
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
         history["evals"].append(ev)
@@ -778,9 +871,24 @@ def train_grounding(
         with autocast:
             logps, mask = sequence_logprobs(model, batch)  # (B, T) each
         loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
+        total = loss
+        if head is not None:
+            named = [e for e in batch_ex if e.named]
+            if named:
+                with autocast:
+                    logits = head(
+                        window_tokens(
+                            policy, [e.image for e in named], [[b for b, _ in e.named] for e in named]
+                        )
+                    )
+                labels = torch.tensor([NAMES.index(n) for e in named for _, n in e.named], device=device)
+                name_loss = torch.nn.functional.cross_entropy(logits.float(), labels)
+                total = loss + config.name_weight * name_loss
+                history["name_loss"].append(float(name_loss.detach()))
         optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
+        total.backward()
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        torch.nn.utils.clip_grad_norm_(params, config.optimizer.max_grad_norm)
         optimizer.step()
         sched.step()
         history["loss"].append(float(loss.detach()))
@@ -826,6 +934,57 @@ def _measure(
         out |= {f"{name}/{k}": v for k, v in m.as_dict().items()}
     gated = [n for n in heldout if f"{n}/hit_rate" in out] if gate is None else gate
     out["hit_rate"] = min(out[f"{name}/hit_rate"] for name in gated)
+    return out
+
+
+def _name_window_shape(policy: Policy, msize: tuple[int, int]) -> tuple[int, int]:
+    """(tokens in a `name_window`, the language model's hidden size) at the policy's resolution."""
+    proc = policy.processor.image_processor
+    unit = int(proc.patch_size) * int(proc.merge_size)
+    _, _, nh, nw = name_window((0.0, 0.0, 0.0, 0.0), (msize[0] / SCREEN_W, msize[1] / SCREEN_H), unit)
+    return nh * nw, int(policy.model.config.text_config.hidden_size)
+
+
+class NameHead(torch.nn.Module):
+    """The naming loss's head: each window token layer-normalised without parameters (the tower's
+    tokens are as large as the language model's inputs need, tens of units, so the loss starts at chance
+    whatever their scale), then one linear map of the window to `NAMES` logits."""
+
+    def __init__(self, tokens: int, hidden: int):
+        super().__init__()
+        self.hidden = hidden
+        self.linear = torch.nn.Linear(tokens * hidden, len(NAMES))
+
+    def forward(self, windows: torch.Tensor) -> torch.Tensor:
+        x = windows.reshape(windows.shape[0], -1, self.hidden).float()
+        x = torch.nn.functional.layer_norm(x, (self.hidden,))
+        return self.linear(x.reshape(windows.shape[0], -1))
+
+
+@torch.no_grad()
+def _name_accuracy(
+    policy: Policy,
+    head: torch.nn.Module,
+    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
+) -> dict:
+    """The naming head's accuracy on each held-out set's look-alikes (`<set>/name_acc`; a list: `name_acc`),
+    for the sets of synthetic screens; the read sets repeat their click set's screens and are skipped."""
+    sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
+    out = {}
+    for name, exs in sets.items():
+        exs = [e for e in exs if e.named and e.answer is None]
+        if not exs:
+            continue
+        hits = 0
+        for i in range(0, len(exs), 16):
+            part = exs[i : i + 16]
+            logits = head(
+                window_tokens(policy, [e.image for e in part], [[b for b, _ in e.named] for e in part])
+            )
+            labels = torch.tensor([NAMES.index(n) for e in part for _, n in e.named], device=logits.device)
+            hits += int((logits.argmax(-1) == labels).sum())
+        total = sum(len(e.named) for e in exs)
+        out[f"{name}/name_acc" if name else "name_acc"] = round(hits / total, 4)
     return out
 
 
