@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import tempfile
@@ -34,10 +33,6 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-
-WINDOW_SCREEN_PX = (84, 56)
-"""The screen region around a word's centre whose image tokens the probe reads (width, height): three
-merged tokens by two at the tiny policy's 1x resolution, more at a higher one."""
 
 
 def names_of(level: str) -> list[str]:
@@ -65,48 +60,26 @@ def word_items(n_screens: int, seed: int, level: str = "texts8") -> list[tuple]:
 def token_features(policy, items: list[tuple], grad: bool = False) -> torch.Tensor:  # noqa: F821
     """The merged image tokens (the language model's image inputs) in the window around each word,
     concatenated in raster order (zeros off the image): (len(items), window tokens x hidden); with `grad`
-    differentiable in the vision tower."""
+    differentiable in the vision tower (`grounding.window_tokens`, what the ground stage's naming loss
+    reads)."""
     from contextlib import nullcontext
 
     import torch
 
-    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
-    from arpo_core.policy.model import image_inputs
+    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, window_tokens
+    from arpo_core.policy.prompt import model_image_size
 
-    proc = policy.processor.image_processor
-    unit = int(proc.patch_size) * int(proc.merge_size)  # model pixels per merged token
-    feats, by_image = [], {}
-    for img, _, box in items:
-        if id(img) not in by_image:
-            pixels, grid = image_inputs(proc, [img])
-            with nullcontext() if grad else torch.no_grad():
-                out = policy.model.model.visual(pixels, grid_thw=grid)
-            tokens = getattr(out, "pooler_output", out)
-            rows, cols = int(grid[0, 1]) // int(proc.merge_size), int(grid[0, 2]) // int(proc.merge_size)
-            by_image[id(img)] = (
-                tokens.reshape(rows, cols, -1),
-                rows * unit / SCREEN_H,
-                cols * unit / SCREEN_W,
-            )
-        tok, sy, sx = by_image[id(img)]
-        rows, cols, hidden = tok.shape
-        r0, c0, nh, nw = window(box, sx, sy, unit)
-        zero = torch.zeros(hidden)
-        win = [
-            tok[r0 + i, c0 + j] if 0 <= r0 + i < rows and 0 <= c0 + j < cols else zero
-            for i in range(nh)
-            for j in range(nw)
-        ]
-        feats.append(torch.cat(win))
-    return torch.stack(feats)
-
-
-def window(box, sx: float, sy: float, unit: int) -> tuple[int, int, int, int]:
-    """(first row, first column, rows, columns) of the merged tokens in the window around `box` (screen
-    px) on a token grid of `unit` model px, the model frame `sx`, `sy` model px per screen px."""
-    cx, cy = (box[0] + box[2]) / 2 * sx / unit, (box[1] + box[3]) / 2 * sy / unit  # in tokens
-    half_w, half_h = WINDOW_SCREEN_PX[0] / 2 * sx / unit, WINDOW_SCREEN_PX[1] / 2 * sy / unit
-    return math.floor(cy - half_h + 0.5), math.floor(cx - half_w + 0.5), round(2 * half_h), round(2 * half_w)
+    mw, mh = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
+    sx, sy = mw / SCREEN_W, mh / SCREEN_H
+    images: dict[int, tuple] = {}  # by image: (image, its boxes in model px, their places in `items`)
+    for i, (img, _, box) in enumerate(items):
+        _, boxes, at = images.setdefault(id(img), (img, [], []))
+        boxes.append((box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy))
+        at.append(i)
+    with nullcontext() if grad else torch.no_grad():
+        feats = window_tokens(policy, [v[0] for v in images.values()], [v[1] for v in images.values()])
+    order = [i for v in images.values() for i in v[2]]
+    return feats[torch.argsort(torch.tensor(order))]
 
 
 def pixel_features(
@@ -118,14 +91,15 @@ def pixel_features(
     import numpy as np
     import torch
 
-    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
+    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, name_window
 
     sx, sy = model_size[0] / SCREEN_W, model_size[1] / SCREEN_H
     feats, frames = [], {}
     for img, _, box in items:
         if id(img) not in frames:
             frames[id(img)] = img.convert("L").resize(model_size, resample=3)  # bicubic, as the processor
-        r0, c0, nh, nw = window(box, sx, sy, unit)
+        mbox = (box[0] * sx, box[1] * sy, box[2] * sx, box[3] * sy)
+        r0, c0, nh, nw = name_window(mbox, (sx, sy), unit)
         x0, y0 = c0 * unit, r0 * unit
         if centred:
             x0 = round((box[0] + box[2]) / 2 * sx - nw * unit / 2)
@@ -168,7 +142,7 @@ def probe(x_train, y_train, x_test, y_test, classes: int, steps: int = 400, hidd
 
 
 def train_tower(
-    policy, seconds: float, level: str = "texts8", batch_screens: int = 8, lr: float = 1e-3, seed: int = 3
+    policy, seconds: float, level: str = "texts8", batch_screens: int = 8, lr: float = 3e-4, seed: int = 3
 ) -> dict:
     """Train `policy`'s vision tower and a linear head on its window tokens to name the look-alike
     (cross-entropy) on fresh screens of `level` for `seconds`; returns the steps and seconds per step."""
@@ -218,6 +192,8 @@ def load(spec: str, workdir: Path):
 def main() -> None:
     import torch
 
+    from arpo_core.offline.grounding import NAME_WINDOW_SCREEN_PX
+
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", action="append", required=True, help="NAME=DIR[@MIN_PIXELS] or NAME=init")
     ap.add_argument("--train-screens", type=int, default=600)
@@ -225,6 +201,12 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=400, help="probe optimiser steps")
     ap.add_argument("--hidden", type=int, default=256, help="the MLP probe's hidden width")
     ap.add_argument("--tower-seconds", type=float, default=300.0, help="training time of a tower:LEVER")
+    ap.add_argument(
+        "--tower-lr",
+        type=float,
+        default=3e-4,
+        help="a tower:LEVER's learning rate (1e-3 stays at the chance loss; results before 2026-12-05 used it)",
+    )
     ap.add_argument(
         "--level", default="texts8", help="the screens: a word level, or boxes8 (colours) as a control"
     )
@@ -250,7 +232,8 @@ def main() -> None:
             else:
                 policy = load(spec, Path(tmp))
                 if spec.startswith("tower:"):
-                    trained = train_tower(policy, args.tower_seconds, level=args.level)
+                    trained = train_tower(policy, args.tower_seconds, level=args.level, lr=args.tower_lr)
+                    trained["tower_lr"] = args.tower_lr
                 x_train, x_test = token_features(policy, train), token_features(policy, test)
             row = {"model": name, "spec": spec, "features": x_train.shape[1]}
             row |= probe(x_train, y_train, x_test, y_test, len(names), args.steps)
@@ -267,13 +250,13 @@ def main() -> None:
         "chance": round(1 / len(names), 4),
         "train_words": len(train),
         "test_words": len(test),
-        "window_screen_px": WINDOW_SCREEN_PX,
+        "window_screen_px": NAME_WINDOW_SCREEN_PX,
         "rows": rows,
     }
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
     md = [
         "# Word probe (issue 33): are the words in the image tokens?\n",
-        f"A linear probe on the merged image tokens in a {WINDOW_SCREEN_PX[0]}x{WINDOW_SCREEN_PX[1]} screen-px "
+        f"A linear probe on the merged image tokens in a {NAME_WINDOW_SCREEN_PX[0]}x{NAME_WINDOW_SCREEN_PX[1]} screen-px "
         f"window around each look-alike of `{args.level}` screens; {len(names)} names (chance "
         f"{1 / len(names):.3f}); {len(train)} training items, {len(test)} held-out items on other screens.\n",
         f"Held-out accuracy of a linear probe and of an MLP probe ({args.hidden} hidden); train accuracy in "

@@ -113,6 +113,9 @@ def test_presets_mean_what_they_say():
     transcribe = load_params(ROOT / "params.yaml", preset="ground-reading-transcribe").ground.phases
     assert [dataclasses.replace(p, read_share=0.0) for p in transcribe] == control
     assert all(p.read_share == 0.5 for p in transcribe)
+    names = load_params(ROOT / "params.yaml", preset="ground-reading-names").ground.phases
+    assert [dataclasses.replace(p, name_weight=0.0, vision_lr_scale=1.0) for p in names] == control
+    assert all(p.name_weight == 1.0 and p.vision_lr_scale == 0.2 for p in names)
 
 
 def test_defaults_equal_empty_mapping_and_pass_every_rule():

@@ -11,6 +11,7 @@ from arpo_core.actions import parse_response
 from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.grounding import (
     LEVELS,
+    NAMES,
     WORDS,
     GroundConfig,
     best_constant_click,
@@ -22,12 +23,14 @@ from arpo_core.offline.grounding import (
     lr_factor,
     make_grounding_examples,
     miniwob_examples,
+    name_window,
     pearson,
     read_aloud,
     read_score,
     synthetic_example,
     synthetic_examples,
     train_grounding,
+    window_tokens,
 )
 from arpo_core.policy.model import build_tiny_policy
 from arpo_core.policy.prompt import PromptSpec
@@ -465,3 +468,79 @@ def test_until_hit_needs_measurements():
     cfg = GroundConfig(steps=2, batch_size=1, optimizer=OptimizerConfig(lr=1e-3), until_hit=0.5)
     with pytest.raises(ValueError, match="until_hit needs held-out examples and eval_every > 0"):
         train_grounding(None, cfg, system="compact", max_new_tokens=8)
+
+
+# ------------------------------------------------------------------------------------- naming loss
+
+
+@pytest.mark.parametrize("level", sorted(LEVELS))
+def test_a_synthetic_screen_names_every_look_alike_with_its_label(level):
+    """grounding.py, decision "Naming loss": `named` is the target and every look-alike, each box with its
+    colour ("red box") or word; the target's box is the click's box."""
+    ex = synthetic_example(random.Random(4), level)
+    boxes = [b for b, _ in ex.named]
+    assert ex.bbox in boxes and set(boxes) - {ex.bbox} == set(ex.lookalikes)
+    labels = [n for _, n in ex.named]
+    assert all(n in NAMES for n in labels) and len(set(labels)) == len(labels)
+    colours = level.startswith(("big", "box"))
+    assert all(n.endswith(" box") == colours for n in labels)
+
+
+def test_the_name_window_is_the_token_block_nearest_to_centring_the_box():
+    # a word centred at screen (80, 105) = model (84, 112) = token (3.0, 4.0) in the 168x224 frame (tokens
+    # of 28 px): the 2 x 3 window of whole tokens nearest to centring it, rows 3-4, columns 1-3
+    sx, sy = 168 / 160, 224 / 210
+    assert name_window((70 * sx, 100 * sy, 90 * sx, 110 * sy), (sx, sy), 28) == (3, 1, 2, 3)
+    assert name_window((0, 0, 4, 4), (sx, sy), 28) == (-1, -2, 2, 3)  # at a corner: one row, one column on it
+
+
+def test_window_tokens_are_the_merged_tokens_around_each_box_zeros_off_the_image(tmp_path, one_thread):
+    from arpo_core.policy.model import image_inputs
+
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    exs = synthetic_examples(2, {"texts8": 1.0}, seed=3)
+    inner, corner = (60.0, 90.0, 100.0, 130.0), (0.0, 0.0, 6.0, 6.0)
+    with torch.no_grad():
+        got = window_tokens(policy, [e.image for e in exs], [[inner, corner], [inner]])
+        pixels, grid = image_inputs(policy.processor.image_processor, [exs[1].image])
+        tok = policy.model.model.visual(pixels, grid_thw=grid)
+    tok = getattr(tok, "pooler_output", tok).reshape(8, 6, -1)  # 224 x 168 model px: 8 rows, 6 columns
+    hidden = tok.shape[-1]
+    assert got.shape == (3, 6 * hidden)
+    r0, c0, nh, nw = name_window(inner, (168 / 160, 224 / 210), 28)
+    assert torch.allclose(got[2], tok[r0 : r0 + nh, c0 : c0 + nw].reshape(-1), atol=1e-5)
+    corner_win = got[1].reshape(nh, nw, hidden)
+    assert corner_win[0].abs().sum() == 0 and corner_win[:, 0].abs().sum() == 0  # above and left: zeros
+    assert corner_win[1, 1].abs().sum() > 0
+
+
+def test_the_naming_loss_trains_a_head_that_the_curves_score_and_the_tower_takes_its_own_lr(
+    tmp_path, one_thread
+):
+    """`name_weight` adds the head's loss (history "name_loss", evaluations `<set>/name_acc`) and leaves
+    the saved policy a plain Qwen2.5-VL; `vision_lr_scale` scales the tower's learning rate alone (here
+    to ~0: the tower stays, the language model moves)."""
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    tower0 = {k: v.clone() for k, v in policy.model.model.visual.state_dict().items()}
+    lm0 = {k: v.clone() for k, v in policy.model.model.language_model.state_dict().items()}
+    heldout = {"texts8": synthetic_examples(2, {"texts8": 1.0}, seed=5)}
+    cfg = GroundConfig(
+        steps=3,
+        batch_size=4,
+        warmup_steps=0,
+        eval_every=3,
+        mix={"texts8": 1.0, "boxes8": 1.0},
+        optimizer=OptimizerConfig(lr=1e-2),
+        name_weight=1.0,
+        vision_lr_scale=1e-12,
+    )
+    hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, heldout=heldout)
+    assert len(hist["name_loss"]) == 3 and all(3.0 < v < 6.0 for v in hist["name_loss"])  # ~ ln 56 at first
+    assert 0.0 <= hist["evals"][-1]["texts8/name_acc"] <= 1.0
+    tower = policy.model.model.visual.state_dict()
+    assert all(torch.allclose(tower[k], v, atol=1e-8) for k, v in tower0.items())
+    lm = policy.model.model.language_model.state_dict()
+    assert any(not torch.equal(lm[k], v) for k, v in lm0.items())
+    assert not any("name" in k or "head" in k for k in policy.model.state_dict())  # no extra weights
+    cfg_plain = GroundConfig(**{**cfg.__dict__, "name_weight": 0.0, "vision_lr_scale": 1.0})
+    assert "name_loss" not in train_grounding(policy, cfg_plain, system="compact", max_new_tokens=8)

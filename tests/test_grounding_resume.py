@@ -28,6 +28,8 @@ CFG = GroundConfig(
     mix={"box1": 1.0, "box4": 1.0},
     eval_every=0,
     seed=7,
+    name_weight=0.5,  # the naming head and its optimizer state have to survive the kill too
+    vision_lr_scale=0.5,  # and the tower's own parameter group
 )
 FIXED_SEED = 5  # a fixed example list as well, so its pending order has to survive the kill
 
@@ -93,6 +95,7 @@ def test_a_killed_run_resumes_to_the_same_weights_and_losses(start, tmp_path, on
 
     resumed, hist = run(start, ckpt)
     assert hist["loss"] == ref_hist["loss"]  # the same examples in the same order, the same updates
+    assert hist["name_loss"] == ref_hist["name_loss"] and len(hist["name_loss"]) == STEPS
     assert hist["steps"] == STEPS
     for (name, a), (_, b) in zip(
         ref.model.state_dict().items(), resumed.model.state_dict().items(), strict=True

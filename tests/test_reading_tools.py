@@ -85,21 +85,16 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
 
 
 def test_word_probe_reads_the_tokens_window_around_each_word_and_scores_other_screens(tmp_path):
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    import word_probe
-
-    # a word centred at screen (80, 105) = model (84, 112) = token (3.0, 4.0) in the 168x224 frame (tokens
-    # of 28 px): the 2 x 3 window of whole tokens nearest to centring it, rows 3-4, columns 1-3
-    assert word_probe.window((70, 100, 90, 110), 168 / 160, 224 / 210, 28) == (3, 1, 2, 3)
     out = tmp_path / "wp"
     cmd = [sys.executable, "benchmarks/word_probe.py", "--model", "px=pixels-centred", "--model", "rand=init"]
-    cmd += ["--model", "taught=tower:xs", "--tower-seconds", "3"]
+    cmd += ["--model", "taught=tower:xs", "--tower-seconds", "3", "--tower-lr", "2e-4"]
     cmd += ["--train-screens", "12", "--test-screens", "6", "--steps", "20", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads(out.with_suffix(".json").read_text())
     assert [r["model"] for r in rec["rows"]] == ["px", "rand", "taught"]
     assert rec["rows"][2]["tower_steps"] >= 1 and rec["rows"][2]["features"] == 6 * 128  # a taught xs tower
+    assert rec["rows"][2]["tower_lr"] == 2e-4
     assert rec["rows"][0]["features"] == 84 * 56 and rec["rows"][1]["features"] == 6 * 128  # 3 x 2 tokens
     assert rec["test_words"] >= 12 and 0 <= rec["rows"][1]["test_acc"] <= 1
     assert "| rand | 768 |" in out.with_suffix(".md").read_text() and 0 <= rec["rows"][1]["mlp_test_acc"] <= 1
