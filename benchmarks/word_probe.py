@@ -17,8 +17,12 @@ initialised xs policy (random features); `tower:LEVER` builds the vision tower o
 directly on fresh screens for `--tower-seconds` (the tower's capacity to read when reading is what it is
 taught, the policy's language model left out), then probes it like the others; `pixels` probes the pixels
 of the 1x tokens' window themselves, `pixels-centred` a window of that size centred on the word (what a
-probe reads without a token grid's offsets). `--level boxes8` asks for the boxes' colours instead (the
-control). Writes benchmarks/results/word_probe.{json,md} (`--out`).
+probe reads without a token grid's offsets); `cnn` trains a small conv net on the 1x tokens' window of
+pixels to name the word for `--tower-seconds` (what the window holds for an encoder that is the same at
+every pixel offset; a vision tower is the same only at every 14-px patch), then probes its features.
+`--level boxes8` asks for the boxes' colours instead (the control). `--tower-lr`: a tower's learning rate
+(the results before 2026-12-05 were made at 1e-3, where a tower stays at the chance loss). Writes
+benchmarks/results/word_probe.{json,md} (`--out`).
 """
 
 from __future__ import annotations
@@ -33,6 +37,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from arpo_core.offline.grounding import NAME_WINDOW_SCREEN_PX  # noqa: E402
 
 
 def names_of(level: str) -> list[str]:
@@ -176,6 +182,55 @@ def train_tower(
     }
 
 
+def train_cnn(seconds: float, level: str = "texts8", batch_screens: int = 8, lr: float = 1e-3, seed: int = 3):
+    """The reference a token grid is measured against: a small conv net (3 x 3 convolutions, 32-64-64
+    channels, max-pooling) on the pixels of exactly the 1x tokens' window (`pixel_features`), trained like a
+    tower to name the look-alike on fresh screens for `seconds`. Returns (its features before the last
+    linear map, as a function of items, and the training record)."""
+    import torch
+
+    names = names_of(level)
+    index = {w: i for i, w in enumerate(names)}
+    h, w = NAME_WINDOW_SCREEN_PX[1], NAME_WINDOW_SCREEN_PX[0]  # the 1x window: 2 x 3 tokens of 28 px
+    torch.manual_seed(seed)
+    body = torch.nn.Sequential(
+        *(torch.nn.Conv2d(1, 32, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2)),
+        *(torch.nn.Conv2d(32, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.MaxPool2d(2)),
+        *(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d((2, 3))),
+        torch.nn.Flatten(),
+    )
+    head = torch.nn.Linear(64 * 6, len(names))
+    params = [*body.parameters(), *head.parameters()]
+    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+
+    def pixels(items):
+        return 1 - pixel_features(items).reshape(-1, 1, h, w)  # ink as 1
+
+    t0, steps, loss = time.perf_counter(), 0, None
+    while time.perf_counter() - t0 < seconds:
+        items = word_items(batch_screens, seed=seed * 10**6 + steps, level=level)
+        y = torch.tensor([index[name] for _, name, _ in items])
+        loss = torch.nn.functional.cross_entropy(head(body(pixels(items))), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        steps += 1
+    secs = time.perf_counter() - t0
+    body.eval()
+
+    def features(items):
+        with torch.no_grad():
+            return body(pixels(items))
+
+    record = {
+        "tower_steps": steps,
+        "tower_s_per_step": round(secs / max(steps, 1), 3),
+        "tower_last_loss": None if loss is None else round(float(loss), 4),
+        "tower_lr": lr,
+    }
+    return features, record
+
+
 def load(spec: str, workdir: Path):
     from arpo_core.policy.model import build_tiny_policy, load_policy
 
@@ -191,8 +246,6 @@ def load(spec: str, workdir: Path):
 
 def main() -> None:
     import torch
-
-    from arpo_core.offline.grounding import NAME_WINDOW_SCREEN_PX
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", action="append", required=True, help="NAME=DIR[@MIN_PIXELS] or NAME=init")
@@ -223,7 +276,10 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         for name, spec in (m.split("=", 1) for m in args.model):
             t0, trained = time.perf_counter(), {}
-            if spec in ("pixels", "pixels-centred"):
+            if spec == "cnn":
+                features, trained = train_cnn(args.tower_seconds, level=args.level)
+                x_train, x_test = features(train), features(test)
+            elif spec in ("pixels", "pixels-centred"):
                 centred = spec == "pixels-centred"
                 x_train, x_test = (
                     pixel_features(train, centred=centred),

@@ -87,12 +87,13 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
 def test_word_probe_reads_the_tokens_window_around_each_word_and_scores_other_screens(tmp_path):
     out = tmp_path / "wp"
     cmd = [sys.executable, "benchmarks/word_probe.py", "--model", "px=pixels-centred", "--model", "rand=init"]
-    cmd += ["--model", "taught=tower:xs", "--tower-seconds", "3", "--tower-lr", "2e-4"]
+    cmd += ["--model", "taught=tower:xs", "--model", "conv=cnn", "--tower-seconds", "3", "--tower-lr", "2e-4"]
     cmd += ["--train-screens", "12", "--test-screens", "6", "--steps", "20", "--out", str(out)]
     res = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads(out.with_suffix(".json").read_text())
-    assert [r["model"] for r in rec["rows"]] == ["px", "rand", "taught"]
+    assert [r["model"] for r in rec["rows"]] == ["px", "rand", "taught", "conv"]
+    assert rec["rows"][3]["features"] == 64 * 6 and rec["rows"][3]["tower_steps"] >= 1  # the conv reference
     assert rec["rows"][2]["tower_steps"] >= 1 and rec["rows"][2]["features"] == 6 * 128  # a taught xs tower
     assert rec["rows"][2]["tower_lr"] == 2e-4
     assert rec["rows"][0]["features"] == 84 * 56 and rec["rows"][1]["features"] == 6 * 128  # 3 x 2 tokens
