@@ -27,7 +27,12 @@ PANELS = {
     "words among look-alikes": ("widget4", "buttons8", "links8", "texts8", "checks8"),
     "real MiniWoB (held out)": ("miniwob",),
     "reading (read_score)": READ_SETS,
+    "naming head (name_acc)": tuple(
+        f"name {s}" for s in ("boxes8", "buttons8", "links8", "texts8", "checks8")
+    ),
 }
+"""A panel's curves by set; `name <set>`: the naming head's held-out accuracy (grounding.py, decision "Naming
+loss"), only in arms trained with `name_weight`."""
 
 
 def score(m: dict) -> float:
@@ -78,6 +83,7 @@ def curve_rows(arm: str, phases: list[dict], start: dict) -> list[dict]:
             row = {"step": offset + ev["step"], "phase": ph["phase"]}
             row |= {f"{arm} {s}": ev[f"{s}/hit_rate"] for s in SETS if f"{s}/hit_rate" in ev}
             row |= {f"{arm} {s}": ev[f"{s}/read_score"] for s in READ_SETS if f"{s}/read_score" in ev}
+            row |= {f"{arm} name {s}": ev[f"{s}/name_acc"] for s in SETS if f"{s}/name_acc" in ev}
             rows.append(row)
         offset += ph["steps"]
     return rows
@@ -126,6 +132,7 @@ def main() -> None:
     from arpo_core.analysis.report import plot_epoch_panels
 
     panels = {t: [f"{n} {s}" for n in arms for s in sets] for t, sets in PANELS.items()}
+    panels = {t: keys for t, keys in panels.items() if any(k in r for r in rows for k in keys)}
     plot_epoch_panels(sorted(rows, key=lambda r: r["step"]), panels, out.with_suffix(".png"), x_key="step")
     legend = (
         "Cells: held-out greedy hit rate / share of clicks on another target (a wrong pick; the rest missed "

@@ -60,7 +60,10 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
         "boxes8": {"n": 64, "hit_rate": 0.5, "other_hit_rate": 0.25, "blind_hit_rate": 0.1},
         "read-boxes8": {"read_score": 0.4},
     }
-    read_curve = [{"step": 0, "read-boxes8/read_score": 0.1}, {"step": 10, "read-boxes8/read_score": 0.4}]
+    read_curve = [
+        {"step": 0, "read-boxes8/read_score": 0.1},
+        {"step": 10, "read-boxes8/read_score": 0.4, "boxes8/name_acc": 0.7},  # a naming head's accuracy
+    ]
     _report(tmp_path / "r", {"box4": 0.5}, [{**phase, "curve": read_curve}], reads)
     cmd = [sys.executable, "benchmarks/reading_report.py", "--start", str(tmp_path / "start")]
     cmd += ["--arm", f"deep={tmp_path / 'a'}", "--arm", f"reads={tmp_path / 'r'}"]
@@ -81,6 +84,11 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
     )
     rec = json.loads(out.with_suffix(".json").read_text())
     assert rec["arms"]["deep"]["measures"]["boxes8"]["hit_rate"] == 0.5
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import reading_report
+
+    rows = reading_report.curve_rows("reads", rec["arms"]["reads"]["phases"], {})
+    assert rows[-1]["reads name boxes8"] == 0.7 and "reads name boxes8" not in rows[0]
     assert out.with_suffix(".png").stat().st_size > 1000
 
 
