@@ -523,6 +523,7 @@ def test_the_naming_loss_trains_a_head_that_the_curves_score_and_the_tower_takes
     policy = build_tiny_policy(tmp_path / "p", size="xs")
     tower0 = {k: v.clone() for k, v in policy.model.model.visual.state_dict().items()}
     lm0 = {k: v.clone() for k, v in policy.model.model.language_model.state_dict().items()}
+    keys0 = set(policy.model.state_dict())
     heldout = {"texts8": synthetic_examples(2, {"texts8": 1.0}, seed=5)}
     cfg = GroundConfig(
         steps=3,
@@ -535,12 +536,12 @@ def test_the_naming_loss_trains_a_head_that_the_curves_score_and_the_tower_takes
         vision_lr_scale=1e-12,
     )
     hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, heldout=heldout)
-    assert len(hist["name_loss"]) == 3 and all(3.0 < v < 6.0 for v in hist["name_loss"])  # ~ ln 56 at first
+    assert len(hist["name_loss"]) == 3 and 3.5 < hist["name_loss"][0] < 4.6  # ln 56 = 4.03: chance at first
     assert 0.0 <= hist["evals"][-1]["texts8/name_acc"] <= 1.0
     tower = policy.model.model.visual.state_dict()
     assert all(torch.allclose(tower[k], v, atol=1e-8) for k, v in tower0.items())
     lm = policy.model.model.language_model.state_dict()
     assert any(not torch.equal(lm[k], v) for k, v in lm0.items())
-    assert not any("name" in k or "head" in k for k in policy.model.state_dict())  # no extra weights
+    assert set(policy.model.state_dict()) == keys0  # no weight added: still a plain Qwen2.5-VL
     cfg_plain = GroundConfig(**{**cfg.__dict__, "name_weight": 0.0, "vision_lr_scale": 1.0})
     assert "name_loss" not in train_grounding(policy, cfg_plain, system="compact", max_new_tokens=8)
