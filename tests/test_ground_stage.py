@@ -315,9 +315,7 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     last = seen[-1][1]
     assert last["ground/curve/phase"] == 1.0
     assert {"ground/curve/box1h/hit_rate", "ground/curve/boxes8/corr_x", "ground/curve/loss"} <= set(last)
-    assert (
-        0 <= last["ground/curve/boxes8/name_acc"] <= 1
-    )  # the naming head's accuracy (decision "Naming loss")
+    assert 0 <= last["ground/curve/boxes8/name_acc"] <= 1  # the naming head's accuracy (grounding.py)
     assert not any(k.endswith("name_acc") for _, m in seen[:3] for k in m)  # phase 1 names nothing
     assert last["ground/curve/hit_rate"] == min(
         last["ground/curve/box1h/hit_rate"], last["ground/curve/boxes8/hit_rate"]

@@ -90,8 +90,8 @@ class GroundTrainConfig:
     name_weight: Annotated[float, Ge(0)] = 0.0
     """Weight of the naming loss added to the click loss: a linear head of the phase names every look-alike
     of the batch's synthetic screens (its colour or word) from the merged image tokens around it, which
-    supervises the vision tower's glyph features directly (decision "Naming loss"); 0 = off, the stream
-    and the model as without the field."""
+    supervises the vision tower's glyph features directly (arpo_core/offline/grounding.py, decision "Naming
+    loss"); 0 = off, the stream and the model as without the field."""
     read_share: Annotated[float, Interval(ge=0, lt=1)] = 0.0
     """Share of the synthetic screens drawn as reading examples ("Read the buttons from top to bottom." ->
     finished(content='next, back, ok')) instead of clicks (arpo_core/offline/grounding.py, decision
