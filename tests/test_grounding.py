@@ -1,5 +1,6 @@
 """Grounding data, training loop and image-dependence measures."""
 
+import dataclasses
 import math
 import random
 from pathlib import Path
@@ -545,3 +546,28 @@ def test_the_naming_loss_trains_a_head_that_the_curves_score_and_the_tower_takes
     assert set(policy.model.state_dict()) == keys0  # no weight added: still a plain Qwen2.5-VL
     cfg_plain = GroundConfig(**{**cfg.__dict__, "name_weight": 0.0, "vision_lr_scale": 1.0})
     assert "name_loss" not in train_grounding(policy, cfg_plain, system="compact", max_new_tokens=8)
+
+
+def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_path, one_thread):
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    tower0 = {k: v.clone() for k, v in policy.model.model.visual.state_dict().items()}
+    lm0 = {k: v.clone() for k, v in policy.model.model.language_model.state_dict().items()}
+    fixed = synthetic_examples(4, {"box1h": 1.0}, seed=9)
+    fixed = [dataclasses.replace(e, named=()) for e in fixed]  # like real screens: nothing to name
+    cfg = GroundConfig(
+        steps=2,
+        batch_size=4,
+        warmup_steps=0,
+        mix={"texts8": 1.0},
+        optimizer=OptimizerConfig(lr=1e-3),
+        name_weight=1.0,
+        name_only=True,
+    )
+    hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, examples=fixed)
+    assert hist["loss"] == hist["name_loss"] and len(hist["loss"]) == 2  # every example synthetic, named
+    lm = policy.model.model.language_model.state_dict()
+    assert all(torch.equal(lm[k], v) for k, v in lm0.items())  # the language model untouched
+    tower = policy.model.model.visual.state_dict()
+    assert any(not torch.equal(tower[k], v) for k, v in tower0.items())
+    with pytest.raises(ValueError, match="name_only needs name_weight > 0"):
+        train_grounding(policy, dataclasses.replace(cfg, name_weight=0.0), system="compact", max_new_tokens=8)

@@ -387,6 +387,10 @@ class GroundPhase(GroundTrainConfig):
                 f"ground phase: until_hit {self.until_hit} needs eval_every > 0 (the held-out hit rate is "
                 "measured every eval_every steps)"
             )
+        if self.name_only and not self.name_weight:
+            raise ValueError(
+                "ground phase: name_only needs name_weight > 0 (it trains the naming loss alone)"
+            )
 
 
 @dataclass(frozen=True)
