@@ -116,6 +116,8 @@ def test_presets_mean_what_they_say():
     names = load_params(ROOT / "params.yaml", preset="ground-reading-names").ground.phases
     assert [dataclasses.replace(p, name_weight=0.0, vision_lr_scale=1.0) for p in names] == control
     assert all(p.name_weight == 1.0 and p.vision_lr_scale == 0.2 for p in names)
+    tower = load_params(ROOT / "params.yaml", preset="ground-reading-tower").ground.phases
+    assert tower[1:] == control and tower[0].name_only and tower[0].name_weight == 1.0
     with pytest.raises(ConfigError, match="name_only needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
 

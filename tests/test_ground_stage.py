@@ -346,6 +346,25 @@ def test_a_phase_that_reads_measures_its_reading_sets_and_the_stage_reads_at_the
     assert {"ground/read-box1h/read_score", "ground/read-box4/read_score", "ground/box4/hit_rate"} <= set(m)
 
 
+def test_a_naming_only_phase_runs_through_the_stage_and_curves_its_head(init_dir, tmp_path):
+    """grounding.py, decision "Naming loss": `name_only` trains the tower alone; its curve has the head's
+    accuracy beside the clicks it leaves."""
+    phases = (
+        "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 2,"
+        " name_only: true, name_weight: 1.0, mix: {texts8: 1}}]"
+    )
+    seen: list[tuple[int, dict]] = []
+    ground.run(
+        params("ground.checkpoint=null", phases, *TINY_EVAL),
+        init_dir,
+        tmp_path / "g",
+        on_metrics=lambda step, m: seen.append((step, m)),
+    )
+    last = seen[-1][1]
+    assert [s for s, _ in seen] == [0, 2] and 0 <= last["ground/curve/texts8/name_acc"] <= 1
+    assert "ground/curve/texts8/hit_rate" in last and last["ground/curve/loss"] > 0
+
+
 def test_the_stage_reports_progress_through_the_runner_hook():
     from arpo_core.pipeline.table import stage
 
