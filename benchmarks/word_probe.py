@@ -147,50 +147,78 @@ def probe(x_train, y_train, x_test, y_test, classes: int, steps: int = 400, hidd
         }
 
 
-def train_tower(
-    policy, seconds: float, level: str = "texts8", batch_screens: int = 8, lr: float = 3e-4, seed: int = 3
+def name_for(
+    features,
+    head,
+    params,
+    seconds: float,
+    level: str,
+    lr: float,
+    clip: float | None,
+    batch_screens: int,
+    seed: int,
 ) -> dict:
-    """Train `policy`'s vision tower and a linear head on its window tokens to name the look-alike
-    (cross-entropy) on fresh screens of `level` for `seconds`; returns the steps and seconds per step."""
+    """Train `head(features(items))` to name each look-alike (cross-entropy, AdamW over `params`) on
+    `batch_screens` fresh screens of `level` a step for `seconds`, the gradient norm clipped at `clip`;
+    returns the steps, seconds per step, last loss and lr (a taught encoder's record)."""
     import torch
 
-    names = names_of(level)
-    index = {w: i for i, w in enumerate(names)}
-    width = token_features(policy, word_items(1, seed=10**6, level=level)).shape[1]
-    head = torch.nn.Linear(width, len(names))
-    visual = policy.model.model.visual
-    params = [*visual.parameters(), *head.parameters()]
+    index = {w: i for i, w in enumerate(names_of(level))}
     opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
-    visual.train()
     t0, steps, loss = time.perf_counter(), 0, None
     while time.perf_counter() - t0 < seconds:
         items = word_items(batch_screens, seed=seed * 10**6 + steps, level=level)
-        x = token_features(policy, items, grad=True)
         y = torch.tensor([index[w] for _, w, _ in items])
-        loss = torch.nn.functional.cross_entropy(head(x), y)
+        loss = torch.nn.functional.cross_entropy(head(features(items)), y)
         opt.zero_grad()
         loss.backward()
-        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        if clip is not None:
+            torch.nn.utils.clip_grad_norm_(params, clip)
         opt.step()
         steps += 1
-    visual.eval()
     secs = time.perf_counter() - t0
     return {
         "tower_steps": steps,
         "tower_s_per_step": round(secs / max(steps, 1), 3),
-        "tower_last_loss": None if loss is None else round(float(loss), 4),
+        "tower_last_loss": None if loss is None else round(loss.item(), 4),
+        "tower_lr": lr,
     }
+
+
+def train_tower(
+    policy, seconds: float, level: str = "texts8", batch_screens: int = 8, lr: float = 3e-4, seed: int = 3
+) -> dict:
+    """Train `policy`'s vision tower and a linear head on its window tokens to name the look-alike
+    (cross-entropy, the gradient norm clipped at 1) on fresh screens of `level` for `seconds`; returns
+    `name_for`'s record."""
+    import torch
+
+    width = token_features(policy, word_items(1, seed=10**6, level=level)).shape[1]
+    head = torch.nn.Linear(width, len(names_of(level)))
+    visual = policy.model.model.visual
+    visual.train()
+    record = name_for(
+        lambda items: token_features(policy, items, grad=True),
+        head,
+        [*visual.parameters(), *head.parameters()],
+        seconds,
+        level,
+        lr,
+        1.0,
+        batch_screens,
+        seed,
+    )
+    visual.eval()
+    return record
 
 
 def train_cnn(seconds: float, level: str = "texts8", batch_screens: int = 8, lr: float = 1e-3, seed: int = 3):
     """The reference a token grid is measured against: a small conv net (3 x 3 convolutions, 32-64-64
     channels, max-pooling) on the pixels of exactly the 1x tokens' window (`pixel_features`), trained like a
-    tower to name the look-alike on fresh screens for `seconds`. Returns (its features before the last
-    linear map, as a function of items, and the training record)."""
+    tower to name the look-alike on fresh screens for `seconds` (no clip). Returns (its features before the
+    last linear map, as a function of items, and `name_for`'s record)."""
     import torch
 
-    names = names_of(level)
-    index = {w: i for i, w in enumerate(names)}
     h, w = NAME_WINDOW_SCREEN_PX[1], NAME_WINDOW_SCREEN_PX[0]  # the 1x window: 2 x 3 tokens of 28 px
     torch.manual_seed(seed)
     body = torch.nn.Sequential(
@@ -199,35 +227,21 @@ def train_cnn(seconds: float, level: str = "texts8", batch_screens: int = 8, lr:
         *(torch.nn.Conv2d(64, 64, 3, padding=1), torch.nn.ReLU(), torch.nn.AdaptiveMaxPool2d((2, 3))),
         torch.nn.Flatten(),
     )
-    head = torch.nn.Linear(64 * 6, len(names))
-    params = [*body.parameters(), *head.parameters()]
-    opt = torch.optim.AdamW(params, lr=lr, weight_decay=0.0)
+    head = torch.nn.Linear(64 * 6, len(names_of(level)))
 
     def pixels(items):
         return 1 - pixel_features(items).reshape(-1, 1, h, w)  # ink as 1
 
-    t0, steps, loss = time.perf_counter(), 0, None
-    while time.perf_counter() - t0 < seconds:
-        items = word_items(batch_screens, seed=seed * 10**6 + steps, level=level)
-        y = torch.tensor([index[name] for _, name, _ in items])
-        loss = torch.nn.functional.cross_entropy(head(body(pixels(items))), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        steps += 1
-    secs = time.perf_counter() - t0
+    params = [*body.parameters(), *head.parameters()]
+    record = name_for(
+        lambda items: body(pixels(items)), head, params, seconds, level, lr, None, batch_screens, seed
+    )
     body.eval()
 
     def features(items):
         with torch.no_grad():
             return body(pixels(items))
 
-    record = {
-        "tower_steps": steps,
-        "tower_s_per_step": round(secs / max(steps, 1), 3),
-        "tower_last_loss": None if loss is None else round(float(loss), 4),
-        "tower_lr": lr,
-    }
     return features, record
 
 
@@ -289,7 +303,6 @@ def main() -> None:
                 policy = load(spec, Path(tmp))
                 if spec.startswith("tower:"):
                     trained = train_tower(policy, args.tower_seconds, level=args.level, lr=args.tower_lr)
-                    trained["tower_lr"] = args.tower_lr
                 x_train, x_test = token_features(policy, train), token_features(policy, test)
             row = {"model": name, "spec": spec, "features": x_train.shape[1]}
             row |= probe(x_train, y_train, x_test, y_test, len(names), args.steps)

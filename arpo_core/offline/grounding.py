@@ -785,6 +785,7 @@ def train_grounding(
             head = NameHead(*_name_window_shape(policy, msize)).to(device)
         groups.append({"params": list(head.parameters()), "lr": lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=config.optimizer.weight_decay)
+    trained = [p for g in groups for p in g["params"]]  # what the gradient-norm clip spans
     sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
     )
@@ -885,20 +886,14 @@ def train_grounding(
             named = [e for e in batch_ex if e.named]
             if named:
                 with autocast:
-                    logits = head(
-                        window_tokens(
-                            policy, [e.image for e in named], [[b for b, _ in e.named] for e in named]
-                        )
-                    )
-                labels = torch.tensor([NAMES.index(n) for e in named for _, n in e.named], device=device)
+                    logits, labels = _name_logits(policy, head, named)
                 name_loss = torch.nn.functional.cross_entropy(logits.float(), labels)
                 total = config.name_weight * name_loss + (0 if loss is None else loss)
                 history["name_loss"].append(float(name_loss.detach()))
                 loss = name_loss if loss is None else loss
         optimizer.zero_grad(set_to_none=True)
         total.backward()
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        torch.nn.utils.clip_grad_norm_(params, config.optimizer.max_grad_norm)
+        torch.nn.utils.clip_grad_norm_(trained, config.optimizer.max_grad_norm)
         optimizer.step()
         sched.step()
         history["loss"].append(float(loss.detach()))
@@ -971,6 +966,20 @@ class NameHead(torch.nn.Module):
         return self.linear(x.reshape(windows.shape[0], -1))
 
 
+_NAME_INDEX = {n: i for i, n in enumerate(NAMES)}
+
+
+def _name_logits(
+    policy: Policy, head: torch.nn.Module, examples: Sequence[GroundExample]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The head's logits for every named look-alike of `examples` (one tower call) and their labels'
+    indices in `NAMES`, in the same order: what the naming loss trains and `_name_accuracy` scores."""
+    windows = window_tokens(policy, [e.image for e in examples], [[b for b, _ in e.named] for e in examples])
+    logits = head(windows)
+    labels = torch.tensor([_NAME_INDEX[n] for e in examples for _, n in e.named], device=logits.device)
+    return logits, labels
+
+
 @torch.no_grad()
 def _name_accuracy(
     policy: Policy,
@@ -987,11 +996,7 @@ def _name_accuracy(
             continue
         hits = 0
         for i in range(0, len(exs), 16):
-            part = exs[i : i + 16]
-            logits = head(
-                window_tokens(policy, [e.image for e in part], [[b for b, _ in e.named] for e in part])
-            )
-            labels = torch.tensor([NAMES.index(n) for e in part for _, n in e.named], device=logits.device)
+            logits, labels = _name_logits(policy, head, exs[i : i + 16])
             hits += int((logits.argmax(-1) == labels).sum())
         total = sum(len(e.named) for e in exs)
         out[f"{name}/name_acc" if name else "name_acc"] = round(hits / total, 4)
