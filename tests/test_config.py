@@ -118,8 +118,14 @@ def test_presets_mean_what_they_say():
     assert all(p.name_weight == 1.0 and p.vision_lr_scale == 0.2 for p in names)
     tower = load_params(ROOT / "params.yaml", preset="ground-reading-tower").ground.phases
     assert tower[1:] == control and tower[0].name_only and tower[0].name_weight == 1.0
+    tied = load_params(ROOT / "params.yaml", preset="ground-reading-tied").ground.phases
+    assert tied[0] == tower[0] and tied[1].name_only and tied[1].name_tied
+    assert [dataclasses.replace(p, name_weight=0.0, name_tied=False) for p in tied[2:]] == control
+    assert all(p.name_weight == 1.0 and p.name_tied and p.vision_lr_scale == 1.0 for p in tied[2:])
     with pytest.raises(ConfigError, match="name_only needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
+    with pytest.raises(ConfigError, match="name_tied needs name_weight > 0"):
+        load_params(ROOT / "params.yaml", ["ground.phases=[{name_tied: true}]"])
 
 
 def test_defaults_equal_empty_mapping_and_pass_every_rule():

@@ -571,3 +571,66 @@ def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_pat
     assert any(not torch.equal(tower[k], v) for k, v in tower0.items())
     with pytest.raises(ValueError, match="name_only needs name_weight > 0"):
         train_grounding(policy, dataclasses.replace(cfg, name_weight=0.0), system="compact", max_new_tokens=8)
+
+
+def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_word_embedding(
+    tmp_path, one_thread
+):
+    """grounding.py, decision "Naming loss": `name_tied` scores each window token by its cosine with the
+    model's input embedding of the name (both written forms), so a token equal to the embedding of "submit"
+    is named "submit"; its one parameter is the scale, and a tied naming-only phase leaves the whole
+    language model, its embeddings included, bit-identical while the tower learns."""
+    from arpo_core.offline.grounding import TiedNameHead, _fingerprint, _name_token_ids
+
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    tok = policy.processor.tokenizer
+    ids = _name_token_ids(policy)
+    assert len(ids) == len(NAMES)
+    submit = ids[NAMES.index("submit")]
+    forms = {
+        tuple(tok.encode("submit", add_special_tokens=False)),
+        tuple(tok.encode(" submit", add_special_tokens=False)),
+    }
+    assert set(submit) == {i for f in forms for i in f}
+    hidden = policy.model.config.text_config.hidden_size
+    head = TiedNameHead(6, hidden, ids)
+    assert [n for n, _ in head.named_parameters()] == ["log_scale"] and list(head.state_dict()) == [
+        "log_scale"
+    ]
+    emb = policy.model.get_input_embeddings().weight
+    windows = torch.randn(2, 6, hidden) * 0.01
+    windows[0, 4] = emb[submit].mean(0) * 7.0  # scale-free: the cosine
+    windows[1, 0] = emb[ids[NAMES.index("red box")]].mean(0)
+    logits = head(windows.reshape(2, -1), emb)
+    assert logits.shape == (2, len(NAMES))
+    assert logits.argmax(-1).tolist() == [NAMES.index("submit"), NAMES.index("red box")]
+    assert torch.allclose(logits.max(-1).values, torch.full((2,), 10.0), atol=1e-3)  # cos 1 x initial scale
+
+    lm0 = {k: v.clone() for k, v in policy.model.model.language_model.state_dict().items()}
+    tower0 = {k: v.clone() for k, v in policy.model.model.visual.state_dict().items()}
+    cfg = GroundConfig(
+        steps=2,
+        batch_size=4,
+        warmup_steps=0,
+        mix={"texts8": 1.0},
+        optimizer=OptimizerConfig(lr=1e-3),
+        name_weight=1.0,
+        name_only=True,
+        name_tied=True,
+    )
+    hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8)
+    assert len(hist["name_loss"]) == 2 and all(math.isfinite(x) for x in hist["name_loss"])
+    lm = policy.model.model.language_model.state_dict()
+    assert all(torch.equal(lm[k], v) for k, v in lm0.items())  # the embeddings too: the names are detached
+    tower = policy.model.model.visual.state_dict()
+    assert any(not torch.equal(tower[k], v) for k, v in tower0.items())
+    assert _fingerprint(cfg, "compact", None) != _fingerprint(
+        dataclasses.replace(cfg, name_tied=False), "compact", None
+    )
+    with pytest.raises(ValueError, match="name_tied needs name_weight > 0"):
+        train_grounding(
+            policy,
+            dataclasses.replace(cfg, name_weight=0.0, name_only=False),
+            system="compact",
+            max_new_tokens=8,
+        )

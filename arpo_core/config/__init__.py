@@ -391,6 +391,8 @@ class GroundPhase(GroundTrainConfig):
             raise ValueError(
                 "ground phase: name_only needs name_weight > 0 (it trains the naming loss alone)"
             )
+        if self.name_tied and not self.name_weight:
+            raise ValueError("ground phase: name_tied needs name_weight > 0 (it is the naming loss's head)")
 
 
 @dataclass(frozen=True)

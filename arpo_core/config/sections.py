@@ -93,6 +93,12 @@ class GroundTrainConfig:
     of the batch's synthetic screens (its colour or word) from the merged image tokens around it, which
     supervises the vision tower's glyph features directly (arpo_core/offline/grounding.py, decision "Naming
     loss"); 0 = off, the stream and the model as without the field."""
+    name_tied: bool = False
+    """The naming head scores each window token against the language model's own (detached) input
+    embedding of the name (`TiedNameHead`: cosine, the best token of the window, one learned scale) instead
+    of a linear map: the tower is taught to make a word's image token look like the word's text token, so
+    the click's instruction and the screen meet in one space (arpo_core/offline/grounding.py, decision
+    "Naming loss"). Needs `name_weight` > 0."""
     name_only: bool = False
     """Train the naming loss alone (needs `name_weight` > 0): all-synthetic batches, no reply encoded, the
     language model untouched, only the vision tower and the head learn; a tower's word phase before the
