@@ -45,6 +45,14 @@ def _states(project: Path) -> tuple[dict[str, str], dict[str, str]]:
     return prefect, mlflow
 
 
+def _ground_running(project: Path) -> bool:
+    """Whether the newest MLflow run named "ground" is RUNNING (False while the store is busy)."""
+    try:
+        return _states(project)[1].get("ground") == "RUNNING"
+    except sqlite3.OperationalError:
+        return False
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1200)
 def test_worker_ctrl_c_waits_for_the_flow_run_and_a_second_stops_and_marks_it(tmp_path):
@@ -102,6 +110,9 @@ def test_worker_ctrl_c_waits_for_the_flow_run_and_a_second_stops_and_marks_it(tm
         worker = start_worker(log2)
         run_deployment("--param", "force=true")
         assert _wait_log(log2, "ground: running", 400, worker), log2.read_text()[-3000:]
+        # the log line comes before the stage opens its MLflow run; on a loaded machine the Ctrl-Cs
+        # could land in between, and there would be no ground run to mark
+        assert wait_until(lambda: _ground_running(project), 300), _states(project)
         os.killpg(worker.pid, signal.SIGINT)
         assert _wait_log(log2, "waiting for the running flow run", 20), log2.read_text()[-3000:]
         t0 = time.monotonic()
