@@ -98,7 +98,8 @@ class GroundTrainConfig:
     embedding of the name (`TiedNameHead`: cosine, the best token of the window, one learned scale) instead
     of a linear map: the tower is taught to make a word's image token look like the word's text token, so
     the click's instruction and the screen meet in one space (arpo_core/offline/grounding.py, decision
-    "Naming loss"). Needs `name_weight` > 0."""
+    "Naming loss"; measured there: it teaches the words, and beside the clicks it breaks them). Needs
+    `name_weight` > 0."""
     name_only: bool = False
     """Train the naming loss alone (needs `name_weight` > 0): all-synthetic batches, no reply encoded, the
     language model untouched, only the vision tower and the head learn; a tower's word phase before the
