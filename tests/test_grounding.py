@@ -548,7 +548,10 @@ def test_the_naming_loss_trains_a_head_that_the_curves_score_and_the_tower_takes
     assert "name_loss" not in train_grounding(policy, cfg_plain, system="compact", max_new_tokens=8)
 
 
-def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_path, one_thread):
+@pytest.mark.parametrize("tied", [False, True], ids=["linear-head", "tied-head"])
+def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_path, one_thread, tied):
+    """With a linear or a tied head (`name_tied`) the language model stays bit-identical, its embeddings
+    included: the tied head's names are the embeddings, detached."""
     policy = build_tiny_policy(tmp_path / "p", size="xs")
     tower0 = {k: v.clone() for k, v in policy.model.model.visual.state_dict().items()}
     lm0 = {k: v.clone() for k, v in policy.model.model.language_model.state_dict().items()}
@@ -562,6 +565,7 @@ def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_pat
         optimizer=OptimizerConfig(lr=1e-3),
         name_weight=1.0,
         name_only=True,
+        name_tied=tied,
     )
     hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, examples=fixed)
     assert hist["loss"] == hist["name_loss"] and len(hist["loss"]) == 2  # every example synthetic, named
@@ -571,6 +575,10 @@ def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_pat
     assert any(not torch.equal(tower[k], v) for k, v in tower0.items())
     with pytest.raises(ValueError, match="name_only needs name_weight > 0"):
         train_grounding(policy, dataclasses.replace(cfg, name_weight=0.0), system="compact", max_new_tokens=8)
+    if tied:
+        plain = dataclasses.replace(cfg, name_weight=0.0, name_only=False)
+        with pytest.raises(ValueError, match="name_tied needs name_weight > 0"):
+            train_grounding(policy, plain, system="compact", max_new_tokens=8)
 
 
 def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_word_embedding(
@@ -578,8 +586,7 @@ def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_wo
 ):
     """grounding.py, decision "Naming loss": `name_tied` scores each window token by its cosine with the
     model's input embedding of the name (both written forms), so a token equal to the embedding of "submit"
-    is named "submit"; its one parameter is the scale, and a tied naming-only phase leaves the whole
-    language model, its embeddings included, bit-identical while the tower learns."""
+    is named "submit"; its one parameter is the scale (a tied naming-only phase: the test above)."""
     from arpo_core.offline.grounding import TiedNameHead, _fingerprint, _name_token_ids
 
     policy = build_tiny_policy(tmp_path / "p", size="xs")
@@ -606,31 +613,7 @@ def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_wo
     assert logits.argmax(-1).tolist() == [NAMES.index("submit"), NAMES.index("red box")]
     assert torch.allclose(logits.max(-1).values, torch.full((2,), 10.0), atol=1e-3)  # cos 1 x initial scale
 
-    lm0 = {k: v.clone() for k, v in policy.model.model.language_model.state_dict().items()}
-    tower0 = {k: v.clone() for k, v in policy.model.model.visual.state_dict().items()}
-    cfg = GroundConfig(
-        steps=2,
-        batch_size=4,
-        warmup_steps=0,
-        mix={"texts8": 1.0},
-        optimizer=OptimizerConfig(lr=1e-3),
-        name_weight=1.0,
-        name_only=True,
-        name_tied=True,
-    )
-    hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8)
-    assert len(hist["name_loss"]) == 2 and all(math.isfinite(x) for x in hist["name_loss"])
-    lm = policy.model.model.language_model.state_dict()
-    assert all(torch.equal(lm[k], v) for k, v in lm0.items())  # the embeddings too: the names are detached
-    tower = policy.model.model.visual.state_dict()
-    assert any(not torch.equal(tower[k], v) for k, v in tower0.items())
+    cfg = GroundConfig(steps=2, name_weight=1.0, name_tied=True)
     assert _fingerprint(cfg, "compact", None) != _fingerprint(
         dataclasses.replace(cfg, name_tied=False), "compact", None
     )
-    with pytest.raises(ValueError, match="name_tied needs name_weight > 0"):
-        train_grounding(
-            policy,
-            dataclasses.replace(cfg, name_weight=0.0, name_only=False),
-            system="compact",
-            max_new_tokens=8,
-        )
