@@ -576,9 +576,13 @@ def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_pat
     with pytest.raises(ValueError, match="name_only needs name_weight > 0"):
         train_grounding(policy, dataclasses.replace(cfg, name_weight=0.0), system="compact", max_new_tokens=8)
     if tied:
-        plain = dataclasses.replace(cfg, name_weight=0.0, name_only=False)
-        with pytest.raises(ValueError, match="name_tied needs name_weight > 0"):
-            train_grounding(policy, plain, system="compact", max_new_tokens=8)
+        with pytest.raises(ValueError, match="name_tied needs name_weight > 0"):  # the config refuses it
+            train_grounding(
+                policy,
+                dataclasses.replace(cfg, name_weight=0.0, name_only=False),
+                system="compact",
+                max_new_tokens=8,
+            )
 
 
 def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_word_embedding(

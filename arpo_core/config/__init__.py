@@ -387,12 +387,10 @@ class GroundPhase(GroundTrainConfig):
                 f"ground phase: until_hit {self.until_hit} needs eval_every > 0 (the held-out hit rate is "
                 "measured every eval_every steps)"
             )
-        if self.name_only and not self.name_weight:
-            raise ValueError(
-                "ground phase: name_only needs name_weight > 0 (it trains the naming loss alone)"
-            )
-        if self.name_tied and not self.name_weight:
-            raise ValueError("ground phase: name_tied needs name_weight > 0 (it is the naming loss's head)")
+        try:
+            super().__post_init__()
+        except ValueError as e:
+            raise ValueError(f"ground phase: {e}") from None
 
 
 @dataclass(frozen=True)

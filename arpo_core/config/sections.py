@@ -52,6 +52,13 @@ class GroundTrainConfig:
     """Grounding-pretraining hyperparameters shared by a params phase (`config.GroundPhase`) and the
     training loop's config (`grounding.GroundConfig`), which each add their own fields."""
 
+    def __post_init__(self) -> None:
+        """The naming fields' rules, checked for a params phase and the loop's config alike."""
+        if self.name_only and not self.name_weight:
+            raise ValueError("name_only needs name_weight > 0 (it trains the naming loss alone)")
+        if self.name_tied and not self.name_weight:
+            raise ValueError("name_tied needs name_weight > 0 (it is the naming loss's head)")
+
     steps: Annotated[int, Ge(1)] = 2000
     """Optimizer steps."""
     batch_size: Annotated[int, Ge(1)] = 16

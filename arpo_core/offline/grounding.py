@@ -772,10 +772,6 @@ def train_grounding(
         raise ValueError("train_grounding: give checkpoint and checkpoint_every_s together")
     if config.until_hit is not None and not (heldout and config.eval_every):
         raise ValueError("train_grounding: until_hit needs held-out examples and eval_every > 0")
-    if config.name_only and not config.name_weight:
-        raise ValueError("train_grounding: name_only needs name_weight > 0 (it trains the naming loss alone)")
-    if config.name_tied and not config.name_weight:
-        raise ValueError("train_grounding: name_tied needs name_weight > 0 (it is the naming loss's head)")
     model = policy.model
     device = policy.device
     rng = random.Random(config.seed)
