@@ -178,8 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--eval-mix", default="")
     ap.add_argument("--time-limit", type=float, default=None, help="seconds of training")
     ap.add_argument("--rope-theta", type=float, default=1e6)
-    ap.add_argument("--mrope", default="", help="t,h,w frequency split, e.g. 4,14,14")
+    ap.add_argument(
+        "--mrope",
+        default="",
+        help="t,h,w frequency split, e.g. 4,14,14 (with --init: re-split the loaded model's)",
+    )
     ap.add_argument("--pattern", type=float, default=0.0)
+    ap.add_argument("--name-weight", type=float, default=0.0, help="the naming loss beside the clicks (0: off)")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--save", default="", help="save the trained policy here")
@@ -228,6 +233,10 @@ def main(argv: list[str] | None = None) -> int:
             from arpo_core.policy.model import grow_depth
 
             policy = grow_depth(policy, [int(v) for v in args.grow_after.split(",")])
+        if args.mrope:  # re-split the trained model's rotary bands (policy/model.py resplit_mrope)
+            from arpo_core.policy.model import resplit_mrope
+
+            policy = resplit_mrope(policy, [int(v) for v in args.mrope.split(",")])
     else:
         mrope = [int(v) for v in args.mrope.split(",")] if args.mrope else None
         policy = build_tiny_policy(
@@ -242,6 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         curriculum=parse_curriculum(args.curriculum),
         eval_every=args.eval_every,
         pattern=args.pattern,
+        name_weight=args.name_weight,
     )
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
     from arpo_core.pipeline.ground import held_out_screens

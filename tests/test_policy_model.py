@@ -22,6 +22,7 @@ from arpo_core.policy.model import (
     grow_depth,
     load_policy,
     mrope_section,
+    resplit_mrope,
     tiny_config,
     train_tokenizer,
 )
@@ -186,6 +187,36 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
     assert grown.model.model.language_model.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="must name layers"):
         grow_depth(policy, [2])
+
+
+def test_resplit_mrope_moves_frequencies_between_axes_and_keeps_the_weights(built, tmp_path):
+    """resplit_mrope: the same weights under another (t, h, w) split; text alone (t = h = w) computes the
+    same function, a screenshot does not; the split is saved and loaded like any config value."""
+    policy, _ = built
+    before = list(policy.model.config.text_config.rope_parameters["mrope_section"])
+    wide = resplit_mrope(policy, [8, 4, 4])
+    assert before != [8, 4, 4] and wide.model.config.text_config.rope_parameters["mrope_section"] == [8, 4, 4]
+    assert policy.model.config.text_config.rope_parameters["mrope_section"] == before  # the original kept
+    old, new = policy.model.state_dict(), wide.model.state_dict()
+    assert old.keys() == new.keys() and all(torch.equal(old[k], new[k]) for k in old)
+    spec = PromptSpec("uitars", None)
+    shot = collate(
+        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), spec=spec)],
+        policy.pad_id,
+        policy.image_token_id,
+    )
+    with torch.no_grad():
+        a, b = forward_logits(policy.model, shot), forward_logits(wide.model, shot)
+    n_text = shot.input_ids[0].tolist().index(policy.image_token_id)  # before the image: text only
+    assert torch.equal(a[:, :n_text], b[:, :n_text])
+    assert (a[:, n_text:] - b[:, n_text:]).abs().max() > 1e-5  # from it on, rows and columns turn otherwise
+    wide.save(tmp_path / "w")
+    again = load_policy(tmp_path / "w")
+    assert again.model.model.language_model.rotary_emb.mrope_section == [8, 4, 4]
+    with torch.no_grad():
+        assert torch.equal(forward_logits(again.model, shot), b)
+    with pytest.raises(ValueError, match="summing to head_dim / 2 = 16"):
+        resplit_mrope(policy, [8, 4, 5])
 
 
 def test_linear_patch_embed_is_the_conv3d_it_replaces(built):

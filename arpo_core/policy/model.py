@@ -119,6 +119,7 @@ __all__ = [
     "load_policy",
     "mrope_section",
     "mrope_section_qwen3",
+    "resplit_mrope",
     "tiny_config",
     "tiny_image_processor",
     "train_tokenizer",
@@ -518,6 +519,28 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
             new_state[key] = state[key].clone()
     model.load_state_dict(new_state)
     model.generation_config = copy.deepcopy(old.generation_config)  # stop tokens etc. carry over
+    model.to(old.device).eval()
+    return Policy(model=model, processor=policy.processor, tokenizer=policy.tokenizer)
+
+
+def resplit_mrope(policy: Policy, section: Sequence[int]) -> Policy:
+    """A copy of `policy` whose language model splits its rotary frequencies over (t, h, w) as `section`
+    (config `rope_parameters.mrope_section`; the weights unchanged, a stock checkpoint of the same family).
+
+    The split decides what the weights compute: a frequency moved from the h band to the t band stops
+    rotating with an image token's row, so a trained model has to relearn what read that frequency. Used to
+    put a lever on a trained model (benchmarks/grounding_lab.py `--init ... --mrope`), e.g. a wider t band,
+    whose frequencies turn by the same angle for every image token seen from a later token.
+    """
+    old = policy.model
+    text = old.config.text_config
+    family = old.config.model_type
+    _check_mrope(section, text.hidden_size // text.num_attention_heads, family)
+    config = old.config.__class__.from_dict(old.config.to_dict())
+    config.text_config.rope_parameters = {**text.rope_parameters, "mrope_section": list(section)}
+    model = type(old)(config).to(old.dtype)
+    model.load_state_dict(old.state_dict())
+    model.generation_config = copy.deepcopy(old.generation_config)
     model.to(old.device).eval()
     return Policy(model=model, processor=policy.processor, tokenizer=policy.tokenizer)
 
