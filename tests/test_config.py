@@ -122,6 +122,9 @@ def test_presets_mean_what_they_say():
     assert tied[0] == tower[0] and tied[1].name_only and tied[1].name_tied
     assert [dataclasses.replace(p, name_weight=0.0, name_tied=False) for p in tied[2:]] == control
     assert all(p.name_weight == 1.0 and p.name_tied and p.vision_lr_scale == 1.0 for p in tied[2:])
+    synth = load_params(ROOT / "params.yaml", preset="ground-reading-synth").ground.phases
+    assert synth[1:] == control[1:] and synth[0].miniwob_seeds == 0 and control[0].miniwob_seeds == 120
+    assert dataclasses.replace(synth[0], miniwob_seeds=120, steps=4000, until_hit=0.8) == control[0]
     with pytest.raises(ConfigError, match="name_only needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
     with pytest.raises(ConfigError, match="name_tied needs name_weight > 0"):
