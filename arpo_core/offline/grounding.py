@@ -27,7 +27,10 @@ Decisions:
   way to the target is to read it. A phase advances to the next level on held-out evidence (`until_hit`,
   measured every `eval_every` steps on held-out screens of the phase's own levels, never trained on), with
   `steps` as its most; real MiniWoB screens (`miniwob_examples`) are the last level and the fixed half of
-  each batch.
+  each batch (a phase with `miniwob_seeds` 0 has whole synthetic batches). Measured (docs/results.md,
+  "Colours read with whole synthetic batches"): the colour level with whole synthetic batches turned
+  between 2,000 and 3,000 steps and passed its 0.9 gate at 4,000 (boxes8 0.92, box4 0.94 held out), where
+  half real batches had ended the level at 0.44; the real screens fell 0.23 -> 0.11 meanwhile.
 - **Reading aloud.** A click among look-alikes says whether the model read the screen only through a few
   coordinate digits per example, and a wrong pick and a blurred point look alike in them (the 2-layer
   reading run's misses on held-out boxes8: 12 of 64 clicks on another box, 24 between boxes). With
@@ -87,8 +90,12 @@ Decisions:
   so relative attention cannot tell image columns (and barely rows) apart and absolute position has to come
   from slow side channels. Building the tiny model with `rope_theta=5` (all bands 0.2-1 rad per token, still a
   stock Qwen2.5-VL config value; `build_tiny_policy(rope_theta=..., mrope=...)`) made greedy clicks
-  follow a single target after ~1k steps of the xs model, where theta 1e6 stayed image-blind. A
-  coordinate code blended into the pixels (`coord_pattern`, `GroundConfig.pattern`) was tried as well;
+  follow a single target after ~1k steps of the xs model, where theta 1e6 stayed image-blind. Every image
+  token of a screenshot has one t position, so only the t band (the highest frequencies, 2 of the xs
+  split's 16 pairs) lets a later token match image content wherever it is; a split with a wider t band
+  ([8, 4, 4], `policy.model.resplit_mrope`) was measured on the trained base and bought nothing (colours
+  0.92 vs 0.97, words equal; docs/results.md, "Colours read with whole synthetic batches"). A coordinate
+  code blended into the pixels (`coord_pattern`, `GroundConfig.pattern`) was tried as well;
   it is off by default and would have to become part of the saved image processor to be used.
 - **Resumable training.** Given a checkpoint file, the loop saves everything the next step depends on (step,
   weights, AdamW and schedule states, the example stream's RNG and the fixed list's pending order, torch's
