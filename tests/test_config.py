@@ -125,6 +125,10 @@ def test_presets_mean_what_they_say():
     synth = load_params(ROOT / "params.yaml", preset="ground-reading-synth").ground.phases
     assert synth[1:] == control[1:] and synth[0].miniwob_seeds == 0 and control[0].miniwob_seeds == 120
     assert dataclasses.replace(synth[0], miniwob_seeds=120, steps=4000, until_hit=0.8) == control[0]
+    words = load_params(ROOT / "params.yaml", preset="ground-reading-words").ground.phases
+    assert words[0] == tower[0] and dataclasses.replace(words[1], name_weight=0.0) == synth[0]
+    assert all(p.name_weight == 1.0 for p in words) and [p.miniwob_seeds for p in words] == [0, 0, 0, 120]
+    assert dataclasses.replace(words[3], name_weight=0.0, steps=4000) == control[2]
     with pytest.raises(ConfigError, match="name_only needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
     with pytest.raises(ConfigError, match="name_tied needs name_weight > 0"):
