@@ -184,7 +184,9 @@ def main(argv: list[str] | None = None) -> int:
         help="t,h,w frequency split, e.g. 4,14,14 (with --init: re-split the loaded model's)",
     )
     ap.add_argument("--pattern", type=float, default=0.0)
-    ap.add_argument("--name-weight", type=float, default=0.0, help="the naming loss beside the clicks (0: off)")
+    ap.add_argument(
+        "--name-weight", type=float, default=0.0, help="the naming loss beside the clicks (0: off)"
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--fp32", action="store_true")
     ap.add_argument("--save", default="", help="save the trained policy here")
