@@ -404,6 +404,18 @@ def _pids_running(text: str) -> list[int]:
     return out
 
 
+def _execed(pids: list[int], comm: str) -> list[int]:
+    """Those of `pids` whose program is `comm` (/proc/<pid>/comm: set by exec)."""
+    out = []
+    for pid in pids:
+        try:
+            if Path(f"/proc/{pid}/comm").read_text().strip() == comm:
+                out.append(pid)
+        except OSError:
+            continue
+    return out
+
+
 @pytest.mark.parametrize("how", ["setsid", "setsid_env_cleared", "server_sigkilled"])
 def test_a_process_that_left_the_session_dies_with_the_desktop(how):
     """desktop_server.py, decision "Three cleanup nets": `setsid` (own session, its parent gone) does not get
@@ -417,8 +429,10 @@ def test_a_process_that_left_the_session_dies_with_the_desktop(how):
         prefix = "env -i /usr/bin/setsid" if how == "setsid_env_cleared" else "setsid"
         res = c.execute(f"{prefix} -f sleep {tag} </dev/null >/dev/null 2>&1", shell=True)
         assert res["returncode"] == 0, res
-        assert wait_until(lambda: _pids_running(f"sleep {tag}"), 5)
-        (pid,) = _pids_running(f"sleep {tag}")
+        # `setsid -f` returns once it has forked: until its child has called setsid() and exec'd, the child
+        # is `setsid` still in the desktop's session (seen under load); its comm is `sleep` after the exec
+        assert wait_until(lambda: _execed(_pids_running(f"sleep {tag}"), "sleep"), 5)
+        (pid,) = _execed(_pids_running(f"sleep {tag}"), "sleep")
         assert int(_stat(pid)[3]) == pid  # its own session: out of the desktop's group
         if how == "server_sigkilled":
             os.kill(info.pid, signal.SIGKILL)  # no cleanup by the server: the marker is what is left
