@@ -69,7 +69,7 @@ from __future__ import annotations
 import copy
 import json
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -498,14 +498,14 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
     config.text_config.num_hidden_layers = n_new
     if getattr(config.text_config, "layer_types", None) is not None:
         config.text_config.layer_types = [config.text_config.layer_types[0]] * n_new
-    torch.manual_seed(seed)
-    model = type(old)(config).to(old.dtype)
+    torch.manual_seed(seed)  # the new layers' initialisation
+    model = type(old)(config)
+    new_state = model.state_dict()
     order: list[int | None] = []  # new position -> old index (None = new layer)
     for i in range(n_old):
         order.append(i)
         order += [None] * list(after).count(i)
     state = old.state_dict()
-    new_state = model.state_dict()
     prefix = "model.language_model.layers."
     for key in new_state:
         if key.startswith(prefix):
@@ -517,10 +517,7 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
                 new_state[key] = torch.zeros_like(new_state[key])
         else:
             new_state[key] = state[key].clone()
-    model.load_state_dict(new_state)
-    model.generation_config = copy.deepcopy(old.generation_config)  # stop tokens etc. carry over
-    model.to(old.device).eval()
-    return Policy(model=model, processor=policy.processor, tokenizer=policy.tokenizer)
+    return _rebuild(policy, model, new_state)
 
 
 def resplit_mrope(policy: Policy, section: Sequence[int]) -> Policy:
@@ -538,8 +535,15 @@ def resplit_mrope(policy: Policy, section: Sequence[int]) -> Policy:
     _check_mrope(section, text.hidden_size // text.num_attention_heads, family)
     config = old.config.__class__.from_dict(old.config.to_dict())
     config.text_config.rope_parameters = {**text.rope_parameters, "mrope_section": list(section)}
-    model = type(old)(config).to(old.dtype)
-    model.load_state_dict(old.state_dict())
+    return _rebuild(policy, type(old)(config), old.state_dict())
+
+
+def _rebuild(policy: Policy, model: torch.nn.Module, state: Mapping[str, torch.Tensor]) -> Policy:
+    """`model` (a new build of `policy`'s model class) with the weights `state`, in `policy`'s dtype and
+    device, in eval mode, with its generation config (stop tokens etc.), processor and tokenizer."""
+    old = policy.model
+    model.to(old.dtype)
+    model.load_state_dict(state)
     model.generation_config = copy.deepcopy(old.generation_config)
     model.to(old.device).eval()
     return Policy(model=model, processor=policy.processor, tokenizer=policy.tokenizer)
