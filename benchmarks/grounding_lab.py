@@ -185,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--pattern", type=float, default=0.0)
     ap.add_argument(
+        "--point-weight", type=float, default=0.0, help="the pointing loss beside the clicks (0: off)"
+    )
+    ap.add_argument(
         "--name-weight", type=float, default=0.0, help="the naming loss beside the clicks (0: off)"
     )
     ap.add_argument("--threads", type=int, default=1)
@@ -254,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
         eval_every=args.eval_every,
         pattern=args.pattern,
         name_weight=args.name_weight,
+        point_weight=args.point_weight,
     )
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
     from arpo_core.pipeline.ground import held_out_screens

@@ -295,12 +295,12 @@ def test_until_hit_without_measurements_is_a_one_line_error():
 
 def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_dir, tmp_path):
     """ground.py, decision "Curves while it trains": every eval_every steps a phase measures its own levels'
-    held-out screens; `on_metrics` gets them at the stage-wide step (phase 2 continues phase 1's count), the
-    report keeps each phase's curve."""
+    held-out screens (with its naming and pointing heads' measures where it has them); `on_metrics` gets
+    them at the stage-wide step (phase 2 continues phase 1's count), the report keeps each phase's curve."""
     phases = (
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 1,"
         " mix: {box1: 1}}, {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false},"
-        " eval_every: 2, name_weight: 1.0, vision_lr_scale: 0.5, mix: {box1h: 1, boxes8: 1}}]"
+        " eval_every: 2, name_weight: 1.0, vision_lr_scale: 0.5, point_weight: 0.5, mix: {box1h: 1, boxes8: 1}}]"
     )
     seen: list[tuple[int, dict]] = []
     p = params("ground.checkpoint=null", phases, *TINY_EVAL)
@@ -317,6 +317,8 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     assert {"ground/curve/box1h/hit_rate", "ground/curve/boxes8/corr_x", "ground/curve/loss"} <= set(last)
     assert 0 <= last["ground/curve/boxes8/name_acc"] <= 1  # the naming head's accuracy (grounding.py)
     assert not any(k.endswith("name_acc") for _, m in seen[:3] for k in m)  # phase 1 names nothing
+    assert 0 < last["ground/curve/boxes8/point_mass"] < 1 and 0 < last["ground/curve/boxes8/point_other"] < 1
+    assert not any("/point_" in k for _, m in seen[:3] for k in m)  # nor points
     assert last["ground/curve/hit_rate"] == min(
         last["ground/curve/box1h/hit_rate"], last["ground/curve/boxes8/hit_rate"]
     )

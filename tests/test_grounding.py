@@ -26,6 +26,7 @@ from arpo_core.offline.grounding import (
     miniwob_examples,
     name_window,
     pearson,
+    point_spans,
     read_aloud,
     read_score,
     synthetic_example,
@@ -621,3 +622,94 @@ def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_wo
     assert _fingerprint(cfg, "compact", None) != _fingerprint(
         dataclasses.replace(cfg, name_tied=False), "compact", None
     )
+
+
+# ------------------------------------------------------------------------------------------- pointing
+
+
+def _pointing_examples(policy, levels=("buttons8", "boxes8", "box1h")):
+    from arpo_core.offline.grounding import _encode
+
+    rng = random.Random(4)
+    exs = [synthetic_example(rng, lv) for lv in levels]
+    return exs, [_encode(policy, e, "compact") for e in exs]
+
+
+def test_point_spans_are_the_positions_that_predict_the_coordinates_and_the_cells_under_the_target(tmp_path):
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    exs, encoded = _pointing_examples(policy)
+    for ex, enc in zip(exs, encoded, strict=True):
+        queries, targets = point_spans(policy, enc, ex)
+        (action,) = parse_response(ex.reply).actions
+        predicted = "".join(policy.tokenizer.decode([enc.input_ids[q + 1]]) for q in queries)
+        assert predicted == f"{action.point[0]:.0f},{action.point[1]:.0f}"  # the digits and the comma
+        assert queries == list(range(queries[0], queries[0] + len(queries)))  # in a row, in the reply
+        assert all(enc.assistant_mask[q + 1] for q in queries)
+        image = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id]
+        assert image == list(range(image[0], image[0] + 48)) and set(targets) <= set(image)  # 6 x 8 cells
+        cells = {i - image[0] for i in targets}
+        x0, y0, x1, y1 = ex.bbox
+        assert int((y0 + y1) / 2 // 28) * 6 + int((x0 + x1) / 2 // 28) in cells  # the centre's cell
+        for c in cells:  # every cell touches the box
+            r, col = divmod(c, 6)
+            assert col * 28 < x1 and (col + 1) * 28 > x0 and r * 28 < y1 and (r + 1) * 28 > y0
+    read = synthetic_example(random.Random(1), "buttons8", read=True)
+    from arpo_core.offline.grounding import _encode
+
+    assert point_spans(policy, _encode(policy, read, "compact"), read) == ([], [])
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
+def test_the_pointing_head_is_the_layers_own_attention(tmp_path, one_thread, family):
+    """The weights the pointing loss trains are the last layer's head's attention weights as the model's
+    own eager attention computes them (Qwen3-VL with its q/k norms), under the default kernel."""
+    from arpo_core.offline.grounding import POINT_HEAD, _PointCapture
+    from arpo_core.policy.sequences import collate, sequence_logprobs
+
+    policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, family=family)
+    exs, encoded = _pointing_examples(policy)
+    spans = [point_spans(policy, enc, ex) for enc, ex in zip(encoded, exs, strict=True)]
+    batch = collate(encoded, policy.pad_id, policy.image_token_id)
+    with torch.no_grad(), _PointCapture(policy) as capture:
+        sequence_logprobs(policy.model, batch)
+        mine = [w.exp() for w in capture.log_weights([q for q, _ in spans])]
+    policy.model.set_attn_implementation("eager")
+    seen = {}
+    layer = policy.model.model.language_model.layers[-1].self_attn
+    hook = layer.register_forward_hook(lambda m, a, out: seen.update(w=out[1]))  # returns None: output kept
+    with torch.no_grad():
+        sequence_logprobs(policy.model, batch)
+    hook.remove()
+    for b, (queries, _) in enumerate(spans):
+        torch.testing.assert_close(mine[b], seen["w"][b, POINT_HEAD, queries].float(), atol=1e-5, rtol=1e-4)
+
+
+def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, one_thread):
+    """`point_weight`: history "point_loss", evaluations `<set>/point_mass` (on the target) and
+    `<set>/point_other` (on the other look-alikes); trained, the head's mass on the target rises many
+    times; the policy stays a plain Qwen2.5-VL."""
+    policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0)
+    keys0 = set(policy.model.state_dict())
+    heldout = {
+        "box1h": synthetic_examples(8, {"box1h": 1.0}, seed=5),
+        "boxes8": synthetic_examples(4, {"boxes8": 1.0}, seed=6),
+    }
+    cfg = GroundConfig(
+        steps=30,
+        batch_size=4,
+        warmup_steps=0,
+        eval_every=30,
+        mix={"box1h": 1.0},
+        optimizer=OptimizerConfig(lr=1e-2),
+        point_weight=1.0,
+    )
+    hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, heldout=heldout)
+    start, end = hist["evals"][0], hist["evals"][-1]
+    assert len(hist["point_loss"]) == 30 and hist["point_loss"][-1] < hist["point_loss"][0]
+    assert end["box1h/point_mass"] > max(0.3, 5 * start["box1h/point_mass"]), (start, end)
+    assert end["box1h/point_other"] == 0.0 and 0.0 <= end["boxes8/point_other"] <= 1.0  # box1h has no other
+    assert set(policy.model.state_dict()) == keys0
+    plain = train_grounding(
+        policy, dataclasses.replace(cfg, point_weight=0.0, steps=1), system="compact", max_new_tokens=8
+    )
+    assert "point_loss" not in plain

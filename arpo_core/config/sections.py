@@ -58,6 +58,8 @@ class GroundTrainConfig:
             raise ValueError("name_only needs name_weight > 0 (it trains the naming loss alone)")
         if self.name_tied and not self.name_weight:
             raise ValueError("name_tied needs name_weight > 0 (it is the naming loss's head)")
+        if self.point_weight and self.name_only:
+            raise ValueError("point_weight needs the clicks: a name_only phase encodes no reply")
 
     steps: Annotated[int, Ge(1)] = 2000
     """Optimizer steps."""
@@ -115,6 +117,12 @@ class GroundTrainConfig:
     """Share of the synthetic screens drawn as reading examples ("Read the buttons from top to bottom." ->
     finished(content='next, back, ok')) instead of clicks (arpo_core/offline/grounding.py, decision
     "Reading examples"); 0 = clicks only, the same stream of screens as without the field."""
+    point_weight: Annotated[float, Ge(0)] = 0.0
+    """Weight of the pointing loss added to the click loss: one attention head of the language model's last
+    layer is taught to attend, from the positions that predict the click's coordinates, to the image tokens
+    under the target (GUI-Actor's action-token attention, on a stock head), so the retrieval of the named
+    target is supervised directly instead of through a few coordinate digits (arpo_core/offline/
+    grounding.py, decision "Pointing loss"); 0 = off, the stream and the model as without the field."""
 
 
 @dataclass(frozen=True)

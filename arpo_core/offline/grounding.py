@@ -77,6 +77,18 @@ Decisions:
   learned between the spaces), so that a click could find the word by one match instead of one
   association per word; measured, it taught the tower the words (0.47 on buttons in 10,000 steps) but
   kept beside the clicks it broke them (box1h 0.00-0.05 through the colour level).
+- **Pointing loss.** With the words in the tokens, the picks stayed at chance (decision "Naming loss"): the
+  language model did not learn, from a few coordinate digits per example, to find the image token that
+  matches the instruction's word. A phase may supervise that retrieval directly (`point_weight`, as
+  GUI-Actor trains an action token's attention on the target's patches, here on a stock head so the
+  policy stays a stock checkpoint): at the positions that predict the click's coordinates (`point_spans`),
+  query head `POINT_HEAD` of the last decoder layer is taught to put its attention on the merged image
+  tokens under the target (-log of its mass there, in log space so a head that starts far away still gets a
+  gradient). The weights are the layer's own, recomputed from the layer's inputs (`_PointCapture`), so
+  the loss does not depend on the attention kernel (a test checks them against eager attention, both
+  families). Only the last layer can match: its query has read the instruction in the layer before. The
+  curves add the head's held-out mass on the target (`<set>/point_mass`) and on the other look-alikes
+  (`point_other`): a head that found the look-alikes and not the named one splits its mass between them.
 - **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
   pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
   spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
@@ -127,7 +139,7 @@ from arpo_core.infra.fileio import atomic_open
 from arpo_core.offline.behaviour_cloning import lr_factor
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments, model_image_size
-from arpo_core.policy.sequences import collate, encode_segments, sequence_logprobs
+from arpo_core.policy.sequences import EncodedSequence, collate, encode_segments, sequence_logprobs
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 __all__ = [
@@ -150,6 +162,7 @@ __all__ = [
     "make_grounding_examples",
     "miniwob_examples",
     "pearson",
+    "point_spans",
     "read_aloud",
     "read_score",
     "synthetic_example",
@@ -807,6 +820,8 @@ def train_grounding(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.optimizer.bf16 else nullcontext()
     order: list[int] = []
     history: dict = {"loss": [], "evals": []} | ({"name_loss": []} if head is not None else {})
+    if config.point_weight:
+        history["point_loss"] = []
     t0 = time.perf_counter()
     done = 0
     fingerprint = _fingerprint(config, system, examples) if checkpoint is not None else None
@@ -855,6 +870,8 @@ def train_grounding(
         ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
         if head is not None:
             ev |= _name_accuracy(policy, head, heldout)
+        if config.point_weight:
+            ev |= _point_mass(policy, heldout, system, config.pattern)
         if history["loss"]:  # none yet at step 0
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
         history["evals"].append(ev)
@@ -887,16 +904,19 @@ def train_grounding(
             batch_ex.append(synthetic_example(rng, level, msize, config.read_aloud, read))
         model.train()
         loss = None
+        point_loss = None
         if not config.name_only:  # a naming-only phase trains the tower alone: no reply is encoded
-            batch = collate(
-                [_encode(policy, e, system, config.pattern) for e in batch_ex],
-                policy.pad_id,
-                policy.image_token_id,
-            ).to(device)
-            with autocast:
+            encoded = [_encode(policy, e, system, config.pattern) for e in batch_ex]
+            batch = collate(encoded, policy.pad_id, policy.image_token_id).to(device)
+            with autocast, _PointCapture(policy) if config.point_weight else nullcontext() as capture:
                 logps, mask = sequence_logprobs(model, batch)  # (B, T) each
+                if capture is not None:
+                    point_loss = capture.loss(_point_spans(policy, encoded, batch_ex))
             loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
         total = loss
+        if point_loss is not None:
+            total = loss + config.point_weight * point_loss
+            history["point_loss"].append(float(point_loss.detach()))
         if head is not None:
             named = [e for e in batch_ex if e.named]
             if named:
@@ -954,6 +974,181 @@ def _measure(
         out |= {f"{name}/{k}": v for k, v in m.as_dict().items()}
     gated = [n for n in heldout if f"{n}/hit_rate" in out] if gate is None else gate
     out["hit_rate"] = min(out[f"{name}/hit_rate"] for name in gated)
+    return out
+
+
+POINT_HEAD = 0
+"""The pointing loss's head (decision "Pointing loss"): this query head of the language model's last layer."""
+
+
+def point_spans(policy: Policy, enc: EncodedSequence, ex: GroundExample) -> tuple[list[int], list[int]]:
+    """(query positions, target positions) of the pointing loss in one encoded example: the positions whose
+    next token is part of the click's coordinates (the reply's `start_box='(x,y)'`, so they predict x and
+    y), and the merged image tokens whose 28-px cell (the policy's `patch_size * merge_size` model px)
+    overlaps the target's box, at least the one under its centre. Both empty when the reply has no click
+    (a reading example) or the sequence no image.
+
+    A cell is a raster-order image token of the sequence's one screenshot (the tokens the language model
+    gets, in the processor's order: rows of merged cells, top to bottom)."""
+    ids, mask = enc.input_ids, enc.assistant_mask
+    reply = [i for i, m in enumerate(mask) if m]
+    if not reply or enc.image_grid_thw is None or "start_box='(" not in ex.reply:
+        return [], []
+    tok = policy.processor.tokenizer
+    pieces = [tok.decode([ids[i]]) for i in reply]
+    text, starts = "", []
+    for piece in pieces:
+        starts.append(len(text))
+        text += piece
+    begin = text.find("start_box='(")
+    if begin < 0:
+        raise ValueError(f"the click of {ex.reply!r} is not in its decoded tokens {text!r}")
+    begin += len("start_box='(")
+    end = text.find(")", begin)
+    queries = [
+        reply[k] - 1
+        for k, at in enumerate(starts)
+        if at < end and at + len(pieces[k]) > begin and reply[k] > 0
+    ]
+    return queries, box_tokens(policy, enc, ex.bbox)
+
+
+def box_tokens(policy: Policy, enc: EncodedSequence, box: tuple[float, float, float, float]) -> list[int]:
+    """Positions in `enc` of the merged image tokens whose cell overlaps `box` (model px), at least the
+    one under its centre (`point_spans`)."""
+    proc = policy.processor.image_processor
+    merge = int(proc.merge_size)
+    unit = int(proc.patch_size) * merge
+    _, gh, gw = (int(v) for v in enc.image_grid_thw[0].tolist())
+    rows, cols = gh // merge, gw // merge
+    image = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id][: rows * cols]
+    x0, y0, x1, y1 = box
+    cells = {
+        r * cols + c
+        for r in range(rows)
+        for c in range(cols)
+        if c * unit < x1 and (c + 1) * unit > x0 and r * unit < y1 and (r + 1) * unit > y0
+    }
+    cx, cy = (x0 + x1) / 2, (y0 + y1) / 2
+    cells.add(min(rows - 1, max(0, int(cy // unit))) * cols + min(cols - 1, max(0, int(cx // unit))))
+    return [image[c] for c in sorted(cells)]
+
+
+def _point_spans(
+    policy: Policy, encoded: Sequence[EncodedSequence], examples: Sequence[GroundExample]
+) -> list[tuple[list[int], list[int]]]:
+    return [point_spans(policy, enc, ex) for enc, ex in zip(encoded, examples, strict=True)]
+
+
+class _PointCapture:
+    """Within the block, the inputs of the last decoder layer's attention (hidden states and rotary
+    cos/sin) are kept from each forward, so that `loss` recomputes one head's attention weights at a few
+    query positions exactly as the layer does (q/k projections, optional q/k norms, rotary, scaled
+    softmax over the causal prefix) whatever attention kernel the model runs, and differentiably."""
+
+    def __init__(self, policy: Policy):
+        self.attn = policy.model.model.language_model.layers[-1].self_attn
+        self.inputs: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
+        self._hook = None
+
+    def __enter__(self) -> _PointCapture:
+        def keep(module, args, kwargs):
+            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+            self.inputs = (hidden, kwargs["position_embeddings"])
+
+        self._hook = self.attn.register_forward_pre_hook(keep, with_kwargs=True)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._hook.remove()
+
+    def log_weights(self, queries: Sequence[Sequence[int]]) -> list[torch.Tensor]:
+        """Per row b, the log of the head's attention weights (len(queries[b]), T) at those positions."""
+        import sys
+
+        attn = self.attn
+        hidden, (cos, sin) = self.inputs
+        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
+        hd = attn.head_dim
+        kv = POINT_HEAD // attn.num_key_value_groups
+        B, T, _ = hidden.shape
+        q = attn.q_proj(hidden)[..., POINT_HEAD * hd : (POINT_HEAD + 1) * hd].view(B, T, 1, hd)
+        k = attn.k_proj(hidden)[..., kv * hd : (kv + 1) * hd].view(B, T, 1, hd)
+        if getattr(attn, "q_norm", None) is not None:  # Qwen3-VL normalises q and k per head
+            q, k = attn.q_norm(q), attn.k_norm(k)
+        q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, 1, T, hd) each
+        out = []
+        for b, pos in enumerate(queries):
+            if not pos:
+                out.append(hidden.new_zeros((0, T)))
+                continue
+            idx = torch.tensor(pos, device=hidden.device)
+            logits = (q[b, 0, idx].float() @ k[b, 0].float().T) * attn.scaling  # (P, T)
+            causal = torch.arange(T, device=hidden.device)[None, :] > idx[:, None]
+            out.append(torch.log_softmax(logits.masked_fill(causal, float("-inf")), dim=-1))
+        return out
+
+    def loss(self, spans: Sequence[tuple[Sequence[int], Sequence[int]]]) -> torch.Tensor:
+        """Mean over the query positions of -log(the head's attention mass on the target tokens), in log
+        space (a head that starts far from the target still gets its gradient)."""
+        weights = self.log_weights([q for q, _ in spans])
+        terms = [
+            -torch.logsumexp(w[:, list(targets)], dim=-1)
+            for w, (queries, targets) in zip(weights, spans, strict=True)
+            if queries and targets
+        ]
+        if not terms:
+            return self.inputs[0].new_zeros(()).float()
+        return torch.cat(terms).mean()
+
+    def mass(self, spans: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
+        """The head's mean attention mass on the given tokens per example (nan without a click)."""
+        weights = self.log_weights([q for q, _ in spans])
+        return [
+            float(torch.logsumexp(w[:, list(t)], dim=-1).exp().mean()) if q and t else float("nan")
+            for w, (q, t) in zip(weights, spans, strict=True)
+        ]
+
+
+@torch.no_grad()
+def _point_mass(
+    policy: Policy,
+    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
+    system: str,
+    pattern: float,
+) -> dict:
+    """The pointing head's mean attention mass on the target (`<set>/point_mass`; a list: `point_mass`)
+    from the coordinate positions of each held-out click set's own replies (teacher-forced), and on the
+    screen's other look-alikes (`point_other`, their tokens that are not the target's; 0 on a screen with
+    none): whether the retrieval was learned, apart from whether the click decodes it. A head that found
+    the look-alikes but not the named one splits its mass between the two; the read sets are skipped."""
+    sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
+    out = {}
+    policy.model.eval()
+    for name, exs in sets.items():
+        exs = [e for e in exs if e.answer is None]
+        masses: list[float] = []
+        others: list[float] = []
+        for i in range(0, len(exs), 16):
+            chunk = exs[i : i + 16]
+            encoded = [_encode(policy, e, system, pattern) for e in chunk]
+            batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
+            spans = _point_spans(policy, encoded, chunk)
+            rest = []
+            for (queries, targets), enc, e in zip(spans, encoded, chunk, strict=True):
+                boxes = [b for b, _ in e.named if b != e.bbox] if queries else []
+                tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
+                rest.append((queries if tokens else [], tokens))
+            with _PointCapture(policy) as capture:
+                sequence_logprobs(policy.model, batch)
+                masses += [m for m in capture.mass(spans) if m == m]
+                others += [
+                    m if m == m else 0.0 for m, (q, _) in zip(capture.mass(rest), spans, strict=True) if q
+                ]
+        if masses:
+            key = f"{name}/point_" if name else "point_"
+            out[key + "mass"] = round(sum(masses) / len(masses), 4)
+            out[key + "other"] = round(sum(others) / len(others), 4)
     return out
 
 

@@ -76,7 +76,17 @@ def ground_config(phase: GroundPhase) -> Any:
     return GroundConfig(**shared)
 
 
-CURVE_MEASURES = ("hit_rate", "other_hit_rate", "corr_x", "corr_y", "parse_rate", "read_score", "name_acc")
+CURVE_MEASURES = (
+    "hit_rate",
+    "other_hit_rate",
+    "corr_x",
+    "corr_y",
+    "parse_rate",
+    "read_score",
+    "name_acc",
+    "point_mass",
+    "point_other",
+)
 """Held-out measures a phase's curve logs per set (decision "Curves while it trains")."""
 
 
