@@ -129,6 +129,9 @@ def test_presets_mean_what_they_say():
     assert words[0] == tower[0] and dataclasses.replace(words[1], name_weight=0.0) == synth[0]
     assert all(p.name_weight == 1.0 for p in words) and [p.miniwob_seeds for p in words] == [0, 0, 0, 120]
     assert dataclasses.replace(words[3], name_weight=0.0, steps=4000) == control[2]
+    point = load_params(ROOT / "params.yaml", preset="ground-reading-point").ground.phases
+    assert point[0] == words[0] and [dataclasses.replace(p, point_weight=0.0) for p in point[1:]] == words[1:]
+    assert all(p.point_weight == 0.1 for p in point[1:])
     with pytest.raises(ConfigError, match="name_only needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
     with pytest.raises(ConfigError, match="name_tied needs name_weight > 0"):
