@@ -708,6 +708,7 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
     assert len(hist["point_loss"]) == 30 and hist["point_loss"][-1] < hist["point_loss"][0]
     assert end["box1h/point_mass"] > max(0.3, 5 * start["box1h/point_mass"]), (start, end)
     assert end["box1h/point_other"] == 0.0 and 0.0 <= end["boxes8/point_other"] <= 1.0  # box1h has no other
+    assert end["box1h/point_even"] == 1.0 and 0.1 < end["boxes8/point_even"] < 1.0  # all on the target's
     assert set(policy.model.state_dict()) == keys0
     plain = train_grounding(
         policy, dataclasses.replace(cfg, point_weight=0.0, steps=1), system="compact", max_new_tokens=8

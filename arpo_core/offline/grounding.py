@@ -1121,7 +1121,9 @@ def _point_mass(
     from the coordinate positions of each held-out click set's own replies (teacher-forced), and on the
     screen's other look-alikes (`point_other`, their tokens that are not the target's; 0 on a screen with
     none): whether the retrieval was learned, apart from whether the click decodes it. A head that found
-    the look-alikes but not the named one splits its mass between the two; the read sets are skipped."""
+    the look-alikes but not the named one splits its mass between the two, the target getting
+    `point_even`, the target's share of all the look-alikes' tokens (neighbours share cells, so it is above
+    1 / look-alikes): the chance level of `point_mass`. The read sets are skipped."""
     sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
     out = {}
     policy.model.eval()
@@ -1129,6 +1131,7 @@ def _point_mass(
         exs = [e for e in exs if e.answer is None]
         masses: list[float] = []
         others: list[float] = []
+        even: list[float] = []
         for i in range(0, len(exs), 16):
             chunk = exs[i : i + 16]
             encoded = [_encode(policy, e, system, pattern) for e in chunk]
@@ -1139,6 +1142,8 @@ def _point_mass(
                 boxes = [b for b, _ in e.named if b != e.bbox] if queries else []
                 tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
                 rest.append((queries if tokens else [], tokens))
+                if queries:
+                    even.append(len(targets) / (len(targets) + len(tokens)))
             with _PointCapture(policy) as capture:
                 sequence_logprobs(policy.model, batch)
                 masses += [m for m in capture.mass(spans) if m == m]
@@ -1149,6 +1154,7 @@ def _point_mass(
             key = f"{name}/point_" if name else "point_"
             out[key + "mass"] = round(sum(masses) / len(masses), 4)
             out[key + "other"] = round(sum(others) / len(others), 4)
+            out[key + "even"] = round(sum(even) / len(even), 4)
     return out
 
 

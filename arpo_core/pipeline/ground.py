@@ -86,6 +86,7 @@ CURVE_MEASURES = (
     "name_acc",
     "point_mass",
     "point_other",
+    "point_even",
 )
 """Held-out measures a phase's curve logs per set (decision "Curves while it trains")."""
 
