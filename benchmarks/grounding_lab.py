@@ -187,6 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--point-weight", type=float, default=0.0, help="the pointing loss beside the clicks (0: off)"
     )
+    ap.add_argument("--point-heads", type=int, default=1, help="query heads the pointing loss teaches")
     ap.add_argument(
         "--name-weight", type=float, default=0.0, help="the naming loss beside the clicks (0: off)"
     )
@@ -258,6 +259,7 @@ def main(argv: list[str] | None = None) -> int:
         pattern=args.pattern,
         name_weight=args.name_weight,
         point_weight=args.point_weight,
+        point_heads=args.point_heads,
     )
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
     from arpo_core.pipeline.ground import held_out_screens

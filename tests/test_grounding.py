@@ -660,19 +660,23 @@ def test_point_spans_are_the_positions_that_predict_the_coordinates_and_the_cell
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
-def test_the_pointing_head_is_the_layers_own_attention(tmp_path, one_thread, family):
-    """The weights the pointing loss trains are the last layer's head's attention weights as the model's
-    own eager attention computes them (Qwen3-VL with its q/k norms), under the default kernel."""
-    from arpo_core.offline.grounding import POINT_HEAD, _PointCapture
+def test_the_pointing_heads_are_the_layers_own_attention(tmp_path, one_thread, family):
+    """The weights the pointing loss trains are the last layer's heads' attention weights as the model's
+    own eager attention computes them (Qwen3-VL with its q/k norms; grouped key heads), under the
+    default kernel; the head count is checked against the model's."""
+    from arpo_core.offline.grounding import _PointCapture
     from arpo_core.policy.sequences import collate, sequence_logprobs
 
     policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, family=family)
+    heads = policy.model.config.text_config.num_attention_heads
     exs, encoded = _pointing_examples(policy)
     spans = [point_spans(policy, enc, ex) for enc, ex in zip(encoded, exs, strict=True)]
     batch = collate(encoded, policy.pad_id, policy.image_token_id)
-    with torch.no_grad(), _PointCapture(policy) as capture:
-        sequence_logprobs(policy.model, batch)
-        mine = [w.exp() for w in capture.log_weights([q for q, _ in spans])]
+    mine = {}
+    for n in (1, heads):
+        with torch.no_grad(), _PointCapture(policy, n) as capture:
+            sequence_logprobs(policy.model, batch)
+            mine[n] = [w.exp() for w in capture.log_weights([q for q, _ in spans])]
     policy.model.set_attn_implementation("eager")
     seen = {}
     layer = policy.model.model.language_model.layers[-1].self_attn
@@ -680,8 +684,12 @@ def test_the_pointing_head_is_the_layers_own_attention(tmp_path, one_thread, fam
     with torch.no_grad():
         sequence_logprobs(policy.model, batch)
     hook.remove()
-    for b, (queries, _) in enumerate(spans):
-        torch.testing.assert_close(mine[b], seen["w"][b, POINT_HEAD, queries].float(), atol=1e-5, rtol=1e-4)
+    for n, got in mine.items():
+        for b, (queries, _) in enumerate(spans):
+            want = seen["w"][b, :n, queries].float().reshape(n * len(queries), -1)
+            torch.testing.assert_close(got[b], want, atol=1e-5, rtol=1e-4)
+    with pytest.raises(ValueError, match=rf"point_heads must be in \[1, {heads}\] for this model, got 9"):
+        _PointCapture(policy, 9)
 
 
 def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, one_thread):

@@ -123,6 +123,10 @@ class GroundTrainConfig:
     under the target (GUI-Actor's action-token attention, on a stock head), so the retrieval of the named
     target is supervised directly instead of through a few coordinate digits (arpo_core/offline/
     grounding.py, decision "Pointing loss"); 0 = off, the stream and the model as without the field."""
+    point_heads: Annotated[int, Ge(1)] = 1
+    """How many query heads of the last layer the pointing loss teaches (the first ones, 1..heads): one
+    leaves the others free to place the click as they learned to; all of them leave the click only what
+    the heads point at (arpo_core/offline/grounding.py, decision "Pointing loss")."""
 
 
 @dataclass(frozen=True)

@@ -82,7 +82,7 @@ Decisions:
   matches the instruction's word. A phase may supervise that retrieval directly (`point_weight`, as
   GUI-Actor trains an action token's attention on the target's patches, here on a stock head so the
   policy stays a stock checkpoint): at the positions that predict the click's coordinates (`point_spans`),
-  query head `POINT_HEAD` of the last decoder layer is taught to put its attention on the merged image
+  the first `point_heads` query heads of the last decoder layer are taught to put its attention on the merged image
   tokens under the target (-log of its mass there, in log space so a head that starts far away still gets a
   gradient). The weights are the layer's own, recomputed from the layer's inputs (`_PointCapture`), so
   the loss does not depend on the attention kernel (a test checks them against eager attention, both
@@ -871,7 +871,7 @@ def train_grounding(
         if head is not None:
             ev |= _name_accuracy(policy, head, heldout)
         if config.point_weight:
-            ev |= _point_mass(policy, heldout, system, config.pattern)
+            ev |= _point_mass(policy, heldout, system, config.pattern, config.point_heads)
         if history["loss"]:  # none yet at step 0
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
         history["evals"].append(ev)
@@ -908,7 +908,8 @@ def train_grounding(
         if not config.name_only:  # a naming-only phase trains the tower alone: no reply is encoded
             encoded = [_encode(policy, e, system, config.pattern) for e in batch_ex]
             batch = collate(encoded, policy.pad_id, policy.image_token_id).to(device)
-            with autocast, _PointCapture(policy) if config.point_weight else nullcontext() as capture:
+            pointing = _PointCapture(policy, config.point_heads) if config.point_weight else nullcontext()
+            with autocast, pointing as capture:
                 logps, mask = sequence_logprobs(model, batch)  # (B, T) each
                 if capture is not None:
                     point_loss = capture.loss(_point_spans(policy, encoded, batch_ex))
@@ -977,10 +978,6 @@ def _measure(
     return out
 
 
-POINT_HEAD = 0
-"""The pointing loss's head (decision "Pointing loss"): this query head of the language model's last layer."""
-
-
 def point_spans(policy: Policy, enc: EncodedSequence, ex: GroundExample) -> tuple[list[int], list[int]]:
     """(query positions, target positions) of the pointing loss in one encoded example: the positions whose
     next token is part of the click's coordinates (the reply's `start_box='(x,y)'`, so they predict x and
@@ -1042,12 +1039,17 @@ def _point_spans(
 
 class _PointCapture:
     """Within the block, the inputs of the last decoder layer's attention (hidden states and rotary
-    cos/sin) are kept from each forward, so that `loss` recomputes one head's attention weights at a few
-    query positions exactly as the layer does (q/k projections, optional q/k norms, rotary, scaled
-    softmax over the causal prefix) whatever attention kernel the model runs, and differentiably."""
+    cos/sin) are kept from each forward, so that `loss` recomputes the attention weights of its first
+    `heads` query heads at a few query positions exactly as the layer does (q/k projections, optional q/k
+    norms, rotary, scaled softmax over the causal prefix) whatever attention kernel the model runs, and
+    differentiably."""
 
-    def __init__(self, policy: Policy):
+    def __init__(self, policy: Policy, heads: int = 1):
         self.attn = policy.model.model.language_model.layers[-1].self_attn
+        n = policy.model.config.text_config.num_attention_heads
+        if not 1 <= heads <= n:
+            raise ValueError(f"point_heads must be in [1, {n}] for this model, got {heads}")
+        self.heads = heads
         self.inputs: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
         self._hook = None
 
@@ -1063,34 +1065,38 @@ class _PointCapture:
         self._hook.remove()
 
     def log_weights(self, queries: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Per row b, the log of the head's attention weights (len(queries[b]), T) at those positions."""
+        """Per row b, the log of the heads' attention weights (heads x len(queries[b]), T) at those
+        positions, head by head."""
         import sys
 
         attn = self.attn
         hidden, (cos, sin) = self.inputs
         rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         hd = attn.head_dim
-        kv = POINT_HEAD // attn.num_key_value_groups
+        H = self.heads
+        kv = (H - 1) // attn.num_key_value_groups + 1  # the key heads the first H query heads read
         B, T, _ = hidden.shape
-        q = attn.q_proj(hidden)[..., POINT_HEAD * hd : (POINT_HEAD + 1) * hd].view(B, T, 1, hd)
-        k = attn.k_proj(hidden)[..., kv * hd : (kv + 1) * hd].view(B, T, 1, hd)
+        q = attn.q_proj(hidden)[..., : H * hd].view(B, T, H, hd)
+        k = attn.k_proj(hidden)[..., : kv * hd].view(B, T, kv, hd)
         if getattr(attn, "q_norm", None) is not None:  # Qwen3-VL normalises q and k per head
             q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, 1, T, hd) each
+        q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, hd), (B, kv, T, hd)
+        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)[:, :H]  # query head h reads key h // groups
         out = []
         for b, pos in enumerate(queries):
             if not pos:
                 out.append(hidden.new_zeros((0, T)))
                 continue
             idx = torch.tensor(pos, device=hidden.device)
-            logits = (q[b, 0, idx].float() @ k[b, 0].float().T) * attn.scaling  # (P, T)
-            causal = torch.arange(T, device=hidden.device)[None, :] > idx[:, None]
-            out.append(torch.log_softmax(logits.masked_fill(causal, float("-inf")), dim=-1))
+            logits = (q[b][:, idx].float() @ k[b].float().transpose(1, 2)) * attn.scaling  # (H, P, T)
+            causal = torch.arange(T, device=hidden.device)[None, None, :] > idx[None, :, None]
+            logp = torch.log_softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
+            out.append(logp.reshape(H * len(pos), T))
         return out
 
     def loss(self, spans: Sequence[tuple[Sequence[int], Sequence[int]]]) -> torch.Tensor:
-        """Mean over the query positions of -log(the head's attention mass on the target tokens), in log
-        space (a head that starts far from the target still gets its gradient)."""
+        """Mean over the heads and query positions of -log(a head's attention mass on the target tokens),
+        in log space (a head that starts far from the target still gets its gradient)."""
         weights = self.log_weights([q for q, _ in spans])
         terms = [
             -torch.logsumexp(w[:, list(targets)], dim=-1)
@@ -1102,7 +1108,7 @@ class _PointCapture:
         return torch.cat(terms).mean()
 
     def mass(self, spans: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
-        """The head's mean attention mass on the given tokens per example (nan without a click)."""
+        """The heads' mean attention mass on the given tokens per example (nan without a click)."""
         weights = self.log_weights([q for q, _ in spans])
         return [
             float(torch.logsumexp(w[:, list(t)], dim=-1).exp().mean()) if q and t else float("nan")
@@ -1116,8 +1122,9 @@ def _point_mass(
     heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
     system: str,
     pattern: float,
+    heads: int,
 ) -> dict:
-    """The pointing head's mean attention mass on the target (`<set>/point_mass`; a list: `point_mass`)
+    """The pointing heads' mean attention mass on the target (`<set>/point_mass`; a list: `point_mass`)
     from the coordinate positions of each held-out click set's own replies (teacher-forced), and on the
     screen's other look-alikes (`point_other`, their tokens that are not the target's; 0 on a screen with
     none): whether the retrieval was learned, apart from whether the click decodes it. A head that found
@@ -1144,7 +1151,7 @@ def _point_mass(
                 rest.append((queries if tokens else [], tokens))
                 if queries:
                     even.append(len(targets) / (len(targets) + len(tokens)))
-            with _PointCapture(policy) as capture:
+            with _PointCapture(policy, heads) as capture:
                 sequence_logprobs(policy.model, batch)
                 masses += [m for m in capture.mass(spans) if m == m]
                 others += [
