@@ -701,6 +701,7 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
     heldout = {
         "box1h": synthetic_examples(8, {"box1h": 1.0}, seed=5),
         "boxes8": synthetic_examples(4, {"boxes8": 1.0}, seed=6),
+        "real": [dataclasses.replace(e, named=()) for e in synthetic_examples(2, {"box4": 1.0}, seed=7)],
     }
     cfg = GroundConfig(
         steps=30,
@@ -717,6 +718,7 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
     assert end["box1h/point_mass"] > max(0.3, 5 * start["box1h/point_mass"]), (start, end)
     assert end["box1h/point_other"] == 0.0 and 0.0 <= end["boxes8/point_other"] <= 1.0  # box1h has no other
     assert end["box1h/point_even"] == 1.0 and 0.1 < end["boxes8/point_even"] < 1.0  # all on the target's
+    assert 0.0 <= end["real/point_mass"] <= 1.0 and "real/point_other" not in end  # no look-alikes listed
     assert set(policy.model.state_dict()) == keys0
     plain = train_grounding(
         policy, dataclasses.replace(cfg, point_weight=0.0, steps=1), system="compact", max_new_tokens=8

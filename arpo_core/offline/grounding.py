@@ -1130,7 +1130,8 @@ def _point_mass(
     none): whether the retrieval was learned, apart from whether the click decodes it. A head that found
     the look-alikes but not the named one splits its mass between the two, the target getting
     `point_even`, the target's share of all the look-alikes' tokens (neighbours share cells, so it is above
-    1 / look-alikes): the chance level of `point_mass`. The read sets are skipped."""
+    1 / look-alikes): the chance level of `point_mass`. Screens that do not list their look-alikes (real
+    MiniWoB screens) have `point_mass` alone; the read sets are skipped."""
     sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
     out = {}
     policy.model.eval()
@@ -1144,22 +1145,24 @@ def _point_mass(
             encoded = [_encode(policy, e, system, pattern) for e in chunk]
             batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
             spans = _point_spans(policy, encoded, chunk)
-            rest = []
+            rest, listed = [], []  # listed: the screen lists its look-alikes (a real screen does not)
             for (queries, targets), enc, e in zip(spans, encoded, chunk, strict=True):
-                boxes = [b for b, _ in e.named if b != e.bbox] if queries else []
+                boxes = [b for b, _ in e.named if b != e.bbox]
                 tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
                 rest.append((queries if tokens else [], tokens))
-                if queries:
+                listed.append(bool(queries and e.named))
+                if listed[-1]:
                     even.append(len(targets) / (len(targets) + len(tokens)))
             with _PointCapture(policy, heads) as capture:
                 sequence_logprobs(policy.model, batch)
                 masses += [m for m in capture.mass(spans) if m == m]
                 others += [
-                    m if m == m else 0.0 for m, (q, _) in zip(capture.mass(rest), spans, strict=True) if q
+                    m if m == m else 0.0 for m, keep in zip(capture.mass(rest), listed, strict=True) if keep
                 ]
+        key = f"{name}/point_" if name else "point_"
         if masses:
-            key = f"{name}/point_" if name else "point_"
             out[key + "mass"] = round(sum(masses) / len(masses), 4)
+        if even:
             out[key + "other"] = round(sum(others) / len(others), 4)
             out[key + "even"] = round(sum(even) / len(even), 4)
     return out
