@@ -695,7 +695,7 @@ def test_the_pointing_heads_are_the_layers_own_attention(tmp_path, one_thread, f
 def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, one_thread):
     """`point_weight`: history "point_loss", evaluations `<set>/point_mass` (on the target) and
     `<set>/point_other` (on the other look-alikes); trained, the head's mass on the target rises many
-    times; the policy stays a plain Qwen2.5-VL."""
+    times, far above what the same clicks alone leave it at; the policy stays a plain Qwen2.5-VL."""
     policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0)
     keys0 = set(policy.model.state_dict())
     heldout = {
@@ -720,7 +720,38 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
     assert end["box1h/point_even"] == 1.0 and 0.1 < end["boxes8/point_even"] < 1.0  # all on the target's
     assert 0.0 <= end["real/point_mass"] <= 1.0 and "real/point_other" not in end  # no look-alikes listed
     assert set(policy.model.state_dict()) == keys0
+    from arpo_core.offline.grounding import _point_mass
+
+    control = build_tiny_policy(tmp_path / "c", size="xs", rope_theta=5.0)  # the same clicks, no pointing
     plain = train_grounding(
-        policy, dataclasses.replace(cfg, point_weight=0.0, steps=1), system="compact", max_new_tokens=8
+        control,
+        dataclasses.replace(cfg, point_weight=0.0),
+        system="compact",
+        max_new_tokens=8,
+        heldout=heldout,
     )
-    assert "point_loss" not in plain
+    assert "point_loss" not in plain and "box1h/point_mass" not in plain["evals"][-1]
+    clicks_alone = _point_mass(control, heldout, "compact", 0.0, 1)["box1h/point_mass"]
+    assert end["box1h/point_mass"] > clicks_alone + 0.3, (clicks_alone, end)
+
+
+@pytest.mark.parametrize("name_weight", [0.0, 1.0], ids=["clicks", "clicks-and-naming"])
+def test_the_pointing_loss_reaches_the_update_beside_every_other_loss(tmp_path, one_thread, name_weight):
+    """Its weight changes the trained weights, with the naming loss on as well as off (a bug once let the
+    naming loss's sum drop it); the click loss in the history is the same measure either way."""
+    trained = {}
+    for w in (0.0, 0.1, 1.0):
+        policy = build_tiny_policy(tmp_path / f"p{w}", size="xs", rope_theta=5.0, seed=0)
+        cfg = GroundConfig(
+            steps=3,
+            batch_size=4,
+            warmup_steps=0,
+            mix={"boxes8": 1.0},
+            optimizer=OptimizerConfig(lr=1e-2),
+            name_weight=name_weight,
+            point_weight=w,
+        )
+        hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8)
+        trained[w] = policy.model.model.language_model.layers[-1].self_attn.q_proj.weight.detach().clone()
+        assert ("point_loss" in hist) == (w > 0) and ("name_loss" in hist) == (name_weight > 0)
+    assert not torch.equal(trained[0.0], trained[0.1]) and not torch.equal(trained[0.1], trained[1.0])

@@ -123,6 +123,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -924,7 +925,7 @@ def train_grounding(
                 with autocast:
                     logits, labels = _name_logits(policy, head, named)
                 name_loss = torch.nn.functional.cross_entropy(logits.float(), labels)
-                total = config.name_weight * name_loss + (0 if loss is None else loss)
+                total = config.name_weight * name_loss + (0 if total is None else total)
                 history["name_loss"].append(float(name_loss.detach()))
                 loss = name_loss if loss is None else loss
         optimizer.zero_grad(set_to_none=True)
@@ -1067,10 +1068,12 @@ class _PointCapture:
     def log_weights(self, queries: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per row b, the log of the heads' attention weights (heads x len(queries[b]), T) at those
         positions, head by head."""
-        import sys
-
         attn = self.attn
         hidden, (cos, sin) = self.inputs
+        with torch.autocast(hidden.device.type, enabled=False):  # in fp32, even inside a bf16 forward
+            return self._log_weights(queries, attn, hidden.float(), cos.float(), sin.float())
+
+    def _log_weights(self, queries, attn, hidden, cos, sin) -> list[torch.Tensor]:
         rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
         hd = attn.head_dim
         H = self.heads
