@@ -627,6 +627,11 @@ def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_wo
 # ------------------------------------------------------------------------------------------- pointing
 
 
+def _small(**fields) -> GroundConfig:
+    """A few steps of batch 4 at lr 1e-2, no warm-up: the pointing tests' training runs."""
+    return GroundConfig(batch_size=4, warmup_steps=0, optimizer=OptimizerConfig(lr=1e-2), **fields)
+
+
 def _pointing_examples(policy, levels=("buttons8", "boxes8", "box1h")):
     from arpo_core.offline.grounding import _encode
 
@@ -703,15 +708,7 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
         "boxes8": synthetic_examples(4, {"boxes8": 1.0}, seed=6),
         "real": [dataclasses.replace(e, named=()) for e in synthetic_examples(2, {"box4": 1.0}, seed=7)],
     }
-    cfg = GroundConfig(
-        steps=30,
-        batch_size=4,
-        warmup_steps=0,
-        eval_every=30,
-        mix={"box1h": 1.0},
-        optimizer=OptimizerConfig(lr=1e-2),
-        point_weight=1.0,
-    )
+    cfg = _small(steps=30, eval_every=30, mix={"box1h": 1.0}, point_weight=1.0)
     hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, heldout=heldout)
     start, end = hist["evals"][0], hist["evals"][-1]
     assert len(hist["point_loss"]) == 30 and hist["point_loss"][-1] < hist["point_loss"][0]
@@ -742,15 +739,7 @@ def test_the_pointing_loss_reaches_the_update_beside_every_other_loss(tmp_path, 
     trained = {}
     for w in (0.0, 0.1, 1.0):
         policy = build_tiny_policy(tmp_path / f"p{w}", size="xs", rope_theta=5.0, seed=0)
-        cfg = GroundConfig(
-            steps=3,
-            batch_size=4,
-            warmup_steps=0,
-            mix={"boxes8": 1.0},
-            optimizer=OptimizerConfig(lr=1e-2),
-            name_weight=name_weight,
-            point_weight=w,
-        )
+        cfg = _small(steps=3, mix={"boxes8": 1.0}, name_weight=name_weight, point_weight=w)
         hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8)
         trained[w] = policy.model.model.language_model.layers[-1].self_attn.q_proj.weight.detach().clone()
         assert ("point_loss" in hist) == (w > 0) and ("name_loss" in hist) == (name_weight > 0)
