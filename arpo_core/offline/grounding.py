@@ -93,6 +93,8 @@ Decisions:
   the named box passed 0.7 in 1,000 steps and the clicks turned sooner (boxes8 0.80 against 0.61 at 2,000
   steps); on words the head found the look-alikes at once and leaned to the named one at about twice
   chance (buttons8 0.65 against an even 0.30 after 8,000 steps), while the clicks stayed near chance.
+  After the tower's naming phase, at weight 1.0 the head put all its mass on the named box among eight
+  (1.00) while the clicks stayed at zero: what is left is reading the pointed token's place, not finding it.
 - **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
   pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
   spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
