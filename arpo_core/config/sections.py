@@ -118,11 +118,12 @@ class GroundTrainConfig:
     finished(content='next, back, ok')) instead of clicks (arpo_core/offline/grounding.py, decision
     "Reading examples"); 0 = clicks only, the same stream of screens as without the field."""
     point_weight: Annotated[float, Ge(0)] = 0.0
-    """Weight of the pointing loss added to the click loss: one attention head of the language model's last
-    layer is taught to attend, from the positions that predict the click's coordinates, to the image tokens
-    under the target (GUI-Actor's action-token attention, on a stock head), so the retrieval of the named
-    target is supervised directly instead of through a few coordinate digits (arpo_core/offline/
-    grounding.py, decision "Pointing loss"); 0 = off, the stream and the model as without the field."""
+    """Weight of the pointing loss added to the click loss: attention heads of the language model's last
+    layer (`point_heads`) are taught to attend, from the positions that predict the click's coordinates, to
+    the image tokens under the target (GUI-Actor's action-token attention, on stock heads), so the retrieval
+    of the named target is supervised directly instead of through a few coordinate digits
+    (arpo_core/offline/grounding.py, decision "Pointing loss"); 0 = off, the stream and the model as
+    without the field."""
     point_heads: Annotated[int, Ge(1)] = 1
     """How many query heads of the last layer the pointing loss teaches (the first ones, 1..heads): one
     leaves the others free to place the click as they learned to; all of them leave the click only what

@@ -1009,11 +1009,7 @@ def point_spans(policy: Policy, enc: EncodedSequence, ex: GroundExample) -> tupl
         raise ValueError(f"the click of {ex.reply!r} is not in its decoded tokens {text!r}")
     begin += len("start_box='(")
     end = text.find(")", begin)
-    queries = [
-        reply[k] - 1
-        for k, at in enumerate(starts)
-        if at < end and at + len(pieces[k]) > begin and reply[k] > 0
-    ]
+    queries = [reply[k] - 1 for k, at in enumerate(starts) if at < end and at + len(pieces[k]) > begin]
     return queries, box_tokens(policy, enc, ex.bbox)
 
 
@@ -1097,7 +1093,7 @@ class _PointCapture:
                 out.append(hidden.new_zeros((0, T)))
                 continue
             idx = torch.tensor(pos, device=hidden.device)
-            logits = (q[b][:, idx].float() @ k[b].float().transpose(1, 2)) * attn.scaling  # (H, P, T)
+            logits = (q[b][:, idx] @ k[b].transpose(1, 2)) * attn.scaling  # (H, P, T)
             causal = torch.arange(T, device=hidden.device)[None, None, :] > idx[None, :, None]
             logp = torch.log_softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
             out.append(logp.reshape(H * len(pos), T))
@@ -1116,12 +1112,18 @@ class _PointCapture:
             return self.inputs[0].new_zeros(()).float()
         return torch.cat(terms).mean()
 
-    def mass(self, spans: Sequence[tuple[Sequence[int], Sequence[int]]]) -> list[float]:
-        """The heads' mean attention mass on the given tokens per example (nan without a click)."""
-        weights = self.log_weights([q for q, _ in spans])
+    def masses(
+        self, queries: Sequence[Sequence[int]], *token_sets: Sequence[Sequence[int]]
+    ) -> list[list[float]]:
+        """For each of `token_sets` (one token list per row), the heads' mean attention mass on those tokens
+        per row (nan without queries or tokens); the weights are computed once for all the sets."""
+        weights = self.log_weights(queries)
         return [
-            float(torch.logsumexp(w[:, list(t)], dim=-1).exp().mean()) if q and t else float("nan")
-            for w, (q, t) in zip(weights, spans, strict=True)
+            [
+                float(torch.logsumexp(w[:, list(t)], dim=-1).exp().mean()) if q and t else float("nan")
+                for w, q, t in zip(weights, queries, tokens, strict=True)
+            ]
+            for tokens in token_sets
         ]
 
 
@@ -1158,16 +1160,15 @@ def _point_mass(
             for (queries, targets), enc, e in zip(spans, encoded, chunk, strict=True):
                 boxes = [b for b, _ in e.named if b != e.bbox]
                 tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
-                rest.append((queries if tokens else [], tokens))
+                rest.append(tokens)
                 listed.append(bool(queries and e.named))
                 if listed[-1]:
                     even.append(len(targets) / (len(targets) + len(tokens)))
             with _PointCapture(policy, heads) as capture:
                 sequence_logprobs(policy.model, batch)
-                masses += [m for m in capture.mass(spans) if m == m]
-                others += [
-                    m if m == m else 0.0 for m, keep in zip(capture.mass(rest), listed, strict=True) if keep
-                ]
+                on_target, on_rest = capture.masses([q for q, _ in spans], [t for _, t in spans], rest)
+            masses += [m for m in on_target if m == m]
+            others += [m if m == m else 0.0 for m, keep in zip(on_rest, listed, strict=True) if keep]
         key = f"{name}/point_" if name else "point_"
         if masses:
             out[key + "mass"] = round(sum(masses) / len(masses), 4)
