@@ -189,6 +189,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     ap.add_argument("--point-heads", type=int, default=1, help="query heads the pointing loss teaches")
     ap.add_argument(
+        "--place-weight", type=float, default=0.0, help="the place loss beside the clicks (0: off)"
+    )
+    ap.add_argument(
         "--name-weight", type=float, default=0.0, help="the naming loss beside the clicks (0: off)"
     )
     ap.add_argument("--threads", type=int, default=1)
@@ -260,6 +263,7 @@ def main(argv: list[str] | None = None) -> int:
         name_weight=args.name_weight,
         point_weight=args.point_weight,
         point_heads=args.point_heads,
+        place_weight=args.place_weight,
     )
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W
     from arpo_core.pipeline.ground import held_out_screens

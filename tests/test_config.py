@@ -140,6 +140,10 @@ def test_presets_mean_what_they_say():
         load_params(
             ROOT / "params.yaml", ["ground.phases=[{name_only: true, name_weight: 1, point_weight: 1}]"]
         )
+    with pytest.raises(ConfigError, match="place_weight needs the language model"):
+        load_params(
+            ROOT / "params.yaml", ["ground.phases=[{name_only: true, name_weight: 1, place_weight: 1}]"]
+        )
 
 
 def test_defaults_equal_empty_mapping_and_pass_every_rule():
@@ -258,6 +262,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].name_weight", -0.1, 0, ()),
     ("ground.phases[0].point_weight", -0.1, 0, ()),
     ("ground.phases[0].point_heads", 0, 1, ()),
+    ("ground.phases[0].place_weight", -0.1, 0, ()),
     ("ground.phases[0].vision_lr_scale", 0, 1e-6, ()),
     ("demos.episodes_per_task", -1, 0, ()),
     ("demos.seed", -1, 0, ()),

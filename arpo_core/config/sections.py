@@ -60,6 +60,8 @@ class GroundTrainConfig:
             raise ValueError("name_tied needs name_weight > 0 (it is the naming loss's head)")
         if self.point_weight and self.name_only:
             raise ValueError("point_weight needs the clicks: a name_only phase encodes no reply")
+        if self.place_weight and self.name_only:
+            raise ValueError("place_weight needs the language model: a name_only phase runs the tower alone")
 
     steps: Annotated[int, Ge(1)] = 2000
     """Optimizer steps."""
@@ -128,6 +130,12 @@ class GroundTrainConfig:
     """How many query heads of the last layer the pointing loss teaches (the first ones, 1..heads): one
     leaves the others free to place the click as they learned to; all of them leave the click only what
     the heads point at (arpo_core/offline/grounding.py, decision "Pointing loss")."""
+    place_weight: Annotated[float, Ge(0)] = 0.0
+    """Weight of the place loss added to the click loss: a linear probe of the phase (in its checkpoint, then
+    discarded) reads each image token's row and column from its hidden state where the last decoder layer
+    reads it, so the layers before are taught to write where a token is into what it carries, and a head
+    that points at the target reads its place with it (arpo_core/offline/grounding.py, decision "Place
+    loss"); 0 = off, the stream and the model as without the field."""
 
 
 @dataclass(frozen=True)

@@ -154,6 +154,7 @@ __all__ = [
     "GroundConfig",
     "GroundExample",
     "GroundMetrics",
+    "PlaceProbe",
     "best_constant_click",
     "click_reply",
     "coord_pattern",
@@ -169,6 +170,7 @@ __all__ = [
     "make_grounding_examples",
     "miniwob_examples",
     "pearson",
+    "place_targets",
     "point_spans",
     "read_aloud",
     "read_score",
@@ -819,6 +821,12 @@ def train_grounding(
             head = TiedNameHead(*shape, _name_token_ids(policy)) if config.name_tied else NameHead(*shape)
             head = head.to(device)
         groups.append({"params": list(head.parameters()), "lr": lr})
+    probe = None
+    if config.place_weight:  # the place loss's probe: like the naming head, the phase's own
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            probe = PlaceProbe(policy.model.config.text_config.hidden_size).to(device)
+        groups.append({"params": list(probe.parameters()), "lr": lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=config.optimizer.weight_decay)
     trained = [p for g in groups for p in g["params"]]  # what the gradient-norm clip spans
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -829,6 +837,8 @@ def train_grounding(
     history: dict = {"loss": [], "evals": []} | ({"name_loss": []} if head is not None else {})
     if config.point_weight:
         history["point_loss"] = []
+    if probe is not None:
+        history["place_loss"] = []
     t0 = time.perf_counter()
     done = 0
     fingerprint = _fingerprint(config, system, examples) if checkpoint is not None else None
@@ -842,6 +852,8 @@ def train_grounding(
         model.load_state_dict(state["model"])
         if head is not None:
             head.load_state_dict(state["head"])
+        if probe is not None:
+            probe.load_state_dict(state["probe"])
         optimizer.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         rng.setstate(state["rng"])
@@ -859,6 +871,7 @@ def train_grounding(
             "step": step,
             "model": model.state_dict(),
             "head": None if head is None else head.state_dict(),
+            "probe": None if probe is None else probe.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": sched.state_dict(),
             "rng": rng.getstate(),
@@ -879,6 +892,8 @@ def train_grounding(
             ev |= _name_accuracy(policy, head, heldout)
         if config.point_weight:
             ev |= _point_mass(policy, heldout, system, config.pattern, config.point_heads)
+        if probe is not None:
+            ev |= _place_fit(policy, probe, heldout, system, config.pattern)
         if history["loss"]:  # none yet at step 0
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
         history["evals"].append(ev)
@@ -911,20 +926,26 @@ def train_grounding(
             batch_ex.append(synthetic_example(rng, level, msize, config.read_aloud, read))
         model.train()
         loss = None
-        point_loss = None
+        point_loss = place_loss = None
         if not config.name_only:  # a naming-only phase trains the tower alone: no reply is encoded
             encoded = [_encode(policy, e, system, config.pattern) for e in batch_ex]
             batch = collate(encoded, policy.pad_id, policy.image_token_id).to(device)
-            pointing = _PointCapture(policy, config.point_heads) if config.point_weight else nullcontext()
-            with autocast, pointing as capture:
+            capturing = config.point_weight or probe is not None
+            captured = _PointCapture(policy, config.point_heads) if capturing else nullcontext()
+            with autocast, captured as capture:
                 logps, mask = sequence_logprobs(model, batch)  # (B, T) each
-                if capture is not None:
+                if config.point_weight:
                     point_loss = capture.loss(_point_spans(policy, encoded, batch_ex))
+                if probe is not None:
+                    place_loss = _place_loss(policy, probe, capture.inputs[0], encoded)
             loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
         total = loss
         if point_loss is not None:
-            total = loss + config.point_weight * point_loss
+            total = total + config.point_weight * point_loss
             history["point_loss"].append(float(point_loss.detach()))
+        if place_loss is not None:
+            total = total + config.place_weight * place_loss
+            history["place_loss"].append(float(place_loss.detach()))
         if head is not None:
             named = [e for e in batch_ex if e.named]
             if named:
@@ -1184,6 +1205,99 @@ def _name_window_shape(policy: Policy, msize: tuple[int, int]) -> tuple[int, int
     unit = int(proc.patch_size) * int(proc.merge_size)
     _, _, nh, nw = name_window((0.0, 0.0, 0.0, 0.0), (msize[0] / SCREEN_W, msize[1] / SCREEN_H), unit)
     return nh * nw, int(policy.model.config.text_config.hidden_size)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Place loss (decision "Place loss")
+
+
+class PlaceProbe(torch.nn.Module):
+    """The place loss's probe: one linear map of an image token's hidden state, where the last decoder
+    layer reads it (after that layer's input norm), to the token's (row, column), each in [-1, 1]."""
+
+    def __init__(self, hidden: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, 2)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        return self.linear(states.float())
+
+
+def place_targets(policy: Policy, enc: EncodedSequence) -> tuple[list[int], torch.Tensor]:
+    """(positions, places) of the merged image tokens of `enc`'s one screenshot: their positions in the
+    sequence (raster order, as `box_tokens`) and each cell's centre as (row, column) on the token grid,
+    scaled to [-1, 1]. Empty without an image."""
+    if enc.image_grid_thw is None:
+        return [], torch.zeros(0, 2)
+    merge = int(policy.processor.image_processor.merge_size)
+    _, gh, gw = (int(v) for v in enc.image_grid_thw[0].tolist())
+    rows, cols = gh // merge, gw // merge
+    image = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id][: rows * cols]
+    r = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows * 2 - 1
+    c = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols * 2 - 1
+    places = torch.stack(torch.meshgrid(r, c, indexing="ij"), dim=-1).reshape(rows * cols, 2)
+    return image, places
+
+
+def _place_pairs(
+    policy: Policy, probe: PlaceProbe, states: torch.Tensor, encoded: Sequence[EncodedSequence]
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The probe's (row, column) of every image token of the batch and the true ones, stacked."""
+    preds, truth = [], []
+    with torch.autocast(states.device.type, enabled=False):
+        for b, enc in enumerate(encoded):
+            positions, places = place_targets(policy, enc)
+            if positions:
+                preds.append(probe(states[b, positions]))
+                truth.append(places.to(states.device))
+    if not preds:
+        return states.new_zeros((0, 2), dtype=torch.float32), states.new_zeros((0, 2), dtype=torch.float32)
+    return torch.cat(preds), torch.cat(truth)
+
+
+def _place_loss(
+    policy: Policy, probe: PlaceProbe, states: torch.Tensor, encoded: Sequence[EncodedSequence]
+) -> torch.Tensor:
+    """Mean squared error of the probe's places over the batch's image tokens (0 without an image)."""
+    pred, truth = _place_pairs(policy, probe, states, encoded)
+    if not len(pred):
+        return states.new_zeros((), dtype=torch.float32)
+    return torch.nn.functional.mse_loss(pred, truth)
+
+
+def _place_fit(
+    policy: Policy,
+    probe: PlaceProbe,
+    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
+    system: str,
+    pattern: float,
+) -> dict:
+    """How much of each image token's row and column the probe reads on each held-out click set's screens
+    (`<set>/place_row`, `<set>/place_col`: R^2 over the set's image tokens, 1 = exactly, 0 = no better
+    than the grid's mean); the read sets are skipped."""
+    sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
+    out = {}
+    policy.model.eval()
+    for name, exs in sets.items():
+        exs = [e for e in exs if e.answer is None]
+        preds, truth = [], []
+        for i in range(0, len(exs), 16):
+            encoded = [_encode(policy, e, system, pattern) for e in exs[i : i + 16]]
+            batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
+            with torch.no_grad(), _PointCapture(policy) as capture:
+                sequence_logprobs(policy.model, batch)
+                pred, true = _place_pairs(policy, probe, capture.inputs[0], encoded)
+            preds.append(pred)
+            truth.append(true)
+        if not exs:
+            continue
+        pred, true = torch.cat(preds), torch.cat(truth)
+        sse = ((pred - true) ** 2).sum(0)
+        sst = ((true - true.mean(0)) ** 2).sum(0).clamp(min=1e-12)
+        row, col = (1 - sse / sst).tolist()
+        prefix = f"{name}/" if name else ""
+        out[f"{prefix}place_row"], out[f"{prefix}place_col"] = round(row, 4), round(col, 4)
+    return out
 
 
 class NameHead(torch.nn.Module):

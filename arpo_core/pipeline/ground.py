@@ -87,6 +87,8 @@ CURVE_MEASURES = (
     "point_mass",
     "point_other",
     "point_even",
+    "place_row",
+    "place_col",
 )
 """Held-out measures a phase's curve logs per set (decision "Curves while it trains")."""
 
