@@ -178,12 +178,14 @@ def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
 def test_an_interrupted_stage_resumes_its_phases_to_the_same_weights(init_dir, tmp_path, monkeypatch):
     """ground.py, decision "Resumable phases": a stage stopped in its second phase (after one step; the
     first phase finished) and run again on the same staged output trains only what was left and ends with
-    the weights, losses and report of a run that never stopped, leaving no checkpoints in its output."""
+    the weights, losses and report of a run that never stopped, leaving no checkpoints in its output (the
+    second phase's place probe, which is not in the policy, resumed from its checkpoint too)."""
     from arpo_core.offline import grounding
 
     phases = (
         "ground.phases=[{steps: 3, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
-        " {steps: 4, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0], seed: 2}]"
+        " {steps: 4, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0], seed: 2,"
+        " place_weight: 1.0}]"
     )
     p = params("ground.checkpoint=null", phases, *TINY_EVAL, "ground.checkpoint_every_s=0")
     ground.run(p, init_dir, tmp_path / "whole")
@@ -295,12 +297,14 @@ def test_until_hit_without_measurements_is_a_one_line_error():
 
 def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_dir, tmp_path):
     """ground.py, decision "Curves while it trains": every eval_every steps a phase measures its own levels'
-    held-out screens (with its naming and pointing heads' measures where it has them); `on_metrics` gets
-    them at the stage-wide step (phase 2 continues phase 1's count), the report keeps each phase's curve."""
+    held-out screens (with its naming head's, pointing heads' and place probe's measures where it has them);
+    `on_metrics` gets them at the stage-wide step (phase 2 continues phase 1's count), the report keeps each
+    phase's curve."""
     phases = (
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 1,"
         " mix: {box1: 1}}, {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false},"
-        " eval_every: 2, name_weight: 1.0, vision_lr_scale: 0.5, point_weight: 0.5, mix: {box1h: 1, boxes8: 1}}]"
+        " eval_every: 2, name_weight: 1.0, vision_lr_scale: 0.5, point_weight: 0.5, place_weight: 0.5,"
+        " mix: {box1h: 1, boxes8: 1}}]"
     )
     seen: list[tuple[int, dict]] = []
     p = params("ground.checkpoint=null", phases, *TINY_EVAL)
@@ -319,6 +323,8 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     assert not any(k.endswith("name_acc") for _, m in seen[:3] for k in m)  # phase 1 names nothing
     assert 0 < last["ground/curve/boxes8/point_mass"] < 1 and 0 < last["ground/curve/boxes8/point_other"] < 1
     assert not any("/point_" in k for _, m in seen[:3] for k in m)  # nor points
+    assert last["ground/curve/boxes8/place_col"] <= 1 and "ground/curve/box1h/place_row" in last
+    assert not any("/place_" in k for _, m in seen[:3] for k in m)  # nor places
     assert last["ground/curve/hit_rate"] == min(
         last["ground/curve/box1h/hit_rate"], last["ground/curve/boxes8/hit_rate"]
     )
