@@ -3,6 +3,7 @@
 import dataclasses
 import math
 import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -767,39 +768,11 @@ def test_place_targets_are_the_screens_tokens_in_raster_order_at_their_cells_cen
     assert len(place_targets(policy, _encode(policy, read, "compact"))[0]) == 48
 
 
-def _held_out_places(policy, exs):
-    """Each held-out screen's image-token states where the last layer reads them, and their places."""
-    from arpo_core.offline.grounding import _encode, _PointCapture, place_targets
-    from arpo_core.policy.sequences import collate, sequence_logprobs
-
-    encoded = [_encode(policy, e, "compact") for e in exs]
-    with torch.no_grad(), _PointCapture(policy) as capture:
-        sequence_logprobs(policy.model, collate(encoded, policy.pad_id, policy.image_token_id))
-        states = capture.inputs[0]
-    pairs = [place_targets(policy, enc) for enc in encoded]
-    return [states[b, pos].float() for b, (pos, _) in enumerate(pairs)], [pl for _, pl in pairs]
-
-
-def _column_r2(policy, exs) -> float:
-    """An independent ridge probe of the column (standardised states), fit on two thirds of the screens,
-    scored on the rest."""
-    states, places = _held_out_places(policy, exs)
-    cut = 2 * len(exs) // 3
-    fit_x, test_x = torch.cat(states[:cut]), torch.cat(states[cut:])
-    fit_y, test_y = torch.cat(places[:cut])[:, 1:], torch.cat(places[cut:])[:, 1:]
-    mean, std = fit_x.mean(0), fit_x.std(0) + 1e-6
-    fit_x, test_x = (fit_x - mean) / std, (test_x - mean) / std
-    a = torch.cat([fit_x, torch.ones(len(fit_x), 1)], dim=1)
-    w = torch.linalg.solve(a.T @ a + 10.0 * torch.eye(a.shape[1]), a.T @ fit_y)
-    pred = torch.cat([test_x, torch.ones(len(test_x), 1)], dim=1) @ w
-    return float(1 - ((pred - test_y) ** 2).sum() / ((test_y - test_y.mean()) ** 2).sum())
-
-
 def test_the_place_loss_writes_each_tokens_column_into_what_the_last_layer_reads(tmp_path, one_thread):
     """`place_weight`: history "place_loss", evaluations `<set>/place_row` and `<set>/place_col` (the
-    phase's probe's held-out R^2); trained, a least-squares probe of its own, fit on held-out screens,
-    reads the column from the tokens' states, where the same clicks alone leave it unreadable; the probe
-    is not part of the policy."""
+    phase's probe's held-out R^2); trained, an independent ridge probe (benchmarks/place_probe.py), fit on
+    held-out screens, reads the column from the tokens' states, where the same clicks alone leave it
+    unreadable; the phase's probe is not part of the policy."""
     heldout = {"box1h": synthetic_examples(8, {"box1h": 1.0}, seed=5)}
     probe_set = synthetic_examples(24, {"box1h": 1.0, "boxes8": 1.0}, seed=8)
     cfg = _small(steps=30, eval_every=30, mix={"box1h": 1.0}, place_weight=1.0)
@@ -819,7 +792,11 @@ def test_the_place_loss_writes_each_tokens_column_into_what_the_last_layer_reads
         heldout=heldout,
     )
     assert "place_loss" not in plain and "box1h/place_col" not in plain["evals"][-1]
-    mine, clicks_alone = _column_r2(trained, probe_set), _column_r2(control, probe_set)
+    sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
+    from place_probe import probe
+
+    # the column's R^2 where the last layer reads the tokens (its input: depth -2, before the final norm)
+    mine, clicks_alone = (probe(p, probe_set, "compact")[-2]["col"] for p in (trained, control))
     assert mine > 0.5 and clicks_alone < 0.2, (mine, clicks_alone)  # measured 0.77-0.88; below 0
 
 

@@ -1,5 +1,6 @@
-"""The reading levers' sweep (benchmarks/grounding_sweep.py) and the reading runs' report
-(benchmarks/reading_report.py) run end to end on CPU at a tiny size."""
+"""The reading levers' sweep (benchmarks/grounding_sweep.py), the reading runs' report
+(benchmarks/reading_report.py) and the word and place probes (benchmarks/word_probe.py, place_probe.py) run
+end to end on CPU at a tiny size."""
 
 from __future__ import annotations
 
@@ -114,3 +115,47 @@ def test_word_probe_reads_the_tokens_window_around_each_word_and_scores_other_sc
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads((tmp_path / "colours.json").read_text())
     assert (rec["level"], rec["words"], rec["chance"]) == ("boxes8", 10, 0.1)
+
+
+def test_place_probe_scores_each_depth_of_each_model_on_other_screens(tmp_path):
+    """benchmarks/place_probe.py: per model, the held-out R^2 of the image tokens' row and column at every
+    depth the language model reads them (each layer's input, the final norm), a checkpoint directory with
+    a ground phase's training state loaded over it as well as a fresh model."""
+    import torch
+
+    from arpo_core.offline.grounding import GroundConfig, train_grounding
+    from arpo_core.policy.model import build_tiny_policy
+
+    policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0)
+    state = tmp_path / "phase.pt"
+    train_grounding(
+        policy,
+        GroundConfig(steps=1, batch_size=2),
+        system="compact",
+        max_new_tokens=8,
+        checkpoint=state,
+        checkpoint_every_s=0,
+    )
+    out = tmp_path / "pp"
+    cmd = [
+        sys.executable,
+        "benchmarks/place_probe.py",
+        "--model",
+        "fresh=init",
+        "--model",
+        f"trained={tmp_path / 'p'}:{state}",
+    ]
+    res = subprocess.run(
+        [*cmd, "--screens", "6", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.with_suffix(".json").read_text())
+    assert [m["model"] for m in rec["models"]] == ["fresh", "trained"] and rec["screens"] == 6
+    for m in rec["models"]:
+        assert [d["where"] for d in m["depths"]] == ["layer 0's input", "layer 1's input", "final norm"]
+        assert all(d["row"] <= 1 and d["col"] <= 1 for d in m["depths"])
+    assert rec["models"][0]["depths"] != rec["models"][1]["depths"]  # the state was loaded over the directory
+    assert (
+        "| trained |" in out.with_suffix(".md").read_text()
+        and torch.load(state, weights_only=False)["step"] == 1
+    )
