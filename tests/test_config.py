@@ -132,6 +132,9 @@ def test_presets_mean_what_they_say():
     point = load_params(ROOT / "params.yaml", preset="ground-reading-point").ground.phases
     assert point[0] == words[0] and [dataclasses.replace(p, point_weight=0.0) for p in point[1:]] == words[1:]
     assert all(p.point_weight == 0.1 for p in point[1:])
+    place = load_params(ROOT / "params.yaml", preset="ground-reading-place").ground.phases
+    assert place[0] == point[0] and all((p.point_weight, p.place_weight) == (1.0, 1.0) for p in place[1:])
+    assert [dataclasses.replace(p, point_weight=0.1, place_weight=0.0) for p in place[1:]] == point[1:]
     with pytest.raises(ConfigError, match="name_only needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
     with pytest.raises(ConfigError, match="name_tied needs name_weight > 0"):

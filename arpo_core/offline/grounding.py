@@ -95,6 +95,19 @@ Decisions:
   chance (buttons8 0.65 against an even 0.30 after 8,000 steps), while the clicks stayed near chance.
   After the tower's naming phase, at weight 1.0 the head put all its mass on the named box among eight
   (1.00) while the clicks stayed at zero: what is left is reading the pointed token's place, not finding it.
+- **Place loss.** A head that attends to one image token reads what the token carries, and Qwen2.5-VL
+  gives the image tokens rotary positions only, which change how tokens attend, not what they carry; the
+  vision tower has no absolute position either. So the pointed token's place reaches the click only if a
+  layer wrote it into the token. A ridge probe (benchmarks/place_probe.py) finds the column barely there:
+  held-out R^2 0.20 where the last layer of grounded-xs reads the tokens, 0.02 after the tower's naming
+  phase (the row, which the instruction strip and the layout give, 0.73 and 0.52). A phase may teach it
+  (`place_weight`): a linear probe of its own (`PlaceProbe`, in the phase's checkpoint and then discarded,
+  so the policy stays a stock checkpoint) reads each merged image token's row and column on the grid
+  (`place_targets`, in [-1, 1]) from its hidden state where the last decoder layer's attention reads it
+  (after that layer's input norm; the `_PointCapture` hook), and the mean squared error is added to the
+  loss, so the layers before learn to write the place (the language model's first layers can: an image
+  token attends to the prompt's text tokens with a rotary score that depends on its row and column). The
+  curves add the probe's held-out R^2 (`<set>/place_row`, `<set>/place_col`).
 - **Image dependence metrics.** Image dependence is measured on held-out screens with greedy decoding: mean
   pixel error, hit rate (click inside the target box), Pearson correlation of predicted vs target x and y, the
   spread of the clicks, and the image-blind ceiling (the best constant click for the same screens).
