@@ -633,6 +633,13 @@ def _small(**fields) -> GroundConfig:
     return GroundConfig(batch_size=4, warmup_steps=0, optimizer=OptimizerConfig(lr=1e-2), **fields)
 
 
+def _control(tmp_path, cfg: GroundConfig, heldout, **off):
+    """A fresh xs policy trained on `cfg` with the fields `off` (a loss switched off): the control arm."""
+    control = build_tiny_policy(tmp_path / "c", size="xs", rope_theta=5.0)
+    cfg = dataclasses.replace(cfg, **off)
+    return control, train_grounding(control, cfg, system="compact", max_new_tokens=8, heldout=heldout)
+
+
 def _pointing_examples(policy, levels=("buttons8", "boxes8", "box1h")):
     from arpo_core.offline.grounding import _encode
 
@@ -720,14 +727,7 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
     assert set(policy.model.state_dict()) == keys0
     from arpo_core.offline.grounding import _point_mass
 
-    control = build_tiny_policy(tmp_path / "c", size="xs", rope_theta=5.0)  # the same clicks, no pointing
-    plain = train_grounding(
-        control,
-        dataclasses.replace(cfg, point_weight=0.0),
-        system="compact",
-        max_new_tokens=8,
-        heldout=heldout,
-    )
+    control, plain = _control(tmp_path, cfg, heldout, point_weight=0.0)  # the same clicks, no pointing
     assert "point_loss" not in plain and "box1h/point_mass" not in plain["evals"][-1]
     clicks_alone = _point_mass(control, heldout, "compact", 0.0, 1)["box1h/point_mass"]
     assert end["box1h/point_mass"] > clicks_alone + 0.3, (clicks_alone, end)
@@ -783,14 +783,7 @@ def test_the_place_loss_writes_each_tokens_column_into_what_the_last_layer_reads
     assert len(hist["place_loss"]) == 30 and hist["place_loss"][-1] < hist["place_loss"][0] / 2
     assert start["box1h/place_col"] < 0.2 and end["box1h/place_col"] > 0.4, (start, end)
     assert end["box1h/place_row"] > 0.4 and set(trained.model.state_dict()) == keys0
-    control = build_tiny_policy(tmp_path / "c", size="xs", rope_theta=5.0)
-    plain = train_grounding(
-        control,
-        dataclasses.replace(cfg, place_weight=0.0),
-        system="compact",
-        max_new_tokens=8,
-        heldout=heldout,
-    )
+    control, plain = _control(tmp_path, cfg, heldout, place_weight=0.0)  # the same clicks, no place loss
     assert "place_loss" not in plain and "box1h/place_col" not in plain["evals"][-1]
     sys.path.insert(0, str(Path(__file__).parents[1] / "benchmarks"))
     from place_probe import probe
