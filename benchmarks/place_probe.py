@@ -57,39 +57,29 @@ def token_states(policy, examples, system: str) -> tuple[list[list[torch.Tensor]
     """Per depth, per screen: the image tokens' hidden states as each decoder layer's attention reads them
     (after its input norm) and as the final norm puts them out; and per screen their places. The model runs
     as in training (`sequence_logprobs`, its rotary positions included)."""
-    from arpo_core.offline.grounding import _encode, place_targets
+    from arpo_core.offline.grounding import AttentionInputs, _encode, place_targets
     from arpo_core.policy.sequences import collate, sequence_logprobs
 
     lm = policy.model.model.language_model
-    seen: dict[int, torch.Tensor] = {}
-
-    def keep(d):
-        def hook(module, args, kwargs):
-            seen[d] = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-
-        return hook
-
-    hooks = [
-        layer.self_attn.register_forward_pre_hook(keep(d), with_kwargs=True)
-        for d, layer in enumerate(lm.layers)
-    ]
-    hooks.append(lm.norm.register_forward_hook(lambda m, a, out: seen.update({len(lm.layers): out})))
     depths: list[list[torch.Tensor]] = [[] for _ in range(len(lm.layers) + 1)]
     places: list[torch.Tensor] = []
+    out: list[torch.Tensor] = []
+    hook = lm.norm.register_forward_hook(lambda module, args, states: out.append(states))
     policy.model.eval()
     try:
         for i in range(0, len(examples), 16):
             encoded = [_encode(policy, e, system) for e in examples[i : i + 16]]
-            with torch.no_grad():
+            out.clear()
+            with torch.no_grad(), AttentionInputs(policy, range(len(lm.layers))) as capture:
                 sequence_logprobs(policy.model, collate(encoded, policy.pad_id, policy.image_token_id))
+            seen = [capture.kept[d][0] for d in range(len(lm.layers))] + out[-1:]
             for b, enc in enumerate(encoded):
                 positions, where = place_targets(policy, enc)
                 places.append(where)
                 for d in range(len(depths)):
                     depths[d].append(seen[d][b, positions].float())
     finally:
-        for h in hooks:
-            h.remove()
+        hook.remove()
     return depths, places
 
 

@@ -725,11 +725,11 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
     assert end["box1h/point_even"] == 1.0 and 0.1 < end["boxes8/point_even"] < 1.0  # all on the target's
     assert 0.0 <= end["real/point_mass"] <= 1.0 and "real/point_other" not in end  # no look-alikes listed
     assert set(policy.model.state_dict()) == keys0
-    from arpo_core.offline.grounding import _point_mass
+    from arpo_core.offline.grounding import _attention_measures
 
     control, plain = _control(tmp_path, cfg, heldout, point_weight=0.0)  # the same clicks, no pointing
     assert "point_loss" not in plain and "box1h/point_mass" not in plain["evals"][-1]
-    clicks_alone = _point_mass(control, heldout, "compact", 0.0, 1)["box1h/point_mass"]
+    clicks_alone = _attention_measures(control, heldout, "compact", 0.0, 1)["box1h/point_mass"]
     assert end["box1h/point_mass"] > clicks_alone + 0.3, (clicks_alone, end)
 
 

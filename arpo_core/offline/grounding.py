@@ -171,11 +171,13 @@ from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 __all__ = [
     "LEVELS",
+    "AttentionInputs",
     "GroundConfig",
     "GroundExample",
     "GroundMetrics",
     "PlaceProbe",
     "best_constant_click",
+    "box_tokens",
     "click_reply",
     "coord_pattern",
     "coordinate_nll",
@@ -185,6 +187,7 @@ __all__ = [
     "first_click",
     "greedy_replies",
     "grounding_metrics",
+    "image_cells",
     "image_dependence",
     "lr_factor",
     "make_grounding_examples",
@@ -910,10 +913,9 @@ def train_grounding(
         ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
         if head is not None:
             ev |= _name_accuracy(policy, head, heldout)
-        if config.point_weight:
-            ev |= _point_mass(policy, heldout, system, config.pattern, config.point_heads)
-        if probe is not None:
-            ev |= _place_fit(policy, probe, heldout, system, config.pattern)
+        if config.point_weight or probe is not None:
+            heads = config.point_heads if config.point_weight else 0
+            ev |= _attention_measures(policy, heldout, system, config.pattern, heads, probe)
         if history["loss"]:  # none yet at step 0
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
         history["evals"].append(ev)
@@ -1031,10 +1033,7 @@ def point_spans(policy: Policy, enc: EncodedSequence, ex: GroundExample) -> tupl
     next token is part of the click's coordinates (the reply's `start_box='(x,y)'`, so they predict x and
     y), and the merged image tokens whose 28-px cell (the policy's `patch_size * merge_size` model px)
     overlaps the target's box, at least the one under its centre. Both empty when the reply has no click
-    (a reading example) or the sequence no image.
-
-    A cell is a raster-order image token of the sequence's one screenshot (the tokens the language model
-    gets, in the processor's order: rows of merged cells, top to bottom)."""
+    (a reading example) or the sequence no image. A cell is one of `image_cells`."""
     ids, mask = enc.input_ids, enc.assistant_mask
     reply = [i for i, m in enumerate(mask) if m]
     if not reply or enc.image_grid_thw is None or "start_box='(" not in ex.reply:
@@ -1054,15 +1053,25 @@ def point_spans(policy: Policy, enc: EncodedSequence, ex: GroundExample) -> tupl
     return queries, box_tokens(policy, enc, ex.bbox)
 
 
-def box_tokens(policy: Policy, enc: EncodedSequence, box: tuple[float, float, float, float]) -> list[int]:
-    """Positions in `enc` of the merged image tokens whose cell overlaps `box` (model px), at least the
-    one under its centre (`point_spans`)."""
-    proc = policy.processor.image_processor
-    merge = int(proc.merge_size)
-    unit = int(proc.patch_size) * merge
+def image_cells(policy: Policy, enc: EncodedSequence) -> tuple[list[int], int, int]:
+    """(positions, rows, columns): the positions in `enc` of its one screenshot's merged image tokens, in
+    raster order (the tokens the language model gets, in the processor's order: rows of merged cells, top
+    to bottom), and the token grid's rows and columns. ([], 0, 0) without an image."""
+    if enc.image_grid_thw is None:
+        return [], 0, 0
+    merge = int(policy.processor.image_processor.merge_size)
     _, gh, gw = (int(v) for v in enc.image_grid_thw[0].tolist())
     rows, cols = gh // merge, gw // merge
     image = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id][: rows * cols]
+    return image, rows, cols
+
+
+def box_tokens(policy: Policy, enc: EncodedSequence, box: tuple[float, float, float, float]) -> list[int]:
+    """Positions in `enc` of the merged image tokens whose cell (`image_cells`) overlaps `box` (model px),
+    at least the one under its centre (`point_spans`)."""
+    proc = policy.processor.image_processor
+    unit = int(proc.patch_size) * int(proc.merge_size)
+    image, rows, cols = image_cells(policy, enc)
     x0, y0, x1, y1 = box
     cells = {
         r * cols + c
@@ -1081,32 +1090,54 @@ def _point_spans(
     return [point_spans(policy, enc, ex) for enc, ex in zip(encoded, examples, strict=True)]
 
 
-class _PointCapture:
+class AttentionInputs:
+    """Within the block, the inputs of the chosen decoder layers' attention are kept from each forward:
+    `kept[d]` = (hidden states, as layer d's attention reads them: after its input norm; rotary (cos, sin)),
+    for each d of `layers` (negative counts from the last layer)."""
+
+    def __init__(self, policy: Policy, layers: Sequence[int] = (-1,)):
+        self.layers = policy.model.model.language_model.layers
+        self.chosen = sorted({d % len(self.layers) for d in layers})
+        self.kept: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
+        self._hooks: list = []
+
+    def __enter__(self):
+        def keep(d):
+            def hook(module, args, kwargs):
+                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+                self.kept[d] = (hidden, kwargs["position_embeddings"])
+
+            return hook
+
+        self._hooks = [
+            self.layers[d].self_attn.register_forward_pre_hook(keep(d), with_kwargs=True) for d in self.chosen
+        ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+
+
+class _PointCapture(AttentionInputs):
     """Within the block, the inputs of the last decoder layer's attention (hidden states and rotary
-    cos/sin) are kept from each forward, so that `loss` recomputes the attention weights of its first
-    `heads` query heads at a few query positions exactly as the layer does (q/k projections, optional q/k
-    norms, rotary, scaled softmax over the causal prefix) whatever attention kernel the model runs, and
-    differentiably."""
+    cos/sin) are kept from each forward (`inputs`), so that `loss` recomputes the attention weights of its
+    first `heads` query heads at a few query positions exactly as the layer does (q/k projections,
+    optional q/k norms, rotary, scaled softmax over the causal prefix) whatever attention kernel the model
+    runs, and differentiably."""
 
     def __init__(self, policy: Policy, heads: int = 1):
-        self.attn = policy.model.model.language_model.layers[-1].self_attn
+        super().__init__(policy, (-1,))
+        self.attn = self.layers[-1].self_attn
         n = policy.model.config.text_config.num_attention_heads
         if not 1 <= heads <= n:
             raise ValueError(f"point_heads must be in [1, {n}] for this model, got {heads}")
         self.heads = heads
-        self.inputs: tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None = None
-        self._hook = None
 
-    def __enter__(self) -> _PointCapture:
-        def keep(module, args, kwargs):
-            hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-            self.inputs = (hidden, kwargs["position_embeddings"])
-
-        self._hook = self.attn.register_forward_pre_hook(keep, with_kwargs=True)
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._hook.remove()
+    @property
+    def inputs(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
+        return self.kept.get(self.chosen[0])
 
     def log_weights(self, queries: Sequence[Sequence[int]]) -> list[torch.Tensor]:
         """Per row b, the log of the heads' attention weights (heads x len(queries[b]), T) at those
@@ -1168,57 +1199,6 @@ class _PointCapture:
         ]
 
 
-@torch.no_grad()
-def _point_mass(
-    policy: Policy,
-    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
-    system: str,
-    pattern: float,
-    heads: int,
-) -> dict:
-    """The pointing heads' mean attention mass on the target (`<set>/point_mass`; a list: `point_mass`)
-    from the coordinate positions of each held-out click set's own replies (teacher-forced), and on the
-    screen's other look-alikes (`point_other`, their tokens that are not the target's; 0 on a screen with
-    none): whether the retrieval was learned, apart from whether the click decodes it. A head that found
-    the look-alikes but not the named one splits its mass between the two, the target getting
-    `point_even`, the target's share of all the look-alikes' tokens (neighbours share cells, so it is above
-    1 / look-alikes): the chance level of `point_mass`. Screens that do not list their look-alikes (real
-    MiniWoB screens) have `point_mass` alone; the read sets are skipped."""
-    sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
-    out = {}
-    policy.model.eval()
-    for name, exs in sets.items():
-        exs = [e for e in exs if e.answer is None]
-        masses: list[float] = []
-        others: list[float] = []
-        even: list[float] = []
-        for i in range(0, len(exs), 16):
-            chunk = exs[i : i + 16]
-            encoded = [_encode(policy, e, system, pattern) for e in chunk]
-            batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
-            spans = _point_spans(policy, encoded, chunk)
-            rest, listed = [], []  # listed: the screen lists its look-alikes (a real screen does not)
-            for (queries, targets), enc, e in zip(spans, encoded, chunk, strict=True):
-                boxes = [b for b, _ in e.named if b != e.bbox]
-                tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
-                rest.append(tokens)
-                listed.append(bool(queries and e.named))
-                if listed[-1]:
-                    even.append(len(targets) / (len(targets) + len(tokens)))
-            with _PointCapture(policy, heads) as capture:
-                sequence_logprobs(policy.model, batch)
-                on_target, on_rest = capture.masses([q for q, _ in spans], [t for _, t in spans], rest)
-            masses += [m for m in on_target if m == m]
-            others += [m if m == m else 0.0 for m, keep in zip(on_rest, listed, strict=True) if keep]
-        key = f"{name}/point_" if name else "point_"
-        if masses:
-            out[key + "mass"] = round(sum(masses) / len(masses), 4)
-        if even:
-            out[key + "other"] = round(sum(others) / len(others), 4)
-            out[key + "even"] = round(sum(even) / len(even), 4)
-    return out
-
-
 def _name_window_shape(policy: Policy, msize: tuple[int, int]) -> tuple[int, int]:
     """(tokens in a `name_window`, the language model's hidden size) at the policy's resolution."""
     proc = policy.processor.image_processor
@@ -1245,14 +1225,11 @@ class PlaceProbe(torch.nn.Module):
 
 def place_targets(policy: Policy, enc: EncodedSequence) -> tuple[list[int], torch.Tensor]:
     """(positions, places) of the merged image tokens of `enc`'s one screenshot: their positions in the
-    sequence (raster order, as `box_tokens`) and each cell's centre as (row, column) on the token grid,
+    sequence (raster order, `image_cells`) and each cell's centre as (row, column) on the token grid,
     scaled to [-1, 1]. Empty without an image."""
-    if enc.image_grid_thw is None:
+    image, rows, cols = image_cells(policy, enc)
+    if not image:
         return [], torch.zeros(0, 2)
-    merge = int(policy.processor.image_processor.merge_size)
-    _, gh, gw = (int(v) for v in enc.image_grid_thw[0].tolist())
-    rows, cols = gh // merge, gw // merge
-    image = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id][: rows * cols]
     r = (torch.arange(rows, dtype=torch.float32) + 0.5) / rows * 2 - 1
     c = (torch.arange(cols, dtype=torch.float32) + 0.5) / cols * 2 - 1
     places = torch.stack(torch.meshgrid(r, c, indexing="ij"), dim=-1).reshape(rows * cols, 2)
@@ -1283,41 +1260,6 @@ def _place_loss(
     if not len(pred):
         return states.new_zeros((), dtype=torch.float32)
     return torch.nn.functional.mse_loss(pred, truth)
-
-
-def _place_fit(
-    policy: Policy,
-    probe: PlaceProbe,
-    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
-    system: str,
-    pattern: float,
-) -> dict:
-    """How much of each image token's row and column the probe reads on each held-out click set's screens
-    (`<set>/place_row`, `<set>/place_col`: R^2 over the set's image tokens, 1 = exactly, 0 = no better
-    than the grid's mean); the read sets are skipped."""
-    sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
-    out = {}
-    policy.model.eval()
-    for name, exs in sets.items():
-        exs = [e for e in exs if e.answer is None]
-        preds, truth = [], []
-        for i in range(0, len(exs), 16):
-            encoded = [_encode(policy, e, system, pattern) for e in exs[i : i + 16]]
-            batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
-            with torch.no_grad(), _PointCapture(policy) as capture:
-                sequence_logprobs(policy.model, batch)
-                pred, true = _place_pairs(policy, probe, capture.inputs[0], encoded)
-            preds.append(pred)
-            truth.append(true)
-        if not exs:
-            continue
-        pred, true = torch.cat(preds), torch.cat(truth)
-        sse = ((pred - true) ** 2).sum(0)
-        sst = ((true - true.mean(0)) ** 2).sum(0).clamp(min=1e-12)
-        row, col = (1 - sse / sst).tolist()
-        prefix = f"{name}/" if name else ""
-        out[f"{prefix}place_row"], out[f"{prefix}place_col"] = round(row, 4), round(col, 4)
-    return out
 
 
 class NameHead(torch.nn.Module):
@@ -1433,6 +1375,77 @@ def _fingerprint(config: GroundConfig, system: str, examples: Sequence[GroundExa
 
 # ----------------------------------------------------------------------------------------------------
 # Measures (decision "Image dependence metrics")
+
+
+@torch.no_grad()
+def _attention_measures(
+    policy: Policy,
+    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
+    system: str,
+    pattern: float,
+    heads: int = 0,
+    probe: PlaceProbe | None = None,
+) -> dict:
+    """What the last decoder layer reads on each held-out click set's screens, from one teacher-forced pass
+    over the set's own replies (the read sets are skipped):
+
+    - with `heads` > 0, the pointing heads' mean attention mass on the target (`<set>/point_mass`; a list:
+      `point_mass`) from the coordinate positions, and on the screen's other look-alikes (`point_other`,
+      their tokens that are not the target's; 0 on a screen with none): whether the retrieval was learned,
+      apart from whether the click decodes it. A head that found the look-alikes but not the named one
+      splits its mass between the two, the target getting `point_even`, the target's share of all the
+      look-alikes' tokens (neighbours share cells, so it is above 1 / look-alikes): the chance level of
+      `point_mass`. Screens that do not list their look-alikes (real MiniWoB screens) have `point_mass`
+      alone.
+    - with a place `probe`, how much of each image token's row and column it reads (`<set>/place_row`,
+      `<set>/place_col`: R^2 over the set's image tokens, 1 = exactly, 0 = no better than the grid's
+      mean)."""
+    sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
+    out = {}
+    policy.model.eval()
+    for name, exs in sets.items():
+        exs = [e for e in exs if e.answer is None]
+        masses: list[float] = []
+        others: list[float] = []
+        even: list[float] = []
+        preds, truth = [], []
+        for i in range(0, len(exs), 16):
+            chunk = exs[i : i + 16]
+            encoded = [_encode(policy, e, system, pattern) for e in chunk]
+            batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
+            with _PointCapture(policy, max(heads, 1)) as capture:
+                sequence_logprobs(policy.model, batch)
+            if probe is not None:
+                pred, true = _place_pairs(policy, probe, capture.inputs[0], encoded)
+                preds.append(pred)
+                truth.append(true)
+            if not heads:
+                continue
+            spans = _point_spans(policy, encoded, chunk)
+            rest, listed = [], []  # listed: the screen lists its look-alikes (a real screen does not)
+            for (queries, targets), enc, e in zip(spans, encoded, chunk, strict=True):
+                boxes = [b for b, _ in e.named if b != e.bbox]
+                tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
+                rest.append(tokens)
+                listed.append(bool(queries and e.named))
+                if listed[-1]:
+                    even.append(len(targets) / (len(targets) + len(tokens)))
+            on_target, on_rest = capture.masses([q for q, _ in spans], [t for _, t in spans], rest)
+            masses += [m for m in on_target if m == m]
+            others += [m if m == m else 0.0 for m, keep in zip(on_rest, listed, strict=True) if keep]
+        prefix = f"{name}/" if name else ""
+        if masses:
+            out[prefix + "point_mass"] = round(sum(masses) / len(masses), 4)
+        if even:
+            out[prefix + "point_other"] = round(sum(others) / len(others), 4)
+            out[prefix + "point_even"] = round(sum(even) / len(even), 4)
+        if preds:
+            pred, true = torch.cat(preds), torch.cat(truth)
+            sse = ((pred - true) ** 2).sum(0)
+            sst = ((true - true.mean(0)) ** 2).sum(0).clamp(min=1e-12)
+            row, col = (1 - sse / sst).tolist()
+            out[prefix + "place_row"], out[prefix + "place_col"] = round(row, 4), round(col, 4)
+    return out
 
 
 def pearson(a: Sequence[float], b: Sequence[float]) -> float:
