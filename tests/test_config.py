@@ -581,7 +581,7 @@ OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_S
         (  # the versioned grounded checkpoint is a Qwen2.5-VL model
             (("init_policy.family", "qwen3_vl"),),
             (("init_policy.family", "qwen3_vl"), ("ground.checkpoint", None)),
-            r"ground\.checkpoint = 'assets/checkpoints/grounded-xs' is out of range: must be a qwen3_vl checkpoint "
+            r"ground\.checkpoint = 'assets/checkpoints/grounded-read-xs' is out of range: must be a qwen3_vl checkpoint "
             r"like the one init_policy\.family builds, or null; its config\.json says qwen2_5_vl",
         ),
         (  # remote desktops need URLs ...

@@ -398,7 +398,7 @@ class GroundSectionConfig:
     """Grounding pretraining (stage `ground`): where the grounded policy comes from and how it is measured.
     (Not named `GroundConfig`: that is `arpo_core.offline.grounding`'s training-loop config, one per phase.)"""
 
-    checkpoint: Annotated[str, ExistingPath(checkpoint=True)] | None = "assets/checkpoints/grounded-xs"
+    checkpoint: Annotated[str, ExistingPath(checkpoint=True)] | None = "assets/checkpoints/grounded-read-xs"
     """Start from this checkpoint directory (the project's versioned grounded tiny policy) instead of
     `models/init`; null = start from `models/init` and train with `phases`. A pretrained model named by
     `init_policy.pretrained` wins over it (this is a tiny model)."""

@@ -17,7 +17,9 @@ Decisions:
   real screen the stage needs and is closed before training starts. The measures are the stage's
   metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
   `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
-  it scores.
+  it scores. A start that carries its own report (a versioned checkpoint the stage trained: its recipe,
+  commit and curves) has it kept whole in the new report's `start_report`, so the chain of how a policy
+  was made survives copies and further phases.
 - **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
   swapped in on success (flows/runner.py, decision "Staged outputs"): a failed copy or training run leaves the
   previous `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree`
@@ -39,6 +41,7 @@ Decisions:
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -237,6 +240,8 @@ def run(
 
     metrics: dict[str, Any] = {}
     report: dict[str, Any] = {"start": str(start), "config": asdict(g), "code": source_commit(), "phases": []}
+    if (start / GROUND_REPORT).exists():  # how the start was made (decision "Image dependence measured")
+        report["start_report"] = json.loads((start / GROUND_REPORT).read_text())
     done_steps = 0
     if g.phases:
         policy = load_policy(start)
