@@ -73,8 +73,10 @@ def _ground() -> None:
 def test_ground_copying_the_versioned_checkpoint_on_a_full_disk_is_one_line(project, monkeypatch):
     """Before: a Python list of shutil error tuples, one per file, and 0-byte and truncated files left in
     models/grounded (the copy went straight into it)."""
+    from arpo_core.config import load_params
+
     out, before = _previous_grounded()
-    start = Path("assets/checkpoints/grounded-xs")
+    start = Path(load_params("params.yaml", GROUND, preset="quick").ground.checkpoint)  # what _ground copies
 
     real_copy2 = fileio.shutil.copy2
     copied = []
