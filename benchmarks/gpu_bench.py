@@ -331,10 +331,12 @@ def _init_distributed() -> None:
     if torch.distributed.is_initialized():
         return
     from arpo_core.algorithm.engines import free_port
+    from arpo_core.algorithm.jit_builds import load_deepspeed_ops
 
     for k, v in {"MASTER_ADDR": "127.0.0.1", "RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1"}.items():
         os.environ.setdefault(k, v)
     os.environ.setdefault("MASTER_PORT", str(free_port()))
+    load_deepspeed_ops()  # built under a lock a killed builder cannot leave (arpo_core/algorithm/jit_builds.py)
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo", verbose=False)
 
 

@@ -268,8 +268,8 @@ def test_dry_run_on_a_simulated_node_runs_every_part(tmp_path):
         **os.environ,
         "PYTHONPATH": str(site),
         "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}",  # ninja, for that build
-        # its own build folder: the venv's build (other tests) and this one would replace each other
-        "TORCH_EXTENSIONS_DIR": str(Path.home() / ".cache" / "torch_extensions_arpo_node_site"),
+        # its own build folder beside the venv's (jit_builds.py): the two builds would replace each other
+        "TORCH_EXTENSIONS_DIR": str(Path(sys.prefix) / "torch-extensions-node-site"),
     }
     cmd = [sys.executable, "-S", "benchmarks/gpu_offline.py", "--dry-run", "--in-process", "--report-imports"]
     res = subprocess.run(

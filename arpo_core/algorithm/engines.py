@@ -61,6 +61,7 @@ from typing import Any
 import torch
 
 from arpo_core.algorithm.distributed import SINGLE, Ranks
+from arpo_core.algorithm.jit_builds import load_deepspeed_ops
 from arpo_core.config.sections import OptimizerConfig
 
 _log = logging.getLogger("arpo.train")
@@ -144,6 +145,15 @@ class DeepSpeedEngine:
 
         self.ranks = ranks
         self.gathers_in_forward = zero_stage == 3
+        ds_adam = torch.cuda.is_available() and not torch_adamw  # DeepSpeed's AdamW, a JIT-built op
+        if ds_adam:
+            changed = use_ds_arch_list()  # decision "Arch list for the JIT build"
+            if changed:
+                _log.info("TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed's FusedAdam build", *changed)
+        # its ops built or loaded under a lock a killed builder cannot leave (jit_builds.py)
+        load_deepspeed_ops(
+            ("CPUAdamBuilder" if offload_optimizer else "FusedAdamBuilder") if ds_adam else None
+        )
         if not torch.distributed.is_initialized():
             # a one-process group when no launcher set one up. Its rendezvous address is removed again
             # once the group exists, so a process started later (a pipeline subprocess, a benchmark)
@@ -175,7 +185,7 @@ class DeepSpeedEngine:
             "steps_per_print": 1 << 30,
             "wall_clock_breakdown": False,
         }
-        if not torch.cuda.is_available() or torch_adamw:
+        if not ds_adam:
             # DeepSpeed's fused/CPU-Adam kernels need a JIT build; torch's AdamW runs anywhere
             # (decision "Torch AdamW option").
             config.pop("optimizer")
@@ -185,9 +195,6 @@ class DeepSpeedEngine:
             )
         else:
             optimizer = None
-            changed = use_ds_arch_list()  # decision "Arch list for the JIT build"
-            if changed:
-                _log.info("TORCH_CUDA_ARCH_LIST %r -> %r for DeepSpeed's FusedAdam build", *changed)
         self.engine, self.optimizer, _, _ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
