@@ -638,6 +638,7 @@ def run_fused_adam(s: Settings, emit: Callable[[str, Any], None]) -> None:
     from deepspeed.ops.op_builder import FusedAdamBuilder
 
     from arpo_core.algorithm.engines import use_ds_arch_list
+    from arpo_core.algorithm.jit_builds import exclusive_builds
 
     # engines.py, decision "Arch list for the JIT build": the node sets 9.0a, which DeepSpeed cannot parse
     changed = use_ds_arch_list()
@@ -646,7 +647,8 @@ def run_fused_adam(s: Settings, emit: Callable[[str, Any], None]) -> None:
     builder = FusedAdamBuilder()
     emit("compatible", bool(builder.is_compatible(verbose=False)))
     t0 = time.perf_counter()
-    builder.load(verbose=False)
+    with exclusive_builds():  # a build killed mid-way left no lock to wait on (jit_builds.py)
+        builder.load(verbose=False)
     emit("build_s", round(time.perf_counter() - t0, 1))
     from deepspeed.ops.adam import FusedAdam
 
