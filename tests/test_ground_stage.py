@@ -278,6 +278,15 @@ def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch)
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert report["phases"][0]["real_examples"] >= 2
     assert m["ground/miniwob/n"] >= 2 and "ground/miniwob/hit_rate" in m
+    by_target = report["miniwob_targets"]  # the same clicks per task and target kind
+    assert sum(g["n"] for g in by_target.values()) == m["ground/miniwob/n"]
+    assert sum(g["n"] * g["hit_rate"] for g in by_target.values()) == pytest.approx(
+        m["ground/miniwob/n"] * m["ground/miniwob/hit_rate"]
+    )
+    kinds = {"button", "link", "label", "text"}
+    tasks = set(ground._miniwob_task_ids(p))
+    assert all(k.split("/")[0] in tasks and k.split("/")[1] in kinds for k in by_target), by_target
+    assert all(m[f"ground/miniwob/{k}/hit_rate"] == g["hit_rate"] for k, g in by_target.items())
     assert len(opened) == 1 and len(closed) == 1
 
 

@@ -218,6 +218,8 @@ def run(
         SCREEN_W,
         evaluate_grounding,
         evaluate_reading,
+        greedy_clicks,
+        hits_by_target,
         train_grounding,
     )
     from arpo_core.policy.model import count_parameters, grow_depth, load_policy
@@ -312,9 +314,14 @@ def run(
             measures[f"read-{level}"] = {"read_score": round(score, 4)}
     if g.eval_miniwob_seeds:
         if len(held_real) >= 2:  # correlations need two points
+            clicks = greedy_clicks(policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens)
             measures["miniwob"] = evaluate_grounding(
-                policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens
+                policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens, clicks=clicks
             ).as_dict()
+            # per task and target kind (grounding.py, decision "Real targets by kind")
+            report["miniwob_targets"] = hits_by_target(held_real, clicks)
+            for group, m in report["miniwob_targets"].items():
+                metrics[f"ground/miniwob/{group}/hit_rate"] = m["hit_rate"]
         else:
             measures["miniwob"] = {"n": float(len(held_real))}
     for name, m in measures.items():
