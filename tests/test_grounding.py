@@ -271,6 +271,46 @@ def test_tiny_policy_rope_options_are_saved_and_validated(tmp_path):
 # ------------------------------------------------------------------------------------ reading levels
 
 READING = ("boxes8", "buttons8", "links8", "texts8", "checks8")
+OPEN = {"openchecks8": "label", "openlinks8": "link", "opentexts8": "text"}
+"""The open-vocabulary levels -> how their instruction names the target."""
+
+
+@pytest.mark.parametrize("level", sorted(OPEN))
+def test_open_levels_name_fresh_words_as_real_screens_name_their_targets(level):
+    """grounding.py, decision "Open vocabulary": the named words are drawn fresh (not a fixed list to learn in
+    place of reading), in the style of the real screens' labels, links and paragraph text, the instruction
+    and thought worded as `miniwob_examples` words a real target, and no name for the naming loss's head."""
+    from arpo_core.offline.grounding import LOREM
+
+    exs = synthetic_examples(200, {level: 1.0}, seed=5)
+    noun = OPEN[level]
+    names = []
+    for e in exs:
+        name = e.instruction.split('"')[1]
+        assert (
+            e.instruction == f'Click on the "{name}" {noun}.'
+            and e.thought == f"I will click the {noun} {name}."
+        )
+        assert e.named == () and 1 <= len(e.lookalikes) <= 7
+        names.append(name)
+    assert len(set(names)) > 100  # fresh on (nearly) every screen
+    assert sum(n.lower() in WORDS for n in names) < 10  # not the fixed reading levels' words
+    words = [w.strip(".,:").lower() for n in names for w in n.split()]
+    if noun == "label":
+        assert all(2 <= len(n) <= 7 and n.isalnum() and n.isascii() for n in names)
+    else:
+        assert all(w in LOREM for w in words)
+        assert max(len(n.split()) for n in names) == (3 if noun == "text" else 1)
+
+
+def test_open_words_are_distinct_on_a_screen():
+    from arpo_core.offline.grounding import open_words
+
+    rng = random.Random(0)
+    for style in ("label", "lorem", "phrase"):
+        for _ in range(200):
+            ws = open_words(rng, 8, style)
+            assert len(ws) == 8 and len({w.lower() for w in ws}) == 8
 
 
 def _recorder(draw_call, seen: list, word: bool = False):
@@ -476,7 +516,7 @@ def test_until_hit_needs_measurements():
 # ------------------------------------------------------------------------------------- naming loss
 
 
-@pytest.mark.parametrize("level", sorted(LEVELS))
+@pytest.mark.parametrize("level", sorted(set(LEVELS) - set(OPEN)))
 def test_a_synthetic_screen_names_every_look_alike_with_its_label(level):
     """grounding.py, decision "Naming loss": `named` is the target and every look-alike, each box with its
     colour ("red box") or word; the target's box is the click's box."""

@@ -31,6 +31,16 @@ Decisions:
   "Colours read with whole synthetic batches"): the colour level with whole synthetic batches turned
   between 2,000 and 3,000 steps and passed its 0.9 gate at 4,000 (boxes8 0.92, box4 0.94 held out), where
   half real batches had ended the level at 0.44; the real screens fell 0.23 -> 0.11 meanwhile.
+- **Open vocabulary.** The reading levels draw their words from `WORDS`, 50 common ones, and the reader
+  trained on them (assets/checkpoints/grounded-read-xs) learned those 50, not reading: on held-out real
+  screens its thought copied the named button's word every time (click hit 0.87), and never the random
+  labels of click-checkboxes or the lorem-ipsum phrases of click-button, nor most of click-link's words,
+  writing a familiar-looking word instead (hit 0.06-0.16; docs/results.md, "What the reader cannot read").
+  The `open*` levels are the reading levels with the words real screens have: random letters and digits
+  of 2-7 characters for checkbox labels (`openchecks8`), lorem-ipsum words for links (`openlinks8`) and
+  phrases of 1-3 of them for text (`opentexts8`), drawn fresh for every screen, so no fixed set of names
+  can be learned in their place and the instruction's characters must be copied and matched. The naming
+  loss (a fixed `NAMES` head) does not apply to them.
 - **Reading aloud.** A click among look-alikes says whether the model read the screen only through a few
   coordinate digits per example, and a wrong pick and a blurred point look alike in them (the 2-layer
   reading run's misses on held-out boxes8: 12 of 64 clicks on another box, 24 between boxes). With
@@ -153,6 +163,7 @@ from __future__ import annotations
 import hashlib
 import math
 import random
+import string
 import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -418,11 +429,47 @@ _INSTRUCTIONS = {
 }
 
 
-def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, n_max: int = 8):
+LOREM = (
+    "lorem ipsum dolor sit amet consectetur adipiscing elit sed do eiusmod tempor incididunt ut labore et "
+    "dolore magna aliqua enim ad minim veniam quis nostrud exercitation ullamco laboris nisi aliquip ex ea "
+    "commodo consequat duis aute irure in reprehenderit voluptate velit esse cillum eu fugiat nulla pariatur "
+    "excepteur sint occaecat cupidatat non proident sunt culpa qui officia deserunt mollit anim id est "
+    "laborum quisque massa praesent pharetra porta neque auctor molestie tincidunt faucibus ac congue "
+    "dignissim ligula laoreet volutpat posuere hendrerit a tellus vitae nunc eget arcu odio morbi tristique"
+).split()
+"""Lorem-ipsum words, the text MiniWoB's links and paragraphs are made of (decision "Open vocabulary")."""
+
+_LABEL_CHARS = string.ascii_letters + string.digits
+
+
+def open_words(rng: random.Random, n: int, style: str) -> list[str]:
+    """`n` distinct words drawn fresh (decision "Open vocabulary"): 'label', 2-7 random letters and digits
+    (click-checkboxes' labels); 'lorem', a lorem-ipsum word, capitalised or ending in a full stop now and
+    then (click-link's); 'phrase', 1-3 of those words (click-button's paragraph text)."""
+    out: list[str] = []
+    while len(out) < n:
+        if style == "label":
+            w = "".join(rng.choice(_LABEL_CHARS) for _ in range(rng.randint(2, 7)))
+        else:
+            k = rng.randint(1, 3) if style == "phrase" else 1
+            w = " ".join(rng.sample(LOREM, k))
+            if rng.random() < 0.25:
+                w = w[0].upper() + w[1:]
+            if rng.random() < 0.25:
+                w += rng.choice(".,:")
+        if w.lower() not in {o.lower() for o in out}:
+            out.append(w)
+    return out
+
+
+def _level_lookalikes(
+    rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, n_max: int = 8, vocab: str | None = None
+):
     """2..n_max targets that differ only in the named attribute (decision "Reading curriculum"): boxes of one
     size in distinct colours, or widgets of one kind and one font size with distinct words, scattered (boxes,
     buttons, links, text) or in MiniWoB's column layout (checkboxes, `kind` 'checks'; links too, half the
-    time) with the named one at a random row. Returns (instruction, the named one's screen box, thought)."""
+    time) with the named one at a random row. `vocab`: an `open_words` style instead of `WORDS` (decision
+    "Open vocabulary"). Returns (instruction, the named one's screen box, thought)."""
     n = rng.randint(2, n_max)
     top = HEADER_H
     if kind == "boxes":
@@ -442,8 +489,11 @@ def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, 
         return f"Click the {names[0]} box.", boxes[0], f"I will click the {names[0]} box.", seen
     font_px = rng.randint(10, 14)
     font = _font(font_px)
-    words = rng.sample(WORDS, n)
+    words = open_words(rng, n, vocab) if vocab else rng.sample(WORDS, n)
     widths = [math.ceil(draw.textlength(w, font=font)) for w in words]
+    while vocab and max(widths) > SCREEN_W - 24:  # a phrase wider than the screen: draw them again
+        words = open_words(rng, n, vocab)
+        widths = [math.ceil(draw.textlength(w, font=font)) for w in words]
     column = kind == "checks" or (kind == "link" and rng.random() < 0.5)
     widget = "checkbox" if kind == "checks" else kind
     targets = []
@@ -473,6 +523,9 @@ def _level_lookalikes(rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, 
             taken.append(b)
             targets.append(_lookalike_widget(draw, widget, w, font, b))
     instr, thought = _INSTRUCTIONS[widget]
+    if vocab:  # as real screens' targets are named (`miniwob_examples`): a checkbox by its label
+        noun = "label" if widget == "checkbox" else widget
+        instr, thought = f'Click on the "{{w}}" {noun}.', f"I will click the {noun} {{w}}."
     seen = list(zip(targets, words, strict=False))
     return instr.format(w=words[0]), targets[0], thought.format(w=words[0]), seen
 
@@ -489,12 +542,16 @@ LEVELS: dict[str, Callable] = {
     "links8": lambda rng, d: _level_lookalikes(rng, d, "link"),
     "texts8": lambda rng, d: _level_lookalikes(rng, d, "text"),
     "checks8": lambda rng, d: _level_lookalikes(rng, d, "checks"),
+    "openchecks8": lambda rng, d: _level_lookalikes(rng, d, "checks", vocab="label"),
+    "openlinks8": lambda rng, d: _level_lookalikes(rng, d, "link", vocab="lorem"),
+    "opentexts8": lambda rng, d: _level_lookalikes(rng, d, "text", vocab="phrase"),
 }
 """Synthetic levels: `big1` one large (48-96 px) box on white; `box1` one box on white; `box1h` one box below the instruction strip; `box4` the
 named box among 1-3 distractors; `widget1` one button/link/checkbox; `widget4` the named widget among 1-4
 others; the reading levels (decision "Reading curriculum"): `boxes8` the named colour among 1-7 boxes of one
 size, `buttons8` / `links8` / `texts8` the named word among 1-7 widgets of one kind and font size
-(10-14 px), `checks8` the named checkbox in a column of 2-8. A name maps (rng, draw) -> (instruction,
+(10-14 px), `checks8` the named checkbox in a column of 2-8; `open*` the same with words drawn fresh (decision "Open
+vocabulary"). A name maps (rng, draw) -> (instruction,
 screen box, thought, seen): `seen` is every look-alike as (screen box, its colour or word), the named one
 included."""
 
@@ -545,6 +602,9 @@ READ_NOUNS = {
     "links8": "links",
     "texts8": "words",
     "checks8": "checkbox labels",
+    "openchecks8": "checkbox labels",
+    "openlinks8": "links",
+    "opentexts8": "words",
 }
 """What a reading example of each level asks to read (decision "Reading examples")."""
 
@@ -580,6 +640,8 @@ def synthetic_example(
     others = tuple(_to_model_box(b, sx, sy)[1] for b, _ in seen if b != box)
     colours = level.startswith(("big", "box"))
     named = tuple((_to_model_box(b, sx, sy)[1], f"{n} box" if colours else n) for b, n in seen)
+    if not all(n in _NAME_INDEX for _, n in named):  # open words: nothing for the naming loss's head
+        named = ()
     return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought, others, answer, named)
 
 
