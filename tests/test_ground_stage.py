@@ -287,6 +287,7 @@ def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch)
     tasks = set(ground._miniwob_task_ids(p))
     assert all(k.split("/")[0] in tasks and k.split("/")[1] in kinds for k in by_target), by_target
     assert all(m[f"ground/miniwob/{k}/hit_rate"] == g["hit_rate"] for k, g in by_target.items())
+    assert all(m[f"ground/miniwob/{k}/copy_rate"] == g["copy_rate"] for k, g in by_target.items())
     assert len(opened) == 1 and len(closed) == 1
 
 

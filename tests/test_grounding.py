@@ -842,3 +842,12 @@ def test_the_place_loss_reaches_the_update_beside_the_pointing_loss(tmp_path, on
         trained[w] = policy.model.model.language_model.layers[0].mlp.down_proj.weight.detach().clone()
         assert ("place_loss" in hist) == (w > 0) and len(hist["point_loss"]) == 3
     assert not torch.equal(trained[0.0], trained[1.0])
+
+
+def test_the_modules_docstring_examples_hold():
+    import doctest
+
+    from arpo_core.offline import grounding
+
+    result = doctest.testmod(grounding)
+    assert result.failed == 0 and result.attempted >= 8, result

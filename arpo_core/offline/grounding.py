@@ -1695,28 +1695,32 @@ def greedy_clicks(
     return [first_click(text) for text in replies]
 
 
-def hits_by_target(
-    examples: Sequence[GroundExample], clicks: Sequence[tuple[float, float] | None]
-) -> dict[str, dict[str, float]]:
-    """Hits grouped by task and target kind, `<task>/<kind>` (decision "Real targets by kind") ->
-    {group: {n, hit_rate, other_hit_rate}}; other_hit_rate: the click in another target's box.
+def hits_by_target(examples: Sequence[GroundExample], replies: Sequence[str]) -> dict[str, dict[str, float]]:
+    """Greedy replies' hits grouped by task and target kind, `<task>/<kind>` (decision "Real targets by
+    kind") -> {group: {n, hit_rate, other_hit_rate, copy_rate}}: other_hit_rate, the click in another
+    target's box; copy_rate, the thought says the instruction's quoted name (decision "Open vocabulary").
 
-    >>> ex = GroundExample(None, "", (5, 5), (0, 0, 10, 10), "miniwob/click-link", lookalikes=((20, 0, 30, 10),),
-    ...                    kind="link")
-    >>> hits_by_target([ex, ex], [(5, 5), (25, 5)])
-    {'click-link/link': {'n': 2, 'hit_rate': 0.5, 'other_hit_rate': 0.5}}
+    >>> ex = GroundExample(None, 'Click on the "Amet." link.', (5, 5), (0, 0, 10, 10), "miniwob/click-link",
+    ...                    lookalikes=((20, 0, 30, 10),), kind="link")
+    >>> said, other = "Thought: I will click the link amet..", "Thought: I will click the link Suget."
+    >>> hits_by_target([ex, ex], [said + " Action: click(start_box='(5,5)')", other + " Action: click(start_box='(25,5)')"])
+    {'click-link/link': {'n': 2, 'hit_rate': 0.5, 'other_hit_rate': 0.5, 'copy_rate': 0.5}}
     """
-    groups: dict[str, list[tuple[bool, bool]]] = {}
-    for e, c in zip(examples, clicks, strict=True):
+    groups: dict[str, list[tuple[bool, bool, bool]]] = {}
+    for e, reply in zip(examples, replies, strict=True):
+        c = first_click(reply)
         hit = c is not None and _inside(c, e.bbox)
         other = c is not None and not hit and any(_inside(c, o) for o in e.lookalikes)
+        quoted = e.instruction.split('"')
+        copied = len(quoted) >= 3 and quoted[1].lower() in reply.split("Action:")[0].lower()
         task = e.source.partition("/")[2]
-        groups.setdefault(f"{task}/{e.kind or 'target'}", []).append((hit, other))
+        groups.setdefault(f"{task}/{e.kind or 'target'}", []).append((hit, other, copied))
     return {
         g: {
             "n": len(v),
-            "hit_rate": sum(h for h, _ in v) / len(v),
-            "other_hit_rate": sum(o for _, o in v) / len(v),
+            "hit_rate": sum(h for h, _, _ in v) / len(v),
+            "other_hit_rate": sum(o for _, o, _ in v) / len(v),
+            "copy_rate": sum(c for _, _, c in v) / len(v),
         }
         for g, v in sorted(groups.items())
     }

@@ -218,7 +218,8 @@ def run(
         SCREEN_W,
         evaluate_grounding,
         evaluate_reading,
-        greedy_clicks,
+        first_click,
+        greedy_replies,
         hits_by_target,
         train_grounding,
     )
@@ -314,14 +315,16 @@ def run(
             measures[f"read-{level}"] = {"read_score": round(score, 4)}
     if g.eval_miniwob_seeds:
         if len(held_real) >= 2:  # correlations need two points
-            clicks = greedy_clicks(policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens)
+            replies = greedy_replies(policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens)
+            clicks = [first_click(r) for r in replies]
             measures["miniwob"] = evaluate_grounding(
                 policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens, clicks=clicks
             ).as_dict()
             # per task and target kind (grounding.py, decision "Real targets by kind")
-            report["miniwob_targets"] = hits_by_target(held_real, clicks)
+            report["miniwob_targets"] = hits_by_target(held_real, replies)
             for group, m in report["miniwob_targets"].items():
                 metrics[f"ground/miniwob/{group}/hit_rate"] = m["hit_rate"]
+                metrics[f"ground/miniwob/{group}/copy_rate"] = m["copy_rate"]
         else:
             measures["miniwob"] = {"n": float(len(held_real))}
     for name, m in measures.items():
