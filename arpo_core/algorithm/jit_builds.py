@@ -12,7 +12,10 @@ Decisions:
   it dies. Every builder going through here holds it, so a torch lock file found while holding it is an
   orphan: it is removed, in one warning line naming it. DeepSpeed then finds the op loaded (its builders
   share one cache of loaded ops) and builds nothing itself. Ranks take the lock one after another before
-  their process group exists, so no rank holds it while waiting on another.
+  their process group exists, so no rank holds it while waiting on another. A build folder shared by several
+  machines (a venv on NFS) needs a filesystem whose locks work across them (NFSv4's do); otherwise give each
+  node its own `TORCH_EXTENSIONS_DIR`. A build outside this module (another program building into the same
+  folder at that moment) is not waited for.
 - **A build folder per environment.** With `TORCH_EXTENSIONS_DIR` unset, a virtual environment builds into
   its own `<venv>/torch-extensions` instead of the user's `~/.cache/torch_extensions`: a build there is
   keyed on the environment's include paths anyway (a second checkout rebuilds it), two checkouts no longer
