@@ -29,10 +29,14 @@ def pytest_configure(config):
         os.environ[_START_ENV] = str(time.time())
 
 
+def _elapsed() -> float:
+    """Seconds since the controller started the run (0 outside scripts/test.sh's runs)."""
+    return time.time() - float(os.environ.get(_START_ENV) or time.time())
+
+
 def pytest_runtest_setup(item):
     deadline = float(os.environ.get(DEADLINE_ENV) or 0)
-    elapsed = time.time() - float(os.environ.get(_START_ENV) or time.time())
-    if deadline and elapsed > deadline:
+    if deadline and _elapsed() > deadline:
         pytest.fail(f"not run: the suite's {deadline:.0f} s budget ({DEADLINE_ENV}) was spent", pytrace=False)
 
 
@@ -44,9 +48,8 @@ def pytest_runtest_logreport(report):
     crash = getattr(report.longrepr, "reprcrash", None)
     lines = [ln for ln in (crash.message if crash else report.longreprtext).splitlines() if ln.strip()]
     reason = " | ".join(lines)[:300] or "?"
-    elapsed = time.time() - float(os.environ.get(_START_ENV) or time.time())
     terminal = _config.pluginmanager.get_plugin("terminalreporter")
-    line = f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s, at {elapsed:.0f} s): {reason}"
+    line = f"FAILED {report.nodeid} ({report.when}, {report.duration:.0f} s, at {_elapsed():.0f} s): {reason}"
     if terminal is not None:
         terminal.write_line("")
         terminal.write_line(line)

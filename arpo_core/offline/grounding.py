@@ -1680,21 +1680,6 @@ def greedy_replies(
     return texts
 
 
-def greedy_clicks(
-    policy: Policy,
-    examples: Sequence[GroundExample],
-    *,
-    system: str,
-    max_new_tokens: int,
-    batch_size: int = 32,
-) -> list[tuple[float, float] | None]:
-    """The first click of `policy`'s greedy reply on each example (None where there is none)."""
-    replies = greedy_replies(
-        policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=batch_size
-    )
-    return [first_click(text) for text in replies]
-
-
 def hits_by_target(examples: Sequence[GroundExample], replies: Sequence[str]) -> dict[str, dict[str, float]]:
     """Greedy replies' hits grouped by task and target kind, `<task>/<kind>` (decision "Real targets by
     kind") -> {group: {n, hit_rate, other_hit_rate, copy_rate}}: other_hit_rate, the click in another
@@ -1737,14 +1722,15 @@ def evaluate_grounding(
     clicks: list[tuple[float, float] | None] | None = None,
 ) -> GroundMetrics:
     """Greedy replies (at most `max_new_tokens` tokens) of `policy` on `examples` -> GroundMetrics.
-    `clicks`: when given, those replies' first clicks, already decoded (`greedy_clicks`)."""
+    `clicks`: when given, those replies' first clicks, already decoded (`first_click`)."""
     size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
     if pattern > 0:
         examples = [replace(e, image=coord_pattern(e.image, size, pattern)) for e in examples]
     if clicks is None:
-        clicks = greedy_clicks(
+        replies = greedy_replies(
             policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=batch_size
         )
+        clicks = [first_click(text) for text in replies]
     nll = coordinate_nll(policy, examples, system=system, batch_size=batch_size)
     others = [e.lookalikes for e in examples]
     m = grounding_metrics(clicks, [e.target for e in examples], [e.bbox for e in examples], size, others)
