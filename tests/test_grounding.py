@@ -22,14 +22,18 @@ from arpo_core.offline.grounding import (
     element_kind,
     first_click,
     grounding_metrics,
+    has_names,
     lr_factor,
     make_grounding_examples,
     miniwob_examples,
     name_window,
     pearson,
     point_spans,
+    quote_name,
     read_aloud,
     read_score,
+    spell_targets,
+    spelled,
     synthetic_example,
     synthetic_examples,
     train_grounding,
@@ -279,7 +283,8 @@ OPEN = {"openchecks8": "label", "openlinks8": "link", "opentexts8": "text"}
 def test_open_levels_name_fresh_words_as_real_screens_name_their_targets(level):
     """grounding.py, decision "Open vocabulary": the named words are drawn fresh (not a fixed list to learn in
     place of reading), in the style of the real screens' labels, links and paragraph text, the instruction
-    and thought worded as `miniwob_examples` words a real target, and no name for the naming loss's head."""
+    and thought worded as `miniwob_examples` words a real target, and no name for the naming loss's head
+    (its words are listed for the spelling loss)."""
     from arpo_core.offline.grounding import LOREM
 
     exs = synthetic_examples(200, {level: 1.0}, seed=5)
@@ -291,7 +296,8 @@ def test_open_levels_name_fresh_words_as_real_screens_name_their_targets(level):
             e.instruction == f'Click on the "{name}" {noun}.'
             and e.thought == f"I will click the {noun} {name}."
         )
-        assert e.named == () and 1 <= len(e.lookalikes) <= 7
+        assert 1 <= len(e.lookalikes) <= 7 and len(e.named) == len(e.lookalikes) + 1
+        assert (e.bbox, name) in e.named and not has_names(e)  # the spelling loss spells, the naming skips
         names.append(name)
     assert len(set(names)) > 100  # fresh on (nearly) every screen
     assert sum(n.lower() in WORDS for n in names) < 10  # not the fixed reading levels' words
@@ -511,6 +517,91 @@ def test_until_hit_needs_measurements():
     cfg = GroundConfig(steps=2, batch_size=1, optimizer=OptimizerConfig(lr=1e-3), until_hit=0.5)
     with pytest.raises(ValueError, match="until_hit needs held-out examples and eval_every > 0"):
         train_grounding(None, cfg, system="compact", max_new_tokens=8)
+
+
+# ------------------------------------------------------------------- spelling loss and quoted names
+
+
+def test_the_spelling_loss_trains_its_head_on_quoted_replies_resumes_and_leaves_a_plain_policy(
+    tmp_path, one_thread
+):
+    """grounding.py, decisions "Spelling loss" and "Quoted names": `spell_weight` adds the head's loss
+    (history "spell_loss", about 36 characters' log 2 at first) and the held-out `<set>/spell_f1`; with
+    `quote_names` every training reply whose instruction quotes the name quotes it too, the fixed list's
+    included; a run stopped after its first step and resumed from its checkpoint ends where an unbroken
+    run does, the head included; the saved policy gains no weight."""
+    import unittest.mock
+
+    from arpo_core.offline import grounding as g
+    from arpo_core.policy.model import load_policy
+
+    build_tiny_policy(tmp_path / "p", size="xs")
+    heldout = {"openchecks8": synthetic_examples(2, {"openchecks8": 1.0}, seed=5)}
+    fixed = synthetic_examples(4, {"opentexts8": 1.0}, seed=6)
+    cfg = GroundConfig(
+        steps=4,
+        batch_size=4,
+        warmup_steps=0,
+        eval_every=4,
+        mix={"openchecks8": 1.0, "texts8": 1.0, "boxes8": 1.0},
+        optimizer=OptimizerConfig(lr=1e-2),
+        spell_weight=0.2,
+        quote_names=True,
+    )
+    thoughts = []
+    encode = g._encode
+
+    def recording(policy, ex, *a, **k):
+        thoughts.append((ex.instruction, ex.thought))
+        return encode(policy, ex, *a, **k)
+
+    kw = {"system": "compact", "max_new_tokens": 8, "heldout": heldout, "examples": fixed}
+    with unittest.mock.patch.object(g, "_encode", recording):
+        policy = load_policy(tmp_path / "p")
+        keys0 = set(policy.model.state_dict())
+        whole = train_grounding(policy, cfg, **kw, checkpoint=tmp_path / "a.pt", checkpoint_every_s=1e9)
+    quoted = [(i, t) for i, t in thoughts if i.count('"') >= 2]
+    assert quoted and all(t.endswith(f'"{i.split(chr(34))[1]}".') for i, t in quoted)
+    assert any(i.startswith("Click on the") and "text" in i for i, _ in quoted)  # the fixed list's too
+    assert len(whole["spell_loss"]) == 4 and 15 < whole["spell_loss"][0] < 40
+    assert 0.0 <= whole["evals"][-1]["openchecks8/spell_f1"] <= 1.0
+    assert 0.0 <= whole["evals"][-1]["openchecks8/copy_rate"] <= 1.0
+    assert set(policy.model.state_dict()) == keys0
+
+    broken = load_policy(tmp_path / "p")
+    ckpt = tmp_path / "b.pt"
+    first = train_grounding(broken, cfg, **kw, checkpoint=ckpt, checkpoint_every_s=1e9, time_limit_s=0.0)
+    assert first["steps"] == 1
+    broken = load_policy(tmp_path / "p")
+    rest = train_grounding(broken, cfg, **kw, checkpoint=ckpt, checkpoint_every_s=1e9)
+    assert rest["spell_loss"] == whole["spell_loss"]
+    done = torch.load(ckpt, weights_only=False)
+    assert all(
+        torch.equal(v, torch.load(tmp_path / "a.pt", weights_only=False)["speller"][k])
+        for k, v in done["speller"].items()
+    )
+    want = policy.model.state_dict()
+    assert all(torch.equal(v, want[k]) for k, v in broken.model.state_dict().items())
+
+
+def test_what_is_spelled_and_what_is_quoted():
+    """Words that fit their window are spelled, by the letters (case folded) and digits they hold; colours
+    and words wider than the window are not; a quoted instruction's name is quoted in the thought."""
+    ex = synthetic_examples(1, {"openchecks8": 1.0}, seed=3)[0]
+    words = spelled(ex, (168 / 160, 224 / 210))
+    assert words and {n for _, n in words} <= {n for _, n in ex.named}
+    t = spell_targets([n for _, n in words])
+    assert t.shape == (len(words), 36) and all(
+        t[i].sum() == len(set(n.lower())) for i, (_, n) in enumerate(words)
+    )
+    boxes = synthetic_examples(1, {"boxes8": 1.0}, seed=3)[0]
+    assert spelled(boxes, (1.05, 1.07)) == [] and has_names(boxes)
+    name = ex.instruction.split('"')[1]
+    assert quote_name(ex).thought == f'I will click the label "{name}".' and quote_name(
+        quote_name(ex)
+    ) == quote_name(ex)
+    link = synthetic_examples(1, {"links8": 1.0}, seed=3)[0]  # its instruction quotes nothing
+    assert quote_name(link) == link
 
 
 # ------------------------------------------------------------------------------------- naming loss

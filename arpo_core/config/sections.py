@@ -136,6 +136,17 @@ class GroundTrainConfig:
     reads it, so the layers before are taught to write where a token is into what it carries, and a head
     that points at the target reads its place with it (arpo_core/offline/grounding.py, decision "Place
     loss"); 0 = off, the stream and the model as without the field."""
+    spell_weight: Annotated[float, Ge(0)] = 0.0
+    """Weight of the spelling loss added to the click loss: a linear head of the phase says which letters
+    and digits each look-alike word of the batch's synthetic screens holds (open words too, which the
+    naming loss's fixed head cannot name), from the merged image tokens around it, so the vision tower is
+    taught features of characters rather than of 50 words (arpo_core/offline/grounding.py, decision
+    "Spelling loss"); 0 = off, the stream and the model as without the field."""
+    quote_names: bool = False
+    """Training replies name the target as the instruction quotes it ('I will click the label "vdtCA".'
+    where the instruction says 'Click on the "vdtCA" label.'), so the thought's tokens of the name are the
+    instruction's and copying them is a lookup, not a mapping of each word's first token to its spaced
+    twin (arpo_core/offline/grounding.py, decision "Quoted names"); off = the thoughts as before."""
 
 
 @dataclass(frozen=True)

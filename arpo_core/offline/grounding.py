@@ -40,7 +40,23 @@ Decisions:
   of 2-7 characters for checkbox labels (`openchecks8`), lorem-ipsum words for links (`openlinks8`) and
   phrases of 1-3 of them for text (`opentexts8`), drawn fresh for every screen, so no fixed set of names
   can be learned in their place and the instruction's characters must be copied and matched. The naming
-  loss (a fixed `NAMES` head) does not apply to them.
+  loss (a fixed `NAMES` head) skips their words; the spelling loss spells them (decision "Spelling loss").
+- **Quoted names.** Continued on the open levels for 8,000 steps, the reader's thought copied a
+  lorem-ipsum link's name (a few dozen recurring words) 0.89 of the time but a random label's 0.09
+  (held-out openchecks8): the instruction quotes a name ('"vdtCA"', tokens `v d t C A`) where the thought
+  writes it after a space (` v d t C A`), so the first token is another token and, as the copy goes on, the
+  thought's last token never occurs in the instruction; a copy by lookup (attend to where the current token
+  is in the instruction, take the next) has nothing to find. With `quote_names` the training thoughts
+  quote the name as the instruction does (`quote_name`: 'I will click the label "vdtCA".'), the same
+  tokens in both places. Levels whose instructions do not quote the name (the colours, links8, checks8)
+  keep their thoughts.
+- **Spelling loss.** The naming loss taught the tower 50 words (a fixed head, one class per word), and
+  fresh words were then picked at chance. A phase may add a spelling loss (`spell_weight`): a linear head
+  (`SpellHead`, the phase's own like the naming head) says from the same window of merged image tokens
+  which letters (case folded) and digits a look-alike word holds (`spell_targets`), for every word of the
+  batch's synthetic screens that fits its window (`spelled`; open words included, colours not): a
+  position-free target that a linear map of the window can fit, and that no fixed vocabulary satisfies.
+  Its held-out measure is the F1 of the characters said (`<set>/spell_f1`).
 - **Reading aloud.** A click among look-alikes says whether the model read the screen only through a few
   coordinate digits per example, and a wrong pick and a blurred point look alike in them (the 2-layer
   reading run's misses on held-out boxes8: 12 of 64 clicks on another box, 24 between boxes). With
@@ -268,8 +284,10 @@ class GroundExample:
     """A reading example's answer (decision "Reading examples"): the reply is `finished(content=answer)`,
     not a click; `target` and `bbox` are then the first item read."""
     named: tuple[tuple[tuple[float, float, float, float], str], ...] = ()
-    """A synthetic screen's every look-alike, the target included, as (box in model pixels, its label in
-    `NAMES`): what the naming loss names (decision "Naming loss"); empty on real screens."""
+    """A synthetic screen's every look-alike, the target included, as (box in model pixels, its colour
+    ("red box") or word): what the naming loss names where the word is one of `NAMES` (decision "Naming
+    loss") and the spelling loss spells where it is a word (decision "Spelling loss"); empty on real
+    screens."""
     kind: str = ""
     """A real screen's target kind as its instruction names it (`element_kind`: button, link, label,
     text); empty on synthetic screens (decision "Real targets by kind")."""
@@ -640,8 +658,6 @@ def synthetic_example(
     others = tuple(_to_model_box(b, sx, sy)[1] for b, _ in seen if b != box)
     colours = level.startswith(("big", "box"))
     named = tuple((_to_model_box(b, sx, sy)[1], f"{n} box" if colours else n) for b, n in seen)
-    if not all(n in _NAME_INDEX for _, n in named):  # open words: nothing for the naming loss's head
-        named = ()
     return GroundExample(img, instr, centre, mbox, f"synthetic/{level}", thought, others, answer, named)
 
 
@@ -915,6 +931,19 @@ def train_grounding(
             head = TiedNameHead(*shape, _name_token_ids(policy)) if config.name_tied else NameHead(*shape)
             head = head.to(device)
         groups.append({"params": list(head.parameters()), "lr": lr})
+    scale = (msize[0] / SCREEN_W, msize[1] / SCREEN_H)  # model px per screen px
+    speller = None
+    if config.spell_weight:  # the spelling loss's head: like the naming head, the phase's own
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            speller = SpellHead(*_name_window_shape(policy, msize)).to(device)
+        groups.append({"params": list(speller.parameters()), "lr": lr})
+    if config.quote_names:  # decision "Quoted names": the fixed list's and held-out replies too
+        examples = None if examples is None else [quote_name(e) for e in examples]
+        if isinstance(heldout, Mapping):
+            heldout = {k: [quote_name(e) for e in v] for k, v in heldout.items()}
+        elif heldout is not None:
+            heldout = [quote_name(e) for e in heldout]
     probe = None
     if config.place_weight:  # the place loss's probe: like the naming head, the phase's own
         with torch.random.fork_rng(devices=[]):
@@ -933,6 +962,8 @@ def train_grounding(
         history["point_loss"] = []
     if probe is not None:
         history["place_loss"] = []
+    if speller is not None:
+        history["spell_loss"] = []
     t0 = time.perf_counter()
     done = 0
     fingerprint = _fingerprint(config, system, examples) if checkpoint is not None else None
@@ -948,6 +979,8 @@ def train_grounding(
             head.load_state_dict(state["head"])
         if probe is not None:
             probe.load_state_dict(state["probe"])
+        if speller is not None:
+            speller.load_state_dict(state["speller"])
         optimizer.load_state_dict(state["optimizer"])
         sched.load_state_dict(state["scheduler"])
         rng.setstate(state["rng"])
@@ -966,6 +999,7 @@ def train_grounding(
             "model": model.state_dict(),
             "head": None if head is None else head.state_dict(),
             "probe": None if probe is None else probe.state_dict(),
+            "speller": None if speller is None else speller.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": sched.state_dict(),
             "rng": rng.getstate(),
@@ -987,6 +1021,8 @@ def train_grounding(
         if config.point_weight or probe is not None:
             heads = config.point_heads if config.point_weight else 0
             ev |= _attention_measures(policy, heldout, system, config.pattern, heads, probe)
+        if speller is not None:
+            ev |= _spell_measures(policy, speller, heldout, scale)
         if history["loss"]:  # none yet at step 0
             ev["loss"] = sum(history["loss"][-20:]) / len(history["loss"][-20:])
         history["evals"].append(ev)
@@ -1016,7 +1052,8 @@ def train_grounding(
         for _ in range(config.batch_size - n_fixed):
             level = rng.choices(names, weights)[0]
             read = config.read_share > 0 and rng.random() < config.read_share  # 0: the stream as before
-            batch_ex.append(synthetic_example(rng, level, msize, config.read_aloud, read))
+            ex = synthetic_example(rng, level, msize, config.read_aloud, read)
+            batch_ex.append(quote_name(ex) if config.quote_names else ex)
         model.train()
         loss = None
         point_loss = place_loss = None
@@ -1040,7 +1077,7 @@ def train_grounding(
             total = total + config.place_weight * place_loss
             history["place_loss"].append(float(place_loss.detach()))
         if head is not None:
-            named = [e for e in batch_ex if e.named]
+            named = [e for e in batch_ex if has_names(e)]
             if named:
                 with autocast:
                     logits, labels = _name_logits(policy, head, named)
@@ -1048,6 +1085,14 @@ def train_grounding(
                 total = config.name_weight * name_loss + (0 if total is None else total)
                 history["name_loss"].append(float(name_loss.detach()))
                 loss = name_loss if loss is None else loss
+        if speller is not None:
+            with autocast:
+                got = _spell_logits(policy, speller, [e for e in batch_ex if e.named], scale)
+            if got is not None:
+                spelt = spell_loss(*got)
+                total = config.spell_weight * spelt + (0 if total is None else total)
+                history["spell_loss"].append(float(spelt.detach()))
+                loss = spelt if loss is None else loss
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(trained, config.optimizer.max_grad_norm)
@@ -1092,8 +1137,21 @@ def _measure(
             score = evaluate_reading(policy, exs, system=system, max_new_tokens=max_new_tokens)
             out[f"{name}/read_score"] = round(score, 4)
             continue
-        m = evaluate_grounding(policy, exs, system=system, max_new_tokens=max_new_tokens, pattern=pattern)
+        replies = (
+            None if pattern else greedy_replies(policy, exs, system=system, max_new_tokens=max_new_tokens)
+        )
+        clicks = None if replies is None else [first_click(r) for r in replies]
+        m = evaluate_grounding(
+            policy, exs, system=system, max_new_tokens=max_new_tokens, pattern=pattern, clicks=clicks
+        )
         out |= {f"{name}/{k}": v for k, v in m.as_dict().items()}
+        copied = (
+            []
+            if replies is None
+            else [c for e, r in zip(exs, replies, strict=True) if (c := copies(e, r)) is not None]
+        )
+        if copied:  # the set's instructions quote their names (real screens', the open levels')
+            out[f"{name}/copy_rate"] = round(sum(copied) / len(copied), 4)
     gated = [n for n in heldout if f"{n}/hit_rate" in out] if gate is None else gate
     out["hit_rate"] = min(out[f"{name}/hit_rate"] for name in gated)
     return out
@@ -1401,13 +1459,20 @@ def _name_logits(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's logits for every named look-alike of `examples` (one tower call) and their labels'
     indices in `NAMES`, in the same order: what the naming loss trains and `_name_accuracy` scores."""
-    windows = window_tokens(policy, [e.image for e in examples], [[b for b, _ in e.named] for e in examples])
+    named = [[(b, n) for b, n in e.named if n in _NAME_INDEX] for e in examples]  # open words: not NAMES
+    windows = window_tokens(policy, [e.image for e in examples], [[b for b, _ in bn] for bn in named])
     if isinstance(head, TiedNameHead):
         logits = head(windows, policy.model.get_input_embeddings().weight)
     else:
         logits = head(windows)
-    labels = torch.tensor([_NAME_INDEX[n] for e in examples for _, n in e.named], device=logits.device)
+    labels = torch.tensor([_NAME_INDEX[n] for bn in named for _, n in bn], device=logits.device)
     return logits, labels
+
+
+def has_names(e: GroundExample) -> bool:
+    """Whether the naming loss has anything to name on `e`'s screen: a look-alike whose colour or word is
+    one of `NAMES` (decision "Naming loss"; an open-vocabulary screen's words are not)."""
+    return any(n in _NAME_INDEX for _, n in e.named)
 
 
 @torch.no_grad()
@@ -1421,16 +1486,136 @@ def _name_accuracy(
     sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
     out = {}
     for name, exs in sets.items():
-        exs = [e for e in exs if e.named and e.answer is None]
+        exs = [e for e in exs if has_names(e) and e.answer is None]
         if not exs:
             continue
-        hits = 0
+        hits = total = 0
         for i in range(0, len(exs), 16):
             logits, labels = _name_logits(policy, head, exs[i : i + 16])
             hits += int((logits.argmax(-1) == labels).sum())
-        total = sum(len(e.named) for e in exs)
+            total += len(labels)
         out[f"{name}/name_acc" if name else "name_acc"] = round(hits / total, 4)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Spelling loss and quoted names (decisions "Spelling loss", "Quoted names")
+
+SPELL_CHARS = string.ascii_lowercase + string.digits
+"""What the spelling loss says a word holds: its letters (case folded) and digits."""
+
+
+def spelled(
+    e: GroundExample, scale: tuple[float, float]
+) -> list[tuple[tuple[float, float, float, float], str]]:
+    """The look-alike words of `e` the spelling loss spells: words, not colours, narrow enough that the
+    whole word lies in its `name_window` (`scale`: model px per screen px, x and y), with a letter or digit.
+
+    >>> ex = GroundExample(None, "", (0, 0), (0, 0, 1, 1), "synthetic/openchecks8",
+    ...                    named=(((0, 0, 50, 10), "vdtCA"), ((0, 20, 100, 30), "far too wide"), ((0, 0, 9, 9), "red box")))
+    >>> spelled(ex, (1.05, 1.07))
+    [((0, 0, 50, 10), 'vdtCA')]
+    """
+    wide = NAME_WINDOW_SCREEN_PX[0] * scale[0]
+    return [
+        (b, n)
+        for b, n in e.named
+        if not n.endswith(" box") and b[2] - b[0] <= wide and any(c in SPELL_CHARS for c in n.lower())
+    ]
+
+
+def spell_targets(words: Sequence[str]) -> torch.Tensor:
+    """Which of `SPELL_CHARS` each word holds -> (words, len(SPELL_CHARS)) of 0/1.
+
+    >>> spell_targets(["Ab1a"])[0].nonzero().flatten().tolist()
+    [0, 1, 27]
+    """
+    out = torch.zeros(len(words), len(SPELL_CHARS))
+    for i, w in enumerate(words):
+        for c in set(w.lower()) & set(SPELL_CHARS):
+            out[i, SPELL_CHARS.index(c)] = 1.0
+    return out
+
+
+class SpellHead(NameHead):
+    """The spelling loss's head: `NameHead`'s window map, to one logit per character of `SPELL_CHARS`
+    (does the word hold it) instead of one per name."""
+
+    def __init__(self, tokens: int, hidden: int):
+        torch.nn.Module.__init__(self)
+        self.hidden = hidden
+        self.linear = torch.nn.Linear(tokens * hidden, len(SPELL_CHARS))
+
+
+def _spell_logits(
+    policy: Policy, head: SpellHead, examples: Sequence[GroundExample], scale: tuple[float, float]
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """The spelling head's logits for every `spelled` word of `examples` (one tower call) and their
+    `spell_targets`; None when no screen has a word to spell."""
+    words = [spelled(e, scale) for e in examples]
+    keep = [i for i, w in enumerate(words) if w]
+    if not keep:
+        return None
+    windows = window_tokens(
+        policy, [examples[i].image for i in keep], [[b for b, _ in words[i]] for i in keep]
+    )
+    targets = spell_targets([n for i in keep for _, n in words[i]]).to(windows.device)
+    return head(windows), targets
+
+
+def spell_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+    """Binary cross-entropy of each character's presence, summed over `SPELL_CHARS` and averaged over the
+    words (a word's loss, not a character's: about 25 at the start, so a weight near 0.1-0.25 sets it
+    beside the click loss)."""
+    bce = torch.nn.functional.binary_cross_entropy_with_logits(logits.float(), targets, reduction="sum")
+    return bce / logits.shape[0]
+
+
+@torch.no_grad()
+def _spell_measures(
+    policy: Policy,
+    head: SpellHead,
+    heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
+    scale: tuple[float, float],
+) -> dict:
+    """The spelling head on each held-out set's words (`<set>/spell_f1`: the F1 of the characters it says
+    a word holds, at logit 0, over all the set's words; the read sets repeat their click sets and are
+    skipped)."""
+    sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
+    out = {}
+    for name, exs in sets.items():
+        exs = [e for e in exs if e.answer is None]
+        tp = fp = fn = 0
+        for i in range(0, len(exs), 16):
+            got = _spell_logits(policy, head, exs[i : i + 16], scale)
+            if got is None:
+                continue
+            said, true = got[0] > 0, got[1] > 0.5
+            tp, fp, fn = (
+                tp + int((said & true).sum()),
+                fp + int((said & ~true).sum()),
+                fn + int((~said & true).sum()),
+            )
+        if tp + fp + fn:
+            out[f"{name}/spell_f1" if name else "spell_f1"] = round(2 * tp / (2 * tp + fp + fn), 4)
+    return out
+
+
+def quote_name(e: GroundExample) -> GroundExample:
+    """`e` with its thought naming the target as its instruction quotes it (decision "Quoted names"); the
+    same example where the instruction quotes nothing or the thought does not end with the name.
+
+    >>> ex = GroundExample(None, 'Click on the "vdtCA" label.', (5, 5), (0, 0, 10, 10), "synthetic/openchecks8",
+    ...                    "I will click the label vdtCA.")
+    >>> quote_name(ex).thought
+    'I will click the label "vdtCA".'
+    >>> quote_name(replace(ex, instruction="Check the ok checkbox.")).thought
+    'I will click the label vdtCA.'
+    """
+    quoted = e.instruction.split('"')
+    if len(quoted) < 3 or not e.thought.endswith(f" {quoted[1]}."):
+        return e
+    return replace(e, thought=f'{e.thought[: -len(quoted[1]) - 1]}"{quoted[1]}".')
 
 
 def _fingerprint(config: GroundConfig, system: str, examples: Sequence[GroundExample] | None) -> str:
@@ -1680,6 +1865,18 @@ def greedy_replies(
     return texts
 
 
+def copies(e: GroundExample, reply: str) -> bool | None:
+    """Whether `reply`'s thought says the name `e`'s instruction quotes (case folded); None where the
+    instruction quotes nothing (decision "Open vocabulary").
+
+    >>> ex = GroundExample(None, 'Click on the "EiTE" label.', (5, 5), (0, 0, 10, 10), "miniwob/click-checkboxes")
+    >>> copies(ex, "Thought: I will click the label Eim. Action: click(start_box='(5,5)')")
+    False
+    """
+    quoted = e.instruction.split('"')
+    return None if len(quoted) < 3 else quoted[1].lower() in reply.split("Action:")[0].lower()
+
+
 def hits_by_target(examples: Sequence[GroundExample], replies: Sequence[str]) -> dict[str, dict[str, float]]:
     """Greedy replies' hits grouped by task and target kind, `<task>/<kind>` (decision "Real targets by
     kind") -> {group: {n, hit_rate, other_hit_rate, copy_rate}}: other_hit_rate, the click in another
@@ -1696,8 +1893,7 @@ def hits_by_target(examples: Sequence[GroundExample], replies: Sequence[str]) ->
         c = first_click(reply)
         hit = c is not None and _inside(c, e.bbox)
         other = c is not None and not hit and any(_inside(c, o) for o in e.lookalikes)
-        quoted = e.instruction.split('"')
-        copied = len(quoted) >= 3 and quoted[1].lower() in reply.split("Action:")[0].lower()
+        copied = bool(copies(e, reply))
         task = e.source.partition("/")[2]
         groups.setdefault(f"{task}/{e.kind or 'target'}", []).append((hit, other, copied))
     return {

@@ -92,6 +92,8 @@ CURVE_MEASURES = (
     "point_even",
     "place_row",
     "place_col",
+    "copy_rate",
+    "spell_f1",
 )
 """Held-out measures a phase's curve logs per set (decision "Curves while it trains")."""
 
