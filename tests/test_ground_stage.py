@@ -307,14 +307,15 @@ def test_until_hit_without_measurements_is_a_one_line_error():
 
 def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_dir, tmp_path):
     """ground.py, decision "Curves while it trains": every eval_every steps a phase measures its own levels'
-    held-out screens (with its naming head's, pointing heads' and place probe's measures where it has them);
+    held-out screens (with its naming head's, pointing heads', place probe's and spelling head's measures
+    where it has them, and the thought's copy rate where the instructions quote their names);
     `on_metrics` gets them at the stage-wide step (phase 2 continues phase 1's count), the report keeps each
     phase's curve."""
     phases = (
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 1,"
         " mix: {box1: 1}}, {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false},"
         " eval_every: 2, name_weight: 1.0, vision_lr_scale: 0.5, point_weight: 0.5, place_weight: 0.5,"
-        " mix: {box1h: 1, boxes8: 1}}]"
+        " spell_weight: 0.2, quote_names: true, mix: {box1h: 1, boxes8: 1, opentexts8: 1}}]"
     )
     seen: list[tuple[int, dict]] = []
     p = params("ground.checkpoint=null", phases, *TINY_EVAL)
@@ -335,8 +336,13 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     assert not any("/point_" in k for _, m in seen[:3] for k in m)  # nor points
     assert last["ground/curve/boxes8/place_col"] <= 1 and "ground/curve/box1h/place_row" in last
     assert not any("/place_" in k for _, m in seen[:3] for k in m)  # nor places
+    assert 0 <= last["ground/curve/opentexts8/spell_f1"] <= 1 and "ground/curve/boxes8/spell_f1" not in last
+    assert not any("/spell_" in k for _, m in seen[:3] for k in m)  # nor spells
+    assert 0 <= last["ground/curve/opentexts8/copy_rate"] <= 1 and "ground/curve/box1h/copy_rate" not in last
     assert last["ground/curve/hit_rate"] == min(
-        last["ground/curve/box1h/hit_rate"], last["ground/curve/boxes8/hit_rate"]
+        last["ground/curve/box1h/hit_rate"],
+        last["ground/curve/boxes8/hit_rate"],
+        last["ground/curve/opentexts8/hit_rate"],
     )
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert [len(ph["curve"]) for ph in report["phases"]] == [3, 2]
