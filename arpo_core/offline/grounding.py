@@ -55,10 +55,11 @@ Decisions:
   names it has seen often (lorem-ipsum links 0.88-1.00 in every arm), not by looking characters up.
 - **Spelling loss.** The naming loss taught the tower 50 words (a fixed head, one class per word), and
   fresh words were then picked at chance. A phase may add a spelling loss (`spell_weight`): a linear head
-  (`SpellHead`, the phase's own like the naming head) says from the same window of merged image tokens
-  which letters (case folded) and digits a look-alike word holds (`spell_targets`), for every word of the
-  batch's synthetic screens that fits its window (`spelled`; open words included, colours not): a
-  position-free target that a linear map of the window can fit, and that no fixed vocabulary satisfies.
+  (a `NameHead` of the phase's own with one output per character) says from the same window of merged
+  image tokens which letters (case folded) and digits a look-alike word holds (`spell_targets`), for
+  every word of the batch's synthetic screens that fits its window (`spelled`; open words included,
+  colours not): a position-free target that a linear map of the window can fit, and that no fixed
+  vocabulary satisfies.
   Its held-out measure is the F1 of the characters said (`<set>/spell_f1`). Measured (docs/results.md,
   "Words never seen"; weight 0.2, 12,000 steps): random labels' F1 stayed at 0.02-0.04, the other words'
   at what the common letters' frequencies give (0.4-0.57), and the clicks moved within noise.
@@ -941,7 +942,7 @@ def train_grounding(
     if config.spell_weight:  # the spelling loss's head: like the naming head, the phase's own
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
-            speller = SpellHead(*_name_window_shape(policy, msize)).to(device)
+            speller = NameHead(*_name_window_shape(policy, msize), len(SPELL_CHARS)).to(device)
         groups.append({"params": list(speller.parameters()), "lr": lr})
     if config.quote_names:  # decision "Quoted names": the fixed list's and held-out replies too
         examples = None if examples is None else [quote_name(e) for e in examples]
@@ -1399,12 +1400,13 @@ def _place_loss(
 class NameHead(torch.nn.Module):
     """The naming loss's head: each window token layer-normalised without parameters (the tower's
     tokens are as large as the language model's inputs need, tens of units, so the loss starts at chance
-    whatever their scale), then one linear map of the window to `NAMES` logits."""
+    whatever their scale), then one linear map of the window to `NAMES` logits (or `outputs` of them: the
+    spelling loss's head has one per character of `SPELL_CHARS`, decision "Spelling loss")."""
 
-    def __init__(self, tokens: int, hidden: int):
+    def __init__(self, tokens: int, hidden: int, outputs: int = len(NAMES)):
         super().__init__()
         self.hidden = hidden
-        self.linear = torch.nn.Linear(tokens * hidden, len(NAMES))
+        self.linear = torch.nn.Linear(tokens * hidden, outputs)
 
     def forward(self, windows: torch.Tensor) -> torch.Tensor:
         x = windows.reshape(windows.shape[0], -1, self.hidden).float()
@@ -1542,18 +1544,8 @@ def spell_targets(words: Sequence[str]) -> torch.Tensor:
     return out
 
 
-class SpellHead(NameHead):
-    """The spelling loss's head: `NameHead`'s window map, to one logit per character of `SPELL_CHARS`
-    (does the word hold it) instead of one per name."""
-
-    def __init__(self, tokens: int, hidden: int):
-        torch.nn.Module.__init__(self)
-        self.hidden = hidden
-        self.linear = torch.nn.Linear(tokens * hidden, len(SPELL_CHARS))
-
-
 def _spell_logits(
-    policy: Policy, head: SpellHead, examples: Sequence[GroundExample], scale: tuple[float, float]
+    policy: Policy, head: NameHead, examples: Sequence[GroundExample], scale: tuple[float, float]
 ) -> tuple[torch.Tensor, torch.Tensor] | None:
     """The spelling head's logits for every `spelled` word of `examples` (one tower call) and their
     `spell_targets`; None when no screen has a word to spell."""
@@ -1579,7 +1571,7 @@ def spell_loss(logits: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
 @torch.no_grad()
 def _spell_measures(
     policy: Policy,
-    head: SpellHead,
+    head: NameHead,
     heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
     scale: tuple[float, float],
 ) -> dict:
