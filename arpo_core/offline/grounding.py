@@ -1094,7 +1094,7 @@ def train_grounding(
                 loss = name_loss if loss is None else loss
         if speller is not None:
             with autocast:
-                got = _spell_logits(policy, speller, [e for e in batch_ex if e.named], scale)
+                got = _spell_logits(policy, speller, batch_ex, scale)
             if got is not None:
                 spelt = spell_loss(*got)
                 total = config.spell_weight * spelt + (0 if total is None else total)
@@ -1610,10 +1610,17 @@ def quote_name(e: GroundExample) -> GroundExample:
     >>> quote_name(replace(ex, instruction="Check the ok checkbox.")).thought
     'I will click the label vdtCA.'
     """
-    quoted = e.instruction.split('"')
-    if len(quoted) < 3 or not e.thought.endswith(f" {quoted[1]}."):
+    name = quoted_name(e.instruction)
+    if name is None or not e.thought.endswith(f" {name}."):
         return e
-    return replace(e, thought=f'{e.thought[: -len(quoted[1]) - 1]}"{quoted[1]}".')
+    return replace(e, thought=f'{e.thought[: -len(name) - 1]}"{name}".')
+
+
+def quoted_name(instruction: str) -> str | None:
+    """The name an instruction quotes ('Click on the "vdtCA" label.' -> 'vdtCA'); None where it quotes
+    nothing (the colours', links8's and checks8's instructions)."""
+    quoted = instruction.split('"')
+    return quoted[1] if len(quoted) >= 3 else None
 
 
 def _fingerprint(config: GroundConfig, system: str, examples: Sequence[GroundExample] | None) -> str:
@@ -1871,8 +1878,8 @@ def copies(e: GroundExample, reply: str) -> bool | None:
     >>> copies(ex, "Thought: I will click the label Eim. Action: click(start_box='(5,5)')")
     False
     """
-    quoted = e.instruction.split('"')
-    return None if len(quoted) < 3 else quoted[1].lower() in reply.split("Action:")[0].lower()
+    name = quoted_name(e.instruction)
+    return None if name is None else name.lower() in reply.split("Action:")[0].lower()
 
 
 def hits_by_target(examples: Sequence[GroundExample], replies: Sequence[str]) -> dict[str, dict[str, float]]:
