@@ -139,6 +139,10 @@ def test_presets_mean_what_they_say():
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
     with pytest.raises(ConfigError, match="name_tied needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_tied: true}]"])
+    with pytest.raises(ConfigError, match="name_vocab 'lorem' needs name_weight > 0"):
+        load_params(ROOT / "params.yaml", ["ground.phases=[{name_vocab: lorem}]"])
+    with pytest.raises(ConfigError, match="name_vocab"):
+        load_params(ROOT / "params.yaml", ["ground.phases=[{name_weight: 1.0, name_vocab: greek}]"])
     with pytest.raises(ConfigError, match="point_weight needs the clicks"):
         load_params(
             ROOT / "params.yaml", ["ground.phases=[{name_only: true, name_weight: 1, point_weight: 1}]"]

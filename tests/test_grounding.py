@@ -4,6 +4,7 @@ import dataclasses
 import math
 import random
 import sys
+import unittest.mock
 from pathlib import Path
 
 import pytest
@@ -26,6 +27,8 @@ from arpo_core.offline.grounding import (
     lr_factor,
     make_grounding_examples,
     miniwob_examples,
+    name_key,
+    name_vocab,
     name_window,
     pearson,
     point_spans,
@@ -232,6 +235,11 @@ def test_miniwob_examples_target_the_named_element(tmp_path):
             assert parse_response(e.reply).actions[0].kind == "click"
             # every other unique-text element is listed as a look-alike, and none of them is the target
             assert len(e.lookalikes) >= 2 and e.bbox not in e.lookalikes
+            # ... and `named` lists them all with their texts (decision "Lorem names"): the fixed naming
+            # vocabulary names none of a real screen's, the lorem one its lorem-ipsum links
+            assert (e.bbox, named) in e.named and {b for b, _ in e.named} == {e.bbox, *e.lookalikes}
+            assert not has_names(e) and has_names(e, "lorem") and spelled(e, (1.05, 1.07)) == []
+            assert name_key(e, named, "lorem") == named.lower().rstrip(".,:;") in name_vocab("lorem")
             for b in e.lookalikes:
                 cx, cy = (b[0] + b[2]) / 2 * 160 / 168, (b[1] + b[3]) / 2 * 210 / 224
                 other = env.instance.driver.execute_script(
@@ -517,6 +525,96 @@ def test_until_hit_needs_measurements():
     cfg = GroundConfig(steps=2, batch_size=1, optimizer=OptimizerConfig(lr=1e-3), until_hit=0.5)
     with pytest.raises(ValueError, match="until_hit needs held-out examples and eval_every > 0"):
         train_grounding(None, cfg, system="compact", max_new_tokens=8)
+
+
+# ------------------------------------------------------------------------------------- lorem names
+
+
+def test_the_lorem_vocabulary_is_the_installed_miniwobs_list_after_the_fixed_names():
+    """grounding.py, decision "Lorem names": `fixed` is `NAMES`; `lorem` keeps `NAMES` at their indices and
+    adds MiniWoB's lorem-ipsum words (read from the installed package) and `LOREM`, each once."""
+    from arpo_core.offline.grounding import LOREM, miniwob_lorem
+
+    words = miniwob_lorem()
+    assert len(words) > 150 and {"lorem", "ipsum", "amet", "pharetra", "vulputate"} <= set(words)
+    assert all(w == w.lower().strip(".,:;") for w in words)
+    lorem = name_vocab("lorem")
+    assert name_vocab("fixed") == NAMES and lorem[: len(NAMES)] == NAMES and len(set(lorem)) == len(lorem)
+    assert set(lorem[len(NAMES) :]) == set(words) | set(LOREM)
+    with pytest.raises(ValueError, match="'greek' is not 'fixed' or 'lorem'"):
+        name_vocab("greek")
+
+
+def test_lorem_names_train_the_head_on_real_and_open_words(tmp_path, one_thread):
+    """With `name_vocab: lorem` the naming loss names a real screen's lorem-ipsum words (the fixed list's
+    screens) and the open links' (a class each: the head has `name_vocab("lorem")` outputs), and the
+    held-out real set gets its `name_acc`, each screen once; `fixed` names neither, as before."""
+    from arpo_core.offline import grounding as g
+    from arpo_core.policy.model import load_policy
+
+    build_tiny_policy(tmp_path / "p", size="xs")
+    # real-screen stand-ins: open links' screens as `miniwob_examples` gives them (source, kind, `named`),
+    # each screen twice (two targets of one screen share its image)
+    screens = synthetic_examples(3, {"openlinks8": 1.0}, seed=8)
+    real = [dataclasses.replace(e, source="miniwob/click-link", kind="link") for e in screens for _ in (0, 1)]
+    heldout = {"real": real, "openlinks8": synthetic_examples(2, {"openlinks8": 1.0}, seed=9)}
+    base = {"steps": 2, "batch_size": 4, "warmup_steps": 0, "eval_every": 2, "name_weight": 1.0}
+    kw = {"system": "compact", "max_new_tokens": 8, "heldout": heldout, "examples": real}
+    named = []
+    logits = g._name_logits
+
+    def recording(policy, head, examples, vocab="fixed"):
+        out = logits(policy, head, examples, vocab)
+        named.append((vocab, head.linear.out_features, [e.source for e in examples], out[1].tolist()))
+        return out
+
+    runs = {}
+    for vocab in ("lorem", "fixed"):
+        cfg = GroundConfig(**base, mix={"openlinks8": 1.0, "buttons8": 1.0}, name_vocab=vocab)
+        named.clear()
+        with unittest.mock.patch.object(g, "_name_logits", recording):
+            runs[vocab] = train_grounding(
+                load_policy(tmp_path / "p"),
+                cfg,
+                **kw,
+                checkpoint=tmp_path / f"{vocab}.pt",
+                checkpoint_every_s=1e9,
+            )
+        runs[vocab]["named"] = list(named)
+    lorem, fixed = runs["lorem"], runs["fixed"]
+    assert len(lorem["name_loss"]) == 2 and all(
+        v == "lorem" and n == len(name_vocab("lorem")) for v, n, *_ in lorem["named"]
+    )
+    sources = {s for _, _, srcs, _ in lorem["named"] for s in srcs}
+    assert "miniwob/click-link" in sources and "synthetic/openlinks8" in sources
+    assert any(i >= len(NAMES) for *_, labels in lorem["named"] for i in labels)  # lorem classes are trained
+    ev = lorem["evals"][-1]
+    assert 0.0 <= ev["real/name_acc"] <= 1.0 and 0.0 <= ev["openlinks8/name_acc"] <= 1.0
+    # fixed: only the fixed names of synthetic screens (buttons8), nothing real or open; no such measures
+    assert all(n == len(NAMES) for _, n, *_ in fixed["named"])
+    assert {s for _, _, srcs, _ in fixed["named"] for s in srcs} <= {"synthetic/buttons8"}
+    assert "real/name_acc" not in fixed["evals"][-1] and "openlinks8/name_acc" not in fixed["evals"][-1]
+    heads = {v: torch.load(tmp_path / f"{v}.pt", weights_only=False)["head"]["linear.weight"] for v in runs}
+    assert heads["lorem"].shape[0] == len(name_vocab("lorem")) and heads["fixed"].shape[0] == len(NAMES)
+
+
+def test_a_real_screen_is_named_once_for_the_held_out_name_accuracy(tmp_path, one_thread):
+    from arpo_core.offline import grounding as g
+
+    screens = synthetic_examples(2, {"openlinks8": 1.0}, seed=8)
+    real = [dataclasses.replace(e, source="miniwob/click-link") for e in screens for _ in (0, 1, 2)]
+    seen = []
+    with unittest.mock.patch.object(
+        g,
+        "_name_logits",
+        lambda p, h, exs, v: seen.extend(exs) or (torch.zeros(1, 2), torch.zeros(1, dtype=torch.long)),
+    ):
+        out = g._name_accuracy(None, None, {"real": real}, "lorem")
+    assert (
+        len(seen) == 2
+        and {id(e.image) for e in seen} == {id(e.image) for e in screens}
+        and "real/name_acc" in out
+    )
 
 
 # ------------------------------------------------------------------- spelling loss and quoted names

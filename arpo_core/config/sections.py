@@ -58,6 +58,10 @@ class GroundTrainConfig:
             raise ValueError("name_only needs name_weight > 0 (it trains the naming loss alone)")
         if self.name_tied and not self.name_weight:
             raise ValueError("name_tied needs name_weight > 0 (it is the naming loss's head)")
+        if self.name_vocab != "fixed" and not self.name_weight:
+            raise ValueError(
+                f"name_vocab {self.name_vocab!r} needs name_weight > 0 (it is what the naming loss names)"
+            )
         if self.point_weight and self.name_only:
             raise ValueError("point_weight needs the clicks: a name_only phase encodes no reply")
         if self.place_weight and self.name_only:
@@ -110,6 +114,12 @@ class GroundTrainConfig:
     of a linear map: the tower is taught to make a word's image token look like the word's text token, so
     the click's instruction and the screen meet in one space (arpo_core/offline/grounding.py, decision
     "Naming loss"; measured there: it teaches the words, and beside the clicks it breaks them). Needs
+    `name_weight` > 0."""
+    name_vocab: Literal["fixed", "lorem"] = "fixed"
+    """What the naming loss names: `fixed`, the synthetic screens' colours and 50 words (`NAMES`); `lorem`,
+    those and the lorem-ipsum words MiniWoB's links and paragraphs are made of (the installed MiniWoB's own
+    list, and `LOREM`), on real screens as on synthetic ones, so the words click-link asks for are taught
+    to the tower as the 50 were (arpo_core/offline/grounding.py, decision "Lorem names"). Needs
     `name_weight` > 0."""
     name_only: bool = False
     """Train the naming loss alone (needs `name_weight` > 0): all-synthetic batches, no reply encoded, the

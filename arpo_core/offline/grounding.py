@@ -64,6 +64,17 @@ Decisions:
   "Words never seen"; weight 0.2, 12,000 steps): random labels' F1 stayed at 0.02-0.04, and every open
   set's under the best constant answer's (the same letters for every word), and the clicks moved within
   noise.
+- **Lorem names.** Reading fresh words did not come (decisions "Quoted names", "Spelling loss"), but the
+  words click-link asks for are not fresh: MiniWoB draws its links and paragraphs from one list of 169
+  lorem-ipsum words (`ui_utils.lorem_words`), and the naming loss taught the tower the 50 words it was
+  given (buttons8 0.95). More real screens taught the thought three in four link words while the click
+  stayed at 0.26 (docs/results.md, "More real screens"): the language model had the name, the tower's
+  tokens did not tell that word from its neighbours. With `name_vocab: lorem` the naming head has a class
+  for each of those words too (`name_vocab`: `NAMES`, then the installed MiniWoB's list, `miniwob_lorem`,
+  and `LOREM`, case folded, trailing punctuation dropped; `name_key`), and names them wherever they are a
+  look-alike: on real screens, whose every unique-text element is listed in `named`, and on the open
+  levels' one-word links and texts. The fixed vocabulary names synthetic screens only, as before, so a
+  `fixed` phase trains and measures what it did. Random labels are in no list and stay unnamed.
 - **Reading aloud.** A click among look-alikes says whether the model read the screen only through a few
   coordinate digits per example, and a wrong pick and a blurred point look alike in them (the 2-layer
   reading run's misses on held-out boxes8: 12 of 64 clicks on another box, 24 between boxes). With
@@ -183,9 +194,12 @@ Decisions:
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import json
 import math
 import random
+import re
 import string
 import sys
 import time
@@ -291,10 +305,11 @@ class GroundExample:
     """A reading example's answer (decision "Reading examples"): the reply is `finished(content=answer)`,
     not a click; `target` and `bbox` are then the first item read."""
     named: tuple[tuple[tuple[float, float, float, float], str], ...] = ()
-    """A synthetic screen's every look-alike, the target included, as (box in model pixels, its colour
-    ("red box") or word): what the naming loss names where the word is one of `NAMES` (decision "Naming
-    loss") and the spelling loss spells where it is a word (decision "Spelling loss"); empty on real
-    screens."""
+    """A screen's every look-alike, the target included, as (box in model pixels, its colour ("red box")
+    or word; on a real screen every unique-text element and its text): what the naming loss names where
+    `name_key` gives it a name (decision "Naming loss"; real screens only with `name_vocab: lorem`,
+    decision "Lorem names"), and the spelling loss spells on synthetic screens where it is a word
+    (decision "Spelling loss")."""
     kind: str = ""
     """A real screen's target kind as its instruction names it (`element_kind`: button, link, label,
     text); empty on synthetic screens (decision "Real targets by kind")."""
@@ -800,6 +815,9 @@ def miniwob_examples(
             els = [e for e in els if counts[e.text.lower()] == 1]
             random.Random(seed).shuffle(els)
             placed = [_to_model_box((x, y, x + w, y + h), sx, sy) for x, y, w, h in (e.bbox for e in els)]
+            named = tuple(
+                (b, e.text) for (_, b), e in zip(placed, els, strict=True)
+            )  # decision "Lorem names"
             for i, e in enumerate(els[:max_per_screen]):
                 centre, mbox = placed[i]
                 kind = element_kind(e.tag, e.classes)
@@ -807,7 +825,9 @@ def miniwob_examples(
                 thought = f"I will click the {kind} {e.text}."
                 others = tuple(b for j, (_, b) in enumerate(placed) if j != i)
                 out.append(
-                    GroundExample(shot, instr, centre, mbox, f"miniwob/{task}", thought, others, kind=kind)
+                    GroundExample(
+                        shot, instr, centre, mbox, f"miniwob/{task}", thought, others, kind=kind, named=named
+                    )
                 )
     return out
 
@@ -935,7 +955,11 @@ def train_grounding(
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             shape = _name_window_shape(policy, msize)
-            head = TiedNameHead(*shape, _name_token_ids(policy)) if config.name_tied else NameHead(*shape)
+            names = name_vocab(config.name_vocab)
+            if config.name_tied:
+                head = TiedNameHead(*shape, _name_token_ids(policy, names))
+            else:
+                head = NameHead(*shape, len(names))
             head = head.to(device)
         groups.append({"params": list(head.parameters()), "lr": lr})
     scale = (msize[0] / SCREEN_W, msize[1] / SCREEN_H)  # model px per screen px
@@ -1024,7 +1048,7 @@ def train_grounding(
         ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1)}
         ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
         if head is not None:
-            ev |= _name_accuracy(policy, head, heldout)
+            ev |= _name_accuracy(policy, head, heldout, config.name_vocab)
         if config.point_weight or probe is not None:
             heads = config.point_heads if config.point_weight else 0
             ev |= _attention_measures(policy, heldout, system, config.pattern, heads, probe)
@@ -1084,10 +1108,10 @@ def train_grounding(
             total = total + config.place_weight * place_loss
             history["place_loss"].append(float(place_loss.detach()))
         if head is not None:
-            named = [e for e in batch_ex if has_names(e)]
+            named = [e for e in batch_ex if has_names(e, config.name_vocab)]
             if named:
                 with autocast:
-                    logits, labels = _name_logits(policy, head, named)
+                    logits, labels = _name_logits(policy, head, named, config.name_vocab)
                 name_loss = torch.nn.functional.cross_entropy(logits.float(), labels)
                 total = config.name_weight * name_loss + (0 if total is None else total)
                 history["name_loss"].append(float(name_loss.detach()))
@@ -1443,13 +1467,13 @@ class TiedNameHead(torch.nn.Module):
         return self.log_scale.exp() * torch.einsum("bth,nh->btn", x, names).amax(1)
 
 
-def _name_token_ids(policy: Policy) -> list[list[int]]:
-    """Token ids of each of `NAMES` as the instructions write it: the colour or word alone (after a quote)
+def _name_token_ids(policy: Policy, names: Sequence[str] = NAMES) -> list[list[int]]:
+    """Token ids of each of `names` as the instructions write it: the colour or word alone (after a quote)
     and after a space (a link's or a colour's), every token of a form weighted so that each form counts
     once (`TiedNameHead` averages them)."""
     tok = policy.processor.tokenizer
     out = []
-    for name in NAMES:
+    for name in names:
         text = name.removesuffix(" box")
         alone, spaced = (
             tok.encode(text, add_special_tokens=False),
@@ -1462,25 +1486,81 @@ def _name_token_ids(policy: Policy) -> list[list[int]]:
 _NAME_INDEX = {n: i for i, n in enumerate(NAMES)}
 
 
+@functools.cache
+def miniwob_lorem() -> tuple[str, ...]:
+    """The lorem-ipsum words of the installed MiniWoB (`ui_utils.lorem_words`: what click-link's links and
+    click-button's paragraphs are drawn from), case folded, trailing punctuation dropped, sorted (decision
+    "Lorem names")."""
+    import miniwob
+
+    path = Path(miniwob.__file__).parent / "html" / "common" / "ui_utils.js"
+    found = re.search(r"lorem_words\s*=\s*\[(.*?)\]", path.read_text(encoding="utf-8"), re.S)
+    if found is None:
+        raise RuntimeError(f"miniwob_lorem: no lorem_words list in {path}")
+    return tuple(sorted({w.lower().rstrip(_NAME_PUNCT) for w in json.loads(f"[{found.group(1)}]")}))
+
+
+_NAME_PUNCT = ".,:;"
+
+
+@functools.cache
+def name_vocab(vocab: str = "fixed") -> tuple[str, ...]:
+    """The names the naming head tells apart under a phase's `name_vocab` (decision "Lorem names"): `fixed`,
+    `NAMES`; `lorem`, `NAMES` and then every word of `miniwob_lorem` and `LOREM` not among them, sorted."""
+    if vocab == "fixed":
+        return NAMES
+    if vocab != "lorem":
+        raise ValueError(f"name_vocab: {vocab!r} is not 'fixed' or 'lorem'")
+    return (*NAMES, *sorted((set(miniwob_lorem()) | {w.lower() for w in LOREM}) - set(NAMES)))
+
+
+@functools.cache
+def _name_index(vocab: str) -> dict[str, int]:
+    return {n: i for i, n in enumerate(name_vocab(vocab))}
+
+
+def name_key(e: GroundExample, name: str, vocab: str = "fixed") -> str | None:
+    """The name the naming loss gives look-alike `name` of `e` under `vocab`, or None: one of `NAMES` as it
+    is, on a synthetic screen; with `lorem`, also a lorem-ipsum word of any screen, case folded and
+    without trailing punctuation (decision "Lorem names").
+
+    >>> real = GroundExample(None, "", (0, 0), (0, 0, 1, 1), "miniwob/click-link")
+    >>> name_key(real, "Amet,", "lorem"), name_key(real, "Amet,"), name_key(real, "ok", "lorem")
+    ('amet', None, None)
+    >>> name_key(replace(real, source="synthetic/buttons8"), "ok")
+    'ok'
+    """
+    if e.source.startswith("synthetic/") and name in _NAME_INDEX:
+        return name
+    if vocab == "lorem":
+        word = name.lower().rstrip(_NAME_PUNCT)
+        if word not in _NAME_INDEX and word in _name_index(vocab):
+            return word
+    return None
+
+
 def _name_logits(
-    policy: Policy, head: torch.nn.Module, examples: Sequence[GroundExample]
+    policy: Policy, head: torch.nn.Module, examples: Sequence[GroundExample], vocab: str = "fixed"
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The head's logits for every named look-alike of `examples` (one tower call) and their labels'
-    indices in `NAMES`, in the same order: what the naming loss trains and `_name_accuracy` scores."""
-    named = [[(b, n) for b, n in e.named if n in _NAME_INDEX] for e in examples]  # open words: not NAMES
+    indices in `name_vocab(vocab)`, in the same order: what the naming loss trains and `_name_accuracy`
+    scores."""
+    named = [[(b, k) for b, n in e.named if (k := name_key(e, n, vocab))] for e in examples]
     windows = window_tokens(policy, [e.image for e in examples], [[b for b, _ in bn] for bn in named])
     if isinstance(head, TiedNameHead):
         logits = head(windows, policy.model.get_input_embeddings().weight)
     else:
         logits = head(windows)
-    labels = torch.tensor([_NAME_INDEX[n] for bn in named for _, n in bn], device=logits.device)
+    index = _name_index(vocab)
+    labels = torch.tensor([index[n] for bn in named for _, n in bn], device=logits.device)
     return logits, labels
 
 
-def has_names(e: GroundExample) -> bool:
-    """Whether the naming loss has anything to name on `e`'s screen: a look-alike whose colour or word is
-    one of `NAMES` (decision "Naming loss"; an open-vocabulary screen's words are not)."""
-    return any(n in _NAME_INDEX for _, n in e.named)
+def has_names(e: GroundExample, vocab: str = "fixed") -> bool:
+    """Whether the naming loss has anything to name on `e`'s screen under `vocab`: a look-alike `name_key`
+    names (decision "Naming loss"; an open-vocabulary screen's words are not, but for `lorem`'s, decision
+    "Lorem names")."""
+    return any(name_key(e, n, vocab) for _, n in e.named)
 
 
 @torch.no_grad()
@@ -1488,18 +1568,21 @@ def _name_accuracy(
     policy: Policy,
     head: torch.nn.Module,
     heldout: Sequence[GroundExample] | Mapping[str, Sequence[GroundExample]],
+    vocab: str = "fixed",
 ) -> dict:
     """The naming head's accuracy on each held-out set's look-alikes (`<set>/name_acc`; a list: `name_acc`),
-    for the sets of synthetic screens; the read sets repeat their click set's screens and are skipped."""
+    for the sets with something `vocab` names, each screen once (a real screen is the image of several
+    targets); the read sets repeat their click set's screens and are skipped."""
     sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
     out = {}
     for name, exs in sets.items():
-        exs = [e for e in exs if has_names(e) and e.answer is None]
+        exs = [e for e in exs if has_names(e, vocab) and e.answer is None]
+        exs = list({id(e.image): e for e in exs}.values())  # one per screen: its examples share `named`
         if not exs:
             continue
         hits = total = 0
         for i in range(0, len(exs), 16):
-            logits, labels = _name_logits(policy, head, exs[i : i + 16])
+            logits, labels = _name_logits(policy, head, exs[i : i + 16], vocab)
             hits += int((logits.argmax(-1) == labels).sum())
             total += len(labels)
         out[f"{name}/name_acc" if name else "name_acc"] = round(hits / total, 4)
@@ -1525,6 +1608,10 @@ def spelled(
     [((0, 0, 50, 10), 'vdtCA')]
     """
     wide = NAME_WINDOW_SCREEN_PX[0] * scale[0]
+    if not e.source.startswith(
+        "synthetic/"
+    ):  # a real screen's `named`: the naming loss's (decision "Lorem names")
+        return []
     return [
         (b, n)
         for b, n in e.named
@@ -1685,10 +1772,11 @@ def _attention_measures(
             spans = _point_spans(policy, encoded, chunk)
             rest, listed = [], []  # listed: the screen lists its look-alikes (a real screen does not)
             for (queries, targets), enc, e in zip(spans, encoded, chunk, strict=True):
-                boxes = [b for b, _ in e.named if b != e.bbox]
+                seen = e.named if e.source.startswith("synthetic/") else ()  # real: look-alikes unlisted
+                boxes = [b for b, _ in seen if b != e.bbox]
                 tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
                 rest.append(tokens)
-                listed.append(bool(queries and e.named))
+                listed.append(bool(queries and seen))
                 if listed[-1]:
                     even.append(len(targets) / (len(targets) + len(tokens)))
             on_target, on_rest = capture.masses([q for q, _ in spans], [t for _, t in spans], rest)
