@@ -235,7 +235,7 @@ def test_miniwob_examples_target_the_named_element(tmp_path):
             assert parse_response(e.reply).actions[0].kind == "click"
             # every other unique-text element is listed as a look-alike, and none of them is the target
             assert len(e.lookalikes) >= 2 and e.bbox not in e.lookalikes
-            # ... and `named` lists them all with their texts (decision "Lorem names"): the fixed naming
+            # ... and `named` lists them all with their texts (grounding.py, decision "Lorem names"): the fixed naming
             # vocabulary names none of a real screen's, the lorem one its lorem-ipsum links
             assert (e.bbox, named) in e.named and {b for b, _ in e.named} == {e.bbox, *e.lookalikes}
             assert not has_names(e) and has_names(e, "lorem") and spelled(e, (1.05, 1.07)) == []
