@@ -283,8 +283,9 @@ def test_tiny_policy_rope_options_are_saved_and_validated(tmp_path):
 # ------------------------------------------------------------------------------------ reading levels
 
 READING = ("boxes8", "buttons8", "links8", "texts8", "checks8")
-OPEN = {"openchecks8": "label", "openlinks8": "link", "opentexts8": "text"}
-"""The open-vocabulary levels -> how their instruction names the target."""
+OPEN = {"openchecks8": "label", "openlinks8": "link", "opentexts8": "text", "lorem8": "link"}
+"""The open-vocabulary levels (and MiniWoB's lorem-ipsum links, decision "Lorem names") -> how their
+instruction names the target."""
 
 
 @pytest.mark.parametrize("level", sorted(OPEN))
@@ -293,7 +294,7 @@ def test_open_levels_name_fresh_words_as_real_screens_name_their_targets(level):
     place of reading), in the style of the real screens' labels, links and paragraph text, the instruction
     and thought worded as `miniwob_examples` words a real target, and no name for the naming loss's head
     (its words are listed for the spelling loss)."""
-    from arpo_core.offline.grounding import LOREM
+    from arpo_core.offline.grounding import LOREM, miniwob_lorem
 
     exs = synthetic_examples(200, {level: 1.0}, seed=5)
     noun = OPEN[level]
@@ -313,8 +314,13 @@ def test_open_levels_name_fresh_words_as_real_screens_name_their_targets(level):
     if noun == "label":
         assert all(2 <= len(n) <= 7 and n.isalnum() and n.isascii() for n in names)
     else:
-        assert all(w in LOREM for w in words)
+        assert all(w in (miniwob_lorem() if level == "lorem8" else LOREM) for w in words)
         assert max(len(n.split()) for n in names) == (3 if noun == "text" else 1)
+    lorem = sum(has_names(e, "lorem") for e in exs)  # lorem names name the one-word lorem-ipsum words
+    if noun == "label":  # none, but for a random label that happens to spell one ("et", "in")
+        assert lorem < 10
+    else:
+        assert lorem == 200 if noun == "link" else lorem > 100
 
 
 def test_open_words_are_distinct_on_a_screen():

@@ -485,11 +485,15 @@ _LABEL_CHARS = string.ascii_letters + string.digits
 def open_words(rng: random.Random, n: int, style: str) -> list[str]:
     """`n` distinct words drawn fresh (decision "Open vocabulary"): 'label', 2-7 random letters and digits
     (click-checkboxes' labels); 'lorem', a lorem-ipsum word, capitalised or ending in a full stop now and
-    then (click-link's); 'phrase', 1-3 of those words (click-button's paragraph text)."""
+    then (click-link's); 'phrase', 1-3 of those words (click-button's paragraph text); 'miniwob', a word of
+    the installed MiniWoB's own lorem-ipsum list (`miniwob_lorem`), ending in a comma now and then, as
+    click-link writes its links (decision "Lorem names")."""
     out: list[str] = []
     while len(out) < n:
         if style == "label":
             w = "".join(rng.choice(_LABEL_CHARS) for _ in range(rng.randint(2, 7)))
+        elif style == "miniwob":
+            w = rng.choice(miniwob_lorem()) + ("," if rng.random() < 0.15 else "")
         else:
             k = rng.randint(1, 3) if style == "phrase" else 1
             w = " ".join(rng.sample(LOREM, k))
@@ -585,13 +589,14 @@ LEVELS: dict[str, Callable] = {
     "openchecks8": lambda rng, d: _level_lookalikes(rng, d, "checks", vocab="label"),
     "openlinks8": lambda rng, d: _level_lookalikes(rng, d, "link", vocab="lorem"),
     "opentexts8": lambda rng, d: _level_lookalikes(rng, d, "text", vocab="phrase"),
+    "lorem8": lambda rng, d: _level_lookalikes(rng, d, "link", vocab="miniwob"),
 }
 """Synthetic levels: `big1` one large (48-96 px) box on white; `box1` one box on white; `box1h` one box below the instruction strip; `box4` the
 named box among 1-3 distractors; `widget1` one button/link/checkbox; `widget4` the named widget among 1-4
 others; the reading levels (decision "Reading curriculum"): `boxes8` the named colour among 1-7 boxes of one
 size, `buttons8` / `links8` / `texts8` the named word among 1-7 widgets of one kind and font size
 (10-14 px), `checks8` the named checkbox in a column of 2-8; `open*` the same with words drawn fresh (decision "Open
-vocabulary"). A name maps (rng, draw) -> (instruction,
+vocabulary"); `lorem8` links of the words MiniWoB's click-link draws from (decision "Lorem names"). A name maps (rng, draw) -> (instruction,
 screen box, thought, seen): `seen` is every look-alike as (screen box, its colour or word), the named one
 included."""
 
@@ -645,6 +650,7 @@ READ_NOUNS = {
     "openchecks8": "checkbox labels",
     "openlinks8": "links",
     "opentexts8": "words",
+    "lorem8": "links",
 }
 """What a reading example of each level asks to read (decision "Reading examples")."""
 
