@@ -284,8 +284,8 @@ def test_tiny_policy_rope_options_are_saved_and_validated(tmp_path):
 
 READING = ("boxes8", "buttons8", "links8", "texts8", "checks8")
 OPEN = {"openchecks8": "label", "openlinks8": "link", "opentexts8": "text", "lorem8": "link"}
-"""The open-vocabulary levels (and MiniWoB's lorem-ipsum links, decision "Lorem names") -> how their
-instruction names the target."""
+"""The open-vocabulary levels (and MiniWoB's lorem-ipsum links, grounding.py, decision "Lorem names") ->
+how their instruction names the target."""
 
 
 @pytest.mark.parametrize("level", sorted(OPEN))
