@@ -283,7 +283,13 @@ def test_tiny_policy_rope_options_are_saved_and_validated(tmp_path):
 # ------------------------------------------------------------------------------------ reading levels
 
 READING = ("boxes8", "buttons8", "links8", "texts8", "checks8")
-OPEN = {"openchecks8": "label", "openlinks8": "link", "opentexts8": "text", "lorem8": "link"}
+OPEN = {
+    "openchecks8": "label",
+    "openlinks8": "link",
+    "opentexts8": "text",
+    "lorem8": "link",
+    "paralinks": "link",
+}
 """The open-vocabulary levels (and MiniWoB's lorem-ipsum links, grounding.py, decision "Lorem names") ->
 how their instruction names the target."""
 
@@ -305,7 +311,8 @@ def test_open_levels_name_fresh_words_as_real_screens_name_their_targets(level):
             e.instruction == f'Click on the "{name}" {noun}.'
             and e.thought == f"I will click the {noun} {name}."
         )
-        assert 1 <= len(e.lookalikes) <= 7 and len(e.named) == len(e.lookalikes) + 1
+        assert 1 <= len(e.lookalikes) <= (19 if level == "paralinks" else 7)
+        assert len(e.named) == len(e.lookalikes) + 1
         assert (e.bbox, name) in e.named and not has_names(e)  # the spelling loss spells, the naming skips
         names.append(name)
     assert len(set(names)) > 100  # fresh on (nearly) every screen
@@ -314,7 +321,7 @@ def test_open_levels_name_fresh_words_as_real_screens_name_their_targets(level):
     if noun == "label":
         assert all(2 <= len(n) <= 7 and n.isalnum() and n.isascii() for n in names)
     else:
-        assert all(w in (miniwob_lorem() if level == "lorem8" else LOREM) for w in words)
+        assert all(w in (LOREM if level.startswith("open") else miniwob_lorem()) for w in words)
         assert max(len(n.split()) for n in names) == (3 if noun == "text" else 1)
     lorem = sum(has_names(e, "lorem") for e in exs)  # lorem names name the one-word lorem-ipsum words
     if noun == "label":  # none, but for a random label that happens to spell one ("et", "in")
@@ -1046,3 +1053,20 @@ def test_the_modules_docstring_examples_hold():
 
     result = doctest.testmod(grounding)
     assert result.failed == 0 and result.attempted >= 8, result
+
+
+def test_the_paragraph_level_draws_click_links_screen_as_chromium_does():
+    """grounding.py, decision "Lorem names": `paralinks` lays a paragraph of MiniWoB's lorem-ipsum words out
+    from the task area's corner in the font Chromium uses for MiniWoB's Arial (its width of click-link's
+    "Pharetra" at 10 px, measured in the browser: 42.70 px), the links blue and listed once each."""
+    from PIL import Image, ImageDraw
+
+    from arpo_core.offline.grounding import chromium_font
+
+    draw = ImageDraw.Draw(Image.new("RGB", (1, 1)))
+    assert abs(draw.textlength("Pharetra", font=chromium_font(10)) - 42.70) < 0.01
+    for e in synthetic_examples(50, {"paralinks": 1.0}, seed=2):
+        x0, y0, x1, y1 = (v * f for v, f in zip(e.bbox, (160 / 168, 210 / 224) * 2, strict=True))  # screen px
+        inside = e.image.crop((int(x0) + 1, int(y0) + 1, int(x1) - 1, int(y1) - 1))
+        assert any(b > 200 and r < 100 for _, (r, _, b) in inside.getcolors(4096))  # the named link is blue
+        assert y0 >= 50 and len({n.lower() for _, n in e.named}) == len(e.named)

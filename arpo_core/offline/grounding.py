@@ -506,6 +506,59 @@ def open_words(rng: random.Random, n: int, style: str) -> list[str]:
     return out
 
 
+CHROMIUM_FONT = Path("/usr/share/fonts/truetype/dejavu/DejaVuSans.ttf")
+"""The font the project's Chromium draws MiniWoB's `font-family: Arial` in (fonts-dejavu-core, which
+scripts/setup.sh installs): measured, click-link's 10 px link "Pharetra" is 42.70 px wide in the browser and
+in this font."""
+
+
+@functools.cache
+def chromium_font(size: int):
+    """`CHROMIUM_FONT` at `size` px (decision "Lorem names")."""
+    if not CHROMIUM_FONT.exists():
+        raise RuntimeError(f"chromium_font: {CHROMIUM_FONT} is missing (apt-get install fonts-dejavu-core)")
+    return ImageFont.truetype(str(CHROMIUM_FONT), size)
+
+
+def _level_paragraph(rng: random.Random, draw: ImageDraw.ImageDraw):
+    """click-link's screen (decision "Lorem names"): a paragraph of 20 of MiniWoB's lorem-ipsum words as its
+    `generateWords` writes them (a capital after each full stop, a full stop after a fifth of the words),
+    each word a link with probability 0.2, in 10 px Arial as Chromium draws it (`chromium_font`), wrapped
+    in the task area from its corner (2, 52) in lines of 11 px; links whose text occurs once are the look-alikes, one of them named (at least two:
+    else it draws again). Returns (instruction, the named link's screen box, thought, seen)."""
+    font = chromium_font(10)
+    space, line_h = draw.textlength(" ", font=font), 11
+    while True:
+        words, first = [], True
+        for i in range(20):
+            w = rng.choice(miniwob_lorem())
+            w = w[0].upper() + w[1:] if first else w
+            first = rng.random() < 0.2 and i < 19
+            words.append(w + "." if first or i == 19 else w)
+        links = [rng.random() < 0.2 for _ in words]
+        counts: dict[str, int] = {}
+        for w in words:
+            counts[w.lower()] = counts.get(w.lower(), 0) + 1
+        if sum(link and counts[w.lower()] == 1 for w, link in zip(words, links, strict=True)) >= 2:
+            break
+    x, y, seen = 2.0, HEADER_H + 2, []
+    for w, link in zip(words, links, strict=True):
+        width = draw.textlength(w, font=font)
+        if x + width > SCREEN_W - 2 and x > 2:
+            x, y = 2.0, y + line_h
+        draw.text((x, y), w, fill=(0, 0, 255) if link else (0, 0, 0), font=font)
+        if link:
+            box = (math.floor(x), y, math.ceil(x + width), y + line_h)
+            draw.line((box[0], y + 10, box[2], y + 10), fill=(0, 0, 255))
+            if counts[w.lower()] == 1:
+                seen.append((box, w))
+        x += width + space
+    named = rng.randrange(len(seen))
+    seen.insert(0, seen.pop(named))
+    w = seen[0][1]
+    return f'Click on the "{w}" link.', seen[0][0], f"I will click the link {w}.", seen
+
+
 def _level_lookalikes(
     rng: random.Random, draw: ImageDraw.ImageDraw, kind: str, n_max: int = 8, vocab: str | None = None
 ):
@@ -590,13 +643,15 @@ LEVELS: dict[str, Callable] = {
     "openlinks8": lambda rng, d: _level_lookalikes(rng, d, "link", vocab="lorem"),
     "opentexts8": lambda rng, d: _level_lookalikes(rng, d, "text", vocab="phrase"),
     "lorem8": lambda rng, d: _level_lookalikes(rng, d, "link", vocab="miniwob"),
+    "paralinks": _level_paragraph,
 }
 """Synthetic levels: `big1` one large (48-96 px) box on white; `box1` one box on white; `box1h` one box below the instruction strip; `box4` the
 named box among 1-3 distractors; `widget1` one button/link/checkbox; `widget4` the named widget among 1-4
 others; the reading levels (decision "Reading curriculum"): `boxes8` the named colour among 1-7 boxes of one
 size, `buttons8` / `links8` / `texts8` the named word among 1-7 widgets of one kind and font size
 (10-14 px), `checks8` the named checkbox in a column of 2-8; `open*` the same with words drawn fresh (decision "Open
-vocabulary"); `lorem8` links of the words MiniWoB's click-link draws from (decision "Lorem names"). A name maps (rng, draw) -> (instruction,
+vocabulary"); `lorem8` links of the words MiniWoB's click-link draws from, `paralinks` click-link's own screen, a
+paragraph of them with links in it (decision "Lorem names"). A name maps (rng, draw) -> (instruction,
 screen box, thought, seen): `seen` is every look-alike as (screen box, its colour or word), the named one
 included."""
 
@@ -651,6 +706,7 @@ READ_NOUNS = {
     "openlinks8": "links",
     "opentexts8": "words",
     "lorem8": "links",
+    "paralinks": "links",
 }
 """What a reading example of each level asks to read (decision "Reading examples")."""
 
