@@ -49,6 +49,7 @@ def main(argv: list[str]) -> None:
         mini_batch_size=int(mini),
     )
     harness.run(policy_dir, out, cfg, pc, ranks=ranks, heartbeat_dir=Path(out) / "ranks")
+    ranks.close()  # after a run that ended well (arpo_core/algorithm/distributed.py, decision "Clean exit")
 
 
 if __name__ == "__main__":

@@ -34,6 +34,12 @@ Decisions:
   to the largest count over ranks with zero-weight passes over one of its own sequences (`lockstep` plans),
   and generation runs on an unpartitioned copy of the policy that receives the weights after every update
   (trainer.py, decision "Weight sync"), because a rank's sampling loop cannot be kept in step with another's.
+- **Clean exit.** A run that ended well leaves the process group (`Ranks.close`: a barrier, then
+  `destroy_process_group`) before the process ends. A rank that exits with the group alive leaves its
+  teardown to the interpreter's exit, and once, on a loaded machine, a DeepSpeed ZeRO-2 rank aborted
+  there ("terminate called without an active exception", SIGABRT): a finished job reported as a killed
+  rank (tests/test_distributed.py, one CI run in many). A run that failed does not wait at the barrier:
+  the launcher stops its ranks.
 - **Rank heartbeats.** Ranks report where they are (`Heartbeat`): each rank rewrites `<dir>/rank-<r>.json`
   (epoch, iteration, phase, pid, time) at every phase, so when a rank dies the launcher's failure can be
   turned into one line naming the rank and its last step (`describe_failure`).
@@ -188,6 +194,13 @@ class Ranks:
     def barrier(self) -> None:
         if self.distributed:
             torch.distributed.barrier()
+
+    def close(self) -> None:
+        """Decision "Clean exit": wait for every rank, then leave the process group (idempotent; nothing in
+        one process)."""
+        if self.distributed and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
 
 
 SINGLE = Ranks()

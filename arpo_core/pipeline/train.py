@@ -185,6 +185,7 @@ def run(
             heartbeat_dir=Path(out_dir) / "ranks",
             success_threshold=p.project.success_threshold,
         )
+    ranks.close()  # after a run that ended well (distributed.py, decision "Clean exit")
     if not ranks.main:
         return {"train/epochs": float(state.epoch)}
     final = Path(out_dir) / "policy"
