@@ -214,6 +214,7 @@ import re
 import string
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import asdict, dataclass, replace
@@ -324,6 +325,11 @@ class GroundExample:
     kind: str = ""
     """A real screen's target kind as its instruction names it (`element_kind`: button, link, label,
     text); empty on synthetic screens (decision "Real targets by kind")."""
+
+    @property
+    def synthetic(self) -> bool:
+        """Drawn by `synthetic_example`, not a real MiniWoB screen."""
+        return self.source.startswith("synthetic/")
 
     @property
     def reply(self) -> str:
@@ -535,8 +541,9 @@ def _level_paragraph(rng: random.Random, draw: ImageDraw.ImageDraw):
     """click-link's screen (decision "Lorem names"): a paragraph of 20 of MiniWoB's lorem-ipsum words as its
     `generateWords` writes them (a capital after each full stop, a full stop after a fifth of the words),
     each word a link with probability 0.2, in 10 px Arial as Chromium draws it (`chromium_font`), wrapped
-    in the task area from its corner (2, 52) in lines of 11 px; links whose text occurs once are the look-alikes, one of them named (at least two:
-    else it draws again). Returns (instruction, the named link's screen box, thought, seen)."""
+    in the task area from its corner (2, 52) in lines of 11 px; links whose text occurs once are the
+    look-alikes, one of them named (at least two: else it draws again). Returns (instruction, the named
+    link's screen box, thought, seen)."""
     font = chromium_font(10)
     space, line_h = draw.textlength(" ", font=font), 11
     while True:
@@ -547,9 +554,7 @@ def _level_paragraph(rng: random.Random, draw: ImageDraw.ImageDraw):
             first = rng.random() < 0.2 and i < 19
             words.append(w + "." if first or i == 19 else w)
         links = [rng.random() < 0.2 for _ in words]
-        counts: dict[str, int] = {}
-        for w in words:
-            counts[w.lower()] = counts.get(w.lower(), 0) + 1
+        counts = Counter(w.lower() for w in words)
         if sum(link and counts[w.lower()] == 1 for w, link in zip(words, links, strict=True)) >= 2:
             break
     x, y, seen = 2.0, HEADER_H + 2, []
@@ -661,10 +666,10 @@ named box among 1-3 distractors; `widget1` one button/link/checkbox; `widget4` t
 others; the reading levels (decision "Reading curriculum"): `boxes8` the named colour among 1-7 boxes of one
 size, `buttons8` / `links8` / `texts8` the named word among 1-7 widgets of one kind and font size
 (10-14 px), `checks8` the named checkbox in a column of 2-8; `open*` the same with words drawn fresh (decision "Open
-vocabulary"); `lorem8` links of the words MiniWoB's click-link draws from, `paralinks` click-link's own screen, a
-paragraph of them with links in it (decision "Lorem names"). A name maps (rng, draw) -> (instruction,
-screen box, thought, seen): `seen` is every look-alike as (screen box, its colour or word), the named one
-included."""
+vocabulary"); `lorem8` links of the words MiniWoB's click-link draws from, `paralinks` click-link's own
+screen, a paragraph of them with links in it (decision "Lorem names"). A name maps (rng, draw) ->
+(instruction, screen box, thought, seen): `seen` is every look-alike as (screen box, its colour or word),
+the named one included."""
 
 
 def read_aloud(seen: Sequence[tuple[tuple[int, int, int, int], str]], thought: str) -> str:
@@ -882,15 +887,12 @@ def miniwob_examples(
                 and e.bbox[2] >= 4
                 and e.bbox[3] >= 4
             ]
-            counts: dict[str, int] = {}
-            for e in els:
-                counts[e.text.lower()] = counts.get(e.text.lower(), 0) + 1
+            counts = Counter(e.text.lower() for e in els)
             els = [e for e in els if counts[e.text.lower()] == 1]
             random.Random(seed).shuffle(els)
             placed = [_to_model_box((x, y, x + w, y + h), sx, sy) for x, y, w, h in (e.bbox for e in els)]
-            named = tuple(
-                (b, e.text) for (_, b), e in zip(placed, els, strict=True)
-            )  # decision "Lorem names"
+            # every unique-text element with its text (decision "Lorem names")
+            named = tuple((b, e.text) for (_, b), e in zip(placed, els, strict=True))
             for i, e in enumerate(els[:max_per_screen]):
                 centre, mbox = placed[i]
                 kind = element_kind(e.tag, e.classes)
@@ -1559,6 +1561,10 @@ def _name_token_ids(policy: Policy, names: Sequence[str] = NAMES) -> list[list[i
 _NAME_INDEX = {n: i for i, n in enumerate(NAMES)}
 
 
+_NAME_PUNCT = ".,:;"
+"""Trailing punctuation a lorem-ipsum word loses to be named (MiniWoB writes "amet," and "Amet.")."""
+
+
 @functools.cache
 def miniwob_lorem() -> tuple[str, ...]:
     """The lorem-ipsum words of the installed MiniWoB (`ui_utils.lorem_words`: what click-link's links and
@@ -1571,9 +1577,6 @@ def miniwob_lorem() -> tuple[str, ...]:
     if found is None:
         raise RuntimeError(f"miniwob_lorem: no lorem_words list in {path}")
     return tuple(sorted({w.lower().rstrip(_NAME_PUNCT) for w in json.loads(f"[{found.group(1)}]")}))
-
-
-_NAME_PUNCT = ".,:;"
 
 
 @functools.cache
@@ -1603,7 +1606,7 @@ def name_key(e: GroundExample, name: str, vocab: str = "fixed") -> str | None:
     >>> name_key(replace(real, source="synthetic/buttons8"), "ok")
     'ok'
     """
-    if e.source.startswith("synthetic/") and name in _NAME_INDEX:
+    if e.synthetic and name in _NAME_INDEX:
         return name
     if vocab == "lorem":
         word = name.lower().rstrip(_NAME_PUNCT)
@@ -1681,9 +1684,7 @@ def spelled(
     [((0, 0, 50, 10), 'vdtCA')]
     """
     wide = NAME_WINDOW_SCREEN_PX[0] * scale[0]
-    if not e.source.startswith(
-        "synthetic/"
-    ):  # a real screen's `named`: the naming loss's (decision "Lorem names")
+    if not e.synthetic:  # a real screen's `named` is the naming loss's (decision "Lorem names")
         return []
     return [
         (b, n)
@@ -1845,7 +1846,7 @@ def _attention_measures(
             spans = _point_spans(policy, encoded, chunk)
             rest, listed = [], []  # listed: the screen lists its look-alikes (a real screen does not)
             for (queries, targets), enc, e in zip(spans, encoded, chunk, strict=True):
-                seen = e.named if e.source.startswith("synthetic/") else ()  # real: look-alikes unlisted
+                seen = e.named if e.synthetic else ()  # real: look-alikes unlisted
                 boxes = [b for b, _ in seen if b != e.bbox]
                 tokens = sorted({t for b in boxes for t in box_tokens(policy, enc, b)} - set(targets))
                 rest.append(tokens)
