@@ -380,17 +380,21 @@ def study(
     stages (each with evaluate.during_training > 0): replay_effect.json, .md and a plot; for a suite of
     pinned instances (e.g. --preset replay-instances, the paper's protocol) replay_instances.json, .md
     and a plot, from the runs of that suite only."""
+    from arpo_core.config import flatten, to_dict
     from arpo_core.config.suites import load_suite
-    from tracking.study_runs import instance_study, replay_study
+    from tracking.study_runs import instance_study, replay_study, study_base
 
     p = _load(params, [], preset)
+    base = study_base(flatten(to_dict(p)))  # study_runs.py, decision "One base per study"
     if any(t.pinned for t in load_suite(p.env.in_domain_suite)):
         name = (preset or "replay-instances").replace("-", "_")  # replay-rare -> replay_rare.json
         out = out or Path(
             f"benchmarks/results/{name if name.startswith('replay_') else 'replay_instances'}.json"
         )
         try:
-            doc = instance_study(experiment or p.project.name, out, p.env.in_domain_suite, variant, reps)
+            doc = instance_study(
+                experiment or p.project.name, out, p.env.in_domain_suite, variant, reps, base=base
+            )
         except FileNotFoundError as e:
             typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)
             raise typer.Exit(1) from e
@@ -407,7 +411,14 @@ def study(
         targets, _ = first_click_targets(p, suite_tasks(p, "in_domain"), p.evaluate.during_training_episodes)
     try:
         doc = replay_study(
-            experiment or p.project.name, out, variant, hard_max, reps, targets, first_seed=p.evaluate.seed
+            experiment or p.project.name,
+            out,
+            variant,
+            hard_max,
+            reps,
+            targets,
+            first_seed=p.evaluate.seed,
+            base=base,
         )
     except FileNotFoundError as e:
         typer.secho(f"error: {e}", fg=typer.colors.RED, err=True)

@@ -277,3 +277,38 @@ def test_an_arm_is_named_from_the_runs_logged_method():
         _arm({"method": "arpo_blind", "train.group_size": "8", "train.replay.enabled": "False"})
         == "arpo_g8_blind"
     )
+
+
+def test_a_study_counts_only_the_runs_of_its_base(tmp_path, monkeypatch):
+    """study_runs.py, decision "One base per study": two bases' runs of one suite in one experiment (the
+    rare-success study on grounded-xs and on the reader). The baseline and evaluate runs are those of the
+    study's base even when the other base's ran later; a base with neither run is a one-line error that
+    names it, not a silent mix."""
+    from tracking import mlflow_runs
+    from tracking.study_runs import _newest, gather, study_base
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    c = mlflow_runs.client(tmp_path)
+    exp = mlflow_runs.ensure_experiment(c, "study", tmp_path)
+    suite = "data/suites/miniwob_instances_rare.yaml"
+    old, new = "assets/checkpoints/grounded-xs", "assets/checkpoints/grounded-read-xs"
+    ids = {}
+    for ckpt in (old, new):  # the reader's runs are the newer ones
+        for stage in ("baseline", "evaluate"):
+            rid = mlflow_runs.start_run(c, exp, stage, tags={"arpo.stage": stage})
+            params = {"env.in_domain_suite": suite, "ground.checkpoint": ckpt, "policy.pretrained": None}
+            mlflow_runs.log_params(c, rid, params)
+            mlflow_runs.finish_run(c, rid, ok=True)
+            ids[ckpt, stage] = rid
+    xs = study_base({"ground.checkpoint": old, "policy.pretrained": None})
+    assert xs == {"ground.checkpoint": old, "policy.pretrained": "null"}
+    for stage in ("baseline", "evaluate"):
+        assert _newest(c, "study", stage, suite, xs).info.run_id == ids[old, stage]
+        assert _newest(c, "study", stage, suite).info.run_id == ids[new, stage]  # no base: the newest
+        assert _newest(c, "study", stage, "data/suites/other.yaml", xs) is None
+    elsewhere = study_base({"ground.checkpoint": "models/mine", "policy.pretrained": None})
+    with pytest.raises(
+        FileNotFoundError,
+        match=rf"no finished baseline and evaluate run of {suite} from ground.checkpoint=models/mine: ",
+    ):
+        gather("study", root=str(tmp_path), suite=suite, base=elsewhere)

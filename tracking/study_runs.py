@@ -20,6 +20,12 @@ Decisions:
   gives the instance document (arpo_core/analysis/study.py, decisions "Pinned-instance splits",
   "Final evaluation success", "Per-instance replay activity" and "Compared arms", `replay_instances.*`), any
   other the replay effect document (`replay_effect.*`).
+- **One base per study.** A study also compares arms from one starting policy: with `base` (the params'
+  `STUDY_BASE_KEYS`, `ground.checkpoint` and `policy.pretrained`, as `arpo study` is given them), only runs
+  logged with those values count, for the train runs and for the baseline and evaluate runs alike. The
+  rare-success study was recorded on grounded-xs and re-run on the reader (presets `replay-rare-15` and
+  `replay-rare-read`: the same suite); without this the newest run of an arm and seed would silently stand
+  for either base, and the hard split and the base's episodes would come from whichever ran last.
 """
 
 from __future__ import annotations
@@ -36,7 +42,21 @@ from arpo_core.infra.fileio import atomic_open, atomic_write_json, atomic_write_
 from arpo_core.trajectory import Trajectory, read_trajectories
 from tracking import mlflow_runs
 
-__all__ = ["gather", "instance_study", "write_instance_study", "write_study"]
+__all__ = ["STUDY_BASE_KEYS", "gather", "instance_study", "study_base", "write_instance_study", "write_study"]
+
+STUDY_BASE_KEYS = ("ground.checkpoint", "policy.pretrained")  # decision "One base per study"
+
+
+def study_base(flat: dict[str, Any]) -> dict[str, str]:
+    """Decision "One base per study": the base keys of flat params, as mlflow_runs.log_params logs them."""
+    return {k: "null" if flat.get(k) is None else str(flat[k]) for k in STUDY_BASE_KEYS}
+
+
+def _of_study(params: dict[str, str], suite: str | None, base: dict[str, str] | None) -> bool:
+    """Decisions "One suite per study" and "One base per study": whether a run's logged params count."""
+    if suite is not None and params.get("env.in_domain_suite") != suite:
+        return False
+    return all(params.get(k, "null") == v for k, v in (base or {}).items())
 
 
 def _arm(params: dict[str, str]) -> str:
@@ -51,12 +71,20 @@ def _arm(params: dict[str, str]) -> str:
     return name + ("_blind" if blind else "")
 
 
-def _newest(c: Any, experiment: str, stage: str, suite: str | None = None) -> Any | None:
+def _of(suite: str | None, base: dict[str, str] | None) -> str:
+    """' of <suite> from ground.checkpoint=...': what a study's runs must match, for its errors."""
+    said = ", ".join(f"{k}={v}" for k, v in (base or {}).items() if v != "null")
+    return (f" of {suite}" if suite else "") + (f" from {said}" if said else "")
+
+
+def _newest(
+    c: Any, experiment: str, stage: str, suite: str | None = None, base: dict[str, str] | None = None
+) -> Any | None:
     for r in mlflow_runs.run_rows(c, experiment, stage):  # newest first
         if r["status"] != "FINISHED":
             continue
         run = c.get_run(r["run"])
-        if suite is None or run.data.params.get("env.in_domain_suite") == suite:
+        if _of_study(run.data.params, suite, base):
             return run
     return None
 
@@ -66,10 +94,14 @@ def _download(c: Any, run_id: str, path: str, dst: Path) -> Path:
 
 
 def gather(
-    experiment: str, variant: str | None = None, root: str = ".", suite: str | None = None
+    experiment: str,
+    variant: str | None = None,
+    root: str = ".",
+    suite: str | None = None,
+    base: dict[str, str] | None = None,
 ) -> tuple[list[ArmRun], list[Trajectory], list[Trajectory], Scorer, dict[str, Any]]:
-    """Decisions "Study runs", "Run artifacts" and "One suite per study": (runs, baseline rollouts, base
-    evaluation episodes, how the evaluation scored an episode, provenance)."""
+    """Decisions "Study runs", "Run artifacts", "One suite per study" and "One base per study": (runs,
+    baseline rollouts, base evaluation episodes, how the evaluation scored an episode, provenance)."""
     c = mlflow_runs.client(root)
     tmp = Path(tempfile.mkdtemp(prefix="arpo-study-"))
     chosen: dict[tuple[str, int], Any] = {}
@@ -81,7 +113,7 @@ def gather(
             continue
         if variant and variant not in row["variant"]:
             continue
-        if suite is not None and params.get("env.in_domain_suite") != suite:
+        if not _of_study(params, suite, base):
             continue
         seed = params.get("train.seed", "null")
         unset = seed in ("null", "None")  # mlflow_runs.log_params writes None as 'null' (older runs: 'None')
@@ -104,15 +136,16 @@ def gather(
             history = json.loads(state.read_text())["history"]
         runs.append(ArmRun(arm, seed, evaluations, history))
     baseline_run, evaluate_run = (
-        _newest(c, experiment, "baseline", suite),
-        _newest(c, experiment, "evaluate", suite),
+        _newest(c, experiment, "baseline", suite, base),
+        _newest(c, experiment, "evaluate", suite, base),
     )
     if baseline_run is None or evaluate_run is None:
         missing = " and ".join(
             n for n, r in (("baseline", baseline_run), ("evaluate", evaluate_run)) if r is None
         )
         raise FileNotFoundError(
-            f"experiment {experiment!r} has no finished {missing} run: the study reads the hard/control split "
+            f"experiment {experiment!r} has no finished {missing} run{_of(suite, base)}: the study reads the "
+            "hard/control split "
             "from baseline's rollouts and the base's episodes from evaluate's (run the pipeline through "
             "`evaluate` once, e.g. `dvc repro` before queueing the arms, or `dvc exp run evaluate`)"
         )
@@ -122,6 +155,7 @@ def gather(
     base_file = _download(c, evaluate_run.info.run_id, "trajectories/base.parquet", tmp / "evaluate")
     provenance = {
         "experiment": experiment,
+        "base": dict(base or {}),
         "tracking_uri": mlflow_runs.tracking_uri(root),
         "train_runs": {f"{arm}/seed{seed}": run.info.run_id for (arm, seed), run in sorted(chosen.items())},
         "superseded_runs": superseded,
@@ -287,13 +321,14 @@ def write_study(doc: dict[str, Any], out: Path) -> list[Path]:
 
 def replay_study(
     experiment: str, out: Path, variant: str | None = None, hard_max: float = 0.25, reps: int = 2000,
-    targets: Sequence[Any] = (), first_seed: int = 0,
+    targets: Sequence[Any] = (), first_seed: int = 0, base: dict[str, str] | None = None,
 ) -> dict[str, Any]:  # fmt: skip
     """Gather, compute (arpo_core.analysis.study.replay_effect) and write the study files."""
-    runs, baseline, base_eval, score, provenance = gather(experiment, variant)
+    runs, baseline, base_eval, score, provenance = gather(experiment, variant, base=base)
     if not runs:
         raise FileNotFoundError(
-            f"experiment {experiment!r} has no finished train run with evaluate.during_training > 0"
+            f"experiment {experiment!r} has no finished train run{_of(None, base)} with "
+            "evaluate.during_training > 0"
         )
     doc = replay_effect(
         runs,
@@ -415,13 +450,16 @@ def write_instance_study(doc: dict[str, Any], out: Path) -> list[Path]:
 
 
 def instance_study(
-    experiment: str, out: Path, suite: str, variant: str | None = None, reps: int = 2000
-) -> dict[str, Any]:
-    """Gather the runs of `suite`, compute (arpo_core.analysis.study.instance_effect) and write the files."""
-    runs, baseline, base_eval, score, provenance = gather(experiment, variant, suite=suite)
+    experiment: str, out: Path, suite: str, variant: str | None = None, reps: int = 2000,
+    base: dict[str, str] | None = None,
+) -> dict[str, Any]:  # fmt: skip
+    """Gather the runs of `suite` (and `base`), compute (arpo_core.analysis.study.instance_effect) and write
+    the files."""
+    runs, baseline, base_eval, score, provenance = gather(experiment, variant, suite=suite, base=base)
     if not runs:
         raise FileNotFoundError(
-            f"experiment {experiment!r} has no finished train run of {suite} with evaluate.during_training > 0"
+            f"experiment {experiment!r} has no finished train run{_of(suite, base)} with "
+            "evaluate.during_training > 0"
         )
     doc = instance_effect(runs, baseline, base_eval, score=score, reps=reps)
     doc["provenance"] = provenance | {"suite": suite}
