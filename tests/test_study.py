@@ -284,6 +284,8 @@ def test_a_study_counts_only_the_runs_of_its_base(tmp_path, monkeypatch):
     rare-success study on grounded-xs and on the reader). The baseline and evaluate runs are those of the
     study's base even when the other base's ran later; a base with neither run is a one-line error that
     names it, not a silent mix."""
+    import time
+
     from tracking import mlflow_runs
     from tracking.study_runs import _newest, gather, study_base
 
@@ -300,6 +302,7 @@ def test_a_study_counts_only_the_runs_of_its_base(tmp_path, monkeypatch):
             mlflow_runs.log_params(c, rid, params)
             mlflow_runs.finish_run(c, rid, ok=True)
             ids[ckpt, stage] = rid
+            time.sleep(0.01)  # start times (ms) in creation order: "newest" is then unambiguous
     xs = study_base({"ground.checkpoint": old, "policy.pretrained": None})
     assert xs == {"ground.checkpoint": old, "policy.pretrained": "null"}
     for stage in ("baseline", "evaluate"):
