@@ -248,6 +248,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.eval_miniwob_seeds", -1, 0, ()),
     ("ground.miniwob_per_screen", 0, 1, ()),
     ("ground.checkpoint_every_s", -1, 0, ()),
+    ("ground.min_pixels", 783, 784, ()),
     ("ground.phases[0].steps", 0, 1, ()),
     ("ground.phases[0].batch_size", 0, 1, ()),
     ("ground.phases[0].optimizer.lr", 0, TINY, ()),

@@ -11,12 +11,13 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from PIL import Image
 
 from arpo_core.config import ConfigError, GroundPhase, load_params, parse_params, to_dict
 from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.grounding import GroundConfig
 from arpo_core.pipeline import ground, init_policy, policies
-from arpo_core.policy.model import load_policy
+from arpo_core.policy.model import image_inputs, load_policy
 
 ROOT = Path(__file__).resolve().parents[1]
 CHECKPOINT = ROOT / "assets" / "checkpoints" / "grounded-xs"
@@ -232,6 +233,27 @@ def test_checkpoint_without_phases_is_copied_bit_for_bit_and_measured(init_dir, 
     assert m["ground/steps"] == 0.0 and "ground/miniwob/n" not in m
     # the versioned policy looks at the screen: one box under the instruction strip is clicked where it is
     assert m["ground/box1h/corr_x"] > 0.8 and m["ground/box1h/hit_rate"] > m["ground/box1h/blind_hit_rate"]
+
+
+def test_min_pixels_rescales_the_start_and_the_output_keeps_it(init_dir, tmp_path):
+    """ground.py, decision "Pixel budget": the same weights at 2x, measured there, saved with the budget;
+    a phase trains at that scale."""
+    two_x = 134_400
+    p = params(f"ground.checkpoint={CHECKPOINT}", f"ground.min_pixels={two_x}", *TINY_EVAL)
+    ground.run(p, init_dir, tmp_path / "g")
+    want, got = _state(CHECKPOINT), _state(tmp_path / "g")
+    assert all(torch.equal(want[k], got[k]) for k in want)  # the weights as they were
+    assert policies.pixel_budget(CHECKPOINT) != policies.pixel_budget(tmp_path / "g")
+    assert policies.pixel_budget(tmp_path / "g") == (two_x, policies.pixel_budget(CHECKPOINT)[1])
+    policy = load_policy(tmp_path / "g")
+    _, grid = image_inputs(policy.image_processor, [Image.new("RGB", (160, 210))])
+    assert grid.tolist() == [[1, 30, 24]]  # 336x420 model pixels: 180 merged tokens (48 at 1x)
+    # a phase at 2x: its held-out clicks are in the bigger image's pixels
+    p = params("ground.checkpoint=null", "ground.min_pixels=300000", TINY_PHASE, *TINY_EVAL)
+    ground.run(p, init_dir, tmp_path / "t")
+    assert policies.pixel_budget(tmp_path / "t") == (300_000, 300_000)
+    report = json.loads((tmp_path / "t" / ground.GROUND_REPORT).read_text())
+    assert report["config"]["min_pixels"] == 300_000 and report["phases"][0]["steps"] == 3
 
 
 def test_no_checkpoint_no_phases_passes_models_init_on(init_dir, tmp_path):

@@ -419,6 +419,12 @@ class GroundSectionConfig:
     0 = none (no browser)."""
     miniwob_per_screen: Annotated[int, Ge(1)] = 4
     """At most this many targets per real MiniWoB screen (training and held-out)."""
+    min_pixels: Annotated[int, Ge(784)] | None = None
+    """The grounded policy's pixel budget floor (its image processor's `size.shortest_edge`): a screen
+    smaller than this is upscaled to about this many pixels before it is cut into 14-px patches, and the
+    output checkpoint keeps it, so every later stage sees the screens at that scale. null keeps the
+    start's (the tiny policies: MiniWoB's 160x210 at its natural scale, 48 visual tokens). 134400 is 2x
+    (180 tokens: a ~7-px glyph fills a patch; the reading lever of presets/ground-reading-2x.yaml)."""
     checkpoint_every_s: Annotated[float, Ge(0)] = 300.0
     """Each phase saves its whole training state this often (and when it ends), in the stage's staged output;
     a killed or interrupted stage restarted with the same params continues each phase where it was, to the

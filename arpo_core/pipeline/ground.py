@@ -30,6 +30,13 @@ Decisions:
   The staged output survives a failed or killed attempt with the same key (the runner empties it for another
   key), so the restarted stage passes finished phases at once and continues the interrupted one to the
   same weights; a run of hours loses minutes to a kill. The checkpoints are removed when the stage succeeds.
+- **Pixel budget.** `ground.min_pixels` sets the grounded policy's pixel floor (its image processor's
+  `size.shortest_edge`, the ceiling raised to it where it is below): the start's weights are loaded at
+  that scale, trained and measured there, and saved with it, so demos, cloning, rollouts and evaluation
+  see the screens as the grounding did. Nothing in the weights depends on the number of visual tokens
+  (patches, M-RoPE positions and the click's pixels all follow the image), so a 1x reader continues at
+  2x; its clicks, in the bigger image's pixels, are relearned. With no phases the start is saved at the
+  new scale rather than copied.
 - **Curves while it trains.** A phase with `eval_every` > 0 measures, every that many steps, the held-out
   screens of its own levels (the same screens as the final measures) and the held-out real screens; each
   measurement goes to `on_metrics` at the stage-wide step (the runner logs it to the stage's MLflow run as
@@ -205,6 +212,13 @@ def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], li
         env.close()
 
 
+def _budget(start: Path, min_pixels: int | None) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of the grounded policy: the start's, or `min_pixels` with a ceiling raised
+    to it where it is below (decision "Pixel budget")."""
+    lo, hi = pixel_budget(start)
+    return (lo, hi) if min_pixels is None else (min_pixels, max(hi, min_pixels))
+
+
 def run(
     p: Params,
     policy_dir: str | os.PathLike,
@@ -240,7 +254,8 @@ def run(
     start = resolve_policy(policy_dir) if pointer.exists() or g.checkpoint is None else Path(g.checkpoint)
     if not (start / "config.json").exists():
         raise FileNotFoundError(f"ground: no checkpoint (config.json) at {start}")
-    size = model_image_size(SCREEN_W, SCREEN_H, *pixel_budget(start))  # growing depth keeps it
+    budget = _budget(start, g.min_pixels)  # decision "Pixel budget"
+    size = model_image_size(SCREEN_W, SCREEN_H, *budget)  # growing depth keeps it
     train_real, held_real = _real_screens(p, size)
 
     metrics: dict[str, Any] = {}
@@ -249,7 +264,7 @@ def run(
         report["start_report"] = json.loads((start / GROUND_REPORT).read_text())
     done_steps = 0
     if g.phases:
-        policy = load_policy(start)
+        policy = load_policy(start, min_pixels=budget[0], max_pixels=budget[1])
         for i, phase in enumerate(g.phases):
             if phase.grow_after:
                 policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
@@ -298,6 +313,9 @@ def run(
                     "curve": hist["evals"],
                 }
             )
+        policy.save(out_dir)
+    elif budget != pixel_budget(start):  # the start's weights at another scale (decision "Pixel budget")
+        policy = load_policy(start, min_pixels=budget[0], max_pixels=budget[1])
         policy.save(out_dir)
     else:  # the start as it is, bit for bit; a full disk is one line (decision "Staged output")
         copy_tree(start, out_dir, f"the grounded policy (a copy of {start})")
