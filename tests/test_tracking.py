@@ -3,8 +3,10 @@ table; and the MLflow UI script serving those runs on a loopback port (slow)."""
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
+import platform
 import shutil
 import subprocess
 import urllib.parse
@@ -13,8 +15,10 @@ from pathlib import Path
 
 import orchestration_helpers as oh
 import pytest
+import transformers
 from typer.testing import CliRunner
 
+from arpo_core.envs.miniwob import miniwob_env
 from flows.cli import app
 from tracking import mlflow_runs
 
@@ -104,8 +108,21 @@ def test_run_tags_link_git_and_dvc(tmp_path, monkeypatch):
         "mlflow.source.git.commit": head,
         "dvc.exp_name": "puffy-walk",
         "arpo.key": "abc",
+        **mlflow_runs.environment_tags(),
     }
     assert mlflow_runs.git_commit(tmp_path) is None  # not a git repository
+
+
+def test_runs_carry_the_environment_they_ran_on():
+    """mlflow_runs.py, decision "Environment tags": the packages and the browser, as installed."""
+    env = mlflow_runs.environment_tags()
+    assert env["arpo.env.python"] == platform.python_version()
+    assert env["arpo.env.torch"] == importlib.metadata.version("torch")
+    assert env["arpo.env.transformers"] == transformers.__version__
+    browser = subprocess.run([mlflow_runs.CHROMIUM, "--version"], capture_output=True, text=True).stdout
+    assert env["arpo.env.chromium"] == browser.strip() and env["arpo.env.chromium"].startswith("Chromium ")
+    assert mlflow_runs.CHROMIUM == miniwob_env.CHROMIUM_BINARY  # the browser the envs start
+    assert mlflow_runs.run_tags("train", ROOT).items() >= env.items()
 
 
 @pytest.mark.parametrize(

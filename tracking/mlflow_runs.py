@@ -14,6 +14,12 @@ Decisions:
   (MLflow's own key, shown in the UI), `arpo.stage`, `arpo.key` (the stage's input hash, flows/spec.py),
   `arpo.pipeline_id` (shared by the stage runs of one pipeline run), `arpo.preset` / `arpo.overrides` (the
   ablation), and under DVC `dvc.exp_name` / `dvc.baseline_rev`.
+- **Environment tags.** A commit does not fix what a run computes: the same commit's main job gave
+  another behaviour-cloning loss before and after this machine's environment was rebuilt (docs/results.md,
+  "The reader finished and versioned"). So every stage run also carries what it ran on: `arpo.env.python`,
+  `arpo.env.torch`, `arpo.env.transformers` and `arpo.env.chromium` (the browser that draws MiniWoB's
+  screens, taken from the system: requirements.lock pins the Python packages, not Debian's Chromium). A
+  missing package or browser is left out, never an error.
 - **No telemetry.** No telemetry: MLflow's usage telemetry is switched off by the environment set in
   flows/__init__.py.
 - **One store per project.** One store per project, also for queued DVC experiments: `dvc exp run --queue` /
@@ -34,7 +40,10 @@ Decisions:
 
 from __future__ import annotations
 
+import contextlib
+import functools
 import os
+import platform
 import subprocess
 import time
 from collections.abc import Iterable, Mapping, Sequence
@@ -51,6 +60,7 @@ __all__ = [
     "comparison_table",
     "end_status",
     "ensure_experiment",
+    "environment_tags",
     "finish_run",
     "git_commit",
     "log_artifacts",
@@ -122,6 +132,29 @@ def git_commit(root: str | os.PathLike = ".") -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
+CHROMIUM = "/usr/lib/chromium/chromium"
+"""The browser the MiniWoB envs start (arpo_core/envs/miniwob/miniwob_env.py CHROMIUM_BINARY), named here
+so that tagging a run does not import the env stack."""
+
+
+@functools.cache
+def environment_tags() -> dict[str, str]:
+    """What this process computes with (decision "Environment tags"), once per process."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    tags = {"arpo.env.python": platform.python_version()}
+    for pkg in ("torch", "transformers"):
+        with contextlib.suppress(PackageNotFoundError):
+            tags[f"arpo.env.{pkg}"] = version(pkg)
+    try:
+        out = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True, timeout=20, check=False)
+        if out.returncode == 0 and out.stdout.strip():
+            tags["arpo.env.chromium"] = out.stdout.strip().splitlines()[0]
+    except (OSError, subprocess.TimeoutExpired):
+        pass
+    return tags
+
+
 def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | None = None) -> dict[str, str]:
     """Tags of a stage run (decision "Provenance tags"); None values are left out. `arpo.run_token` is the
     working tree's lock token of the run (arpo_core/infra/lock.py, decision "Takeover record"), how a later
@@ -132,6 +165,7 @@ def run_tags(stage: str, root: str | os.PathLike, extra: Mapping[str, Any] | Non
         "dvc.exp_name": os.environ.get("DVC_EXP_NAME"),
         "dvc.baseline_rev": os.environ.get("DVC_EXP_BASELINE_REV"),
         "arpo.run_token": current_token(),
+        **environment_tags(),
         **(extra or {}),
     }
     return {k: str(v) for k, v in tags.items() if v is not None}
