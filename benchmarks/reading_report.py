@@ -99,19 +99,47 @@ def cell(m: dict | None) -> str:
     return f"{m['hit_rate']:.2f}{wrong}"
 
 
+def last_measures(arm: dict) -> tuple[int, dict[str, dict]] | None:
+    """A running arm's latest held-out measurement as measures: (stage-wide step, {set: {hit_rate,
+    other_hit_rate, read_score}}); None when it has not measured yet."""
+    offset, last = 0, None
+    for ph in arm["phases"]:
+        if ph["curve"]:
+            last = (offset + ph["curve"][-1]["step"], ph["curve"][-1])
+        offset += ph["steps"]
+    if last is None:
+        return None
+    step, ev = last
+    measures: dict[str, dict] = {}
+    for key, value in ev.items():
+        if "/" in key:
+            s, measure = key.rsplit("/", 1)
+            if measure in ("hit_rate", "other_hit_rate", "read_score"):
+                measures.setdefault(s, {})[measure] = value
+    return step, {s: m for s, m in measures.items() if "hit_rate" in m or "read_score" in m}
+
+
 def table(start: dict, arms: dict[str, dict]) -> list[str]:
-    names = [n for n, a in arms.items() if a["measures"]]
-    head = "| held-out set | start (blind) | " + " | ".join(names) + " |"
+    """The final measures of each arm beside the start's; an arm still running (no final measures) shows
+    its latest curve measurement, its column named with the step."""
+    cols: dict[str, dict] = {}
+    for n, a in arms.items():
+        if a["measures"]:
+            cols[n] = a["measures"]
+        elif (latest := last_measures(a)) is not None:
+            cols[f"{n} (running, step {latest[0]:,})"] = latest[1]
+    names = list(cols)
+    head = "| held-out set | start (blind) |" + "".join(f" {n} |" for n in names)
     lines = [head, "|" + "---|" * (2 + len(names))]
     for s in SETS + READ_SETS:
-        ms = [arms[n]["measures"].get(s) for n in names]
+        ms = [cols[n].get(s) for n in names]
         if s not in start and not any(ms):
             continue
         m0 = start.get(s)
         first = cell(m0) + (f" ({m0['blind_hit_rate']:.2f})" if m0 and "blind_hit_rate" in m0 else "")
         n = next(int(m["n"]) for m in (m0, *ms) if m and "n" in m) if s in SETS else None
         label = f"{s} (n={n})" if n else s
-        lines.append(f"| {label} | {first} | " + " | ".join(cell(m) for m in ms) + " |")
+        lines.append(f"| {label} | {first} |" + "".join(f" {cell(m)} |" for m in ms))
     return lines
 
 

@@ -91,6 +91,12 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
     rows = reading_report.curve_rows("reads", rec["arms"]["reads"]["phases"], {})
     assert rows[-1]["reads name boxes8"] == 0.7 and "reads name boxes8" not in rows[0]
     assert out.with_suffix(".png").stat().st_size > 1000
+    # an arm still running: its latest curve measurement, at its stage-wide step
+    running = {"phases": [{**phase, "curve": curve}, {**phase, "phase": 1, "curve": []}], "measures": None}
+    latest = reading_report.table(rec["start"], {"live": running})
+    assert latest[0] == "| held-out set | start (blind) | live (running, step 10) |"
+    assert "| box4 (n=64) | 0.25 (0.10) | 0.50 |" in latest
+    assert reading_report.table(rec["start"], {"new": {**running, "phases": []}})[0].endswith("(blind) |")
 
 
 def test_word_probe_reads_the_tokens_window_around_each_word_and_scores_other_screens(tmp_path):
