@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from arpo_core.config import GroundPhase, load_params
+from arpo_core.config import GroundPhase, GroundSectionConfig, load_params
 from arpo_core.pipeline import ground
 from arpo_core.pipeline.ground import GROUND_REPORT
 from arpo_core.policy.model import count_parameters, load_policy
@@ -47,6 +47,10 @@ def test_a_versioned_checkpoint_carries_the_recipe_its_preset_reruns(name):
         for field in set(phase) - set(got):  # a phase field added after the checkpoint was made
             assert phase[field] == default[field], (field, phase[field])  # at its default: the same recipe
             del phase[field]
+    section_default = dataclasses.asdict(GroundSectionConfig())
+    for field in set(want) - set(report["config"]):  # a section field added after the checkpoint was made
+        assert want[field] == section_default[field], (field, want[field])  # at its default: the same recipe
+        del want[field]
     assert report["config"] == want  # the whole ground section, as the stage writes it
     assert report["start"] == section.checkpoint and (ROOT / section.checkpoint / "config.json").exists()
 
