@@ -212,10 +212,10 @@ def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], li
         env.close()
 
 
-def _budget(start: Path, min_pixels: int | None) -> tuple[int, int]:
-    """(min_pixels, max_pixels) of the grounded policy: the start's, or `min_pixels` with a ceiling raised
-    to it where it is below (decision "Pixel budget")."""
-    lo, hi = pixel_budget(start)
+def _budget(start: tuple[int, int], min_pixels: int | None) -> tuple[int, int]:
+    """(min_pixels, max_pixels) of the grounded policy: the start's budget `start`, or `min_pixels` with a
+    ceiling raised to it where it is below (decision "Pixel budget")."""
+    lo, hi = start
     return (lo, hi) if min_pixels is None else (min_pixels, max(hi, min_pixels))
 
 
@@ -254,7 +254,8 @@ def run(
     start = resolve_policy(policy_dir) if pointer.exists() or g.checkpoint is None else Path(g.checkpoint)
     if not (start / "config.json").exists():
         raise FileNotFoundError(f"ground: no checkpoint (config.json) at {start}")
-    budget = _budget(start, g.min_pixels)  # decision "Pixel budget"
+    start_budget = pixel_budget(start)
+    budget = _budget(start_budget, g.min_pixels)  # decision "Pixel budget"
     size = model_image_size(SCREEN_W, SCREEN_H, *budget)  # growing depth keeps it
     train_real, held_real = _real_screens(p, size)
 
@@ -314,7 +315,7 @@ def run(
                 }
             )
         policy.save(out_dir)
-    elif budget != pixel_budget(start):  # the start's weights at another scale (decision "Pixel budget")
+    elif budget != start_budget:  # the start's weights at another scale (decision "Pixel budget")
         policy = load_policy(start, min_pixels=budget[0], max_pixels=budget[1])
         policy.save(out_dir)
     else:  # the start as it is, bit for bit; a full disk is one line (decision "Staged output")
