@@ -153,6 +153,27 @@ def test_presets_mean_what_they_say():
         )
 
 
+def test_carried_heads_need_a_previous_phase_with_the_same_heads():
+    """grounding.py, decision "Carried heads": `carry_heads` is checked when params load, located at the
+    phase that asks for it, for each head it trains."""
+    named = "{name_weight: 1.0, name_only: true}"
+    ok = load_params(
+        ROOT / "params.yaml", [f"ground.phases=[{named}, {{name_weight: 1.0, carry_heads: true}}]"]
+    )
+    assert [p.carry_heads for p in ok.ground.phases] == [False, True]
+    bad = {
+        "[{name_weight: 1.0, carry_heads: true}]": "phases.0.carry_heads = True is not usable: the first phase",
+        "[{}, {name_weight: 1.0, carry_heads: true}]": "the previous phase trains no naming head",
+        "[{}, {carry_heads: true}]": "phases.1.carry_heads = True is not usable: the phase trains no head",
+        f"[{named}, {{name_weight: 1.0, name_vocab: lorem, carry_heads: true}}]": "has name_vocab 'fixed', this",
+        f"[{named}, {{name_weight: 1.0, spell_weight: 0.1, carry_heads: true}}]": "trains no spelling head",
+        "[{place_weight: 1.0}, {place_weight: 1.0, name_weight: 1.0, carry_heads: true}]": "no naming head",
+    }
+    for phases, message in bad.items():
+        with pytest.raises(ConfigError, match=re.escape(message)):
+            load_params(ROOT / "params.yaml", [f"ground.phases={phases}"])
+
+
 def test_defaults_equal_empty_mapping_and_pass_every_rule():
     assert parse_params({}) == Params()
     assert parse_params(to_dict(Params()), check_paths=True) == Params()  # defaults obey their own ranges

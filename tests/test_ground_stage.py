@@ -411,6 +411,36 @@ def test_a_naming_only_phase_runs_through_the_stage_and_curves_its_head(init_dir
     assert "ground/curve/texts8/hit_rate" in last and last["ground/curve/loss"] > 0
 
 
+def test_a_phase_carries_its_heads_from_the_previous_phases_checkpoint(init_dir, tmp_path, monkeypatch):
+    """grounding.py, decision "Carried heads": the stage hands a `carry_heads` phase the checkpoint of the
+    phase before it, so the head names the held-out words at the new phase's start as it did at the old
+    one's end; the first phase starts fresh."""
+    from arpo_core.offline import grounding
+
+    phase = (
+        "steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 2, name_only: true"
+    )
+    phases = f"ground.phases=[{{{phase}, name_weight: 1.0, mix: {{texts8: 1}}}}, {{{phase}, name_weight: 1.0,"
+    phases += " mix: {texts8: 1}, seed: 1, carry_heads: true}]"
+    given: list = []
+    real = grounding.train_grounding
+    monkeypatch.setattr(
+        grounding, "train_grounding", lambda *a, **k: given.append(k["heads_from"]) or real(*a, **k)
+    )
+    seen: list[tuple[int, dict]] = []
+    out = tmp_path / "g"
+    ground.run(
+        params("ground.checkpoint=null", phases, *TINY_EVAL),
+        init_dir,
+        out,
+        on_metrics=lambda s, m: seen.append((s, m)),
+    )
+    assert given == [None, out / ground.CHECKPOINTS / "phase-0.pt"]
+    acc = [(s, m["ground/curve/phase"], m["ground/curve/texts8/name_acc"]) for s, m in seen]
+    assert [a[:2] for a in acc] == [(0, 0.0), (2, 0.0), (2, 1.0), (4, 1.0)]
+    assert acc[2][2] == acc[1][2]  # the carried head names as it did at the previous phase's end
+
+
 def test_the_stage_reports_progress_through_the_runner_hook():
     from arpo_core.pipeline.table import stage
 

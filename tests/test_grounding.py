@@ -829,6 +829,67 @@ def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_pat
             )
 
 
+def test_carried_heads_start_where_the_previous_phase_ended_and_a_misfit_is_an_error(tmp_path, one_thread):
+    """grounding.py, decision "Carried heads": with `carry_heads` a phase's naming head starts as the previous
+    phase's checkpoint left it (the same weights at its first measurement), without it a fresh one; a resumed
+    phase keeps its own; a file without the head, a head of another vocabulary, or a missing file is an
+    error naming the head and the file."""
+    from arpo_core.offline import grounding as g
+
+    heldout = {"texts8": synthetic_examples(2, {"texts8": 1.0}, seed=7)}
+    cfg = GroundConfig(
+        steps=2,
+        batch_size=2,
+        warmup_steps=0,
+        eval_every=2,
+        mix={"texts8": 1.0},
+        optimizer=OptimizerConfig(lr=1e-2),
+        name_weight=1.0,
+        name_only=True,
+    )
+    carry = dataclasses.replace(cfg, carry_heads=True, seed=1)
+    seen: list[dict[str, torch.Tensor]] = []
+    measure = g._name_accuracy
+
+    def spy(policy, head, *a, **k):
+        seen.append({n: v.clone() for n, v in head.state_dict().items()})
+        return measure(policy, head, *a, **k)
+
+    kw = {"system": "compact", "max_new_tokens": 8, "heldout": heldout, "checkpoint_every_s": 1e9}
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    with unittest.mock.patch.object(g, "_name_accuracy", spy):
+        train_grounding(policy, cfg, **kw, checkpoint=tmp_path / "a.pt")
+        ended = seen[-1]
+        train_grounding(policy, carry, **kw, checkpoint=tmp_path / "b.pt", heads_from=tmp_path / "a.pt")
+        assert all(torch.equal(v, ended[n]) for n, v in seen[2].items())  # phase b's step 0: a's end
+        assert any(not torch.equal(v, ended[n]) for n, v in seen[3].items())  # and it trained on
+        fresh = dataclasses.replace(cfg, seed=1)
+        train_grounding(policy, fresh, **kw, checkpoint=tmp_path / "c.pt")
+        assert any(not torch.equal(v, ended[n]) for n, v in seen[4].items())
+    head_b = torch.load(tmp_path / "b.pt", weights_only=False)["head"]
+    torch.save({"head": None}, tmp_path / "none.pt")
+    with unittest.mock.patch.object(g, "_carry_heads", side_effect=AssertionError("resumed: not carried")):
+        again = train_grounding(
+            policy, carry, **kw, checkpoint=tmp_path / "b.pt", heads_from=tmp_path / "none.pt"
+        )
+    assert (
+        again["steps"] == 2
+        and torch.load(tmp_path / "b.pt", weights_only=False)["head"].keys() == head_b.keys()
+    )
+    with pytest.raises(ValueError, match=r"none\.pt holds no naming head \(its phase trained none\)"):
+        train_grounding(policy, carry, **kw, checkpoint=tmp_path / "d.pt", heads_from=tmp_path / "none.pt")
+    lorem = dataclasses.replace(carry, name_vocab="lorem")
+    with pytest.raises(
+        ValueError, match=r"the naming head in .*a\.pt does not fit this phase's: .*size mismatch"
+    ):
+        train_grounding(policy, lorem, **kw, checkpoint=tmp_path / "e.pt", heads_from=tmp_path / "a.pt")
+    with pytest.raises(ValueError, match="no checkpoint of the previous phase at"):
+        train_grounding(policy, carry, **kw, checkpoint=tmp_path / "f.pt", heads_from=tmp_path / "gone.pt")
+    with pytest.raises(ValueError, match=r"carry_heads and heads_from .* go together"):
+        train_grounding(policy, carry, **kw, checkpoint=tmp_path / "g.pt")
+    assert not any((tmp_path / f"{x}.pt").exists() for x in "defg")  # refused before any work
+
+
 def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_word_embedding(
     tmp_path, one_thread
 ):

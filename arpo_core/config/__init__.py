@@ -437,6 +437,32 @@ class GroundSectionConfig:
         """Rules across fields, checked by the loader: (field, rule, other fields involved)."""
         if self.eval_levels and self.eval_per_level < 2:
             yield "eval_per_level", "must be >= 2 when eval_levels is not empty", ("eval_levels",)
+        for i, phase in enumerate(self.phases):
+            if phase.carry_heads and (problem := _carry_problem(self.phases[i - 1] if i else None, phase)):
+                yield f"phases.{i}.carry_heads", f"is not usable: {problem}", ()
+
+
+def _carry_problem(prev: GroundPhase | None, phase: GroundPhase) -> str | None:
+    """Why `phase` cannot carry its heads from `prev` (the phase before it; None for the first), or None
+    (grounding.py, decision "Carried heads")."""
+    if prev is None:
+        return "the first phase has no previous phase to carry heads from"
+    heads = [
+        ("naming head", "name_weight", ("name_vocab", "name_tied")),
+        ("spelling head", "spell_weight", ()),
+        ("place probe", "place_weight", ()),
+    ]
+    if not any(getattr(phase, weight) for _, weight, _ in heads):
+        return "the phase trains no head (name_weight, spell_weight and place_weight are 0)"
+    for what, weight, kind in heads:
+        if not getattr(phase, weight):
+            continue
+        if not getattr(prev, weight):
+            return f"the previous phase trains no {what} ({weight} 0)"
+        for k in kind:
+            if getattr(prev, k) != getattr(phase, k):
+                return f"the previous phase's {what} has {k} {getattr(prev, k)!r}, this one {getattr(phase, k)!r}"
+    return None
 
 
 @dataclass(frozen=True)

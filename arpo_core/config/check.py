@@ -446,7 +446,7 @@ def unknown_suite_task(path: str | Path) -> str | None:
 
 def _lookup(obj: Any, name: str) -> Any:
     for part in name.split("."):
-        obj = getattr(obj, part)
+        obj = obj[int(part)] if part.isdigit() else getattr(obj, part)  # a list's item: "phases.1.seed"
     return obj
 
 

@@ -157,6 +157,11 @@ class GroundTrainConfig:
     where the instruction says 'Click on the "vdtCA" label.'), so the thought's tokens of the name are the
     instruction's and copying them is a lookup, not a mapping of each word's first token to its spaced
     twin (arpo_core/offline/grounding.py, decision "Quoted names"); off = the thoughts as before."""
+    carry_heads: bool = False
+    """The phase's naming head, spelling head and place probe start where the previous phase's ended (read
+    from its checkpoint) instead of fresh: the heads keep what they learned, and the tower does not take a
+    random head's gradients at the phase's start (arpo_core/offline/grounding.py, decision "Carried heads").
+    The previous phase must train each head this one does, of the same kind; off = fresh heads, as before."""
 
 
 @dataclass(frozen=True)

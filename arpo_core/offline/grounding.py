@@ -201,6 +201,14 @@ Decisions:
   loss curve as one that never stopped (a test kills one mid-run). A file made under another config is an
   error naming both, never silently resumed; a finished file returns at once, so a multi-phase caller (the
   ground stage) resumes phase by phase.
+- **Carried heads.** The naming head, spelling head and place probe are a phase's own, in its checkpoint.
+  Each phase started fresh ones: measured on the 2x reader (docs/results.md, "The reader at 2x visual
+  resolution"), the head that named the words 0.8 at the end of phase 0 named nothing at phase 1's step 0,
+  and until the new one learned, the tower was taught by a random head's gradients. With `carry_heads` a
+  fresh phase loads them from the previous phase's checkpoint (`heads_from`; the ground stage passes
+  `phase-<i-1>.pt`); the optimizer's state for them starts fresh, as for the model. A resumed phase loads
+  its own checkpoint instead. A head the file lacks or that does not fit (another vocabulary, another
+  window) is an error naming the file and the head, never a silent fresh start.
 """
 
 from __future__ import annotations
@@ -992,6 +1000,7 @@ def train_grounding(
     checkpoint: Path | None = None,
     checkpoint_every_s: float | None = None,
     gate: Sequence[str] | None = None,
+    heads_from: Path | None = None,
 ) -> dict:
     """Train `policy` in place on grounding replies with system prompt `system`; returns the history.
     Held-out evaluations decode greedily up to `max_new_tokens` tokens.
@@ -1008,9 +1017,15 @@ def train_grounding(
     `callback` gets each evaluation dict as it is made (for a driver to print or save, the stage to log).
     With `checkpoint` (a file path) the loop saves its state there every `checkpoint_every_s` seconds and at
     the end, and resumes from it when it exists (decision "Resumable training").
+    With `config.carry_heads`, `heads_from` (the previous phase's checkpoint file) gives a fresh run's heads
+    their start (decision "Carried heads").
     """
     if (checkpoint is None) != (checkpoint_every_s is None):
         raise ValueError("train_grounding: give checkpoint and checkpoint_every_s together")
+    if config.carry_heads != (heads_from is not None):
+        raise ValueError(
+            "train_grounding: carry_heads and heads_from (the previous phase's checkpoint) go together"
+        )
     if config.until_hit is not None and not (heldout and config.eval_every):
         raise ValueError("train_grounding: until_hit needs held-out examples and eval_every > 0")
     model = policy.model
@@ -1073,7 +1088,10 @@ def train_grounding(
     t0 = time.perf_counter()
     done = 0
     fingerprint = _fingerprint(config, system, examples) if checkpoint is not None else None
-    if checkpoint is not None and Path(checkpoint).exists():
+    resuming = checkpoint is not None and Path(checkpoint).exists()
+    if heads_from is not None and not resuming:  # decision "Carried heads"
+        _carry_heads(Path(heads_from), {"head": head, "speller": speller, "probe": probe})
+    if resuming:
         state = torch.load(checkpoint, weights_only=False)
         if state["fingerprint"] != fingerprint:
             raise ValueError(
@@ -1782,6 +1800,30 @@ def quoted_name(instruction: str) -> str | None:
     nothing (the colours', links8's and checks8's instructions)."""
     quoted = instruction.split('"')
     return quoted[1] if len(quoted) >= 3 else None
+
+
+_HEAD_NAMES = {"head": "naming head", "speller": "spelling head", "probe": "place probe"}
+
+
+def _carry_heads(path: Path, heads: Mapping[str, torch.nn.Module | None]) -> None:
+    """Load each head of `heads` (checkpoint key -> module, None = not trained) from the training checkpoint
+    at `path` (decision "Carried heads"); a missing file or head, or one that does not fit, is a ValueError
+    naming the file and the head."""
+    if not path.exists():
+        raise ValueError(f"carry_heads: no checkpoint of the previous phase at {path}")
+    state = torch.load(path, weights_only=False)
+    for key, module in heads.items():
+        if module is None:
+            continue
+        if state.get(key) is None:
+            raise ValueError(f"carry_heads: {path} holds no {_HEAD_NAMES[key]} (its phase trained none)")
+        try:
+            module.load_state_dict(state[key])
+        except RuntimeError as e:
+            first = str(e).strip().splitlines()[-1].strip()
+            raise ValueError(
+                f"carry_heads: the {_HEAD_NAMES[key]} in {path} does not fit this phase's: {first}"
+            ) from None
 
 
 def _fingerprint(config: GroundConfig, system: str, examples: Sequence[GroundExample] | None) -> str:

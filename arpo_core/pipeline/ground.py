@@ -30,6 +30,8 @@ Decisions:
   The staged output survives a failed or killed attempt with the same key (the runner empties it for another
   key), so the restarted stage passes finished phases at once and continues the interrupted one to the
   same weights; a run of hours loses minutes to a kill. The checkpoints are removed when the stage succeeds.
+  A phase with `carry_heads` starts its heads from the checkpoint of the phase before it (grounding.py,
+  decision "Carried heads").
 - **Pixel budget.** `ground.min_pixels` sets the grounded policy's pixel floor (its image processor's
   `size.shortest_edge`, the ceiling raised to it where it is below): the start's weights are loaded at
   that scale, trained and measured there, and saved with it, so demos, cloning, rollouts and evaluation
@@ -295,6 +297,7 @@ def run(
                 callback=curve,
                 checkpoint=out_dir / CHECKPOINTS / f"phase-{i}.pt",  # decision "Resumable phases"
                 checkpoint_every_s=g.checkpoint_every_s,
+                heads_from=out_dir / CHECKPOINTS / f"phase-{i - 1}.pt" if phase.carry_heads else None,
             )
             done_steps += hist["steps"]
             losses = hist["loss"]
