@@ -53,6 +53,7 @@ from typing import Any
 from mlflow import MlflowClient
 from mlflow.entities import Metric, Param, RunStatus, RunTag
 
+from arpo_core.envs.miniwob.chromium import CHROMIUM_BINARY
 from arpo_core.infra.lock import current_token
 
 __all__ = [
@@ -132,11 +133,6 @@ def git_commit(root: str | os.PathLike = ".") -> str | None:
     return out.stdout.strip() or None if out.returncode == 0 else None
 
 
-CHROMIUM = "/usr/lib/chromium/chromium"
-"""The browser the MiniWoB envs start (arpo_core/envs/miniwob/miniwob_env.py CHROMIUM_BINARY), named here
-so that tagging a run does not import the env stack."""
-
-
 @functools.cache
 def environment_tags() -> dict[str, str]:
     """What this process computes with (decision "Environment tags"), once per process."""
@@ -147,7 +143,9 @@ def environment_tags() -> dict[str, str]:
         with contextlib.suppress(PackageNotFoundError):
             tags[f"arpo.env.{pkg}"] = version(pkg)
     try:
-        out = subprocess.run([CHROMIUM, "--version"], capture_output=True, text=True, timeout=20, check=False)
+        out = subprocess.run(
+            [CHROMIUM_BINARY, "--version"], capture_output=True, text=True, timeout=20, check=False
+        )
         if out.returncode == 0 and out.stdout.strip():
             tags["arpo.env.chromium"] = out.stdout.strip().splitlines()[0]
     except (OSError, subprocess.TimeoutExpired):

@@ -90,15 +90,14 @@ from selenium.webdriver.support.wait import WebDriverWait
 
 from arpo_core.actions import Action
 from arpo_core.envs.base import TERMINAL_KINDS, Observation, StepResult, TaskSpec
+from arpo_core.envs.miniwob.chromium import CHROMEDRIVER, CHROMIUM_BINARY
 from arpo_core.envs.miniwob.dom import SCREEN_SIZE, DomElement
 from arpo_core.envs.miniwob.oracles import MODEL_MAX_PIXELS, MODEL_MIN_PIXELS, oracle_reply
 from arpo_core.infra.lock import pid_alive
 
-CHROMIUM_BINARY = "/usr/lib/chromium/chromium"
 BROWSER_MARK = "ARPO_BROWSER"
 """The environment variable every process of one browser carries: its profile dir
 (decision "Process hygiene")."""
-CHROMEDRIVER = "/usr/bin/chromedriver"
 CHROMIUM_FLAGS = (
     "--headless=new",
     "--no-sandbox",
