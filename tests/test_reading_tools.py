@@ -97,6 +97,10 @@ def test_report_puts_each_arm_beside_the_start_with_curves_at_stage_wide_steps(t
     assert latest[0] == "| held-out set | start (blind) | live (running, step 10) |"
     assert "| box4 (n=64) | 0.25 (0.10) | 0.50 |" in latest
     assert reading_report.table(rec["start"], {"new": {**running, "phases": []}})[0].endswith("(blind) |")
+    # arms measured on other numbers of screens than the start: each cell says its own
+    small = {"phases": [], "measures": {"box4": {"n": 32, "hit_rate": 1.0}}}
+    sized = reading_report.table(rec["start"], {"small": small})
+    assert "| box4 | 0.25 (n=64) (0.10) | 1.00 (n=32) |" in sized
 
 
 def test_word_probe_reads_the_tokens_window_around_each_word_and_scores_other_screens(tmp_path):
