@@ -136,14 +136,13 @@ def table(start: dict, arms: dict[str, dict]) -> list[str]:
         if s not in start and not any(ms):
             continue
         m0 = start.get(s)
-        first = cell(m0) + (f" ({m0['blind_hit_rate']:.2f})" if m0 and "blind_hit_rate" in m0 else "")
         ns = {int(m["n"]) for m in (m0, *ms) if m and "n" in m} if s in SETS else set()
-        label = f"{s} (n={ns.pop()})" if len(ns) == 1 else s  # else each cell says its own n
+        label = f"{s} (n={next(iter(ns))})" if len(ns) == 1 else s  # else each cell says its own n
 
         def sized(m: dict | None, several: bool = len(ns) > 1) -> str:
             return cell(m) + (f" (n={int(m['n'])})" if several and m and "n" in m else "")
 
-        first = sized(m0) + first[len(cell(m0)) :]
+        first = sized(m0) + (f" ({m0['blind_hit_rate']:.2f})" if m0 and "blind_hit_rate" in m0 else "")
         lines.append(f"| {label} | {first} |" + "".join(f" {sized(m)} |" for m in ms))
     return lines
 

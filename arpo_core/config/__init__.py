@@ -59,6 +59,7 @@ from arpo_core.config.check import (
     unknown_suite_task,
 )
 from arpo_core.config.sections import (
+    TRAINED_HEADS,
     DPOConfig,
     GroundTrainConfig,
     KTOConfig,
@@ -447,14 +448,9 @@ def _carry_problem(prev: GroundPhase | None, phase: GroundPhase) -> str | None:
     (grounding.py, decision "Carried heads")."""
     if prev is None:
         return "the first phase has no previous phase to carry heads from"
-    heads = [
-        ("naming head", "name_weight", ("name_vocab", "name_tied")),
-        ("spelling head", "spell_weight", ()),
-        ("place probe", "place_weight", ()),
-    ]
-    if not any(getattr(phase, weight) for _, weight, _ in heads):
+    if not any(getattr(phase, weight) for _, _, weight, _ in TRAINED_HEADS):
         return "the phase trains no head (name_weight, spell_weight and place_weight are 0)"
-    for what, weight, kind in heads:
+    for _, what, weight, kind in TRAINED_HEADS:
         if not getattr(phase, weight):
             continue
         if not getattr(prev, weight):

@@ -47,6 +47,16 @@ class OptimizerConfig:
     DeepSpeed with bf16 on, its engine keeps bf16 weights and fp32 master copies)."""
 
 
+TRAINED_HEADS = (
+    ("head", "naming head", "name_weight", ("name_vocab", "name_tied")),
+    ("speller", "spelling head", "spell_weight", ()),
+    ("probe", "place probe", "place_weight", ()),
+)
+"""The heads a grounding phase may train beside the model, each its own (arpo_core/offline/grounding.py,
+decision "Carried heads"): (its key in a phase's training checkpoint, its name, the weight that turns it on,
+the fields that decide its shape and kind)."""
+
+
 @dataclass(frozen=True)
 class GroundTrainConfig:
     """Grounding-pretraining hyperparameters shared by a params phase (`config.GroundPhase`) and the

@@ -233,7 +233,7 @@ import torch
 from PIL import Image, ImageDraw, ImageFont
 
 from arpo_core.actions import ActionParseError, parse_response
-from arpo_core.config.sections import GroundTrainConfig
+from arpo_core.config.sections import TRAINED_HEADS, GroundTrainConfig
 from arpo_core.infra.fileio import atomic_open
 from arpo_core.offline.behaviour_cloning import lr_factor
 from arpo_core.policy.model import Policy
@@ -1802,9 +1802,6 @@ def quoted_name(instruction: str) -> str | None:
     return quoted[1] if len(quoted) >= 3 else None
 
 
-_HEAD_NAMES = {"head": "naming head", "speller": "spelling head", "probe": "place probe"}
-
-
 def _carry_heads(path: Path, heads: Mapping[str, torch.nn.Module | None]) -> None:
     """Load each head of `heads` (checkpoint key -> module, None = not trained) from the training checkpoint
     at `path` (decision "Carried heads"); a missing file or head, or one that does not fit, is a ValueError
@@ -1812,17 +1809,18 @@ def _carry_heads(path: Path, heads: Mapping[str, torch.nn.Module | None]) -> Non
     if not path.exists():
         raise ValueError(f"carry_heads: no checkpoint of the previous phase at {path}")
     state = torch.load(path, weights_only=False)
+    names = {key: name for key, name, _, _ in TRAINED_HEADS}
     for key, module in heads.items():
         if module is None:
             continue
         if state.get(key) is None:
-            raise ValueError(f"carry_heads: {path} holds no {_HEAD_NAMES[key]} (its phase trained none)")
+            raise ValueError(f"carry_heads: {path} holds no {names[key]} (its phase trained none)")
         try:
             module.load_state_dict(state[key])
         except RuntimeError as e:
             first = str(e).strip().splitlines()[-1].strip()
             raise ValueError(
-                f"carry_heads: the {_HEAD_NAMES[key]} in {path} does not fit this phase's: {first}"
+                f"carry_heads: the {names[key]} in {path} does not fit this phase's: {first}"
             ) from None
 
 
