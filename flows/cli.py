@@ -89,6 +89,7 @@ TARGET_OPT = typer.Option(
 METRIC_OPT = typer.Option([], "--metric", "-m", help="metric column (repeatable)")
 VIEW_PATHS_ARG = typer.Argument(..., help="trajectory Parquet files or directories of them")
 PARAMS_OUT_OPT = typer.Option(None, "--out", "-o", help="write the merged params to this file")
+SNAPSHOT_OUT_OPT = typer.Option(..., "--out", "-o", help="the directory to write (absent or empty)")
 STUDY_OUT_OPT = typer.Option(
     None,
     "--out",
@@ -232,6 +233,36 @@ def stage(
             return
         metrics = run_stage(name, params, set_, preset)
     typer.echo(json.dumps(metrics, indent=1, sort_keys=True))
+
+
+@app.command()
+def snapshot(
+    name: str = typer.Argument(..., help=STAGE_HELP),
+    out: Path = SNAPSHOT_OUT_OPT,
+    params: Path = PARAMS_OPT,
+    set_: list[str] = SET_OPT,
+    preset: str = PRESET_OPT,
+) -> None:
+    """Write what a running or interrupted stage has so far as a usable output at --out, without stopping
+    or touching it: for `ground`, the latest phase checkpoint's weights as a policy directory with their
+    curves (arpo_core/pipeline/ground.py, decision "Snapshots"), which `-S ground.checkpoint=DIR` can then
+    start the main job from. Give the run's preset and overrides: the checkpoint must have been made by
+    them. Run it in the project folder of the run; it takes no lock and writes nothing there."""
+    from flows.runner import staging_path
+    from flows.spec import SPECS
+
+    _known_stage(name)
+    spec = SPECS[name]
+    if spec.snapshot is None:
+        have = ", ".join(n for n, s in SPECS.items() if s.snapshot is not None)
+        _fail(f"the {name} stage keeps nothing to snapshot while it runs (stages that do: {have})")
+    p = _load(params, set_, preset)
+    kwargs = {k: staging_path(v) if k in spec.outputs else v for k, v in spec.kwargs(Path(".")).items()}
+    try:
+        info = spec.snapshot(p, dest=out, **kwargs)
+    except (ValueError, FileNotFoundError) as e:
+        _fail(str(e))
+    typer.echo(json.dumps(info, indent=1, sort_keys=True))
 
 
 def _fail(message: str, code: int = 1) -> None:

@@ -222,6 +222,81 @@ def test_an_interrupted_stage_resumes_its_phases_to_the_same_weights(init_dir, t
     assert not saved.exists() and not (tmp_path / "whole" / ground.CHECKPOINTS).exists()
 
 
+def test_a_snapshot_of_an_interrupted_stage_is_its_latest_checkpoint_as_a_policy(
+    init_dir, tmp_path, monkeypatch
+):
+    """ground.py, decision "Snapshots": a stage stopped one step into its second phase (which grew the LM)
+    gives, through `arpo snapshot ground`, a loadable policy whose weights are that checkpoint's, with a
+    report saying which; the staged output is left as it was and the run resumes from it. A checkpoint of
+    another recipe, a used destination and a finished stage are one-line errors, and write nothing."""
+    from typer.testing import CliRunner
+
+    from arpo_core.offline import grounding
+    from flows.cli import app
+    from flows.runner import staging_path
+
+    phases = (
+        "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
+        " {steps: 3, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0], seed: 2}]"
+    )
+    over = ["ground.eval_miniwob_seeds=0", "ground.checkpoint=null", phases, *TINY_EVAL]
+    p = params(*over[1:])
+    monkeypatch.chdir(tmp_path)  # a project folder: models/init and the stage's staged output
+    init = tmp_path / "models" / "init"
+    init.parent.mkdir()
+    init.symlink_to(init_dir)
+    (tmp_path / "data").symlink_to(ROOT / "data")  # the suites params name
+    staged = staging_path(tmp_path / "models" / "grounded")
+    real = grounding.train_grounding
+
+    def stop_in_phase_1(*args, checkpoint, **kw):
+        if checkpoint.name == "phase-1.pt":
+            real(*args, checkpoint=checkpoint, time_limit_s=0.0, **kw)  # one step, saved
+            raise KeyboardInterrupt
+        return real(*args, checkpoint=checkpoint, **kw)
+
+    monkeypatch.setattr(grounding, "train_grounding", stop_in_phase_1)
+    with pytest.raises(KeyboardInterrupt):
+        ground.run(p, init, staged)
+    monkeypatch.setattr(grounding, "train_grounding", real)
+    saved = {f.name: f.stat().st_mtime_ns for f in (staged / ground.CHECKPOINTS).iterdir()}
+
+    cli = [
+        "snapshot",
+        "ground",
+        "-p",
+        str(ROOT / "params.yaml"),
+        "--preset",
+        str(ROOT / "presets" / "quick.yaml"),
+    ]
+    cli += [a for o in over for a in ("-S", o)]
+    res = CliRunner().invoke(app, [*cli, "--out", "snap"])
+    assert res.exit_code == 0, res.output
+    assert json.loads(res.stdout)["phase"] == 1 and json.loads(res.stdout)["step"] == 1
+    state = torch.load(staged / ground.CHECKPOINTS / "phase-1.pt", weights_only=False)["model"]
+    got = _state(tmp_path / "snap")
+    assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in got)
+    assert load_policy(tmp_path / "snap").model.config.text_config.num_hidden_layers == 3  # grown
+    report = json.loads((tmp_path / "snap" / ground.GROUND_REPORT).read_text())
+    assert report["snapshot"]["phase"] == 1 and report["snapshot"]["phase_steps"] == 3
+    assert [ph["steps"] for ph in report["phases"]] == [2, 1] and "measures" not in report
+    assert {f.name: f.stat().st_mtime_ns for f in (staged / ground.CHECKPOINTS).iterdir()} == saved
+
+    again = CliRunner().invoke(app, [*cli, "--out", "snap"])
+    assert again.exit_code == 1 and "snap exists and is not an empty directory" in again.output
+    other = CliRunner().invoke(app, [*cli, "-S", "ground.phases.1.seed=3", "--out", "other"])
+    assert other.exit_code == 1 and "was made by another phase 1 than these params'" in other.output
+    assert not (tmp_path / "other").exists() and not list(tmp_path.glob(".other*"))
+    nothing = CliRunner().invoke(app, ["snapshot", "compare", "--out", "x"])
+    assert nothing.exit_code == 1 and "keeps nothing to snapshot while it runs (stages that do: ground)" in (
+        nothing.output
+    )
+
+    ground.run(p, init, staged)  # the run goes on from its checkpoint and finishes
+    gone = CliRunner().invoke(app, [*cli, "--out", "late"])
+    assert gone.exit_code == 1 and "no phase checkpoint in" in gone.output
+
+
 def test_checkpoint_without_phases_is_copied_bit_for_bit_and_measured(init_dir, tmp_path):
     p = params(f"ground.checkpoint={CHECKPOINT}", "ground.eval_levels=[box1h]", "ground.eval_per_level=16")
     m = ground.run(p, init_dir, tmp_path / "g")

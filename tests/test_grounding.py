@@ -896,7 +896,7 @@ def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_wo
     """grounding.py, decision "Naming loss": `name_tied` scores each window token by its cosine with the
     model's input embedding of the name (both written forms), so a token equal to the embedding of "submit"
     is named "submit"; its one parameter is the scale (a tied naming-only phase: the test above)."""
-    from arpo_core.offline.grounding import TiedNameHead, _fingerprint, _name_token_ids
+    from arpo_core.offline.grounding import TiedNameHead, _name_token_ids, checkpoint_fingerprint
 
     policy = build_tiny_policy(tmp_path / "p", size="xs")
     tok = policy.processor.tokenizer
@@ -923,7 +923,7 @@ def test_the_tied_naming_head_names_an_image_token_by_the_language_models_own_wo
     assert torch.allclose(logits.max(-1).values, torch.full((2,), 10.0), atol=1e-3)  # cos 1 x initial scale
 
     cfg = GroundConfig(steps=2, name_weight=1.0, name_tied=True)
-    assert _fingerprint(cfg, "compact", None) != _fingerprint(
+    assert checkpoint_fingerprint(cfg, "compact", None) != checkpoint_fingerprint(
         dataclasses.replace(cfg, name_tied=False), "compact", None
     )
 

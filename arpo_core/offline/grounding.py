@@ -250,6 +250,7 @@ __all__ = [
     "PlaceProbe",
     "best_constant_click",
     "box_tokens",
+    "checkpoint_fingerprint",
     "click_reply",
     "coord_pattern",
     "coordinate_nll",
@@ -1087,7 +1088,7 @@ def train_grounding(
         history["spell_loss"] = []
     t0 = time.perf_counter()
     done = 0
-    fingerprint = _fingerprint(config, system, examples) if checkpoint is not None else None
+    fingerprint = checkpoint_fingerprint(config, system, examples) if checkpoint is not None else None
     resuming = checkpoint is not None and Path(checkpoint).exists()
     if heads_from is not None and not resuming:  # decision "Carried heads"
         _carry_heads(Path(heads_from), {"head": head, "speller": speller, "probe": probe})
@@ -1824,11 +1825,13 @@ def _carry_heads(path: Path, heads: Mapping[str, torch.nn.Module | None]) -> Non
             ) from None
 
 
-def _fingerprint(config: GroundConfig, system: str, examples: Sequence[GroundExample] | None) -> str:
-    """What a checkpoint must have been made by to be resumed: the config, the prompt and the fixed list
-    (its length and targets; its screens are derived from the same seeds). Fields at their default are left
-    out, so a field added later, whose default keeps the old behaviour, does not orphan a running stage's
-    checkpoints."""
+def checkpoint_fingerprint(
+    config: GroundConfig, system: str, examples: Sequence[GroundExample] | None
+) -> str:
+    """What a checkpoint must have been made by to be resumed (or snapshotted: pipeline/ground.py, decision
+    "Snapshots"): the config, the prompt and the fixed list (its length and targets; its screens are derived
+    from the same seeds). Fields at their default are left out, so a field added later, whose default keeps
+    the old behaviour, does not orphan a running stage's checkpoints."""
     fixed = [(e.instruction, e.reply) for e in examples or ()]
     defaults = asdict(GroundConfig())
     text = repr((sorted((k, v) for k, v in asdict(config).items() if v != defaults[k]), system, fixed))

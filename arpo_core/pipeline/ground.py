@@ -46,6 +46,15 @@ Decisions:
   `curve`. `until_hit` ends a phase once every one of its levels' sets reaches that hit rate (the real
   screens are measured, not gated on): the curriculum advances to its next level on held-out evidence, and
   `steps` is the most a level may take (grounding.py, decision "Reading curriculum").
+- **Snapshots.** An hours-long run's weights can be tried before it ends: `arpo snapshot ground --out DIR`
+  (with the run's preset and overrides, in its project folder) writes the latest phase checkpoint in the
+  staged output as a policy directory, without stopping or touching the run. The checkpoint must have been
+  made by these params' phase (its fingerprint, grounding.py `checkpoint_fingerprint`: config, prompt and
+  real screens, which are rendered again to check it), so a snapshot is never the weights of another
+  recipe, nor at another pixel budget. Its `ground_report.json` says what it is (`snapshot`: checkpoint,
+  phase, step, seconds) and carries every saved phase's curve and the checkout's commit (the run's code
+  if the checkout has not changed since it started); it has no `measures`: the main job's `ground` stage
+  measures it when `ground.checkpoint` names it.
 """
 
 from __future__ import annotations
@@ -68,7 +77,15 @@ from arpo_core.pipeline.common import suite_tasks
 from arpo_core.pipeline.policies import POINTER, pixel_budget, resolve_policy, setup_torch
 from arpo_core.pipeline.stage import TASK_DATA, Stage
 
-__all__ = ["GROUND_REPORT", "STAGE", "ground_config", "ground_measure_keys", "held_out_screens", "run"]
+__all__ = [
+    "GROUND_REPORT",
+    "STAGE",
+    "ground_config",
+    "ground_measure_keys",
+    "held_out_screens",
+    "run",
+    "snapshot",
+]
 
 # Held-out seeds of the measures (decision "Image dependence measured").
 GROUND_EVAL_SEED = 10_000
@@ -143,10 +160,10 @@ def held_out_screens(level: str, n: int, size: tuple[int, int], read: bool = Fal
     return synthetic_examples(n, {level: 1.0}, seed, size, read=read)
 
 
-def source_commit() -> dict[str, Any] | None:
-    """The project's git commit and whether tracked files differ from it (the provenance a versioned
-    checkpoint's report carries); None outside a git checkout."""
-    root = Path(__file__).resolve().parents[2]
+def source_commit(root: Path | None = None) -> dict[str, Any] | None:
+    """The git commit of `root` (default: this project's code) and whether tracked files differ from it (the
+    provenance a versioned checkpoint's report carries); None outside a git checkout."""
+    root = Path(__file__).resolve().parents[2] if root is None else root
     try:
         head = subprocess.run(
             ["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, timeout=30
@@ -192,15 +209,19 @@ def _loss_summary(losses: Sequence[float], every: int = 50) -> list[float]:
     ]
 
 
-def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], list]:
+def _real_screens(
+    p: Params, size: tuple[int, int], phases: Sequence[GroundPhase] | None = None, held: bool = True
+) -> tuple[dict[int, list], list]:
     """Real MiniWoB grounding examples of the in-domain tasks, all read by one browser that is closed
-    before training starts: ({N: examples of env seeds 0..N-1} for every phase's `miniwob_seeds`,
-    held-out examples of seeds 1000..1000+eval_miniwob_seeds-1). No browser when neither is asked for."""
+    before training starts: ({N: examples of env seeds 0..N-1} for the `miniwob_seeds` of every phase of
+    `phases` (default: all), held-out examples of seeds 1000..1000+eval_miniwob_seeds-1 unless not `held`).
+    No browser when neither is asked for."""
     from arpo_core.offline.grounding import miniwob_examples
 
     g = p.ground
-    counts = sorted({ph.miniwob_seeds for ph in g.phases if ph.miniwob_seeds})
-    if not counts and not g.eval_miniwob_seeds:
+    counts = sorted({ph.miniwob_seeds for ph in (g.phases if phases is None else phases) if ph.miniwob_seeds})
+    n_held = g.eval_miniwob_seeds if held else 0
+    if not counts and not n_held:
         return {}, []
     tasks = _miniwob_task_ids(p)
     from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
@@ -208,8 +229,8 @@ def _real_screens(p: Params, size: tuple[int, int]) -> tuple[dict[int, list], li
     env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
     try:
         train = {n: miniwob_examples(env, tasks, range(n), size, g.miniwob_per_screen) for n in counts}
-        held = range(MINIWOB_HELDOUT_SEED, MINIWOB_HELDOUT_SEED + g.eval_miniwob_seeds)
-        return train, miniwob_examples(env, tasks, held, size, g.miniwob_per_screen)
+        seeds = range(MINIWOB_HELDOUT_SEED, MINIWOB_HELDOUT_SEED + n_held)
+        return train, miniwob_examples(env, tasks, seeds, size, g.miniwob_per_screen) if n_held else []
     finally:
         env.close()
 
@@ -219,6 +240,18 @@ def _budget(start: tuple[int, int], min_pixels: int | None) -> tuple[int, int]:
     ceiling raised to it where it is below (decision "Pixel budget")."""
     lo, hi = start
     return (lo, hi) if min_pixels is None else (min_pixels, max(hi, min_pixels))
+
+
+def _start(p: Params, policy_dir: Path) -> tuple[Path, tuple[int, int], tuple[int, int]]:
+    """The start checkpoint (decision "Grounding start"), its pixel budget and the grounded policy's
+    (decision "Pixel budget")."""
+    g = p.ground
+    use_init = (policy_dir / POINTER).exists() or g.checkpoint is None
+    start = resolve_policy(policy_dir) if use_init else Path(g.checkpoint)
+    if not (start / "config.json").exists():
+        raise FileNotFoundError(f"ground: no checkpoint (config.json) at {start}")
+    start_budget = pixel_budget(start)
+    return start, start_budget, _budget(start_budget, g.min_pixels)
 
 
 def run(
@@ -253,11 +286,7 @@ def run(
     if pointer.exists() and not g.phases:  # a pretrained model passes through (decision "Grounding start")
         atomic_write_text(out_dir / POINTER, pointer.read_text())
         return {"ground/pretrained": 1.0}
-    start = resolve_policy(policy_dir) if pointer.exists() or g.checkpoint is None else Path(g.checkpoint)
-    if not (start / "config.json").exists():
-        raise FileNotFoundError(f"ground: no checkpoint (config.json) at {start}")
-    start_budget = pixel_budget(start)
-    budget = _budget(start_budget, g.min_pixels)  # decision "Pixel budget"
+    start, start_budget, budget = _start(p, policy_dir)
     size = model_image_size(SCREEN_W, SCREEN_H, *budget)  # growing depth keeps it
     train_real, held_real = _real_screens(p, size)
 
@@ -364,9 +393,88 @@ def run(
     return metrics
 
 
+def snapshot(
+    p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike, dest: str | os.PathLike
+) -> dict[str, Any]:
+    """Decision "Snapshots": the latest phase checkpoint under the staged output `out_dir` of a running or
+    interrupted stage with these params, as a policy directory `dest` (which must not exist or be empty)
+    with a `ground_report.json` saying what it is; returns the report's `snapshot` entry. A missing
+    checkpoint, one made by another recipe, or a `dest` in use is a ValueError naming it; nothing is
+    written then."""
+    import torch
+
+    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, checkpoint_fingerprint
+    from arpo_core.policy.model import grow_depth, load_policy
+    from arpo_core.policy.prompt import model_image_size
+
+    g = p.ground
+    policy_dir, out_dir, dest = Path(policy_dir), Path(out_dir), Path(dest)
+    saved = [i for i in range(len(g.phases)) if (out_dir / CHECKPOINTS / f"phase-{i}.pt").exists()]
+    if not saved:
+        raise ValueError(
+            f"ground snapshot: no phase checkpoint in {out_dir / CHECKPOINTS}: no run of these params' phases "
+            "is in progress or interrupted there (a finished stage's output is the policy itself)"
+        )
+    if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
+        raise ValueError(f"ground snapshot: {dest} exists and is not an empty directory")
+    setup_torch(p)
+    i = saved[-1]
+    path = out_dir / CHECKPOINTS / f"phase-{i}.pt"
+    states = {j: torch.load(out_dir / CHECKPOINTS / f"phase-{j}.pt", weights_only=False) for j in saved}
+    start, _, budget = _start(p, policy_dir)
+    size = model_image_size(SCREEN_W, SCREEN_H, *budget)
+    phase = g.phases[i]
+    fixed = _real_screens(p, size, [phase], held=False)[0].get(phase.miniwob_seeds)
+    want = checkpoint_fingerprint(ground_config(phase), p.policy.system_prompt, fixed)
+    if states[i]["fingerprint"] != want:
+        raise ValueError(
+            f"ground snapshot: {path} was made by another phase {i} than these params' (fingerprint "
+            f"{states[i]['fingerprint']}, theirs {want}): give the run's preset and overrides"
+        )
+    policy = load_policy(start, min_pixels=budget[0], max_pixels=budget[1])
+    for ph in g.phases[: i + 1]:  # the depth the run had at phase i
+        if ph.grow_after:
+            policy = grow_depth(policy, ph.grow_after, seed=ph.seed)
+    policy.model.load_state_dict(states[i]["model"])
+    entry = {
+        "checkpoint": str(path),
+        "phase": i,
+        "step": states[i]["step"],
+        "phase_steps": phase.steps,
+        "seconds": round(states[i]["seconds"], 1),
+        "fingerprint": want,
+    }
+    report = {
+        "start": str(start),
+        "config": asdict(g),
+        "code": source_commit(Path.cwd()),
+        "snapshot": entry,
+        "phases": [
+            {
+                "phase": j,
+                "steps": s["step"],
+                "seconds": round(s["seconds"], 1),
+                "curve": s["history"]["evals"],
+            }
+            for j, s in states.items()
+        ],
+    }
+    if (start / GROUND_REPORT).exists():
+        report["start_report"] = json.loads((start / GROUND_REPORT).read_text())
+    staged = dest.parent / f".{dest.name}.snapshot"  # whole or nothing at dest
+    shutil.rmtree(staged, ignore_errors=True)
+    policy.save(staged)
+    atomic_write_json(staged / GROUND_REPORT, report, indent=1, sort_keys=True)
+    if dest.exists():
+        dest.rmdir()
+    staged.rename(dest)
+    return entry
+
+
 STAGE = Stage(
     "ground",
     run=run,
+    snapshot=snapshot,
     params=(
         "ground",
         "policy.system_prompt",

@@ -9,8 +9,9 @@ Decisions:
   function, the params keys it reads, its inputs and outputs (the keyword arguments of `run`, as paths), extra
   data it reads, whether it runs envs (then Prefect retries it), whether it reports per-iteration metrics, and
   the tracking hooks (`headline`, `tracked_params`, `epoch_history`, `model_inputs`, `list_artifacts`)
-  where a stage has them. `dvc.yaml` is generated from the table (`arpo dvc-yaml`; tests/test_dvc.py
-  checks the file equals the generation); no stage name appears in an `if` anywhere.
+  and the `snapshot` hook where a stage has them. `dvc.yaml` is generated from the table (`arpo
+  dvc-yaml`; tests/test_dvc.py checks the file equals the generation); no stage name appears in an `if`
+  anywhere.
 - **Derived code deps.** Code deps are derived, not declared: the import closure of the module defining `run`
   inside the project (module-level and function-level imports, found with `ast`), so a change to any module a
   stage imports (e.g. `rewards.py` under rollout) re-runs it, under DVC and under `arpo run` alike.
@@ -129,6 +130,10 @@ class Stage:
     progress: bool = False
     """Reports curves while it runs (ground's held-out measures): `run` takes the same `on_metrics(step,
     metrics)` hook, logged under `iter/` like iterations; no per-epoch table."""
+    snapshot: Callable[..., dict[str, Any]] | None = None
+    """`snapshot(p, dest=..., **inputs, **outputs)` with the outputs at their staging paths: what a running or
+    interrupted attempt has so far, written as a usable output at `dest` without touching the attempt
+    (`arpo snapshot`; ground: the latest phase checkpoint as a policy, ground.py decision "Snapshots")."""
     viewer: bool = True
     """Trajectory outputs get viewer pages (the oracle demos do not: nothing of the policy's to see)."""
     artifacts: Mapping[str, str] = field(default_factory=dict)
