@@ -337,3 +337,44 @@ def test_tool_call_demos_are_the_oracles_actions_in_the_policys_grammar(pool):
                         assert max(abs(u - v) for u, v in zip(x[key], y[key], strict=True)) < 0.2
             assert sc.response_text.startswith(f"Thought: {BRIEF_THOUGHT}\nAction: ")
             assert [x["kind"] for x in sc.actions()] == [x["kind"] for x in sa.actions()]
+
+
+def test_the_demos_stage_writes_clicks_in_the_grounded_policys_frame(tmp_path):
+    """arpo_core/pipeline/demos.py, decision "Demos in the policy's frame": the stage reads the grounded
+    policy, and the same demo jobs for a policy at 1x and one at 2x visual resolution click the same screen
+    points (to within a 1x model pixel), written in each one's model pixels (336/168 and 420/224 times as
+    large at 2x)."""
+    from pathlib import Path
+
+    from arpo_core.config import load_params
+    from arpo_core.pipeline import demos, init_policy
+    from arpo_core.policy.model import load_policy
+    from arpo_core.trajectory import read_trajectories
+
+    assert demos.STAGE.inputs["policy_dir"] == "models/grounded"
+    root = Path(__file__).resolve().parents[1]
+    over = ["demos.episodes_per_task=1", "demos.recovery_rate=0", "env.n_envs=1"]
+    p = load_params(root / "params.yaml", over, preset=root / "presets" / "quick.yaml")
+    one, two = tmp_path / "1x", tmp_path / "2x"
+    init_policy.run(p, one)
+    load_policy(one, min_pixels=134400).save(two)
+    steps = {}
+    for d in (one, two):
+        demos.run(p, tmp_path / f"demos-{d.name}", policy_dir=d)
+        trajs = read_trajectories(tmp_path / f"demos-{d.name}" / "demos.parquet")
+        steps[d.name] = [s for t in trajs for s in t.steps]
+    assert len(steps["1x"]) == len(steps["2x"]) >= 2
+    clicks = 0
+    for a, b in zip(steps["1x"], steps["2x"], strict=True):
+        for u, v in zip(a.actions(), b.actions(), strict=True):  # the same screen actions, to the model pixel
+            assert u["kind"] == v["kind"] and (u["point"] is None) == (v["point"] is None)
+            if u["point"] is not None:
+                assert max(abs(i - j) for i, j in zip(u["point"], v["point"], strict=True)) <= 1.0
+        xs, ys = parse_response(a.response_text).actions, parse_response(b.response_text).actions
+        for x, y in zip(xs, ys, strict=True):
+            assert x.kind == y.kind
+            if x.kind == "click":
+                clicks += 1
+                assert abs(y.point[0] - x.point[0] * 336 / 168) <= 2.5, (a.response_text, b.response_text)
+                assert abs(y.point[1] - x.point[1] * 420 / 224) <= 2.5, (a.response_text, b.response_text)
+    assert clicks >= 2

@@ -6,7 +6,16 @@ the oracles read the DOM, and a share `demos.recovery_rate` of the episodes star
 task replays the same instance. With `demos.episodes_per_task: 0` no env is started and the file is empty: the
 `sft` stage then passes the grounded policy through (a pretrained checkpoint needs no behaviour cloning).
 The replies are written in the policy's grammar (`policy.action_format`, `policy.coord_mode`;
-demonstrations.py, decision "Demos in the policy's grammar")."""
+demonstrations.py, decision "Demos in the policy's grammar").
+
+Decisions:
+- **Demos in the policy's frame.** A reply's click is in model-image pixels, so the oracles render it in the
+  frame of the policy that clones them: the grounded policy (`models/grounded`, the stage's input; its image
+  processor's pixel budget and patch size). A policy grounded at another pixel budget (`ground.min_pixels`,
+  or a start checkpoint saved at one) is cloned on clicks in its own frame, and the demos are played again
+  when the grounded policy changes (about a minute on the embedded default). Until 2026-12-06 the stage
+  read no policy and rendered the oracles' default frame (the tiny policy's 1x): at 2x, behaviour cloning
+  taught every click at half its place and the base's sampled success fell to 3-5%."""
 
 from __future__ import annotations
 
@@ -99,7 +108,7 @@ STAGE = Stage(
         "init_policy.pretrained",
         *SUITES,
     ),
-    inputs={},
+    inputs={"policy_dir": "models/grounded"},  # decision "Demos in the policy's frame"
     outputs={"out_dir": "data/demos"},
     artifacts={"data/demos": "trajectories"},
     data=TASK_DATA,
