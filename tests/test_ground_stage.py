@@ -61,6 +61,19 @@ def _state(path: Path) -> dict[str, torch.Tensor]:
     return load_policy(path).model.state_dict()
 
 
+def _stopping_in_phase_1(train):
+    """`train` (grounding.train_grounding) stopped by a KeyboardInterrupt after one saved step of the second
+    phase, as a kill would stop it."""
+
+    def stop_in_phase_1(*args, checkpoint, **kw):
+        if checkpoint.name == "phase-1.pt":
+            train(*args, checkpoint=checkpoint, time_limit_s=0.0, **kw)  # one step, saved
+            raise KeyboardInterrupt
+        return train(*args, checkpoint=checkpoint, **kw)
+
+    return stop_in_phase_1
+
+
 # ------------------------------------------------------------------------------------------------
 # Params
 
@@ -192,14 +205,7 @@ def test_an_interrupted_stage_resumes_its_phases_to_the_same_weights(init_dir, t
     ground.run(p, init_dir, tmp_path / "whole")
 
     real = grounding.train_grounding
-
-    def stop_in_phase_1(*args, checkpoint, **kw):
-        if checkpoint.name == "phase-1.pt":
-            real(*args, checkpoint=checkpoint, time_limit_s=0.0, **kw)  # one step, saved
-            raise KeyboardInterrupt
-        return real(*args, checkpoint=checkpoint, **kw)
-
-    monkeypatch.setattr(grounding, "train_grounding", stop_in_phase_1)
+    monkeypatch.setattr(grounding, "train_grounding", _stopping_in_phase_1(real))
     with pytest.raises(KeyboardInterrupt):
         ground.run(p, init_dir, tmp_path / "again")
     saved = tmp_path / "again" / ground.CHECKPOINTS
@@ -248,14 +254,7 @@ def test_a_snapshot_of_an_interrupted_stage_is_its_latest_checkpoint_as_a_policy
     (tmp_path / "data").symlink_to(ROOT / "data")  # the suites params name
     staged = staging_path(tmp_path / "models" / "grounded")
     real = grounding.train_grounding
-
-    def stop_in_phase_1(*args, checkpoint, **kw):
-        if checkpoint.name == "phase-1.pt":
-            real(*args, checkpoint=checkpoint, time_limit_s=0.0, **kw)  # one step, saved
-            raise KeyboardInterrupt
-        return real(*args, checkpoint=checkpoint, **kw)
-
-    monkeypatch.setattr(grounding, "train_grounding", stop_in_phase_1)
+    monkeypatch.setattr(grounding, "train_grounding", _stopping_in_phase_1(real))
     with pytest.raises(KeyboardInterrupt):
         ground.run(p, init, staged)
     monkeypatch.setattr(grounding, "train_grounding", real)
