@@ -51,7 +51,8 @@ Decisions:
   staged output as a policy directory, without stopping or touching the run. The checkpoint must have been
   made by these params' phase (its fingerprint, grounding.py `checkpoint_fingerprint`: config, prompt and
   real screens, which are rendered again to check it), so a snapshot is never the weights of another
-  recipe, nor at another pixel budget. Its `ground_report.json` says what it is (`snapshot`: checkpoint,
+  recipe; a wrong pixel budget is caught where the phase has real screens (their replies' clicks are in
+  the budget's pixels), not in a phase of synthetic screens only. Its `ground_report.json` says what it is (`snapshot`: checkpoint,
   phase, step, seconds) and carries every saved phase's curve and the checkout's commit (the run's code
   if the checkout has not changed since it started); it has no `measures`: the main job's `ground` stage
   measures it when `ground.checkpoint` names it.
