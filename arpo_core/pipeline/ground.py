@@ -52,10 +52,10 @@ Decisions:
   made by these params' phase (its fingerprint, grounding.py `checkpoint_fingerprint`: config, prompt and
   real screens, which are rendered again to check it), so a snapshot is never the weights of another
   recipe; a wrong pixel budget is caught where the phase has real screens (their replies' clicks are in
-  the budget's pixels), not in a phase of synthetic screens only. Its `ground_report.json` says what it is (`snapshot`: checkpoint,
-  phase, step, seconds) and carries every saved phase's curve and the checkout's commit (the run's code
-  if the checkout has not changed since it started); it has no `measures`: the main job's `ground` stage
-  measures it when `ground.checkpoint` names it.
+  the budget's pixels), not in a phase of synthetic screens only. Its `ground_report.json` says what it
+  is (`snapshot`: checkpoint, phase, step, seconds) and carries every saved phase's curve and the
+  checkout's commit (the run's code if the checkout has not changed since it started); it has no
+  `measures`: the main job's `ground` stage measures it when `ground.checkpoint` names it.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ from dataclasses import asdict, fields
 from pathlib import Path
 from typing import Any
 
-from arpo_core.config import GroundPhase, Params
+from arpo_core.config import GroundPhase, GroundSectionConfig, Params
 from arpo_core.config.sections import GroundTrainConfig
 from arpo_core.config.suites import families
 from arpo_core.infra.fileio import atomic_write_json, atomic_write_text, copy_tree
@@ -243,6 +243,15 @@ def _budget(start: tuple[int, int], min_pixels: int | None) -> tuple[int, int]:
     return (lo, hi) if min_pixels is None else (min_pixels, max(hi, min_pixels))
 
 
+def _report_head(g: GroundSectionConfig, start: Path, code: dict[str, Any] | None) -> dict[str, Any]:
+    """What every `ground_report.json` begins with: the start, the ground section, the code's commit and,
+    where the start carries one, the start's own report (decision "Image dependence measured")."""
+    head: dict[str, Any] = {"start": str(start), "config": asdict(g), "code": code}
+    if (start / GROUND_REPORT).exists():  # how the start was made
+        head["start_report"] = json.loads((start / GROUND_REPORT).read_text())
+    return head
+
+
 def _start(p: Params, policy_dir: Path) -> tuple[Path, tuple[int, int], tuple[int, int]]:
     """The start checkpoint (decision "Grounding start"), its pixel budget and the grounded policy's
     (decision "Pixel budget")."""
@@ -292,9 +301,7 @@ def run(
     train_real, held_real = _real_screens(p, size)
 
     metrics: dict[str, Any] = {}
-    report: dict[str, Any] = {"start": str(start), "config": asdict(g), "code": source_commit(), "phases": []}
-    if (start / GROUND_REPORT).exists():  # how the start was made (decision "Image dependence measured")
-        report["start_report"] = json.loads((start / GROUND_REPORT).read_text())
+    report = _report_head(g, start, source_commit()) | {"phases": []}
     done_steps = 0
     if g.phases:
         policy = load_policy(start, min_pixels=budget[0], max_pixels=budget[1])
@@ -413,8 +420,8 @@ def snapshot(
     saved = [i for i in range(len(g.phases)) if (out_dir / CHECKPOINTS / f"phase-{i}.pt").exists()]
     if not saved:
         raise ValueError(
-            f"ground snapshot: no phase checkpoint in {out_dir / CHECKPOINTS}: no run of these params' phases "
-            "is in progress or interrupted there (a finished stage's output is the policy itself)"
+            f"ground snapshot: no phase checkpoint in {out_dir / CHECKPOINTS}: no run of these params' "
+            "phases is in progress or interrupted there (a finished stage's output is the policy itself)"
         )
     if dest.exists() and (not dest.is_dir() or any(dest.iterdir())):
         raise ValueError(f"ground snapshot: {dest} exists and is not an empty directory")
@@ -445,10 +452,7 @@ def snapshot(
         "seconds": round(states[i]["seconds"], 1),
         "fingerprint": want,
     }
-    report = {
-        "start": str(start),
-        "config": asdict(g),
-        "code": source_commit(Path.cwd()),
+    report = _report_head(g, start, source_commit(Path.cwd())) | {
         "snapshot": entry,
         "phases": [
             {
@@ -460,8 +464,6 @@ def snapshot(
             for j, s in states.items()
         ],
     }
-    if (start / GROUND_REPORT).exists():
-        report["start_report"] = json.loads((start / GROUND_REPORT).read_text())
     staged = dest.parent / f".{dest.name}.snapshot"  # whole or nothing at dest
     shutil.rmtree(staged, ignore_errors=True)
     policy.save(staged)
