@@ -74,6 +74,10 @@ class GroundTrainConfig:
             )
         if self.point_weight and self.name_only:
             raise ValueError("point_weight needs the clicks: a name_only phase encodes no reply")
+        if self.point_first and not self.point_weight:
+            raise ValueError(
+                "point_first needs point_weight > 0 (it chooses where the pointing loss is taught)"
+            )
         if self.place_weight and self.name_only:
             raise ValueError("place_weight needs the language model: a name_only phase runs the tower alone")
 
@@ -150,6 +154,12 @@ class GroundTrainConfig:
     """How many query heads of the last layer the pointing loss teaches (the first ones, 1..heads): one
     leaves the others free to place the click as they learned to; all of them leave the click only what
     the heads point at (arpo_core/offline/grounding.py, decision "Pointing loss")."""
+    point_first: bool = False
+    """Teach the pointing loss only at the two positions that predict the first character of x and of y,
+    not at every coordinate position: teacher-forced, the later positions have read the right digits
+    before them, so their attention can sit on the target without the retrieval, and they outnumbered the
+    two that decide the click (arpo_core/offline/grounding.py, decision "First digits"). Needs
+    `point_weight` > 0; off = every coordinate position, as before."""
     place_weight: Annotated[float, Ge(0)] = 0.0
     """Weight of the place loss added to the click loss: a linear probe of the phase (in its checkpoint, then
     discarded) reads each image token's row and column from its hidden state where the last decoder layer
