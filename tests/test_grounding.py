@@ -1056,9 +1056,9 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
 
 
 def test_point_first_teaches_the_pointing_loss_at_the_first_digits(tmp_path, one_thread):
-    """`point_first` (decision "First digits"): the loss reaches the update (other weights than the same
-    steps on every coordinate position), and trained on it alone the held-out mass at the first digits'
-    positions rises many times."""
+    """`point_first` (grounding.py, decision "First digits"): the loss reaches the update (other weights
+    than the same steps on every coordinate position), and trained on it alone the held-out mass at the
+    first digits' positions rises many times."""
     heldout = {"box1h": synthetic_examples(8, {"box1h": 1.0}, seed=5)}
     trained = {}
     for first in (False, True):
