@@ -169,3 +169,32 @@ def test_place_probe_scores_each_depth_of_each_model_on_other_screens(tmp_path):
         "| trained |" in out.with_suffix(".md").read_text()
         and torch.load(state, weights_only=False)["step"] == 1
     )
+
+
+def test_point_positions_splits_the_heads_mass_by_position_beside_the_greedy_click(tmp_path):
+    """benchmarks/point_positions.py: per model and level, the pointing head's mass on the target at x's
+    and y's first characters and over every coordinate position (fractions), whether its pick at x's first
+    is the named look-alike, and the greedy click's hit, other and right-but-missed rates, consistent with
+    one another."""
+    out = tmp_path / "pos"
+    cmd = [
+        sys.executable,
+        "benchmarks/point_positions.py",
+        "--model",
+        "fresh=init",
+        "--levels",
+        "boxes8,box1h",
+    ]
+    res = subprocess.run(
+        [*cmd, "--screens", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.with_suffix(".json").read_text())
+    (model,) = rec["models"]
+    assert model["model"] == "fresh" and set(model["levels"]) == {"boxes8", "box1h"}
+    for m in model["levels"].values():
+        assert m["screens"] == 4
+        assert all(0.0 <= m[k] <= 1.0 for k in ("x_first", "y_first", "all", "head_right", "hit", "other"))
+        assert m["hit"] + m["other"] <= 1.0 and m["right_but_missed"] <= m["head_right"]
+    assert model["levels"]["box1h"]["head_right"] == 1.0  # one look-alike: the head's pick is the target
+    assert "| fresh | boxes8 |" in out.with_suffix(".md").read_text()

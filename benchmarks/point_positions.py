@@ -1,0 +1,143 @@
+"""Does the greedy click follow the pointing head? Per coordinate position, per screen (issue 33).
+
+The ground stage's `point_mass` is the pointing heads' teacher-forced mass on the target averaged over
+every position that predicts a character of the click, and all but two of those have read the right
+digits before them (arpo_core/offline/grounding.py, decision "First digits"). This splits it: on held-out
+synthetic screens (`--levels`, each scored apart) it takes the first `--heads` heads of the last layer,
+teacher-forced on the screen's own reply, and reports their mass on the target at x's first character
+(`x_first`: the position that has read no digit), at y's first (`y_first`), over every coordinate position
+(`all`), how often the look-alike with the most mass at x's first character is the named one
+(`head_right`), and beside it the greedy click (the policy's own reply): `hit`, `other` (inside another
+look-alike), and `right_but_missed` (the head had the named one, the click did not hit it).
+
+    .venv/bin/python benchmarks/point_positions.py --model 2x=SNAPSHOT_DIR \\
+        --model "1x=assets/checkpoints/grounded-read-xs"
+
+`NAME=DIR[:STATE.pt]` as in benchmarks/place_probe.py (a phase's training state loaded over a directory).
+Screens are drawn at each policy's own pixel budget. Writes benchmarks/results/point_positions.{json,md}
+(`--out`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shlex
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+
+def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> dict:
+    """The module's measures on one level's screens (means over screens; counts as fractions)."""
+    from arpo_core.offline import grounding as g
+
+    policy.model.eval()
+    replies = g.greedy_replies(policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=16)
+    clicks = [g.first_click(t) for t in replies]
+    rows = []
+    for i in range(0, len(examples), 16):
+        chunk = examples[i : i + 16]
+        encoded = [g._encode(policy, e, system, 0.0) for e in chunk]
+        batch = g.collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
+        spans = [g.point_spans(policy, enc, e) for enc, e in zip(encoded, chunk, strict=True)]
+        firsts = [g.point_spans(policy, enc, e, first=True)[0] for enc, e in zip(encoded, chunk, strict=True)]
+        with torch.no_grad(), g._PointCapture(policy, heads) as capture:
+            g.sequence_logprobs(policy.model, batch)
+            weights = capture.log_weights([q for q, _ in spans])
+        for j, (enc, e) in enumerate(zip(encoded, chunk, strict=True)):
+            queries, target = spans[j]
+            if not queries:
+                continue
+            w = weights[j].exp().view(heads, len(queries), -1).mean(0)  # (positions, T), heads averaged
+            at = [queries.index(q) for q in firsts[j]]
+            boxes = [b for b, _ in e.named] or [e.bbox]
+            mass0 = [float(w[at[0], g.box_tokens(policy, enc, b)].sum()) for b in boxes]
+            right = max(range(len(boxes)), key=mass0.__getitem__) == boxes.index(e.bbox)
+            c = clicks[i + j]
+            hit = c is not None and g._inside(c, e.bbox)
+            other = c is not None and not hit and any(g._inside(c, b) for b in boxes if b != e.bbox)
+            rows.append(
+                {
+                    "x_first": float(w[at[0], target].sum()),
+                    "y_first": float(w[at[-1], target].sum()),
+                    "all": float(w[:, target].sum(1).mean()),
+                    "head_right": right,
+                    "hit": hit,
+                    "other": other,
+                    "right_but_missed": right and not hit,
+                }
+            )
+    return {k: round(sum(float(r[k]) for r in rows) / len(rows), 3) for k in rows[0]} | {"screens": len(rows)}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", action="append", required=True, help="NAME=DIR[:STATE.pt] or NAME=init")
+    ap.add_argument("--levels", default="buttons8,widget4,texts8", help="synthetic levels, each scored apart")
+    ap.add_argument("--screens", type=int, default=64, help="held-out screens per level")
+    ap.add_argument("--seed", type=int, default=4321)
+    ap.add_argument("--heads", type=int, default=1, help="the first N heads of the last layer, averaged")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "point_positions"))
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    from place_probe import load
+
+    from arpo_core.config import load_params
+    from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, model_image_size, synthetic_examples
+
+    params = load_params(ROOT / "params.yaml")
+    system, max_new = params.policy.system_prompt, params.policy.max_new_tokens
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in args.model:
+            name, _, spec = item.partition("=")
+            t0 = time.perf_counter()
+            policy = load(spec, Path(tmp))
+            size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
+            levels = {}
+            for level in args.levels.split(","):
+                exs = synthetic_examples(args.screens, {level: 1.0}, seed=args.seed, model_size=size)
+                levels[level] = measure(policy, exs, system, args.heads, max_new)
+            rows.append({"model": name, "spec": spec, "frame": list(size), "levels": levels})
+            print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    record = {
+        "command": shlex.join([".venv/bin/python", "benchmarks/point_positions.py", *sys.argv[1:]]),
+        "code": commit.stdout.strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": platform.machine(),
+        "screens": args.screens,
+        "heads": args.heads,
+        "models": rows,
+    }
+    out = Path(args.out)
+    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    keys = ("x_first", "y_first", "all", "head_right", "hit", "other", "right_but_missed")
+    lines = [
+        "# Pointing mass by coordinate position, and the greedy click (benchmarks/point_positions.py)",
+        "",
+        f"`{record['command']}` (code {record['code']}, {record['date']}; {args.screens} screens per level,"
+        f" seed {args.seed}, heads 1-{args.heads} of the last layer)",
+        "",
+        "| model | level | " + " | ".join(keys) + " |",
+        "|---|---|" + "---|" * len(keys),
+    ]
+    for r in rows:
+        for level, m in r["levels"].items():
+            lines.append(f"| {r['model']} | {level} | " + " | ".join(f"{m[k]:.2f}" for k in keys) + " |")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
