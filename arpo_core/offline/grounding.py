@@ -214,10 +214,12 @@ Decisions:
   before them, so a head can sit on the target there without having found it; only the positions before
   the first character of x and of y decide where the click goes, and x's first is the one that has read
   no digit. On the 2x reader's held-out buttons the mean mass was 0.92, at x's first character 0.73 and
-  at y's 0.95 (the 1x reader: 0.98, 0.91, 0.99; docs/results.md, "First digits"). So the curves add
-  `<set>/point_first`, the mass at those two positions (their mean), and a phase
-  may teach the loss there alone (`point_first`), giving the decisive positions the whole weight instead
-  of about two sevenths of it.
+  at y's 0.95 (the 1x reader: 0.98, 0.91, 0.99; benchmarks/point_positions.py). So the curves add
+  `<set>/point_first`, the mass at those two positions (their mean), and a phase may teach the loss there
+  alone (`point_first`), giving the decisive positions the whole weight instead of about two sevenths of
+  it. Measured (docs/results.md, "Short screens on the 2x reader"): taught alone for 2,000 steps from the
+  2x reader, the first digits' mass stayed where it started (buttons8 0.79, widget4 0.77) and the clicks
+  with it; there the head mostly has the named widget and the click misses it, so the option stays off.
 """
 
 from __future__ import annotations
