@@ -107,6 +107,17 @@ def load(spec: str, tmp: Path):
     return policy
 
 
+def record_head(script: str) -> dict:
+    """What a probe's record starts with: the command that re-runs it, the code's commit, date, machine."""
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+    return {
+        "command": shlex.join([".venv/bin/python", f"benchmarks/{script}", *sys.argv[1:]]),
+        "code": commit.stdout.strip(),
+        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+        "machine": platform.machine(),
+    }
+
+
 def depth_name(d: int, layers: int) -> str:
     return f"layer {d}'s input" if d < layers else "final norm"
 
@@ -140,12 +151,7 @@ def main() -> None:
                 r["where"] = depth_name(r["depth"], layers)
             rows.append({"model": name, "spec": spec, "depths": result})
             print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    record = {
-        "command": shlex.join([".venv/bin/python", "benchmarks/place_probe.py", *sys.argv[1:]]),
-        "code": commit.stdout.strip(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": platform.machine(),
+    record = record_head("place_probe.py") | {
         "screens": args.screens,
         "levels": args.levels,
         "models": rows,

@@ -22,9 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
-import shlex
-import subprocess
 import sys
 import tempfile
 import time
@@ -91,7 +88,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "point_positions"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from place_probe import load
+    from place_probe import load, record_head
 
     from arpo_core.config import load_params
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, model_image_size, synthetic_examples
@@ -111,12 +108,7 @@ def main() -> None:
                 levels[level] = measure(policy, exs, system, args.heads, max_new)
             rows.append({"model": name, "spec": spec, "frame": list(size), "levels": levels})
             print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
-    record = {
-        "command": shlex.join([".venv/bin/python", "benchmarks/point_positions.py", *sys.argv[1:]]),
-        "code": commit.stdout.strip(),
-        "date": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-        "machine": platform.machine(),
+    record = record_head("point_positions.py") | {
         "screens": args.screens,
         "heads": args.heads,
         "models": rows,
