@@ -60,9 +60,7 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
             boxes = [b for b, _ in e.named] or [e.bbox]
             mass0 = [float(w[at[0], g.box_tokens(policy, enc, b)].sum()) for b in boxes]
             right = max(range(len(boxes)), key=mass0.__getitem__) == boxes.index(e.bbox)
-            c = clicks[i + j]
-            hit = c is not None and g._inside(c, e.bbox)
-            other = c is not None and not hit and any(g._inside(c, b) for b in boxes if b != e.bbox)
+            hit, other = g.click_outcome(clicks[i + j], e.bbox, e.lookalikes)
             rows.append(
                 {
                     "x_first": float(w[at[0], target].sum()),

@@ -1446,6 +1446,23 @@ class _PointCapture(AttentionInputs):
             out.append(logp.reshape(H * len(pos), T))
         return out
 
+    def at(
+        self,
+        weights: Sequence[torch.Tensor],
+        queries: Sequence[Sequence[int]],
+        chosen: Sequence[Sequence[int]],
+    ) -> list[torch.Tensor]:
+        """The rows of `log_weights(queries)` at the positions `chosen[b]` (a subset of `queries[b]`), every
+        head's: the weights of those positions without computing them again."""
+        out = []
+        for w, pos, pick in zip(weights, queries, chosen, strict=True):
+            if not pos:  # no click in the reply: no rows
+                out.append(w)
+                continue
+            rows = [pos.index(p) for p in pick]
+            out.append(w.view(self.heads, len(pos), -1)[:, rows].reshape(self.heads * len(rows), -1))
+        return out
+
     def loss(self, spans: Sequence[tuple[Sequence[int], Sequence[int]]]) -> torch.Tensor:
         """Mean over the heads and query positions of -log(a head's attention mass on the target tokens),
         in log space (a head that starts far from the target still gets its gradient)."""
@@ -1460,11 +1477,15 @@ class _PointCapture(AttentionInputs):
         return torch.cat(terms).mean()
 
     def masses(
-        self, queries: Sequence[Sequence[int]], *token_sets: Sequence[Sequence[int]]
+        self,
+        queries: Sequence[Sequence[int]],
+        *token_sets: Sequence[Sequence[int]],
+        weights: Sequence[torch.Tensor] | None = None,
     ) -> list[list[float]]:
         """For each of `token_sets` (one token list per row), the heads' mean attention mass on those tokens
-        per row (nan without queries or tokens); the weights are computed once for all the sets."""
-        weights = self.log_weights(queries)
+        per row (nan without queries or tokens); the weights are computed once for all the sets, or given
+        (`log_weights` of `queries`, or `at` of them)."""
+        weights = self.log_weights(queries) if weights is None else weights
         return [
             [
                 float(torch.logsumexp(w[:, list(t)], dim=-1).exp().mean()) if q and t else float("nan")
@@ -1920,10 +1941,13 @@ def _attention_measures(
                 listed.append(bool(queries and seen))
                 if listed[-1]:
                     even.append(len(targets) / (len(targets) + len(tokens)))
-            on_target, on_rest = capture.masses([q for q, _ in spans], [t for _, t in spans], rest)
+            queries = [q for q, _ in spans]
+            weights = capture.log_weights(queries)
+            on_target, on_rest = capture.masses(queries, [t for _, t in spans], rest, weights=weights)
             masses += [m for m in on_target if m == m]
-            firsts = _point_spans(policy, encoded, chunk, first=True)
-            (on_first,) = capture.masses([q for q, _ in firsts], [t for _, t in firsts])
+            firsts = [q for q, _ in _point_spans(policy, encoded, chunk, first=True)]
+            at_first = capture.at(weights, queries, firsts)
+            (on_first,) = capture.masses(firsts, [t for _, t in spans], weights=at_first)
             first += [m for m in on_first if m == m]
             others += [m if m == m else 0.0 for m, keep in zip(on_rest, listed, strict=True) if keep]
         prefix = f"{name}/" if name else ""
@@ -1962,6 +1986,17 @@ def pearson(a: Sequence[float], b: Sequence[float]) -> float:
 
 def _inside(p: tuple[float, float], box: tuple[float, float, float, float]) -> bool:
     return box[0] <= p[0] <= box[2] and box[1] <= p[1] <= box[3]
+
+
+def click_outcome(
+    click: tuple[float, float] | None,
+    box: tuple[float, float, float, float],
+    others: Sequence[tuple[float, float, float, float]] = (),
+) -> tuple[bool, bool]:
+    """(hit, other) of one click (None = no click): inside the target's box; else inside one of `others`
+    (the screen's other targets: a wrong pick, `GroundMetrics.other_hit_rate`)."""
+    hit = click is not None and _inside(click, box)
+    return hit, click is not None and not hit and any(_inside(click, o) for o in others)
 
 
 def best_constant_click(
@@ -2044,21 +2079,18 @@ def grounding_metrics(
     py = [p[1] for p in pts]
     mpx, mpy = sum(px) / n, sum(py) / n
     spread = math.sqrt(sum((x - mpx) ** 2 for x in px) / n + sum((y - mpy) ** 2 for y in py) / n)
-    wrong = sum(
-        c is not None and not _inside(c, b) and any(_inside(c, o) for o in os)
-        for c, b, os in zip(clicks, boxes, others or [()] * n, strict=True)
-    )
+    outcomes = [click_outcome(c, b, os) for c, b, os in zip(clicks, boxes, others or [()] * n, strict=True)]
     return GroundMetrics(
         n=n,
         parse_rate=sum(c is not None for c in clicks) / n,
         mean_err_px=sum(err) / n,
-        hit_rate=sum(c is not None and _inside(c, b) for c, b in zip(clicks, boxes, strict=True)) / n,
+        hit_rate=sum(hit for hit, _ in outcomes) / n,
         corr_x=pearson(px, [t[0] for t in targets]),
         corr_y=pearson(py, [t[1] for t in targets]),
         spread_px=spread,
         blind_err_px=sum(math.dist((mx, my), t) for t in targets) / n,
         blind_hit_rate=best_constant_click(boxes)[1],
-        other_hit_rate=wrong / n,
+        other_hit_rate=sum(other for _, other in outcomes) / n,
     )
 
 
@@ -2128,9 +2160,7 @@ def hits_by_target(examples: Sequence[GroundExample], replies: Sequence[str]) ->
     """
     groups: dict[str, list[tuple[bool, bool, bool]]] = {}
     for e, reply in zip(examples, replies, strict=True):
-        c = first_click(reply)
-        hit = c is not None and _inside(c, e.bbox)
-        other = c is not None and not hit and any(_inside(c, o) for o in e.lookalikes)
+        hit, other = click_outcome(first_click(reply), e.bbox, e.lookalikes)
         copied = bool(copies(e, reply))
         task = e.source.partition("/")[2]
         groups.setdefault(f"{task}/{e.kind or 'target'}", []).append((hit, other, copied))
