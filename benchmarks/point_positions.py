@@ -25,6 +25,7 @@ import json
 import sys
 import tempfile
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -41,6 +42,10 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
     policy.model.eval()
     replies = g.greedy_replies(policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=16)
     clicks = [g.first_click(t) for t in replies]
+    reads = {
+        name: g.attention_clicks(policy, examples, replies, system=system, heads=heads, window=win)
+        for name, win in (("cell", 0), ("block", 1))
+    }
     rows = []
     for i in range(0, len(examples), 16):
         chunk = examples[i : i + 16]
@@ -55,6 +60,13 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
             queries, target = spans[j]
             if not queries:
                 continue
+            read = {
+                f"{name}_{k}": v
+                for name, clicks_read in reads.items()
+                for k, v in zip(
+                    ("hit", "other"), g.click_outcome(clicks_read[i + j], e.bbox, e.lookalikes), strict=True
+                )
+            }
             w = weights[j].exp().view(heads, len(queries), -1).mean(0)  # (positions, T), heads averaged
             at = [queries.index(q) for q in firsts[j]]
             boxes = [b for b, _ in e.named] or [e.bbox]
@@ -71,6 +83,7 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
                     "other": other,
                     "right_but_missed": right and not hit,
                 }
+                | read
             )
     return {k: round(sum(float(r[k]) for r in rows) / len(rows), 3) for k in rows[0]} | {"screens": len(rows)}
 
@@ -81,6 +94,10 @@ def main() -> None:
     ap.add_argument("--levels", default="buttons8,widget4,texts8", help="synthetic levels, each scored apart")
     ap.add_argument("--screens", type=int, default=64, help="held-out screens per level")
     ap.add_argument("--seed", type=int, default=4321)
+    ap.add_argument(
+        "--real", type=int, default=0, help="also held-out real screens: env seeds 1000..1000+N-1"
+    )
+    ap.add_argument("--per-screen", type=int, default=6, help="targets per real screen")
     ap.add_argument("--heads", type=int, default=1, help="the first N heads of the last layer, averaged")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "point_positions"))
@@ -93,7 +110,7 @@ def main() -> None:
 
     params = load_params(ROOT / "params.yaml")
     system, max_new = params.policy.system_prompt, params.policy.max_new_tokens
-    rows = []
+    rows, real = [], {}
     with tempfile.TemporaryDirectory() as tmp:
         for item in args.model:
             name, _, spec = item.partition("=")
@@ -104,6 +121,15 @@ def main() -> None:
             for level in args.levels.split(","):
                 exs = synthetic_examples(args.screens, {level: 1.0}, seed=args.seed, model_size=size)
                 levels[level] = measure(policy, exs, system, args.heads, max_new)
+            if args.real:
+                if size not in real:  # one browser per pixel budget, closed before measuring
+                    from arpo_core.pipeline.ground import real_screens
+
+                    g = replace(
+                        params.ground, eval_miniwob_seeds=args.real, miniwob_per_screen=args.per_screen
+                    )
+                    real[size] = real_screens(replace(params, ground=g), size, phases=())[1]
+                levels["real"] = measure(policy, real[size], system, args.heads, max_new)
             rows.append({"model": name, "spec": spec, "frame": list(size), "levels": levels})
             print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     record = record_head("point_positions.py") | {
@@ -114,6 +140,7 @@ def main() -> None:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     keys = ("x_first", "y_first", "all", "head_right", "hit", "other", "right_but_missed")
+    keys += ("cell_hit", "cell_other", "block_hit", "block_other")
     lines = [
         "# Pointing mass by coordinate position, and the greedy click (benchmarks/point_positions.py)",
         "",

@@ -387,6 +387,40 @@ def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch)
     assert len(opened) == 1 and len(closed) == 1
 
 
+def test_no_count_of_training_screens_reaches_the_held_out_seeds(monkeypatch):
+    """ground.py, decision "Image dependence measured": a phase asking for more real screens than there are
+    seeds below the held-out block (1000) skips the block (0-999, then 2000..), while the held-out screens
+    are seeds 1000..; a held-out count beyond the block is a one-line error. (The env and pages are
+    stand-ins: this is the seed arithmetic, not the browser.)"""
+    from arpo_core.envs.miniwob import miniwob_env
+    from arpo_core.offline import grounding
+
+    asked: dict[str, list[int]] = {}
+
+    class Env:
+        def __init__(self, **_):
+            pass
+
+        def close(self):
+            pass
+
+    def examples(env, tasks, seeds, size, per_screen):
+        seeds = list(seeds)
+        asked["held" if seeds[0] == ground.MINIWOB_HELDOUT_SEED else "train"] = seeds
+        return []
+
+    monkeypatch.setattr(miniwob_env, "MiniWoBEnv", Env)
+    monkeypatch.setattr(grounding, "miniwob_examples", examples)
+    phase = "ground.phases=[{steps: 2, batch_size: 4, miniwob_seeds: 1010}]"
+    ground.real_screens(params(phase, "ground.eval_miniwob_seeds=6"), (56, 56))
+    assert len(asked["train"]) == len(set(asked["train"])) == 1010
+    assert asked["train"][:1000] == list(range(1000)) and asked["train"][1000:] == list(range(2000, 2010))
+    assert asked["held"] == list(range(1000, 1006))
+    assert not set(asked["train"]) & set(range(1000, 2000))
+    with pytest.raises(ValueError, match=r"ground\.eval_miniwob_seeds is 1001: at most 1000 held-out"):
+        ground.real_screens(params(phase, "ground.eval_miniwob_seeds=1001"), (56, 56))
+
+
 def _spy(fn, calls):
     def wrapped(*args, **kwargs):
         calls.append(1)

@@ -471,4 +471,4 @@ def test_miniwob_only_settings_fail_naming_the_setting(in_repo, tmp_path):
     p = _params(*OSWORLD_PARAMS)  # built in code past the loader's rule: the stage names it too
     p = dataclasses.replace(p, ground=dataclasses.replace(p.ground, eval_miniwob_seeds=1))
     with pytest.raises(ValueError, match=r"env\.kind is osworld .* set ground\.eval_miniwob_seeds"):
-        ground._real_screens(p, (56, 56))
+        ground.real_screens(p, (56, 56))

@@ -375,8 +375,8 @@ class GroundPhase(GroundTrainConfig):
     `grow_after`, which the stage applies around the training loop."""
 
     miniwob_seeds: Annotated[int, Ge(0)] = 0
-    """Real MiniWoB screens of the in-domain suite's tasks with env seeds 0..N-1 as a fixed example
-    list (half of every batch); 0 = synthetic screens only."""
+    """Real MiniWoB screens of the in-domain suite's tasks with N env seeds (0..N-1, skipping the held-out
+    1000-1999) as a fixed example list (half of every batch); 0 = synthetic screens only."""
     grow_after: list[Annotated[int, Ge(0)]] | None = None
     """Before this phase, insert a zero-output decoder layer after each listed layer index
     (`policy.model.grow_depth`); null = keep the depth."""

@@ -1302,10 +1302,22 @@ def point_spans(
     overlaps the target's box, at least the one under its centre. Both empty when the reply has no click
     (a reading example) or the sequence no image. A cell is one of `image_cells`. With `first`, only the
     two positions that predict the first character of x and of y (decision "First digits")."""
+    if enc.image_grid_thw is None or "start_box='(" not in ex.reply:
+        return [], []
+    queries = click_positions(policy, enc, first)
+    if queries is None:
+        raise ValueError(f"the click of {ex.reply!r} is not in its decoded tokens")
+    return queries, box_tokens(policy, enc, ex.bbox) if queries else []
+
+
+def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -> list[int] | None:
+    """The positions of `enc` whose next token is a character of its reply's click coordinates (inside
+    `start_box='(...)`), or with `first` the two that predict x's and y's first characters; [] without a
+    reply, None where the reply's decoded tokens have no `start_box='(`."""
     ids, mask = enc.input_ids, enc.assistant_mask
     reply = [i for i, m in enumerate(mask) if m]
-    if not reply or enc.image_grid_thw is None or "start_box='(" not in ex.reply:
-        return [], []
+    if not reply:
+        return []
     tok = policy.processor.tokenizer
     pieces = [tok.decode([ids[i]]) for i in reply]
     text, starts = "", []
@@ -1314,7 +1326,7 @@ def point_spans(
         text += piece
     begin = text.find("start_box='(")
     if begin < 0:
-        raise ValueError(f"the click of {ex.reply!r} is not in its decoded tokens {text!r}")
+        return None
     begin += len("start_box='(")
     end = text.find(")", begin)
     if first:
@@ -1325,7 +1337,7 @@ def point_spans(
         ]
     else:
         queries = [reply[k] - 1 for k, at in enumerate(starts) if at < end and at + len(pieces[k]) > begin]
-    return queries, box_tokens(policy, enc, ex.bbox)
+    return queries
 
 
 def image_cells(policy: Policy, enc: EncodedSequence) -> tuple[list[int], int, int]:
@@ -1493,6 +1505,66 @@ class _PointCapture(AttentionInputs):
             ]
             for tokens in token_sets
         ]
+
+
+@torch.no_grad()
+def attention_clicks(
+    policy: Policy,
+    examples: Sequence[GroundExample],
+    replies: Sequence[str],
+    *,
+    system: str,
+    heads: int = 1,
+    window: int = 1,
+    positions: str = "x",
+    batch_size: int = 16,
+) -> list[tuple[float, float] | None]:
+    """The clicks the pointing heads give (decision "Clicks read from the pointing head"): each reply,
+    teacher-forced on its own screen and instruction, and at the position that predicts x's first
+    character (`positions` "x"; "xy": also y's, the two averaged) the first `heads` heads of the last
+    layer, averaged, over the screenshot's cells (`image_cells`); the click is the mass-weighted mean of
+    the cell centres in the (2 `window` + 1)^2 block of cells around the cell with the most mass (model
+    pixels; `window` 0: that cell's centre). None where the reply has no click (`first_click`)."""
+    if positions not in ("x", "xy"):
+        raise ValueError(f"attention_clicks: positions must be 'x' or 'xy', got {positions!r}")
+    proc = policy.processor.image_processor
+    unit = int(proc.patch_size) * int(proc.merge_size)
+    out: list[tuple[float, float] | None] = []
+    for i in range(0, len(examples), batch_size):
+        chunk, texts = examples[i : i + batch_size], replies[i : i + batch_size]
+        spec = PromptSpec(system, None)
+        encoded = [
+            encode_segments(policy, build_segments(e.instruction, 1, [t], spec=spec), [e.image])
+            for e, t in zip(chunk, texts, strict=True)
+        ]
+        firsts = [
+            (click_positions(policy, enc, first=True) or []) if first_click(t) is not None else []
+            for enc, t in zip(encoded, texts, strict=True)
+        ]
+        firsts = [q[:1] if positions == "x" else q for q in firsts]
+        batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
+        with _PointCapture(policy, heads) as capture:
+            sequence_logprobs(policy.model, batch)
+            weights = capture.log_weights(firsts)
+        for enc, q, w in zip(encoded, firsts, weights, strict=True):
+            cells, rows, cols = image_cells(policy, enc)
+            if not q or not cells:
+                out.append(None)
+                continue
+            grid = w.exp().mean(0)[cells].view(rows, cols)  # heads and positions averaged
+            r, c = divmod(int(grid.argmax()), cols)
+            r0, r1, c0, c1 = (
+                max(0, r - window),
+                min(rows, r + window + 1),
+                max(0, c - window),
+                min(cols, c + window + 1),
+            )
+            block = grid[r0:r1, c0:c1]
+            ys = (torch.arange(r0, r1, dtype=block.dtype) + 0.5) * unit
+            xs = (torch.arange(c0, c1, dtype=block.dtype) + 0.5) * unit
+            total = block.sum()
+            out.append((float((block.sum(0) * xs).sum() / total), float((block.sum(1) * ys).sum() / total)))
+    return out
 
 
 def _name_window_shape(policy: Policy, msize: tuple[int, int]) -> tuple[int, int]:

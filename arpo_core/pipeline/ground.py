@@ -13,7 +13,9 @@ Decisions:
 - **Image dependence measured.** `ground` always measures image dependence of its output on held-out screens
   (docs/method.md §7): synthetic levels drawn with seed 10000 + the level's index in `grounding.LEVELS` (fixed
   per level, other streams than training's, which seeds each phase with its own small `seed`) and real MiniWoB
-  screens of the in-domain tasks with env seeds 1000.. (training uses 0..N-1). One browser reads every
+  screens of the in-domain tasks with env seeds 1000.. . Seeds 1000-1999 are held out whatever the
+  phases ask: training's N screens are env seeds 0..N-1 skipping that block (`training_seeds`: 0-999, then
+  2000..), so no count of real screens trains on a held-out one. One browser reads every
   real screen the stage needs and is closed before training starts. The measures are the stage's
   metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
   `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
@@ -84,13 +86,26 @@ __all__ = [
     "ground_config",
     "ground_measure_keys",
     "held_out_screens",
+    "real_screens",
     "run",
     "snapshot",
+    "training_seeds",
 ]
 
 # Held-out seeds of the measures (decision "Image dependence measured").
 GROUND_EVAL_SEED = 10_000
 MINIWOB_HELDOUT_SEED = 1000
+MINIWOB_HELDOUT_SEEDS = 1000  # env seeds 1000-1999 are never trained on
+
+
+def training_seeds(n: int) -> list[int]:
+    """The env seeds of a phase's `miniwob_seeds` n: 0..n-1, skipping the held-out block (decision "Image
+    dependence measured").
+
+    >>> training_seeds(3), training_seeds(1002)[-3:]
+    ([0, 1, 2], [999, 2000, 2001])
+    """
+    return [s if s < MINIWOB_HELDOUT_SEED else s + MINIWOB_HELDOUT_SEEDS for s in range(n)]
 GROUND_REPORT = "ground_report.json"
 CHECKPOINTS = "checkpoints"
 """Phase checkpoints, inside the staged output while the stage runs (decision "Resumable phases")."""
@@ -210,7 +225,7 @@ def _loss_summary(losses: Sequence[float], every: int = 50) -> list[float]:
     ]
 
 
-def _real_screens(
+def real_screens(
     p: Params, size: tuple[int, int], phases: Sequence[GroundPhase] | None = None, held: bool = True
 ) -> tuple[dict[int, list], list]:
     """Real MiniWoB grounding examples of the in-domain tasks, all read by one browser that is closed
@@ -222,6 +237,11 @@ def _real_screens(
     g = p.ground
     counts = sorted({ph.miniwob_seeds for ph in (g.phases if phases is None else phases) if ph.miniwob_seeds})
     n_held = g.eval_miniwob_seeds if held else 0
+    if n_held > MINIWOB_HELDOUT_SEEDS:
+        raise ValueError(
+            f"ground.eval_miniwob_seeds is {n_held}: at most {MINIWOB_HELDOUT_SEEDS} held-out real screens "
+            f"per task (env seeds {MINIWOB_HELDOUT_SEED}..{MINIWOB_HELDOUT_SEED + MINIWOB_HELDOUT_SEEDS - 1})"
+        )
     if not counts and not n_held:
         return {}, []
     tasks = _miniwob_task_ids(p)
@@ -229,7 +249,7 @@ def _real_screens(
 
     env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
     try:
-        train = {n: miniwob_examples(env, tasks, range(n), size, g.miniwob_per_screen) for n in counts}
+        train = {n: miniwob_examples(env, tasks, training_seeds(n), size, g.miniwob_per_screen) for n in counts}
         seeds = range(MINIWOB_HELDOUT_SEED, MINIWOB_HELDOUT_SEED + n_held)
         return train, miniwob_examples(env, tasks, seeds, size, g.miniwob_per_screen) if n_held else []
     finally:
@@ -298,7 +318,7 @@ def run(
         return {"ground/pretrained": 1.0}
     start, start_budget, budget = _start(p, policy_dir)
     size = model_image_size(SCREEN_W, SCREEN_H, *budget)  # growing depth keeps it
-    train_real, held_real = _real_screens(p, size)
+    train_real, held_real = real_screens(p, size)
 
     metrics: dict[str, Any] = {}
     report = _report_head(g, start, source_commit()) | {"phases": []}
@@ -432,7 +452,7 @@ def snapshot(
     start, _, budget = _start(p, policy_dir)
     size = model_image_size(SCREEN_W, SCREEN_H, *budget)
     phase = g.phases[i]
-    fixed = _real_screens(p, size, [phase], held=False)[0].get(phase.miniwob_seeds)
+    fixed = real_screens(p, size, [phase], held=False)[0].get(phase.miniwob_seeds)
     want = checkpoint_fingerprint(ground_config(phase), p.policy.system_prompt, fixed)
     if states[i]["fingerprint"] != want:
         raise ValueError(
