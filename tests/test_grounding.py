@@ -991,6 +991,49 @@ def test_the_first_digit_spans_are_the_two_positions_before_x_and_y(tmp_path):
         assert following == [x[0], y[0]]
 
 
+def test_attention_clicks_read_the_click_off_the_attended_cells(tmp_path, monkeypatch):
+    """grounding.py, decision "Clicks read from the pointing head": the heads' weights are taken at the
+    position before x's first character (and y's with "xy"), of the reply as given; the click is the
+    attended cell's centre in model pixels (`window` 0) or the mass-weighted centre of the block around it;
+    a reply without a click has none."""
+    from arpo_core.offline import grounding as g
+
+    policy = build_tiny_policy(tmp_path / "p", size="xs")
+    exs, _ = _pointing_examples(policy)
+    replies = [exs[0].reply, exs[1].reply, "Thought: I wait.\nAction: wait()"]
+    spec = g.PromptSpec("compact", None)
+    encoded = [
+        g.encode_segments(policy, g.build_segments(e.instruction, 1, [t], spec=spec), [e.image])
+        for e, t in zip(exs, replies, strict=True)
+    ]
+    asked = []
+
+    def log_weights(self, queries):  # 3/4 of the mass on cell (row 2, column 3), 1/4 on (2, 4)
+        asked.append([list(q) for q in queries])
+        out = []
+        for enc, q in zip(encoded, queries, strict=True):
+            cells, _, cols = g.image_cells(policy, enc)
+            w = torch.full((len(q), self.inputs[0].shape[1]), 1e-12)
+            w[:, cells[2 * cols + 3]], w[:, cells[2 * cols + 4]] = 0.75, 0.25
+            out.append(w.log())
+        return out
+
+    monkeypatch.setattr(g._PointCapture, "log_weights", log_weights)
+    cell = g.attention_clicks(policy, exs, replies, system="compact", window=0)
+    block = g.attention_clicks(policy, exs, replies, system="compact", window=1, positions="xy")
+    assert cell[:2] == [pytest.approx((3.5 * 28, 2.5 * 28))] * 2 and cell[2] is None
+    assert (
+        block[:2] == [pytest.approx((0.75 * 3.5 * 28 + 0.25 * 4.5 * 28, 2.5 * 28))] * 2 and block[2] is None
+    )
+    firsts = [g.click_positions(policy, enc, first=True) for enc in encoded[:2]]
+    assert asked[0] == [firsts[0][:1], firsts[1][:1], []] and asked[1] == [*firsts, []]
+    following = [policy.tokenizer.decode([encoded[0].input_ids[q + 1]]) for q in firsts[0]]
+    (action,) = parse_response(replies[0]).actions
+    assert following == [f"{action.point[0]:.0f}"[0], f"{action.point[1]:.0f}"[0]]  # x's and y's first
+    with pytest.raises(ValueError, match="positions must be 'x' or 'xy'"):
+        g.attention_clicks(policy, exs, replies, system="compact", positions="y")
+
+
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
 def test_the_pointing_heads_are_the_layers_own_attention(tmp_path, one_thread, family):
     """The weights the pointing loss trains are the last layer's heads' attention weights as the model's
