@@ -8,10 +8,14 @@ teacher-forced on the screen's own reply, and reports their mass on the target a
 (`x_first`: the position that has read no digit), at y's first (`y_first`), over every coordinate position
 (`all`), how often the look-alike with the most mass at x's first character is the named one
 (`head_right`), and beside it the greedy click (the policy's own reply): `hit`, `other` (inside another
-look-alike), and `right_but_missed` (the head had the named one, the click did not hit it).
+look-alike), and `right_but_missed` (the head had the named one, the click did not hit it). Then the
+click read off the same head instead of the written digits (policy/heads.py, decision "Clicks read from
+the pointing head"): `cell_hit`, `cell_other` (the attended cell's centre) and `block_hit`,
+`block_other` (its 3x3 block's mass-weighted centre). `--real N` adds held-out real MiniWoB screens (env
+seeds 1000..1000+N-1 of the in-domain tasks, `--per-screen` targets each: 6 and 6 are the 2x recipe's 90).
 
     .venv/bin/python benchmarks/point_positions.py --model 2x=SNAPSHOT_DIR \\
-        --model "1x=assets/checkpoints/grounded-read-xs"
+        --model "1x=assets/checkpoints/grounded-read-xs" --real 6
 
 `NAME=DIR[:STATE.pt]` as in benchmarks/place_probe.py (a phase's training state loaded over a directory).
 Screens are drawn at each policy's own pixel budget. Writes benchmarks/results/point_positions.{json,md}
@@ -43,8 +47,8 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
     replies = g.greedy_replies(policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=16)
     clicks = [g.first_click(t) for t in replies]
     reads = {
-        name: g.attention_clicks(policy, examples, replies, system=system, heads=heads, window=win)
-        for name, win in (("cell", 0), ("block", 1))
+        name: g.attention_clicks(policy, examples, replies, system=system, heads=heads, readout=name)
+        for name in ("cell", "block")
     }
     rows = []
     for i in range(0, len(examples), 16):

@@ -557,6 +557,12 @@ OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_S
             r"ground\.phases = .* is out of range: must have miniwob_seeds 0 in every phase when env\.kind is "
             r"osworld",
         ),
+        (  # generate.py, decision "Read clicks": from the transformers model's heads, into UI-TARS pixels
+            (("policy.click_readout", "cell"), ("policy.coord_mode", "relative1000")),
+            (("policy.click_readout", "cell"), ("policy.coord_mode", "absolute")),
+            r"policy\.click_readout = 'cell' is out of range: cell needs backend hf, action_format uitars and "
+            r"coord_mode absolute",
+        ),
         (  # docs/models.md: the prompt asks for the replies the grammar parses ...
             (("policy.action_format", "qwen3vl_tool_call"), ("policy.coord_mode", "relative1000")),
             (

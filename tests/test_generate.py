@@ -431,3 +431,83 @@ def test_shared_prompt_head_changes_no_reply(policy, system):
         assert not heads  # one prompt: nothing to share
     finally:
         del policy.model.model.language_model.forward
+
+
+WRITTEN = (
+    "Thought: I click the box.\nAction: click(start_box='(12,345)')",
+    "Thought: b.\nAction: click(start_box='(7,8)')\nThought: more.",
+    "Thought: nothing to click.\nAction: wait()",
+)
+
+
+def _written(self, batch, **_):
+    """Stand-in for the decode loop: the WRITTEN replies, closed by <|im_end|>, with dummy log-probs."""
+    out = []
+    for text in WRITTEN[: len(batch)]:
+        ids = (*self.policy.tokenizer.encode(text, add_special_tokens=False), self.policy.im_end_id)
+        out.append(Generation(text, ids, (-9.0,) * len(ids), "stop"))
+    return out
+
+
+def test_read_clicks_rewrite_the_first_click_with_the_rewritten_tokens_log_probs(policy, monkeypatch):
+    """generate.py, decision "Read clicks": the reply's first click is written with the point read off the
+    heads (here a stand-in readout that records what it is given: each prompt with its written reply, the
+    reply in the assistant mask), the tokens before x's first character and the rest of the reply are kept,
+    the stop token closes it, and its log-probs are the ones training recomputes from the trajectory; a
+    reply without a click is returned as written. Then with the real readout: a cell's centre."""
+    from arpo_core.policy import generate
+
+    seen = []
+
+    def readout(pol, encoded, *, readout):
+        seen.extend(encoded)
+        return [(98.4, 69.6), (14.0, 14.0)][: len(encoded)]
+
+    monkeypatch.setattr(HFGenerator, "_generate", _written)
+    monkeypatch.setattr(generate, "read_clicks", readout)
+    spec = PromptSpec("compact", None)
+    gen = HFGenerator(policy, spec=spec, click_readout="cell")
+    out = gen.generate(prompts(), temperature=0.0, top_p=1.0, max_new_tokens=40)
+    assert [g.text for g in out] == [
+        "Thought: I click the box.\nAction: click(start_box='(98,70)')",
+        "Thought: b.\nAction: click(start_box='(14,14)')\nThought: more.",
+        WRITTEN[2],
+    ]
+    assert out[2].logprobs == (-9.0,) * len(out[2].token_ids)  # untouched
+    for p, enc, text in zip(prompts(), seen, WRITTEN, strict=False):
+        prompt = encode_prompt(policy, p, spec=spec).input_ids
+        assert enc.input_ids[: len(prompt)] == prompt and not any(enc.assistant_mask[: len(prompt)])
+        assert policy.tokenizer.decode(enc.input_ids[len(prompt) :], skip_special_tokens=True) == text
+    for g, text in zip(out[:2], WRITTEN, strict=False):
+        assert g.token_ids[-1] == policy.im_end_id and g.finish_reason == "stop"
+        assert policy.tokenizer.decode(g.token_ids, skip_special_tokens=True) == g.text
+        ids = policy.tokenizer.encode(text, add_special_tokens=False)
+        kept = next(i for i, (a, b) in enumerate(zip(ids, g.token_ids, strict=False)) if a != b)
+        assert len(policy.tokenizer.decode(ids[:kept])) >= text.index("start_box='(") + len("start_box='(")
+    trajs = []
+    for p, g in zip(prompts(), out[:2], strict=False):  # earlier turns as context, the read reply trained
+        earlier = [
+            Step(i, png_bytes(s), 160, 210, r.text, train_reply=False)
+            for i, (s, r) in enumerate(zip(p.screenshots, p.replies, strict=False))
+        ]
+        last = Step(
+            len(earlier), png_bytes(p.screenshots[-1]), 160, 210, g.text, response_token_ids=list(g.token_ids)
+        )
+        trajs.append(Trajectory("run", "test", 0, "miniwob", "t", p.instruction, [*earlier, last]))
+    seqs = [encode_trajectory(policy, t, spec=spec) for t in trajs]
+    with torch.no_grad():
+        logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
+    for b, g in enumerate(out[:2]):
+        assert logps[b][mask[b]].tolist() == pytest.approx(list(g.logprobs), abs=1e-4)
+
+    monkeypatch.undo()
+    monkeypatch.setattr(HFGenerator, "_generate", _written)
+    real = HFGenerator(policy, spec=spec, click_readout="cell").generate(
+        prompts(), temperature=0.0, top_p=1.0, max_new_tokens=40
+    )
+    for g in real[:2]:
+        x, y = (int(v) for v in generate._CLICK.search(g.text).group(1).split(","))
+        assert (x - 14) % 28 == 0 and (y - 14) % 28 == 0 and 0 < x < 224 and 0 < y < 224, g.text
+    assert real[2] == out[2]
+    with pytest.raises(ValueError, match="unknown click_readout 'argmax'"):
+        HFGenerator(policy, spec=spec, click_readout="argmax")

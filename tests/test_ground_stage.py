@@ -387,6 +387,23 @@ def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch)
     assert len(opened) == 1 and len(closed) == 1
 
 
+def test_the_final_measures_click_with_the_policys_readout(init_dir, tmp_path, monkeypatch):
+    """ground.py, decision "Image dependence measured": the stage's measures read the clicks as the policy
+    will act (`policy.click_readout`, generate.py decision "Read clicks"), every level's."""
+    from arpo_core.offline import grounding
+
+    asked = []
+    greedy = grounding.greedy_replies
+
+    def spy(*args, readout="tokens", **kwargs):
+        asked.append(readout)
+        return greedy(*args, readout=readout, **kwargs)
+
+    monkeypatch.setattr(grounding, "greedy_replies", spy)
+    m = ground.run(params("policy.click_readout=cell", *TINY_EVAL), init_dir, tmp_path / "g")
+    assert asked == ["cell", "cell"] and "ground/box4/hit_rate" in m
+
+
 def test_no_count_of_training_screens_reaches_the_held_out_seeds(monkeypatch):
     """ground.py, decision "Image dependence measured": a phase asking for more real screens than there are
     seeds below the held-out block (1000) skips the block (0-999, then 2000..), while the held-out screens

@@ -992,11 +992,12 @@ def test_the_first_digit_spans_are_the_two_positions_before_x_and_y(tmp_path):
 
 
 def test_attention_clicks_read_the_click_off_the_attended_cells(tmp_path, monkeypatch):
-    """grounding.py, decision "Clicks read from the pointing head": the heads' weights are taken at the
+    """policy/heads.py, decision "Clicks read from the pointing head": the heads' weights are taken at the
     position before x's first character (and y's with "xy"), of the reply as given; the click is the
-    attended cell's centre in model pixels (`window` 0) or the mass-weighted centre of the block around it;
-    a reply without a click has none."""
+    attended cell's centre in model pixels (`cell`) or the mass-weighted centre of the block around it
+    (`block`); a reply without a click has none."""
     from arpo_core.offline import grounding as g
+    from arpo_core.policy.heads import HeadWeights
 
     policy = build_tiny_policy(tmp_path / "p", size="xs")
     exs, _ = _pointing_examples(policy)
@@ -1018,9 +1019,9 @@ def test_attention_clicks_read_the_click_off_the_attended_cells(tmp_path, monkey
             out.append(w.log())
         return out
 
-    monkeypatch.setattr(g._PointCapture, "log_weights", log_weights)
-    cell = g.attention_clicks(policy, exs, replies, system="compact", window=0)
-    block = g.attention_clicks(policy, exs, replies, system="compact", window=1, positions="xy")
+    monkeypatch.setattr(HeadWeights, "log_weights", log_weights)
+    cell = g.attention_clicks(policy, exs, replies, system="compact", readout="cell")
+    block = g.attention_clicks(policy, exs, replies, system="compact", readout="block", positions="xy")
     assert cell[:2] == [pytest.approx((3.5 * 28, 2.5 * 28))] * 2 and cell[2] is None
     assert (
         block[:2] == [pytest.approx((0.75 * 3.5 * 28 + 0.25 * 4.5 * 28, 2.5 * 28))] * 2 and block[2] is None
@@ -1032,6 +1033,8 @@ def test_attention_clicks_read_the_click_off_the_attended_cells(tmp_path, monkey
     assert following == [f"{action.point[0]:.0f}"[0], f"{action.point[1]:.0f}"[0]]  # x's and y's first
     with pytest.raises(ValueError, match="positions must be 'x' or 'xy'"):
         g.attention_clicks(policy, exs, replies, system="compact", positions="y")
+    with pytest.raises(ValueError, match="unknown click readout 'argmax'; choose one of cell, block"):
+        g.attention_clicks(policy, exs, replies, system="compact", readout="argmax")
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", "qwen3_vl"])
@@ -1192,9 +1195,14 @@ def test_the_modules_docstring_examples_hold():
     import doctest
 
     from arpo_core.offline import grounding
+    from arpo_core.pipeline import ground
+    from arpo_core.policy import heads
 
     result = doctest.testmod(grounding)
     assert result.failed == 0 and result.attempted >= 8, result
+    for module in (heads, ground):  # cell_click; training_seeds
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted >= 1, (module.__name__, result)
 
 
 def test_the_paragraph_level_draws_click_links_screen_as_chromium_does():

@@ -974,7 +974,7 @@ def train(
     generator = (
         generator_factory(gen_policy)
         if generator_factory is not None
-        else HFGenerator(gen_policy, spec=PromptSpec.of(policy_cfg))
+        else HFGenerator.of(gen_policy, policy_cfg)
     )
     if gen_policy is not policy:
         generator = _OnCopy(generator, gen_policy, engine)

@@ -314,10 +314,26 @@ class PolicyConfig:
     (`Thought: ... Action: click(start_box='(x,y)')`) or Qwen3-VL / GUI-Owl-1.5 tool calls (`Action: ...`
     then `<tool_call>{"name": "computer_use", ...}</tool_call>`, 0-1000 coordinates: coord_mode
     relative1000). docs/models.md."""
+    click_readout: Literal["tokens", "cell", "block"] = "tokens"
+    """Where a reply's click comes from: `tokens`, the coordinates the policy writes; `cell` / `block`, the
+    screen cell its last layer's pointing head attends to where it starts writing x (the cell's centre, or
+    the mass-weighted centre of its 3x3 block), written into the reply in place of the policy's digits
+    (policy/heads.py, decision "Clicks read from the pointing head"; generate.py, decision "Read clicks").
+    For a policy whose grounding taught that head (`ground.phases[].point_weight`); backend hf, UI-TARS
+    replies and absolute coordinates."""
     vllm: VLLMConfig = field(default_factory=VLLMConfig)
 
     def cross_checks(self) -> CrossChecks:
         """Rules across fields, checked by the loader: (field, rule, other fields involved)."""
+        if self.click_readout != "tokens" and (
+            self.backend != "hf" or self.action_format != "uitars" or self.coord_mode != "absolute"
+        ):
+            yield (
+                "click_readout",
+                f"{self.click_readout} needs backend hf, action_format uitars and coord_mode absolute (the "
+                "clicks are read from the transformers model's heads into UI-TARS replies in model pixels)",
+                ("backend", "action_format", "coord_mode"),
+            )
         tool_prompt = self.system_prompt.startswith("qwen3vl")  # policy/prompt.py PROMPT_FORMATS
         if tool_prompt != (self.action_format == "qwen3vl_tool_call"):
             yield (

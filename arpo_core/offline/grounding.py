@@ -140,7 +140,7 @@ Decisions:
   first `point_heads` query heads of the last decoder layer are taught to put their attention on the
   merged image tokens under the target (-log of the mass there, in log space so that a head that starts
   far away still gets a gradient). Only the last layer can match: its query has read the instruction in
-  the layer before. The weights are the layer's own, recomputed in fp32 from its inputs (`_PointCapture`),
+  the layer before. The weights are the layer's own, recomputed in fp32 from its inputs (policy/heads.py),
   so the loss does not depend on the attention kernel (a test checks them against eager attention, both
   families). The curves add the heads' held-out mass on the target (`<set>/point_mass`), on the other
   look-alikes (`point_other`) and its chance level (`point_even`, the target's share of the look-alikes'
@@ -231,7 +231,6 @@ import math
 import random
 import re
 import string
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Mapping, Sequence
@@ -247,6 +246,7 @@ from arpo_core.actions import ActionParseError, parse_response
 from arpo_core.config.sections import TRAINED_HEADS, GroundTrainConfig
 from arpo_core.infra.fileio import atomic_open
 from arpo_core.offline.behaviour_cloning import lr_factor
+from arpo_core.policy.heads import AttentionInputs, HeadWeights, click_positions, image_cells, read_clicks
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments, model_image_size
 from arpo_core.policy.sequences import EncodedSequence, collate, encode_segments, sequence_logprobs
@@ -1310,49 +1310,6 @@ def point_spans(
     return queries, box_tokens(policy, enc, ex.bbox) if queries else []
 
 
-def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -> list[int] | None:
-    """The positions of `enc` whose next token is a character of its reply's click coordinates (inside
-    `start_box='(...)`), or with `first` the two that predict x's and y's first characters; [] without a
-    reply, None where the reply's decoded tokens have no `start_box='(`."""
-    ids, mask = enc.input_ids, enc.assistant_mask
-    reply = [i for i, m in enumerate(mask) if m]
-    if not reply:
-        return []
-    tok = policy.processor.tokenizer
-    pieces = [tok.decode([ids[i]]) for i in reply]
-    text, starts = "", []
-    for piece in pieces:
-        starts.append(len(text))
-        text += piece
-    begin = text.find("start_box='(")
-    if begin < 0:
-        return None
-    begin += len("start_box='(")
-    end = text.find(")", begin)
-    if first:
-        comma = text.find(",", begin, end)
-        chars = (begin, comma + 1) if comma >= 0 else (begin,)
-        queries = [
-            reply[k] - 1 for k, at in enumerate(starts) if any(at <= c < at + len(pieces[k]) for c in chars)
-        ]
-    else:
-        queries = [reply[k] - 1 for k, at in enumerate(starts) if at < end and at + len(pieces[k]) > begin]
-    return queries
-
-
-def image_cells(policy: Policy, enc: EncodedSequence) -> tuple[list[int], int, int]:
-    """(positions, rows, columns): the positions in `enc` of its one screenshot's merged image tokens, in
-    raster order (the tokens the language model gets, in the processor's order: rows of merged cells, top
-    to bottom), and the token grid's rows and columns. ([], 0, 0) without an image."""
-    if enc.image_grid_thw is None:
-        return [], 0, 0
-    merge = int(policy.processor.image_processor.merge_size)
-    _, gh, gw = (int(v) for v in enc.image_grid_thw[0].tolist())
-    rows, cols = gh // merge, gw // merge
-    image = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id][: rows * cols]
-    return image, rows, cols
-
-
 def box_tokens(policy: Policy, enc: EncodedSequence, box: tuple[float, float, float, float]) -> list[int]:
     """Positions in `enc` of the merged image tokens whose cell (`image_cells`) overlaps `box` (model px),
     at least the one under its centre (`point_spans`)."""
@@ -1377,86 +1334,8 @@ def _point_spans(
     return [point_spans(policy, enc, ex, first) for enc, ex in zip(encoded, examples, strict=True)]
 
 
-class AttentionInputs:
-    """Within the block, the inputs of the chosen decoder layers' attention are kept from each forward:
-    `kept[d]` = (hidden states, as layer d's attention reads them: after its input norm; rotary (cos, sin)),
-    for each d of `layers` (negative counts from the last layer)."""
-
-    def __init__(self, policy: Policy, layers: Sequence[int] = (-1,)):
-        self.layers = policy.model.model.language_model.layers
-        self.chosen = sorted({d % len(self.layers) for d in layers})
-        self.kept: dict[int, tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]] = {}
-        self._hooks: list = []
-
-    def __enter__(self):
-        def keep(d):
-            def hook(module, args, kwargs):
-                hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-                self.kept[d] = (hidden, kwargs["position_embeddings"])
-
-            return hook
-
-        self._hooks = [
-            self.layers[d].self_attn.register_forward_pre_hook(keep(d), with_kwargs=True) for d in self.chosen
-        ]
-        return self
-
-    def __exit__(self, *exc) -> None:
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
-
-
-class _PointCapture(AttentionInputs):
-    """Within the block, the inputs of the last decoder layer's attention (hidden states and rotary
-    cos/sin) are kept from each forward (`inputs`), so that `loss` recomputes the attention weights of its
-    first `heads` query heads at a few query positions exactly as the layer does (q/k projections,
-    optional q/k norms, rotary, scaled softmax over the causal prefix) whatever attention kernel the model
-    runs, and differentiably."""
-
-    def __init__(self, policy: Policy, heads: int = 1):
-        super().__init__(policy, (-1,))
-        self.attn = self.layers[-1].self_attn
-        n = policy.model.config.text_config.num_attention_heads
-        if not 1 <= heads <= n:
-            raise ValueError(f"point_heads must be in [1, {n}] for this model, got {heads}")
-        self.heads = heads
-
-    @property
-    def inputs(self) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]] | None:
-        return self.kept.get(self.chosen[0])
-
-    def log_weights(self, queries: Sequence[Sequence[int]]) -> list[torch.Tensor]:
-        """Per row b, the log of the heads' attention weights (heads x len(queries[b]), T) at those
-        positions, head by head."""
-        attn = self.attn
-        hidden, (cos, sin) = self.inputs
-        with torch.autocast(hidden.device.type, enabled=False):  # in fp32, even inside a bf16 forward
-            return self._log_weights(queries, attn, hidden.float(), cos.float(), sin.float())
-
-    def _log_weights(self, queries, attn, hidden, cos, sin) -> list[torch.Tensor]:
-        rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
-        hd = attn.head_dim
-        H = self.heads
-        kv = (H - 1) // attn.num_key_value_groups + 1  # the key heads the first H query heads read
-        B, T, _ = hidden.shape
-        q = attn.q_proj(hidden)[..., : H * hd].view(B, T, H, hd)
-        k = attn.k_proj(hidden)[..., : kv * hd].view(B, T, kv, hd)
-        if getattr(attn, "q_norm", None) is not None:  # Qwen3-VL normalises q and k per head
-            q, k = attn.q_norm(q), attn.k_norm(k)
-        q, k = rotate(q.transpose(1, 2), k.transpose(1, 2), cos, sin)  # (B, H, T, hd), (B, kv, T, hd)
-        k = k.repeat_interleave(attn.num_key_value_groups, dim=1)[:, :H]  # query head h reads key h // groups
-        out = []
-        for b, pos in enumerate(queries):
-            if not pos:
-                out.append(hidden.new_zeros((0, T)))
-                continue
-            idx = torch.tensor(pos, device=hidden.device)
-            logits = (q[b][:, idx] @ k[b].transpose(1, 2)) * attn.scaling  # (H, P, T)
-            causal = torch.arange(T, device=hidden.device)[None, None, :] > idx[None, :, None]
-            logp = torch.log_softmax(logits.masked_fill(causal, float("-inf")), dim=-1)
-            out.append(logp.reshape(H * len(pos), T))
-        return out
+class _PointCapture(HeadWeights):
+    """`HeadWeights` of the pointing loss: its loss, masses, and rows of weights already computed."""
 
     def at(
         self,
@@ -1507,64 +1386,29 @@ class _PointCapture(AttentionInputs):
         ]
 
 
-@torch.no_grad()
 def attention_clicks(
     policy: Policy,
     examples: Sequence[GroundExample],
     replies: Sequence[str],
     *,
     system: str,
+    readout: str = "cell",
     heads: int = 1,
-    window: int = 1,
     positions: str = "x",
     batch_size: int = 16,
 ) -> list[tuple[float, float] | None]:
-    """The clicks the pointing heads give (decision "Clicks read from the pointing head"): each reply,
-    teacher-forced on its own screen and instruction, and at the position that predicts x's first
-    character (`positions` "x"; "xy": also y's, the two averaged) the first `heads` heads of the last
-    layer, averaged, over the screenshot's cells (`image_cells`); the click is the mass-weighted mean of
-    the cell centres in the (2 `window` + 1)^2 block of cells around the cell with the most mass (model
-    pixels; `window` 0: that cell's centre). None where the reply has no click (`first_click`)."""
-    if positions not in ("x", "xy"):
-        raise ValueError(f"attention_clicks: positions must be 'x' or 'xy', got {positions!r}")
-    proc = policy.processor.image_processor
-    unit = int(proc.patch_size) * int(proc.merge_size)
-    out: list[tuple[float, float] | None] = []
-    for i in range(0, len(examples), batch_size):
-        chunk, texts = examples[i : i + batch_size], replies[i : i + batch_size]
-        spec = PromptSpec(system, None)
-        encoded = [
-            encode_segments(policy, build_segments(e.instruction, 1, [t], spec=spec), [e.image])
-            for e, t in zip(chunk, texts, strict=True)
-        ]
-        firsts = [
-            (click_positions(policy, enc, first=True) or []) if first_click(t) is not None else []
-            for enc, t in zip(encoded, texts, strict=True)
-        ]
-        firsts = [q[:1] if positions == "x" else q for q in firsts]
-        batch = collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
-        with _PointCapture(policy, heads) as capture:
-            sequence_logprobs(policy.model, batch)
-            weights = capture.log_weights(firsts)
-        for enc, q, w in zip(encoded, firsts, weights, strict=True):
-            cells, rows, cols = image_cells(policy, enc)
-            if not q or not cells:
-                out.append(None)
-                continue
-            grid = w.exp().mean(0)[cells].view(rows, cols)  # heads and positions averaged
-            r, c = divmod(int(grid.argmax()), cols)
-            r0, r1, c0, c1 = (
-                max(0, r - window),
-                min(rows, r + window + 1),
-                max(0, c - window),
-                min(cols, c + window + 1),
-            )
-            block = grid[r0:r1, c0:c1]
-            ys = (torch.arange(r0, r1, dtype=block.dtype) + 0.5) * unit
-            xs = (torch.arange(c0, c1, dtype=block.dtype) + 0.5) * unit
-            total = block.sum()
-            out.append((float((block.sum(0) * xs).sum() / total), float((block.sum(1) * ys).sum() / total)))
-    return out
+    """The clicks the pointing heads give for `replies` on the examples' screens and instructions
+    (`heads.read_clicks`: policy/heads.py, decision "Clicks read from the pointing head"); None where a
+    reply has no click (`first_click`)."""
+    spec = PromptSpec(system, None)
+    encoded = [
+        encode_segments(policy, build_segments(e.instruction, 1, [t], spec=spec), [e.image])
+        for e, t in zip(examples, replies, strict=True)
+    ]
+    read = read_clicks(
+        policy, encoded, readout=readout, heads=heads, positions=positions, batch_size=batch_size
+    )
+    return [c if first_click(t) is not None else None for c, t in zip(read, replies, strict=True)]
 
 
 def _name_window_shape(policy: Policy, msize: tuple[int, int]) -> tuple[int, int]:
@@ -2189,12 +2033,13 @@ def greedy_replies(
     system: str,
     max_new_tokens: int,
     batch_size: int = 32,
+    readout: str = "tokens",
 ) -> list[str]:
     """`policy`'s greedy replies (at most `max_new_tokens` tokens each) to the examples' screens and
-    instructions."""
+    instructions, their clicks written by `readout` (params' `policy.click_readout`)."""
     from arpo_core.policy.generate import HFGenerator
 
-    gen = HFGenerator(policy, spec=PromptSpec(system, None))
+    gen = HFGenerator(policy, spec=PromptSpec(system, None), click_readout=readout)
     texts: list[str] = []
     for i in range(0, len(examples), batch_size):
         outs = gen.generate(
@@ -2256,15 +2101,22 @@ def evaluate_grounding(
     batch_size: int = 32,
     pattern: float = 0.0,
     clicks: list[tuple[float, float] | None] | None = None,
+    readout: str = "tokens",
 ) -> GroundMetrics:
-    """Greedy replies (at most `max_new_tokens` tokens) of `policy` on `examples` -> GroundMetrics.
-    `clicks`: when given, those replies' first clicks, already decoded (`first_click`)."""
+    """Greedy replies (at most `max_new_tokens` tokens, clicks written by `readout`) of `policy` on
+    `examples` -> GroundMetrics. `clicks`: when given, those replies' first clicks, already decoded
+    (`first_click`)."""
     size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
     if pattern > 0:
         examples = [replace(e, image=coord_pattern(e.image, size, pattern)) for e in examples]
     if clicks is None:
         replies = greedy_replies(
-            policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=batch_size
+            policy,
+            examples,
+            system=system,
+            max_new_tokens=max_new_tokens,
+            batch_size=batch_size,
+            readout=readout,
         )
         clicks = [first_click(text) for text in replies]
     nll = coordinate_nll(policy, examples, system=system, batch_size=batch_size)

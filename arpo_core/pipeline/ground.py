@@ -19,7 +19,8 @@ Decisions:
   real screen the stage needs and is closed before training starts. The measures are the stage's
   metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
   `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
-  it scores. A start that carries its own report (a versioned checkpoint the stage trained: its recipe,
+  it scores. These final measures click as the policy will act, with `policy.click_readout` (generate.py,
+  decision "Read clicks"); the curves while a phase trains read the written digits. A start that carries its own report (a versioned checkpoint the stage trained: its recipe,
   commit and curves) has it kept whole in the new report's `start_report`, so the chain of how a policy
   was made survives copies and further phases.
 - **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
@@ -106,6 +107,8 @@ def training_seeds(n: int) -> list[int]:
     ([0, 1, 2], [999, 2000, 2001])
     """
     return [s if s < MINIWOB_HELDOUT_SEED else s + MINIWOB_HELDOUT_SEEDS for s in range(n)]
+
+
 GROUND_REPORT = "ground_report.json"
 CHECKPOINTS = "checkpoints"
 """Phase checkpoints, inside the staged output while the stage runs (decision "Resumable phases")."""
@@ -249,7 +252,9 @@ def real_screens(
 
     env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
     try:
-        train = {n: miniwob_examples(env, tasks, training_seeds(n), size, g.miniwob_per_screen) for n in counts}
+        train = {
+            n: miniwob_examples(env, tasks, training_seeds(n), size, g.miniwob_per_screen) for n in counts
+        }
         seeds = range(MINIWOB_HELDOUT_SEED, MINIWOB_HELDOUT_SEED + n_held)
         return train, miniwob_examples(env, tasks, seeds, size, g.miniwob_per_screen) if n_held else []
     finally:
@@ -384,10 +389,11 @@ def run(
 
     t0 = time.perf_counter()
     measures: dict[str, dict[str, float]] = {}
+    readout = p.policy.click_readout  # clicks as the policy will act (decision "Image dependence measured")
     for level in g.eval_levels:
         exs = held_out_screens(level, g.eval_per_level, size)
         measures[level] = evaluate_grounding(
-            policy, exs, system=p.policy.system_prompt, max_new_tokens=tokens
+            policy, exs, system=p.policy.system_prompt, max_new_tokens=tokens, readout=readout
         ).as_dict()
     if any(ph.read_share for ph in g.phases):  # trained to read: the same screens asked to be read
         for level in g.eval_levels:
@@ -396,7 +402,9 @@ def run(
             measures[f"read-{level}"] = {"read_score": round(score, 4)}
     if g.eval_miniwob_seeds:
         if len(held_real) >= 2:  # correlations need two points
-            replies = greedy_replies(policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens)
+            replies = greedy_replies(
+                policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens, readout=readout
+            )
             clicks = [first_click(r) for r in replies]
             measures["miniwob"] = evaluate_grounding(
                 policy, held_real, system=p.policy.system_prompt, max_new_tokens=tokens, clicks=clicks

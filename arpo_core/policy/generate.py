@@ -78,6 +78,18 @@ Decisions:
   (`checkpoint_name`): Qwen2.5-VL checkpoints (UI-TARS-1.5) use the older `model.*` / `visual.*` layout,
   Qwen3-VL ones (GUI-Owl-1.5) the transformers parameter names themselves (`model.language_model.*`,
   `model.visual.*`). Not run against vLLM here (no GPU).
+- **Read clicks.** With `click_readout` `cell` or `block` (params' `policy.click_readout`), a reply's first
+  click is written with the point the policy's last-layer pointing head reads off the screen
+  (policy/heads.py, decision "Clicks read from the pointing head") instead of the digits the policy wrote:
+  after the decode loop, the prompt and reply go through the model once teacher-forced, the head's
+  attention at the position before x's first character is read (it has seen none of the written
+  digits), and the reply's tokens from x's first character on are the rewritten text's (`x,y` in model
+  pixels, then the rest of the reply as written, then its stop token). Its log-probs are the raw ones of
+  the rewritten tokens from a second teacher-forced forward, the same quantity as sampled tokens' (decision
+  "Raw-logit log-probs"), so the trajectory, the trainer's recomputation and GRPO's ratio see one
+  consistent reply: like temperature and top-p, the readout only decides which tokens are emitted. A reply
+  without a complete `start_box='(x,y)'` is left as written. Two extra forwards per call of replies with
+  clicks; the HF backend only (vLLM's engine gives no attention weights).
 - **Cache keyword.** The KV cache goes in and out under the installed transformers' name for it (`CACHE_KW`,
   `_cache_of`): `cache` since 5.2x, `past_key_values` before (5.17, the GPU environment's); nothing else
   differs.
@@ -87,6 +99,7 @@ from __future__ import annotations
 
 import inspect
 import os
+import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -96,9 +109,10 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from arpo_core.policy.decode import LeanDecoder
+from arpo_core.policy.heads import READOUTS, click_positions, read_clicks
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments
-from arpo_core.policy.sequences import EncodedSequence, collate, encode_prompt
+from arpo_core.policy.sequences import EncodedSequence, collate, encode_prompt, sequence_logprobs
 
 if TYPE_CHECKING:
     from arpo_core.config import PolicyConfig
@@ -238,9 +252,20 @@ class HFGenerator:
     """Decision "Shared prompt head": the prompt head all rows share goes through the language model once per
     call."""
 
-    def __init__(self, policy: Policy, *, spec: PromptSpec):
+    def __init__(self, policy: Policy, *, spec: PromptSpec, click_readout: str = "tokens"):
+        if click_readout != "tokens" and click_readout not in READOUTS:
+            raise ValueError(
+                f"unknown click_readout {click_readout!r}; choose tokens or {' or '.join(READOUTS)}"
+            )
         self.policy = policy
         self.spec = spec
+        self.click_readout = click_readout
+        """Decision "Read clicks": `tokens`, or a readout of policy/heads.py."""
+
+    @classmethod
+    def of(cls, policy: Policy, cfg: PolicyConfig) -> HFGenerator:
+        """The generator params' `policy` section asks for (prompt and click readout)."""
+        return cls(policy, spec=PromptSpec.of(cfg), click_readout=cfg.click_readout)
 
     def banned_ids(self) -> list[int]:
         """Token ids never drawn (decision "Vision tokens banned"); a subclass may ban more (the benchmarks
@@ -266,11 +291,66 @@ class HFGenerator:
         was_training = model.training
         model.eval()
         try:
-            return self._generate(
+            gens = self._generate(
                 batch, temperature=temperature, top_p=top_p, max_new_tokens=max_new_tokens, seeds=seeds
             )
+            return gens if self.click_readout == "tokens" else self._read_clicks(batch, gens)
         finally:
             model.train(was_training)
+
+    @torch.no_grad()
+    def _read_clicks(self, batch: list[PromptInput], gens: list[Generation]) -> list[Generation]:
+        """Decision "Read clicks": each reply's first click, written with the point its pointing head reads
+        (`heads.read_clicks`), its tokens and raw log-probs those of the rewritten reply."""
+        policy = self.policy
+        rows = [b for b, g in enumerate(gens) if _CLICK.search(g.text)]
+        if not rows:
+            return gens
+        prompts = {b: encode_prompt(policy, batch[b], spec=self.spec) for b in rows}
+
+        def whole(b: int, ids: Sequence[int]) -> EncodedSequence:
+            p = prompts[b]
+            mask = [False] * len(p.input_ids) + [True] * len(ids)
+            return EncodedSequence(p.input_ids + list(ids), mask, p.pixel_values, p.image_grid_thw)
+
+        clicks = read_clicks(policy, [whole(b, gens[b].token_ids) for b in rows], readout=self.click_readout)
+        stops = {policy.im_end_id, policy.pad_id}
+        new: dict[int, list[int]] = {}
+        for b, click in zip(rows, clicks, strict=True):
+            g = gens[b]
+            found = _CLICK.search(g.text)
+            firsts = click_positions(policy, whole(b, g.token_ids), first=True)
+            if click is None or not firsts or found.start() != g.text.find("start_box='("):
+                continue
+            k = firsts[0] + 1 - len(prompts[b].input_ids)  # the reply token holding x's first character
+            head = policy.tokenizer.decode(g.token_ids[:k], skip_special_tokens=True)
+            text = f"{g.text[: found.start(1)]}{round(click[0])},{round(click[1])}{g.text[found.end(1) :]}"
+            if not text.startswith(head):  # a token that spans the click's start and what precedes it
+                continue
+            stop = [g.token_ids[-1]] if g.finish_reason == "stop" and g.token_ids[-1] in stops else []
+            new[b] = [
+                *g.token_ids[:k],
+                *policy.tokenizer.encode(text[len(head) :], add_special_tokens=False),
+                *stop,
+            ]
+        if not new:
+            return gens
+        order = sorted(new)
+        encoded = [whole(b, new[b]) for b in order]
+        logps, _ = sequence_logprobs(
+            policy.model, collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
+        )
+        out = list(gens)
+        for row, b in enumerate(order):
+            start = len(prompts[b].input_ids)
+            ids = new[b]
+            out[b] = Generation(
+                text=policy.tokenizer.decode(ids, skip_special_tokens=True),
+                token_ids=tuple(ids),
+                logprobs=tuple(logps[row, start : start + len(ids)].tolist()),
+                finish_reason=gens[b].finish_reason,
+            )
+        return out
 
     @torch.no_grad()
     def _generate(
@@ -391,6 +471,10 @@ class HFGenerator:
             )
             for b in range(B)
         ]
+
+
+_CLICK = re.compile(r"start_box='\((\s*-?\d+(?:\.\d+)?\s*,\s*-?\d+(?:\.\d+)?\s*)\)")
+"""A reply's first written click point: group 1 is its `x,y` (decision "Read clicks")."""
 
 
 def checkpoint_name(name: str, family: str = "qwen2_5_vl") -> str:
@@ -650,7 +734,7 @@ def make_generator(
     config is reused (decision "One vLLM engine"); either way the engine gets `policy`'s weights before the
     first reply."""
     if cfg.backend == "hf":
-        return HFGenerator(policy, spec=PromptSpec.of(cfg))
+        return HFGenerator.of(policy, cfg)
     if cfg.backend != "vllm":
         raise ValueError(f"unknown policy.backend {cfg.backend!r}; choose 'hf' or 'vllm'")
     config_text = (Path(policy_dir) / "config.json").read_text()
