@@ -50,7 +50,7 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
         name: g.attention_clicks(policy, examples, replies, system=system, heads=heads, readout=name)
         for name in ("cell", "block")
     }
-    rows = []
+    rows, kinds = [], []
     for i in range(0, len(examples), 16):
         chunk = examples[i : i + 16]
         encoded = [g._encode(policy, e, system, 0.0) for e in chunk]
@@ -89,6 +89,16 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
                 }
                 | read
             )
+            kinds.append(e.kind)
+    out = _means(rows)
+    if any(kinds):  # real screens: the same measures per target kind (grounding.py, "Real targets by kind")
+        out["by_kind"] = {
+            k: _means([r for r, rk in zip(rows, kinds, strict=True) if rk == k]) for k in sorted(set(kinds))
+        }
+    return out
+
+
+def _means(rows: list[dict]) -> dict:
     return {k: round(sum(float(r[k]) for r in rows) / len(rows), 3) for k in rows[0]} | {"screens": len(rows)}
 
 
@@ -157,6 +167,9 @@ def main() -> None:
     for r in rows:
         for level, m in r["levels"].items():
             lines.append(f"| {r['model']} | {level} | " + " | ".join(f"{m[k]:.2f}" for k in keys) + " |")
+            for kind, mk in m.get("by_kind", {}).items():
+                cells = " | ".join(f"{mk[k]:.2f}" for k in keys)
+                lines.append(f"| {r['model']} | {level}/{kind} ({mk['screens']}) | {cells} |")
     out.with_suffix(".md").write_text("\n".join(lines) + "\n")
 
 

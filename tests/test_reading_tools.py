@@ -175,7 +175,8 @@ def test_point_positions_splits_the_heads_mass_by_position_beside_the_greedy_cli
     """benchmarks/point_positions.py: per model and level, the pointing head's mass on the target at x's
     and y's first characters and over every coordinate position (fractions), whether its pick at x's first
     is the named look-alike, and the greedy click's hit, other and right-but-missed rates, consistent with
-    one another."""
+    one another; beside them the clicks read off the head (`cell`, `block`), and with `--real` held-out real
+    MiniWoB screens (one browser, ~5 s), split by target kind as well."""
     out = tmp_path / "pos"
     cmd = [
         sys.executable,
@@ -186,15 +187,27 @@ def test_point_positions_splits_the_heads_mass_by_position_beside_the_greedy_cli
         "boxes8,box1h",
     ]
     res = subprocess.run(
-        [*cmd, "--screens", "4", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+        [*cmd, "--screens", "4", "--real", "1", "--per-screen", "2", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
     )
     assert res.returncode == 0, res.stderr[-2000:]
     rec = json.loads(out.with_suffix(".json").read_text())
     (model,) = rec["models"]
-    assert model["model"] == "fresh" and set(model["levels"]) == {"boxes8", "box1h"}
-    for m in model["levels"].values():
-        assert m["screens"] == 4
-        assert all(0.0 <= m[k] <= 1.0 for k in ("x_first", "y_first", "all", "head_right", "hit", "other"))
+    assert model["model"] == "fresh" and set(model["levels"]) == {"boxes8", "box1h", "real"}
+    for level, m in model["levels"].items():
+        assert m["screens"] == 4 or level == "real"
+        measures = ("x_first", "y_first", "all", "head_right", "hit", "other", "cell_hit", "block_other")
+        assert all(0.0 <= m[k] <= 1.0 for k in measures)
         assert m["hit"] + m["other"] <= 1.0 and m["right_but_missed"] <= m["head_right"]
+        assert m["cell_hit"] + m["cell_other"] <= 1.0 and m["block_hit"] + m["block_other"] <= 1.0
     assert model["levels"]["box1h"]["head_right"] == 1.0  # one look-alike: the head's pick is the target
+    real = model["levels"]["real"]
+    assert 2 <= real["screens"] <= 8 and set(real["by_kind"]) <= {"button", "link", "label", "text"}
+    assert sum(k["screens"] for k in real["by_kind"].values()) == real["screens"]
+    assert sum(k["hit"] * k["screens"] for k in real["by_kind"].values()) == pytest.approx(
+        real["hit"] * real["screens"], abs=0.01
+    )
     assert "| fresh | boxes8 |" in out.with_suffix(".md").read_text()
