@@ -1072,8 +1072,9 @@ def test_the_pointing_heads_are_the_layers_own_attention(tmp_path, one_thread, f
 
 def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, one_thread):
     """`point_weight`: history "point_loss", evaluations `<set>/point_mass` (on the target) and
-    `<set>/point_other` (on the other look-alikes); trained, the head's mass on the target rises many
-    times, far above what the same clicks alone leave it at; the policy stays a plain Qwen2.5-VL."""
+    `<set>/point_other` (on the other look-alikes), and `<set>/cell_hit` (the clicks read off the head);
+    trained, the head's mass on the target rises many times, far above what the same clicks alone leave it
+    at; the policy stays a plain Qwen2.5-VL."""
     policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0)
     keys0 = set(policy.model.state_dict())
     heldout = {
@@ -1092,11 +1093,13 @@ def test_the_pointing_loss_moves_the_heads_attention_onto_the_target(tmp_path, o
         0.0 <= end["box1h/point_first"] <= 1.0 and end["box1h/point_first"] > 3 * start["box1h/point_first"]
     )
     assert 0.0 <= end["real/point_mass"] <= 1.0 and "real/point_other" not in end  # no look-alikes listed
+    assert all(0.0 <= end[f"{n}/cell_hit"] <= 1.0 for n in heldout)
     assert set(policy.model.state_dict()) == keys0
     from arpo_core.offline.grounding import _attention_measures
 
     control, plain = _control(tmp_path, cfg, heldout, point_weight=0.0)  # the same clicks, no pointing
     assert "point_loss" not in plain and "box1h/point_mass" not in plain["evals"][-1]
+    assert "box1h/cell_hit" not in plain["evals"][-1]
     clicks_alone = _attention_measures(control, heldout, "compact", 0.0, 1)["box1h/point_mass"]
     assert end["box1h/point_mass"] > clicks_alone + 0.3, (clicks_alone, end)
 

@@ -144,10 +144,12 @@ Decisions:
   so the loss does not depend on the attention kernel (a test checks them against eager attention, both
   families). The curves add the heads' held-out mass on the target (`<set>/point_mass`), on the other
   look-alikes (`point_other`) and its chance level (`point_even`, the target's share of the look-alikes'
-  tokens). Measured (docs/results.md, "Pointing at the named target"): on colours the head's mass on
-  the named box passed 0.7 in 1,000 steps and the clicks turned sooner (boxes8 0.80 against 0.61 at 2,000
-  steps); on words the head found the look-alikes at once and leaned to the named one at about twice
-  chance (buttons8 0.65 against an even 0.30 after 8,000 steps), while the clicks stayed near chance.
+  tokens) and the hit rate of the clicks read off head 0 (`<set>/cell_hit`, policy/heads.py, decision
+  "Clicks read from the pointing head"). Measured (docs/results.md, "Pointing at the named target"): on
+  colours the head's mass on the named box passed 0.7 in 1,000 steps and the clicks turned sooner
+  (boxes8 0.80 against 0.61 at 2,000 steps); on words the head found the look-alikes at once and leaned
+  to the named one at about twice chance (buttons8 0.65 against an even 0.30 after 8,000 steps), while
+  the clicks stayed near chance.
   After the tower's naming phase, at weight 1.0 the head put all its mass on the named box among eight
   (1.00) while the clicks stayed at zero: what is left is reading the pointed token's place, not finding it.
 - **Place loss.** A head that attends to one image token reads what the token carries, and Qwen2.5-VL
@@ -1151,7 +1153,9 @@ def train_grounding(
     def evaluate(step: int) -> bool:
         """Measure the held-out sets at `step`; True when `until_hit` is reached."""
         ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1)}
-        ev |= _measure(policy, heldout, system, max_new_tokens, config.pattern, gate)
+        ev |= _measure(
+            policy, heldout, system, max_new_tokens, config.pattern, gate, bool(config.point_weight)
+        )
         if head is not None:
             ev |= _name_accuracy(policy, head, heldout, config.name_vocab)
         if config.point_weight or probe is not None:
@@ -1259,10 +1263,12 @@ def _measure(
     max_new_tokens: int,
     pattern: float,
     gate: Sequence[str] | None = None,
+    read: bool = False,
 ) -> dict:
     """One evaluation's measures: a list's GroundMetrics, or per named set `<name>/<measure>` (a reading
     set: `read_score`) plus `hit_rate`, the lowest of the `gate` sets' (default every click set; the one
-    `until_hit` waits for)."""
+    `until_hit` waits for). With `read` (a phase that teaches the pointing head) each click set adds
+    `cell_hit`, the hit rate of the same replies' clicks read off head 0 (`attention_clicks`, `cell`)."""
     if not isinstance(heldout, Mapping):
         return evaluate_grounding(
             policy, heldout, system=system, max_new_tokens=max_new_tokens, pattern=pattern
@@ -1281,6 +1287,10 @@ def _measure(
             policy, exs, system=system, max_new_tokens=max_new_tokens, pattern=pattern, clicks=clicks
         )
         out |= {f"{name}/{k}": v for k, v in m.as_dict().items()}
+        if read and replies is not None:  # decision "Pointing loss": the click the head would give
+            cells = attention_clicks(policy, exs, replies, system=system, readout="cell")
+            hits = [click_outcome(c, e.bbox, e.lookalikes)[0] for c, e in zip(cells, exs, strict=True)]
+            out[f"{name}/cell_hit"] = round(sum(hits) / max(len(hits), 1), 4)
         copied = (
             []
             if replies is None
