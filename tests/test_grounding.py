@@ -496,7 +496,7 @@ def test_named_held_out_sets_and_until_hit_end_a_phase_early_and_resume_finished
     cfg = tiny_config(steps=6, batch_size=2, warmup_steps=1, eval_every=2, until_hit=0.5)
     calls = []
 
-    def fake_measure(policy, heldout, system, max_new_tokens, pattern, gate=None):
+    def fake_measure(policy, heldout, system, max_new_tokens, pattern, gate=None, read=False):
         calls.append(sorted(heldout))
         hits = {"box1h": 0.0 if len(calls) < 3 else 0.5, "box4": 0.0}
         out = {f"{k}/hit_rate": v for k, v in hits.items()}

@@ -1154,7 +1154,7 @@ def train_grounding(
         """Measure the held-out sets at `step`; True when `until_hit` is reached."""
         ev = {"step": step, "seconds": round(time.perf_counter() - t0, 1)}
         ev |= _measure(
-            policy, heldout, system, max_new_tokens, config.pattern, gate, bool(config.point_weight)
+            policy, heldout, system, max_new_tokens, config.pattern, gate, read=bool(config.point_weight)
         )
         if head is not None:
             ev |= _name_accuracy(policy, head, heldout, config.name_vocab)

@@ -510,6 +510,7 @@ STAGE = Stage(
         "ground",
         "policy.system_prompt",
         "policy.max_new_tokens",
+        "policy.click_readout",
         "env.kind",
         "env.in_domain_suite",
         "env.out_of_domain_suite",
