@@ -13,16 +13,16 @@ Decisions:
 - **Image dependence measured.** `ground` always measures image dependence of its output on held-out screens
   (docs/method.md §7): synthetic levels drawn with seed 10000 + the level's index in `grounding.LEVELS` (fixed
   per level, other streams than training's, which seeds each phase with its own small `seed`) and real MiniWoB
-  screens of the in-domain tasks with env seeds 1000.. . Seeds 1000-1999 are held out whatever the
+  screens of the in-domain tasks with env seeds from 1000. Seeds 1000-1999 are held out whatever the
   phases ask: training's N screens are env seeds 0..N-1 skipping that block (`training_seeds`: 0-999, then
-  2000..), so no count of real screens trains on a held-out one. One browser reads every
-  real screen the stage needs and is closed before training starts. The measures are the stage's
-  metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
-  `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how
-  it scores. These final measures click as the policy will act, with `policy.click_readout` (generate.py,
-  decision "Read clicks"); the curves while a phase trains read the written digits. A start that carries its own report (a versioned checkpoint the stage trained: its recipe,
-  commit and curves) has it kept whole in the new report's `start_report`, so the chain of how a policy
-  was made survives copies and further phases.
+  2000..), so no count of real screens trains on a held-out one. One browser reads every real screen the
+  stage needs and is closed before training starts. The measures are the stage's metrics
+  (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves, `ground_report.json` inside
+  the checkpoint directory, so the model carries how it was made and how it scores. These final measures
+  click as the policy will act, with `policy.click_readout` (generate.py, decision "Read clicks"); the
+  curves while a phase trains read the written digits. A start that carries its own report (a versioned
+  checkpoint the stage trained: its recipe, commit and curves) has it kept whole in the new report's
+  `start_report`, so the chain of how a policy was made survives copies and further phases.
 - **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
   swapped in on success (flows/runner.py, decision "Staged outputs"): a failed copy or training run leaves the
   previous `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree`

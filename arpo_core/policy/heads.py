@@ -43,7 +43,7 @@ __all__ = [
 ]
 
 READOUTS = {"cell": 0, "block": 1}
-"""The click readouts and their window: the cell with the most mass, or its 3x3 block's mass-weighted centre."""
+"""The click readouts and their window: the cell with the most mass, or its 3x3 block's weighted centre."""
 
 
 def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -> list[int] | None:
