@@ -511,3 +511,13 @@ def test_read_clicks_rewrite_the_first_click_with_the_rewritten_tokens_log_probs
     assert real[2] == out[2]
     with pytest.raises(ValueError, match="unknown click_readout 'argmax'"):
         HFGenerator(policy, spec=spec, click_readout="argmax")
+
+
+def test_the_params_policy_section_sets_the_readout(policy):
+    """make_generator (and the trainer, through `HFGenerator.of`) take `policy.click_readout` from params."""
+    from arpo_core.config import PolicyConfig
+    from arpo_core.policy.generate import make_generator
+
+    for readout in ("tokens", "cell", "block"):
+        gen = make_generator(policy, "unused", PolicyConfig(click_readout=readout), max_images=1)
+        assert isinstance(gen, HFGenerator) and gen.click_readout == readout
