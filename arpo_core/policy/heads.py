@@ -30,7 +30,7 @@ from collections.abc import Sequence
 import torch
 
 from arpo_core.policy.model import Policy
-from arpo_core.policy.sequences import EncodedSequence, collate, sequence_logprobs
+from arpo_core.policy.sequences import EncodedSequence, collate
 
 __all__ = [
     "READOUTS",
@@ -216,8 +216,16 @@ def read_clicks(
         firsts = [click_positions(policy, enc, first=True) or [] for enc in chunk]
         firsts = [q[:1] if positions == "x" else q for q in firsts]
         batch = collate(chunk, policy.pad_id, policy.image_token_id).to(policy.device)
-        with HeadWeights(policy, heads) as capture:
-            sequence_logprobs(policy.model, batch)
+        with HeadWeights(policy, heads) as capture:  # the forward only feeds the hook: one position's logits
+            policy.model(
+                input_ids=batch.input_ids,
+                attention_mask=batch.attention_mask,
+                pixel_values=batch.pixel_values,
+                image_grid_thw=batch.image_grid_thw,
+                mm_token_type_ids=batch.mm_token_type_ids,
+                use_cache=False,
+                logits_to_keep=1,
+            )
             weights = capture.log_weights(firsts)
         for enc, q, w in zip(chunk, firsts, weights, strict=True):
             cells, rows, cols = image_cells(policy, enc)
