@@ -46,10 +46,8 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
     policy.model.eval()
     replies = g.greedy_replies(policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=16)
     clicks = [g.first_click(t) for t in replies]
-    reads = {
-        name: g.attention_clicks(policy, examples, replies, system=system, heads=heads, readout=name)
-        for name in ("cell", "block")
-    }
+    points = g.attention_points(policy, examples, replies, system=system, heads=heads)
+    reads = {name: [p.click(name) if p is not None else None for p in points] for name in ("cell", "block")}
     rows, kinds = [], []
     for i in range(0, len(examples), 16):
         chunk = examples[i : i + 16]

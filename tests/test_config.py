@@ -1067,3 +1067,13 @@ def test_params_yaml_holds_exactly_the_dataclass_defaults():
         return out
 
     assert diff(written, defaults) == {}, "params.yaml (left) and the dataclass defaults (right) differ"
+
+
+def test_the_click_readouts_are_the_heads_readouts():
+    """`policy.click_readout` offers `tokens` and exactly the readouts policy/heads.py implements (the
+    config cannot import torch, so the Literal restates them; this ties the two)."""
+    from arpo_core.config import PolicyConfig
+    from arpo_core.policy.heads import READOUTS
+
+    hints = typing.get_type_hints(PolicyConfig, include_extras=True)
+    assert typing.get_args(hints["click_readout"]) == ("tokens", *READOUTS)

@@ -456,15 +456,24 @@ def test_read_clicks_rewrite_the_first_click_with_the_rewritten_tokens_log_probs
     the stop token closes it, and its log-probs are the ones training recomputes from the trajectory; a
     reply without a click is returned as written. Then with the real readout: a cell's centre."""
     from arpo_core.policy import generate
+    from arpo_core.policy.heads import click_positions
 
     seen = []
 
-    def readout(pol, encoded, *, readout):
+    class Read:  # a fixed read point, at the position the real readout reads it
+        def __init__(self, enc, point):
+            self.at, self.point = click_positions(policy, enc, first=True)[0], point
+
+        def click(self, readout):
+            assert readout == "cell"
+            return self.point
+
+    def readout(pol, encoded):
         seen.extend(encoded)
-        return [(98.4, 69.6), (14.0, 14.0)][: len(encoded)]
+        return [Read(e, p) for e, p in zip(encoded, [(98.4, 69.6), (14.0, 14.0)], strict=False)]
 
     monkeypatch.setattr(HFGenerator, "_generate", _written)
-    monkeypatch.setattr(generate, "read_clicks", readout)
+    monkeypatch.setattr(generate, "pointed", readout)
     spec = PromptSpec("compact", None)
     gen = HFGenerator(policy, spec=spec, click_readout="cell")
     out = gen.generate(prompts(), temperature=0.0, top_p=1.0, max_new_tokens=40)

@@ -248,7 +248,14 @@ from arpo_core.actions import ActionParseError, parse_response
 from arpo_core.config.sections import TRAINED_HEADS, GroundTrainConfig
 from arpo_core.infra.fileio import atomic_open
 from arpo_core.offline.behaviour_cloning import lr_factor
-from arpo_core.policy.heads import AttentionInputs, HeadWeights, click_positions, image_cells, read_clicks
+from arpo_core.policy.heads import (
+    AttentionInputs,
+    HeadWeights,
+    Pointed,
+    click_positions,
+    image_cells,
+    pointed,
+)
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments, model_image_size
 from arpo_core.policy.sequences import EncodedSequence, collate, encode_segments, sequence_logprobs
@@ -993,8 +1000,12 @@ def coord_pattern(image: Image.Image, model_size: tuple[int, int], strength: flo
     return Image.fromarray(out, "RGB")
 
 
-def _encode(policy: Policy, ex: GroundExample, system: str, pattern: float = 0.0):
-    segs = build_segments(ex.instruction, 1, [ex.reply], spec=PromptSpec(system, None))
+def _encode(policy: Policy, ex: GroundExample, system: str, pattern: float = 0.0, reply: str | None = None):
+    """`ex` as a training sequence: its instruction, screen (with the coordinate `pattern`) and reply (or
+    `reply`)."""
+    segs = build_segments(
+        ex.instruction, 1, [ex.reply if reply is None else reply], spec=PromptSpec(system, None)
+    )
     img = ex.image
     if pattern > 0:
         img = coord_pattern(img, model_image_size(*img.size, policy.min_pixels, policy.max_pixels), pattern)
@@ -1396,6 +1407,24 @@ class _PointCapture(HeadWeights):
         ]
 
 
+def attention_points(
+    policy: Policy,
+    examples: Sequence[GroundExample],
+    replies: Sequence[str],
+    *,
+    system: str,
+    heads: int = 1,
+    positions: str = "x",
+    batch_size: int = 16,
+) -> list[Pointed | None]:
+    """What the pointing heads read for `replies` on the examples' screens and instructions (`heads.pointed`:
+    policy/heads.py, decision "Clicks read from the pointing head"), one forward for every readout
+    (`Pointed.click`); None where a reply has no click (`first_click`)."""
+    encoded = [_encode(policy, e, system, reply=t) for e, t in zip(examples, replies, strict=True)]
+    read = pointed(policy, encoded, heads=heads, positions=positions, batch_size=batch_size)
+    return [p if first_click(t) is not None else None for p, t in zip(read, replies, strict=True)]
+
+
 def attention_clicks(
     policy: Policy,
     examples: Sequence[GroundExample],
@@ -1407,18 +1436,12 @@ def attention_clicks(
     positions: str = "x",
     batch_size: int = 16,
 ) -> list[tuple[float, float] | None]:
-    """The clicks the pointing heads give for `replies` on the examples' screens and instructions
-    (`heads.read_clicks`: policy/heads.py, decision "Clicks read from the pointing head"); None where a
-    reply has no click (`first_click`)."""
-    spec = PromptSpec(system, None)
-    encoded = [
-        encode_segments(policy, build_segments(e.instruction, 1, [t], spec=spec), [e.image])
-        for e, t in zip(examples, replies, strict=True)
-    ]
-    read = read_clicks(
-        policy, encoded, readout=readout, heads=heads, positions=positions, batch_size=batch_size
+    """The clicks `readout` reads off `attention_points`; None where a reply has no click."""
+    Pointed.check(readout)
+    read = attention_points(
+        policy, examples, replies, system=system, heads=heads, positions=positions, batch_size=batch_size
     )
-    return [c if first_click(t) is not None else None for c, t in zip(read, replies, strict=True)]
+    return [p.click(readout) if p is not None else None for p in read]
 
 
 def _name_window_shape(policy: Policy, msize: tuple[int, int]) -> tuple[int, int]:

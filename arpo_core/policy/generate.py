@@ -109,7 +109,7 @@ import torch
 from transformers import Qwen2_5_VLForConditionalGeneration
 
 from arpo_core.policy.decode import LeanDecoder
-from arpo_core.policy.heads import READOUTS, click_positions, read_clicks
+from arpo_core.policy.heads import READOUTS, pointed
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptInput, PromptSpec, build_segments
 from arpo_core.policy.sequences import EncodedSequence, collate, encode_prompt, sequence_logprobs
@@ -301,7 +301,7 @@ class HFGenerator:
     @torch.no_grad()
     def _read_clicks(self, batch: list[PromptInput], gens: list[Generation]) -> list[Generation]:
         """Decision "Read clicks": each reply's first click, written with the point its pointing head reads
-        (`heads.read_clicks`), its tokens and raw log-probs those of the rewritten reply."""
+        (`heads.pointed`), its tokens and raw log-probs those of the rewritten reply."""
         policy = self.policy
         rows = [b for b, g in enumerate(gens) if _CLICK.search(g.text)]
         if not rows:
@@ -313,16 +313,16 @@ class HFGenerator:
             mask = [False] * len(p.input_ids) + [True] * len(ids)
             return EncodedSequence(p.input_ids + list(ids), mask, p.pixel_values, p.image_grid_thw)
 
-        clicks = read_clicks(policy, [whole(b, gens[b].token_ids) for b in rows], readout=self.click_readout)
+        reads = pointed(policy, [whole(b, gens[b].token_ids) for b in rows])
         stops = {policy.im_end_id, policy.pad_id}
         new: dict[int, list[int]] = {}
-        for b, click in zip(rows, clicks, strict=True):
+        for b, read in zip(rows, reads, strict=True):
             g = gens[b]
             found = _CLICK.search(g.text)
-            firsts = click_positions(policy, whole(b, g.token_ids), first=True)
-            if click is None or not firsts or found.start() != g.text.find("start_box='("):
+            if read is None or found.start() != g.text.find("start_box='("):
                 continue
-            k = firsts[0] + 1 - len(prompts[b].input_ids)  # the reply token holding x's first character
+            click = read.click(self.click_readout)
+            k = read.at + 1 - len(prompts[b].input_ids)  # the reply token holding x's first character
             head = policy.tokenizer.decode(g.token_ids[:k], skip_special_tokens=True)
             text = f"{g.text[: found.start(1)]}{round(click[0])},{round(click[1])}{g.text[found.end(1) :]}"
             if not text.startswith(head):  # a token that spans the click's start and what precedes it

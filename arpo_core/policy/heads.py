@@ -1,5 +1,5 @@
 """The language model's last-layer attention heads, read: which screen cells a reply position attends to,
-and the click they point at (`read_clicks`; generation may take its clicks from it with
+and the click they point at (`pointed`, `read_clicks`; generation may take its clicks from it with
 `policy.click_readout`, decision "Clicks read from the pointing head"). The ground stage trains and
 measures its pointing heads with this (arpo_core/offline/grounding.py, decision "Pointing loss").
 
@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import sys
 from collections.abc import Sequence
+from typing import NamedTuple
 
 import torch
 
@@ -36,9 +37,11 @@ __all__ = [
     "READOUTS",
     "AttentionInputs",
     "HeadWeights",
+    "Pointed",
     "cell_click",
     "click_positions",
     "image_cells",
+    "pointed",
     "read_clicks",
 ]
 
@@ -189,28 +192,45 @@ def cell_click(grid: torch.Tensor, unit: int, window: int) -> tuple[float, float
     return float((block.sum(0) * xs).sum() / total), float((block.sum(1) * ys).sum() / total)
 
 
+class Pointed(NamedTuple):
+    """What a reply's pointing heads read (decision "Clicks read from the pointing head"): their mass over
+    the last screenshot's cells (`grid`: rows x columns, cells of `unit` model px) at the reply's first
+    click, and `at`, the position that predicts x's first character."""
+
+    grid: torch.Tensor
+    unit: int
+    at: int
+
+    def click(self, readout: str) -> tuple[float, float]:
+        """The click `readout` (`READOUTS`) reads off the grid, in model pixels."""
+        Pointed.check(readout)
+        return cell_click(self.grid, self.unit, READOUTS[readout])
+
+    @staticmethod
+    def check(readout: str) -> None:
+        """A one-line error for a readout not in `READOUTS`."""
+        if readout not in READOUTS:
+            raise ValueError(f"unknown click readout {readout!r}; choose one of {', '.join(READOUTS)}")
+
+
 @torch.no_grad()
-def read_clicks(
+def pointed(
     policy: Policy,
     encoded: Sequence[EncodedSequence],
     *,
-    readout: str,
     heads: int = 1,
     positions: str = "x",
     batch_size: int = 16,
-) -> list[tuple[float, float] | None]:
-    """The click each sequence's reply points at (decision "Clicks read from the pointing head"), teacher-
-    forced: at the position that predicts x's first character (`positions` "x"; "xy": also y's, the two
-    averaged), the first `heads` heads of the last layer over the last screenshot's cells, read by
-    `readout` (`READOUTS`); model pixels of that screenshot's frame. None where the reply has no
-    `start_box='(` or the sequence no image."""
-    if readout not in READOUTS:
-        raise ValueError(f"unknown click readout {readout!r}; choose one of {', '.join(READOUTS)}")
+) -> list[Pointed | None]:
+    """What each sequence's reply points at, teacher-forced: at the position that predicts x's first
+    character (`positions` "x"; "xy": also y's, the two averaged), the first `heads` heads of the last
+    layer over the last screenshot's cells. None where the reply has no `start_box='(` or the sequence no
+    image. One forward per batch serves every readout (`Pointed.click`)."""
     if positions not in ("x", "xy"):
-        raise ValueError(f"read_clicks: positions must be 'x' or 'xy', got {positions!r}")
+        raise ValueError(f"pointed clicks: positions must be 'x' or 'xy', got {positions!r}")
     proc = policy.processor.image_processor
     unit = int(proc.patch_size) * int(proc.merge_size)
-    out: list[tuple[float, float] | None] = []
+    out: list[Pointed | None] = []
     for i in range(0, len(encoded), batch_size):
         chunk = list(encoded[i : i + batch_size])
         firsts = [click_positions(policy, enc, first=True) or [] for enc in chunk]
@@ -233,5 +253,21 @@ def read_clicks(
                 out.append(None)
                 continue
             grid = w.exp().mean(0)[cells].view(rows, cols)  # heads and positions averaged
-            out.append(cell_click(grid.cpu(), unit, READOUTS[readout]))
+            out.append(Pointed(grid.cpu(), unit, q[0]))
     return out
+
+
+def read_clicks(
+    policy: Policy,
+    encoded: Sequence[EncodedSequence],
+    *,
+    readout: str,
+    heads: int = 1,
+    positions: str = "x",
+    batch_size: int = 16,
+) -> list[tuple[float, float] | None]:
+    """The click each sequence's reply points at (`pointed`), read by `readout` (`READOUTS`); model pixels
+    of the last screenshot's frame. None where the reply has no `start_box='(` or the sequence no image."""
+    Pointed.check(readout)
+    read = pointed(policy, encoded, heads=heads, positions=positions, batch_size=batch_size)
+    return [p.click(readout) if p is not None else None for p in read]
