@@ -11,7 +11,8 @@ teacher-forced on the screen's own reply, and reports their mass on the target a
 look-alike), and `right_but_missed` (the head had the named one, the click did not hit it). Then the
 click read off the same head instead of the written digits (policy/heads.py, decision "Clicks read from
 the pointing head"): `cell_hit`, `cell_other` (the attended cell's centre) and `block_hit`,
-`block_other` (its 3x3 block's mass-weighted centre). `--real N` adds held-out real MiniWoB screens (env
+`block_other` (its 3x3 block's mass-weighted centre), `guarded_hit`, `guarded_other` (the written click
+where it lies within one cell of the attended one, that cell's centre elsewhere). `--real N` adds held-out real MiniWoB screens (env
 seeds 1000..1000+N-1 of the in-domain tasks, `--per-screen` targets each: 6 and 6 are the 2x recipe's 90).
 
     .venv/bin/python benchmarks/point_positions.py --model 2x=SNAPSHOT_DIR \\
@@ -47,7 +48,10 @@ def measure(policy, examples, system: str, heads: int, max_new_tokens: int) -> d
     replies = g.greedy_replies(policy, examples, system=system, max_new_tokens=max_new_tokens, batch_size=16)
     clicks = [g.first_click(t) for t in replies]
     points = g.attention_points(policy, examples, replies, system=system, heads=heads)
-    reads = {name: [p.click(name) if p is not None else None for p in points] for name in ("cell", "block")}
+    reads = {
+        name: [p.click(name, c) if p is not None else None for p, c in zip(points, clicks, strict=True)]
+        for name in ("cell", "block", "guarded")
+    }
     rows, kinds = [], []
     for i in range(0, len(examples), 16):
         chunk = examples[i : i + 16]
@@ -152,7 +156,7 @@ def main() -> None:
     out = Path(args.out)
     out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     keys = ("x_first", "y_first", "all", "head_right", "hit", "other", "right_but_missed")
-    keys += ("cell_hit", "cell_other", "block_hit", "block_other")
+    keys += ("cell_hit", "cell_other", "block_hit", "block_other", "guarded_hit", "guarded_other")
     lines = [
         "# Pointing mass by coordinate position, and the greedy click (benchmarks/point_positions.py)",
         "",

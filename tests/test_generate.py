@@ -464,13 +464,21 @@ def test_read_clicks_rewrite_the_first_click_with_the_rewritten_tokens_log_probs
         def __init__(self, enc, point):
             self.at, self.point = click_positions(policy, enc, first=True)[0], point
 
-        def click(self, readout):
-            assert readout == "cell"
-            return self.point
+        def click(self, readout, written):
+            assert readout == mode and written == first_click(self.text)
+            return written if self.point is None else self.point
 
     def readout(pol, encoded):
         seen.extend(encoded)
-        return [Read(e, p) for e, p in zip(encoded, [(98.4, 69.6), (14.0, 14.0)], strict=False)]
+        reads = [Read(e, p) for e, p in zip(encoded, points, strict=False)]
+        for r, text in zip(reads, WRITTEN, strict=False):
+            r.text = text
+        return reads
+
+    def first_click(text):
+        return tuple(float(v) for v in generate._CLICK.search(text).group(1).split(","))
+
+    mode, points = "cell", [(98.4, 69.6), (14.0, 14.0)]
 
     monkeypatch.setattr(HFGenerator, "_generate", _written)
     monkeypatch.setattr(generate, "pointed", readout)
@@ -508,6 +516,12 @@ def test_read_clicks_rewrite_the_first_click_with_the_rewritten_tokens_log_probs
         logps, mask = sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
     for b, g in enumerate(out[:2]):
         assert logps[b][mask[b]].tolist() == pytest.approx(list(g.logprobs), abs=1e-4)
+
+    mode, points = "guarded", [None, (14.0, 14.0)]  # `guarded` keeps the first reply's written click
+    kept = HFGenerator(policy, spec=spec, click_readout="guarded").generate(
+        prompts(), temperature=0.0, top_p=1.0, max_new_tokens=40
+    )
+    assert kept[0] == _written(gen, prompts())[0] and kept[1:] == out[1:]
 
     monkeypatch.undo()
     monkeypatch.setattr(HFGenerator, "_generate", _written)

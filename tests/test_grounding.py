@@ -1033,7 +1033,9 @@ def test_attention_clicks_read_the_click_off_the_attended_cells(tmp_path, monkey
     assert following == [f"{action.point[0]:.0f}"[0], f"{action.point[1]:.0f}"[0]]  # x's and y's first
     with pytest.raises(ValueError, match="positions must be 'x' or 'xy'"):
         g.attention_clicks(policy, exs, replies, system="compact", positions="y")
-    with pytest.raises(ValueError, match="unknown click readout 'argmax'; choose one of cell, block"):
+    with pytest.raises(
+        ValueError, match="unknown click readout 'argmax'; choose one of cell, block, guarded"
+    ):
         g.attention_clicks(policy, exs, replies, system="compact", readout="argmax")
 
 

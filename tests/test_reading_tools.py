@@ -203,6 +203,7 @@ def test_point_positions_splits_the_heads_mass_by_position_beside_the_greedy_cli
         assert all(0.0 <= m[k] <= 1.0 for k in measures)
         assert m["hit"] + m["other"] <= 1.0 and m["right_but_missed"] <= m["head_right"]
         assert m["cell_hit"] + m["cell_other"] <= 1.0 and m["block_hit"] + m["block_other"] <= 1.0
+        assert m["guarded_hit"] + m["guarded_other"] <= 1.0
     assert model["levels"]["box1h"]["head_right"] == 1.0  # one look-alike: the head's pick is the target
     real = model["levels"]["real"]
     assert 2 <= real["screens"] <= 8 and set(real["by_kind"]) <= {"button", "link", "label", "text"}

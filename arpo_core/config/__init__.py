@@ -314,10 +314,11 @@ class PolicyConfig:
     (`Thought: ... Action: click(start_box='(x,y)')`) or Qwen3-VL / GUI-Owl-1.5 tool calls (`Action: ...`
     then `<tool_call>{"name": "computer_use", ...}</tool_call>`, 0-1000 coordinates: coord_mode
     relative1000). docs/models.md."""
-    click_readout: Literal["tokens", "cell", "block"] = "tokens"
+    click_readout: Literal["tokens", "cell", "block", "guarded"] = "tokens"
     """Where a reply's click comes from: `tokens`, the coordinates the policy writes; `cell` / `block`, the
     screen cell its last layer's pointing head attends to where it starts writing x (the cell's centre, or
-    the mass-weighted centre of its 3x3 block), written into the reply in place of the policy's digits
+    the mass-weighted centre of its 3x3 block), written into the reply in place of the policy's digits;
+    `guarded`, the written click where it lies within one cell of that cell, its centre elsewhere
     (policy/heads.py, decision "Clicks read from the pointing head"; generate.py, decision "Read clicks").
     For a policy whose grounding taught that head (`ground.phases[].point_weight`); backend hf, UI-TARS
     replies and absolute coordinates."""

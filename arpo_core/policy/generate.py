@@ -78,7 +78,7 @@ Decisions:
   (`checkpoint_name`): Qwen2.5-VL checkpoints (UI-TARS-1.5) use the older `model.*` / `visual.*` layout,
   Qwen3-VL ones (GUI-Owl-1.5) the transformers parameter names themselves (`model.language_model.*`,
   `model.visual.*`). Not run against vLLM here (no GPU).
-- **Read clicks.** With `click_readout` `cell` or `block` (params' `policy.click_readout`), a reply's first
+- **Read clicks.** With `click_readout` `cell`, `block` or `guarded` (params' `policy.click_readout`), a reply's first
   click is written with the point the policy's last-layer pointing head reads off the screen
   (policy/heads.py, decision "Clicks read from the pointing head") instead of the digits the policy wrote:
   after the decode loop, the prompt and reply go through the model once teacher-forced, the head's
@@ -88,7 +88,8 @@ Decisions:
   the rewritten tokens from a second teacher-forced forward, the same quantity as sampled tokens' (decision
   "Raw-logit log-probs"), so the trajectory, the trainer's recomputation and GRPO's ratio see one
   consistent reply: like temperature and top-p, the readout only decides which tokens are emitted. A reply
-  without a complete `start_box='(x,y)'` is left as written. Two extra forwards per call of replies with
+  without a complete `start_box='(x,y)'` is left as written, and so is one whose written click `guarded`
+  keeps. Two extra forwards per call of replies with
   clicks; the HF backend only (vLLM's engine gives no attention weights).
 - **Cache keyword.** The KV cache goes in and out under the installed transformers' name for it (`CACHE_KW`,
   `_cache_of`): `cache` since 5.2x, `past_key_values` before (5.17, the GPU environment's); nothing else
@@ -321,7 +322,10 @@ class HFGenerator:
             found = _CLICK.search(g.text)
             if read is None or found.start() != g.text.find("start_box='("):
                 continue
-            click = read.click(self.click_readout)
+            written = tuple(float(v) for v in found.group(1).split(","))
+            click = read.click(self.click_readout, written)
+            if click == written:  # `guarded` kept the written click: the reply stands as sampled
+                continue
             k = read.at + 1 - len(prompts[b].input_ids)  # the reply token holding x's first character
             head = policy.tokenizer.decode(g.token_ids[:k], skip_special_tokens=True)
             text = f"{g.text[: found.start(1)]}{round(click[0])},{round(click[1])}{g.text[found.end(1) :]}"

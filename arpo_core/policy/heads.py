@@ -13,7 +13,10 @@ Decisions:
   x (the one that has read no digit of it), the first `heads` heads of the last layer, averaged, over the
   current screenshot's cells (its merged tokens, `image_cells`); the click is the cell with the most mass
   (`cell`: its centre) or the mass-weighted mean of the cell centres in the 3x3 block around it (`block`),
-  in the model frame's pixels. This is GUI-Actor's idea (an action head that attends over the screen's
+  in the model frame's pixels; or (`guarded`) the written click where it lies in that cell or one of its 8
+  neighbours, the cell's centre elsewhere: the head vetoes digits that point far from what it attends,
+  and where the two agree the digits keep their sub-cell precision (at 2x a checkbox is about one cell, and
+  a cell's centre often misses it: docs/results.md, "The readout in the main job"). This is GUI-Actor's idea (an action head that attends over the screen's
   patches instead of writing digits) with the policy's own pointing head and no new parameters. The
   ground stage's pointing loss teaches head 0 to put its mass on the named target at those positions;
   measured on the 2x reader (docs/results.md, "Clicks read from the pointing head"), the head has the named
@@ -45,8 +48,10 @@ __all__ = [
     "read_clicks",
 ]
 
-READOUTS = {"cell": 0, "block": 1}
-"""The click readouts and their window: the cell with the most mass, or its 3x3 block's weighted centre."""
+READOUTS = ("cell", "block", "guarded")
+"""The click readouts: the cell with the most mass, its 3x3 block's weighted centre, or the written click
+where it lies in that cell's 3x3 block and the cell's centre elsewhere (decision "Clicks read from the
+pointing head")."""
 
 
 def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -> list[int] | None:
@@ -201,10 +206,23 @@ class Pointed(NamedTuple):
     unit: int
     at: int
 
-    def click(self, readout: str) -> tuple[float, float]:
-        """The click `readout` (`READOUTS`) reads off the grid, in model pixels."""
+    def click(self, readout: str, written: tuple[float, float] | None = None) -> tuple[float, float]:
+        """The click `readout` (`READOUTS`) reads off the grid, in model pixels; `guarded` keeps the
+        `written` click (model pixels) where it lies in the most-attended cell or one of its 8 neighbours.
+
+        >>> p = Pointed(torch.tensor([[0.0, 0.1, 0.0], [0.6, 0.3, 0.0]]), 28, 0)
+        >>> p.click("cell"), p.click("guarded", (40.0, 50.0)), p.click("guarded", (80.0, 50.0))
+        ((14.0, 42.0), (40.0, 50.0), (14.0, 42.0))
+        """
         Pointed.check(readout)
-        return cell_click(self.grid, self.unit, READOUTS[readout])
+        if readout == "guarded":
+            r, c = divmod(int(self.grid.argmax()), self.grid.shape[1])
+            if (
+                written is not None
+                and max(abs(written[1] // self.unit - r), abs(written[0] // self.unit - c)) <= 1
+            ):
+                return written
+        return cell_click(self.grid, self.unit, 1 if readout == "block" else 0)
 
     @staticmethod
     def check(readout: str) -> None:
