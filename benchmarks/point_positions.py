@@ -12,8 +12,9 @@ look-alike), and `right_but_missed` (the head had the named one, the click did n
 click read off the same head instead of the written digits (policy/heads.py, decision "Clicks read from
 the pointing head"): `cell_hit`, `cell_other` (the attended cell's centre) and `block_hit`,
 `block_other` (its 3x3 block's mass-weighted centre), `guarded_hit`, `guarded_other` (the written click
-where it lies within one cell of the attended one, that cell's centre elsewhere). `--real N` adds held-out real MiniWoB screens (env
-seeds 1000..1000+N-1 of the in-domain tasks, `--per-screen` targets each: 6 and 6 are the 2x recipe's 90).
+where it lies within one cell of the attended one, that cell's centre elsewhere). `--real N` adds held-out
+real MiniWoB screens (env seeds 1000..1000+N-1 of the in-domain tasks, `--per-screen` targets each: 6 and 6
+are the 2x recipe's 90).
 
     .venv/bin/python benchmarks/point_positions.py --model 2x=SNAPSHOT_DIR \\
         --model "1x=assets/checkpoints/grounded-read-xs" --real 6

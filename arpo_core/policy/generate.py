@@ -78,8 +78,8 @@ Decisions:
   (`checkpoint_name`): Qwen2.5-VL checkpoints (UI-TARS-1.5) use the older `model.*` / `visual.*` layout,
   Qwen3-VL ones (GUI-Owl-1.5) the transformers parameter names themselves (`model.language_model.*`,
   `model.visual.*`). Not run against vLLM here (no GPU).
-- **Read clicks.** With `click_readout` `cell`, `block` or `guarded` (params' `policy.click_readout`), a reply's first
-  click is written with the point the policy's last-layer pointing head reads off the screen
+- **Read clicks.** With `click_readout` `cell`, `block` or `guarded` (params' `policy.click_readout`), a
+  reply's first click is written with the point the policy's last-layer pointing head reads off the screen
   (policy/heads.py, decision "Clicks read from the pointing head") instead of the digits the policy wrote:
   after the decode loop, the prompt and reply go through the model once teacher-forced, the head's
   attention at the position before x's first character is read (it has seen none of the written

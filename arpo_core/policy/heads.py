@@ -15,8 +15,10 @@ Decisions:
   (`cell`: its centre) or the mass-weighted mean of the cell centres in the 3x3 block around it (`block`),
   in the model frame's pixels; or (`guarded`) the written click where it lies in that cell or one of its 8
   neighbours, the cell's centre elsewhere: the head vetoes digits that point far from what it attends,
-  and where the two agree the digits keep their sub-cell precision (at 2x a checkbox is about one cell, and
-  a cell's centre often misses it: docs/results.md, "The readout in the main job"). This is GUI-Actor's idea (an action head that attends over the screen's
+  and where the two agree the digits keep their sub-cell precision. The head is taught on prompts that
+  name one target: where an instruction names several in an order (click-checkboxes' "Select a, b and
+  click Submit"), it reads one fixed cell and every readout loses to the digits (docs/results.md, "The
+  readout in the main job"). This is GUI-Actor's idea (an action head that attends over the screen's
   patches instead of writing digits) with the policy's own pointing head and no new parameters. The
   ground stage's pointing loss teaches head 0 to put its mass on the named target at those positions;
   measured on the 2x reader (docs/results.md, "Clicks read from the pointing head"), the head has the named
