@@ -89,8 +89,8 @@ Decisions:
   "Raw-logit log-probs"), so the trajectory, the trainer's recomputation and GRPO's ratio see one
   consistent reply: like temperature and top-p, the readout only decides which tokens are emitted. A reply
   without a complete `start_box='(x,y)'` is left as written, and so is one whose written click `guarded`
-  keeps. Two extra forwards per call of replies with
-  clicks; the HF backend only (vLLM's engine gives no attention weights).
+  keeps. Two extra forwards per call of replies with clicks; the HF backend only (vLLM's engine gives no
+  attention weights).
 - **Cache keyword.** The KV cache goes in and out under the installed transformers' name for it (`CACHE_KW`,
   `_cache_of`): `cache` since 5.2x, `past_key_values` before (5.17, the GPU environment's); nothing else
   differs.
