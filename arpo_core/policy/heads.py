@@ -36,7 +36,7 @@ from typing import NamedTuple
 import torch
 
 from arpo_core.policy.model import Policy
-from arpo_core.policy.sequences import EncodedSequence, collate
+from arpo_core.policy.sequences import EncodedSequence, collate, forward_logits
 
 __all__ = [
     "READOUTS",
@@ -257,15 +257,7 @@ def pointed(
         firsts = [q[:1] if positions == "x" else q for q in firsts]
         batch = collate(chunk, policy.pad_id, policy.image_token_id).to(policy.device)
         with HeadWeights(policy, heads) as capture:  # the forward only feeds the hook: one position's logits
-            policy.model(
-                input_ids=batch.input_ids,
-                attention_mask=batch.attention_mask,
-                pixel_values=batch.pixel_values,
-                image_grid_thw=batch.image_grid_thw,
-                mm_token_type_ids=batch.mm_token_type_ids,
-                use_cache=False,
-                logits_to_keep=1,
-            )
+            forward_logits(policy.model, batch, 1)
             weights = capture.log_weights(firsts)
         for enc, q, w in zip(chunk, firsts, weights, strict=True):
             cells, rows, cols = image_cells(policy, enc)

@@ -257,9 +257,12 @@ def collate(
     )
 
 
-def forward_logits(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor:
+def forward_logits(
+    model: torch.nn.Module, batch: SequenceBatch, logits_to_keep: int | torch.Tensor = 0
+) -> torch.Tensor:
     """Logits (B, T, V) of a full (no cache) forward, with 3-D M-RoPE positions
-    (decision "M-RoPE token types")."""
+    (decision "M-RoPE token types"); with `logits_to_keep` only at those positions (transformers' meaning:
+    n > 0 the last n, a 1-D tensor those positions; 0 all)."""
     return model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,
@@ -267,6 +270,7 @@ def forward_logits(model: torch.nn.Module, batch: SequenceBatch) -> torch.Tensor
         image_grid_thw=batch.image_grid_thw,
         mm_token_type_ids=batch.mm_token_type_ids,
         use_cache=False,
+        logits_to_keep=logits_to_keep,
     ).logits
 
 
@@ -298,15 +302,7 @@ def sequence_logprobs(
     mask[:, 0] = False
     predicts = mask[:, 1:]  # (B, T-1): the hidden state at t predicts token t+1
     keep = predicts.any(0).nonzero().squeeze(-1)  # (K,) positions needed by any row
-    logits = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        pixel_values=batch.pixel_values,
-        image_grid_thw=batch.image_grid_thw,
-        mm_token_type_ids=batch.mm_token_type_ids,
-        use_cache=False,
-        logits_to_keep=keep,
-    ).logits  # (B, K, V)
+    logits = forward_logits(model, batch, keep)  # (B, K, V)
     picked = gather_logprobs(logits, batch.input_ids[:, keep + 1], temperature)  # (B, K)
     picked = picked.masked_fill(~predicts[:, keep], 0.0)
     B, T = batch.input_ids.shape
