@@ -1,5 +1,5 @@
 """The language model's last-layer attention heads, read: which screen cells a reply position attends to,
-and the click they point at (`pointed`, `read_clicks`; generation may take its clicks from it with
+and the click they point at (`pointed`, `Pointed.click`; generation may take its clicks from it with
 `policy.click_readout`, decision "Clicks read from the pointing head"). The ground stage trains and
 measures its pointing heads with this (arpo_core/offline/grounding.py, decision "Pointing loss").
 
@@ -47,7 +47,6 @@ __all__ = [
     "click_positions",
     "image_cells",
     "pointed",
-    "read_clicks",
 ]
 
 READOUTS = ("cell", "block", "guarded")
@@ -267,19 +266,3 @@ def pointed(
             grid = w.exp().mean(0)[cells].view(rows, cols)  # heads and positions averaged
             out.append(Pointed(grid.cpu(), unit, q[0]))
     return out
-
-
-def read_clicks(
-    policy: Policy,
-    encoded: Sequence[EncodedSequence],
-    *,
-    readout: str,
-    heads: int = 1,
-    positions: str = "x",
-    batch_size: int = 16,
-) -> list[tuple[float, float] | None]:
-    """The click each sequence's reply points at (`pointed`), read by `readout` (`READOUTS`); model pixels
-    of the last screenshot's frame. None where the reply has no `start_box='(` or the sequence no image."""
-    Pointed.check(readout)
-    read = pointed(policy, encoded, heads=heads, positions=positions, batch_size=batch_size)
-    return [p.click(readout) if p is not None else None for p in read]
