@@ -309,6 +309,8 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("sft.optimizer.weight_decay", -0.1, 0, ()),
     ("sft.optimizer.max_grad_norm", 0, TINY, ()),
     ("sft.checkpoint_every", -1, 0, ()),
+    ("sft.point_weight", -0.1, 0, ()),
+    ("sft.point_heads", 0, 1, ()),
     ("sft.seed", -1, 0, ()),
     ("sft.grow_after", [0, -1], [0], ()),
     ("baseline.episodes_per_task", 0, 1, ()),

@@ -10,9 +10,15 @@ from PIL import Image, ImageDraw
 from arpo_core.config.sections import OptimizerConfig
 from arpo_core.offline.behaviour_cloning import SFTConfig, masked_mean_nll, sft
 from arpo_core.policy.generate import HFGenerator
+from arpo_core.policy.heads import HeadWeights, click_targets, image_runs
 from arpo_core.policy.model import build_tiny_policy, load_policy
 from arpo_core.policy.prompt import PromptInput, PromptSpec, Reply
-from arpo_core.policy.sequences import collate, encode_trajectory, sequence_logprobs
+from arpo_core.policy.sequences import (
+    collate,
+    encode_trajectory,
+    encode_trajectory_windows,
+    sequence_logprobs,
+)
 from arpo_core.trajectory import Step, Trajectory, png_bytes
 
 COLORS = {"red": (220, 30, 30), "green": (30, 180, 30), "blue": (30, 30, 220), "black": (0, 0, 0)}
@@ -230,3 +236,92 @@ def test_sft_is_deterministic_given_demos_and_seed(tmp_path, one_thread):
     policy = build_tiny_policy(tmp_path / "c", size="xs", seed=0)  # another seed orders the batches otherwise
     sft(policy, demos(), replace(cfg, seed=4), progress=False, spec=PromptSpec("compact", None))
     assert not all(torch.equal(weights[0][k], v) for k, v in policy.model.state_dict().items())
+
+
+def two_clicks() -> Trajectory:
+    """A demo that clicks the red box, then the blue one on the next screen (model-image coordinates)."""
+    steps = []
+    for k, color in enumerate(("red", "blue")):
+        x, y = CENTRES[color]
+        mx, my = round(x * 168 / 160), round(y * 224 / 210)
+        reply = f"Thought: The {color} box.\nAction: click(start_box='({mx},{my})')"
+        steps.append(Step(k, png_bytes(screen(color)), 160, 210, reply))
+    return Trajectory("demo", "demos", 0, "miniwob", "click-color", "Click red, then blue.", steps)
+
+
+def _cell_token(policy, enc, image: int, color: str) -> int:
+    """The merged image token of screenshot `image` in `enc` whose 28-px cell holds `color`'s demo click."""
+    x, y = CENTRES[color]
+    mx, my = round(x * 168 / 160), round(y * 224 / 210)
+    cells, _, cols = image_runs(policy, enc)[image]
+    return cells[(my // 28) * cols + mx // 28]
+
+
+@pytest.mark.parametrize("history", [None, 1])
+def test_click_targets_are_each_replys_click_cell_on_its_own_screen(tmp_path, history):
+    """Every trained click gets its x- and y-first positions and the cell under its point in the screenshot
+    the reply answers: with the whole history in one sequence, reply 1's target is in image 1, not in the
+    last image before the sequence's end for reply 0; with a window of one screenshot, each window's."""
+    policy = build_tiny_policy(tmp_path / "init", size="xs", seed=0)
+    traj = two_clicks()
+    encoded = encode_trajectory_windows(policy, traj, spec=PromptSpec("compact", history))
+    tok = policy.processor.tokenizer
+    if history is None:
+        (enc,) = encoded
+        wanted = [_cell_token(policy, enc, 0, "red"), _cell_token(policy, enc, 1, "blue")]
+        spans = click_targets(policy, enc)
+    else:
+        assert len(encoded) == 2
+        wanted = [_cell_token(policy, encoded[0], 0, "red"), _cell_token(policy, encoded[1], 0, "blue")]
+        spans = [span for enc in encoded for span in click_targets(policy, enc)]
+    assert [targets for _, targets in spans] == [[w] for w in wanted]
+    for enc, (queries, _) in zip(encoded if history else encoded * 2, spans, strict=True):
+        nxt = [tok.decode([enc.input_ids[q + 1]]) for q in queries]
+        assert len(queries) == 2 and all(t[:1].isdigit() for t in nxt), nxt
+    # A reply with no click and a click off the screen have no span.
+    done = replace(
+        traj, steps=[replace(traj.steps[0], response_text="Thought: x\nAction: finished(content='')")]
+    )
+    off = replace(
+        traj, steps=[replace(traj.steps[0], response_text="Thought: x\nAction: click(start_box='(900,5)')")]
+    )
+    for t in (done, off):
+        assert click_targets(policy, encode_trajectory(policy, t, spec=PromptSpec("compact", None))) == []
+
+
+def _first_mass(policy, trajs) -> float:
+    """The first head's mean attention mass on the demo click's cell at the positions that predict x's and
+    y's first characters, over every trained click of `trajs`."""
+    seqs = [encode_trajectory(policy, t, spec=PromptSpec("compact", None)) for t in trajs]
+    spans = [click_targets(policy, enc) for enc in seqs]
+    with torch.no_grad(), HeadWeights(policy, 1) as capture:
+        sequence_logprobs(policy.model, collate(seqs, policy.pad_id, policy.image_token_id))
+        terms = capture.point_terms(spans)
+    return float((-terms).exp().mean())
+
+
+def test_sft_pointing_loss_moves_the_head_onto_the_demo_clicks(tmp_path, one_thread):
+    """`point_weight` adds the pointing loss: its history falls, and the first head's mass on each demo
+    click's cell rises far above what cloning alone gives it (the same seed, batches and steps)."""
+    trajs = [*demos(), two_clicks()]
+    cfg = SFTConfig(steps=30, batch_size=5, optimizer=OptimizerConfig(lr=5e-3), warmup_steps=3)
+    masses, histories = {}, {}
+    for weight in (0.0, 1.0):
+        policy = build_tiny_policy(tmp_path / f"init{weight}", size="xs", seed=0)
+        start = _first_mass(policy, trajs)
+        points: list[float] = []
+        histories[weight] = sft(
+            policy,
+            trajs,
+            replace(cfg, point_weight=weight),
+            progress=False,
+            spec=PromptSpec("compact", None),
+            point_history=points,
+        )
+        masses[weight] = (start, _first_mass(policy, trajs), points)
+    print({w: m[:2] for w, m in masses.items()})
+    assert masses[0.0][2] == []  # off: no pointing history
+    points = masses[1.0][2]
+    assert len(points) == 30 and sum(points[-5:]) < 0.5 * sum(points[:5])
+    assert masses[1.0][1] > 0.5 and masses[1.0][1] > 3 * max(masses[0.0][1], masses[1.0][0])
+    assert histories[1.0][-1] < 0.5 * histories[1.0][0]  # the clicks are still cloned

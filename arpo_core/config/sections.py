@@ -205,6 +205,16 @@ class SFTConfig:
     """Save every N optimizer steps (0 = only at the end, and only with a checkpoint_dir)."""
     seed: Annotated[int, Ge(0)] = 0
     """Shuffling seed (and the initialisation of layers added by `grow_after`)."""
+    point_weight: Annotated[float, Ge(0)] = 0.0
+    """Weight of the pointing loss added to the cloning loss: at the two positions of each demo click that
+    predict the first character of x and of y, the first `point_heads` query heads of the language model's
+    last layer are taught to attend to the merged image token under the demo's click, on the screen the
+    reply answers (arpo_core/offline/behaviour_cloning.py, decision "Pointing loss"): the ground stage's
+    pointing loss carried to the demos' instructions, which name several targets in an order; 0 = off,
+    the batches and the model as without the field."""
+    point_heads: Annotated[int, Ge(1)] = 1
+    """How many query heads of the last layer the pointing loss teaches (the first ones; the ground stage's
+    phases teach 1, which `policy.click_readout` reads)."""
     grow_after: list[Annotated[int, Ge(0)]] | None = None
     """Before behaviour cloning, insert a new language-model layer after each of these layer indices
     (`policy.model.grow_depth`: the grown model computes the same function until trained), e.g. [0, 1]

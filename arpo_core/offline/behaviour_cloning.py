@@ -28,6 +28,16 @@ Decisions:
   rows of similar length pad less (measured on the main job's demos at K = 1: 72 % of the padded tokens real
   in one forward, 85 % in two sorted ones). The loss stays the token-mean of the step
   (decision "Token-mean NLL").
+- **Pointing loss.** With `point_weight` > 0 the step adds the ground stage's pointing loss
+  (arpo_core/offline/grounding.py, decision "Pointing loss") on the demos: at the two positions of each
+  trained click that predict the first character of x and of y, the first `point_heads` heads of the last
+  layer are taught to put their mass on the merged image token whose cell holds the demo's click, on the
+  screenshot the reply answers (`heads.click_targets`). The oracle clicks the centre of the element it
+  means, so that cell is the target's; no field is added to the trajectories. The ground stage teaches
+  the head on instructions that name one target; the demos' name several in an order ("Select a, b and
+  click Submit"), where the head read one fixed cell (docs/results.md, "The readout in the main job").
+  The term is the mean over heads and positions of the accumulated batch, weighted by `point_weight`;
+  its history is returned beside the cloning loss's (`point_history`).
 """
 
 from __future__ import annotations
@@ -45,6 +55,7 @@ from tqdm.auto import tqdm
 
 from arpo_core.config.sections import SFTConfig
 from arpo_core.infra.fileio import atomic_write_json
+from arpo_core.policy.heads import HeadWeights, click_targets
 from arpo_core.policy.model import Policy
 from arpo_core.policy.prompt import PromptSpec
 from arpo_core.policy.sequences import collate, encode_trajectory_windows, sequence_logprobs
@@ -86,13 +97,15 @@ def sft(
     spec: PromptSpec,
     checkpoint_dir: str | Path | None = None,
     progress: bool = True,
+    point_history: list[float] | None = None,
 ) -> list[float]:
     """Behaviour cloning of `policy` (in place) on the trained replies of `trajectories`
     (decision "Cloned replies"), with params' `sft` section `config` and the prompt of params' `policy`
     section (`spec`: the system prompt and the history window).
 
-    Returns the loss of every optimizer step (mean NLL per assistant token over its accumulated batch).
-    Checkpoints go to `checkpoint_dir/step-N/` and `checkpoint_dir/final/`.
+    Returns the loss of every optimizer step (mean NLL per assistant token over its accumulated batch);
+    with `config.point_weight` > 0, each step's pointing loss is appended to `point_history` where given
+    (decision "Pointing loss"). Checkpoints go to `checkpoint_dir/step-N/` and `checkpoint_dir/final/`.
     """
     if not trajectories:
         raise ValueError("sft needs at least one trajectory")
@@ -129,24 +142,36 @@ def sft(
             parts = math.ceil(len(seqs) / config.batch_size)
             cuts = [k * len(seqs) // parts for k in range(parts + 1)]
             micro += [
-                collate(seqs[a:b], policy.pad_id, policy.image_token_id).to(device)
+                (
+                    collate(seqs[a:b], policy.pad_id, policy.image_token_id).to(device),
+                    [click_targets(policy, q) for q in seqs[a:b]] if config.point_weight else [],
+                )
                 for a, b in itertools.pairwise(cuts)
             ]
-        n_total = sum(int((b.assistant_mask & b.attention_mask.bool())[:, 1:].sum()) for b in micro)
+        n_total = sum(int((b.assistant_mask & b.attention_mask.bool())[:, 1:].sum()) for b, _ in micro)
+        n_points = sum(len(q) for _, rows in micro for spans in rows for q, _ in spans)
         optimizer.zero_grad(set_to_none=True)
-        loss_sum = 0.0
-        for batch in micro:
-            with autocast:
+        loss_sum = point_sum = 0.0
+        for batch, rows in micro:
+            capture = HeadWeights(policy, config.point_heads) if n_points else nullcontext()
+            with autocast, capture:
                 logps, mask = sequence_logprobs(model, batch)  # (B, T) each
             # Weight each micro-batch by its share of tokens so the step is a token-mean
             # (decision "Token-mean NLL").
             loss = masked_mean_nll(logps, mask) * (mask.sum() / max(n_total, 1))
-            loss.backward()
             loss_sum += float(loss.detach())
+            if n_points:  # decision "Pointing loss": a mean over the accumulated batch's positions and heads
+                terms = capture.point_terms(rows)
+                point = terms.sum() / (n_points * config.point_heads)
+                loss = loss + config.point_weight * point
+                point_sum += float(point.detach())
+            loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), config.optimizer.max_grad_norm)
         optimizer.step()
         sched.step()
         history.append(loss_sum)
+        if config.point_weight and point_history is not None:
+            point_history.append(point_sum)
         bar.set_postfix(loss=f"{loss_sum:.3f}")
         if checkpoint_dir is not None and config.checkpoint_every and step % config.checkpoint_every == 0:
             _save(

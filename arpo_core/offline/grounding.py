@@ -1376,17 +1376,10 @@ class _PointCapture(HeadWeights):
         return out
 
     def loss(self, spans: Sequence[tuple[Sequence[int], Sequence[int]]]) -> torch.Tensor:
-        """Mean over the heads and query positions of -log(a head's attention mass on the target tokens),
-        in log space (a head that starts far from the target still gets its gradient)."""
-        weights = self.log_weights([q for q, _ in spans])
-        terms = [
-            -torch.logsumexp(w[:, list(targets)], dim=-1)
-            for w, (queries, targets) in zip(weights, spans, strict=True)
-            if queries and targets
-        ]
-        if not terms:
-            return self.inputs[0].new_zeros(()).float()
-        return torch.cat(terms).mean()
+        """Mean over the heads and query positions of -log(a head's attention mass on the target tokens)
+        (`HeadWeights.point_terms`, one span per row); 0 without a term."""
+        terms = self.point_terms([[span] for span in spans])
+        return terms.mean() if len(terms) else self.inputs[0].new_zeros(()).float()
 
     def masses(
         self,

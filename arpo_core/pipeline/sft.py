@@ -73,6 +73,7 @@ def run(
             p.policy.max_new_tokens,
             longest,
         )
+    pointing: list[float] = []
     history = sft(
         policy,
         demos,
@@ -80,9 +81,12 @@ def run(
         checkpoint_dir=None,
         progress=True,
         spec=PromptSpec(p.policy.system_prompt, p.policy.history_images),
+        point_history=pointing,
     )
     policy.save(out_dir)
+    point = {"sft/point_loss_first": pointing[0], "sft/point_loss_last": pointing[-1]} if pointing else {}
     return {
+        **point,
         "sft/loss_first": history[0],
         "sft/loss_last": history[-1],
         "sft/steps": float(len(history)),

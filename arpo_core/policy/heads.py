@@ -29,6 +29,7 @@ Decisions:
 
 from __future__ import annotations
 
+import re
 import sys
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -45,8 +46,11 @@ __all__ = [
     "Pointed",
     "cell_click",
     "click_positions",
+    "click_targets",
     "image_cells",
+    "image_runs",
     "pointed",
+    "reply_runs",
 ]
 
 READOUTS = ("cell", "block", "guarded")
@@ -55,15 +59,24 @@ where it lies in that cell's 3x3 block and the cell's centre elsewhere (decision
 pointing head")."""
 
 
-def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -> list[int] | None:
-    """The positions of `enc` whose next token is a character of its reply's click coordinates (inside
-    `start_box='(...)`), or with `first` the two that predict x's and y's first characters; [] without a
-    reply, None where the reply's decoded tokens have no `start_box='(`. The reply is the first run of
-    assistant tokens."""
-    ids, mask = enc.input_ids, enc.assistant_mask
-    reply = [i for i, m in enumerate(mask) if m]
-    if not reply:
-        return []
+def reply_runs(enc: EncodedSequence) -> list[list[int]]:
+    """The positions of each run of assistant tokens in `enc` (a trained reply and its `<|im_end|>`), in
+    order."""
+    runs: list[list[int]] = []
+    for i, on in enumerate(enc.assistant_mask):
+        if on:
+            if runs and runs[-1][-1] == i - 1:
+                runs[-1].append(i)
+            else:
+                runs.append([i])
+    return runs
+
+
+def _click_chars(
+    policy: Policy, ids: Sequence[int], reply: Sequence[int], first: bool
+) -> tuple[list[int], str] | None:
+    """`click_positions` for the reply at positions `reply`, with the text between `start_box='(` and its
+    `)`; None where the decoded reply has no `start_box='(`."""
     tok = policy.processor.tokenizer
     pieces = [tok.decode([ids[i]]) for i in reply]
     text, starts = "", []
@@ -80,22 +93,72 @@ def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -
         chars = (begin, comma + 1) if comma >= 0 else (begin,)
         return [
             reply[k] - 1 for k, at in enumerate(starts) if any(at <= c < at + len(pieces[k]) for c in chars)
-        ]
-    return [reply[k] - 1 for k, at in enumerate(starts) if at < end and at + len(pieces[k]) > begin]
+        ], text[begin:end]
+    return [reply[k] - 1 for k, at in enumerate(starts) if at < end and at + len(pieces[k]) > begin], text[
+        begin:end
+    ]
+
+
+def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -> list[int] | None:
+    """The positions of `enc` whose next token is a character of its reply's click coordinates (inside
+    `start_box='(...)`), or with `first` the two that predict x's and y's first characters; [] without a
+    reply, None where the reply's decoded tokens have no `start_box='(`. The reply is the first run of
+    assistant tokens."""
+    runs = reply_runs(enc)
+    if not runs:
+        return []
+    found = _click_chars(policy, enc.input_ids, runs[0], first)
+    return None if found is None else found[0]
+
+
+def image_runs(policy: Policy, enc: EncodedSequence) -> list[tuple[list[int], int, int]]:
+    """Per screenshot of `enc`, in order: (the positions of its merged image tokens in raster order, the
+    token grid's rows, its columns) (the tokens the language model gets, in the processor's order: rows of
+    merged cells, top to bottom)."""
+    if enc.image_grid_thw is None:
+        return []
+    merge = int(policy.processor.image_processor.merge_size)
+    tokens = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id]
+    out, at = [], 0
+    for thw in enc.image_grid_thw.tolist():
+        _, gh, gw = (int(v) for v in thw)
+        rows, cols = gh // merge, gw // merge
+        out.append((tokens[at : at + rows * cols], rows, cols))
+        at += rows * cols
+    return out
 
 
 def image_cells(policy: Policy, enc: EncodedSequence) -> tuple[list[int], int, int]:
-    """(positions, rows, columns): the positions in `enc` of its last screenshot's merged image tokens (the
-    current screen of a prompt with history), in raster order (the tokens the language model gets, in the
-    processor's order: rows of merged cells, top to bottom), and the token grid's rows and columns.
-    ([], 0, 0) without an image."""
-    if enc.image_grid_thw is None:
-        return [], 0, 0
-    merge = int(policy.processor.image_processor.merge_size)
-    _, gh, gw = (int(v) for v in enc.image_grid_thw[-1].tolist())
-    rows, cols = gh // merge, gw // merge
-    image = [i for i, t in enumerate(enc.input_ids) if t == policy.image_token_id][-rows * cols :]
-    return image, rows, cols
+    """(positions, rows, columns) of `enc`'s last screenshot (the current screen of a prompt with history),
+    as `image_runs` gives them; ([], 0, 0) without an image."""
+    runs = image_runs(policy, enc)
+    return runs[-1] if runs else ([], 0, 0)
+
+
+_POINT = re.compile(r"\s*(-?\d+(?:\.\d+)?)\s*,\s*(-?\d+(?:\.\d+)?)\s*$")
+
+
+def click_targets(policy: Policy, enc: EncodedSequence) -> list[tuple[list[int], list[int]]]:
+    """The pointing loss's spans in a trajectory sequence (arpo_core/offline/behaviour_cloning.py, decision
+    "Pointing loss"): for each trained reply whose click is a point `(x,y)` on its screen, (the two positions
+    that predict the first character of x and of y, [the merged image token whose cell holds the point, in
+    the last screenshot before the reply]). A reply without a click, or whose point is off its screen, has
+    none."""
+    proc = policy.processor.image_processor
+    unit = int(proc.patch_size) * int(proc.merge_size)
+    images = [(cells[0], cells, rows, cols) for cells, rows, cols in image_runs(policy, enc) if cells]
+    out = []
+    for run in reply_runs(enc):
+        found = _click_chars(policy, enc.input_ids, run, first=True)
+        shown = [im for im in images if im[0] < run[0]]
+        point = _POINT.match(found[1]) if found is not None else None
+        if point is None or not shown or not found[0]:
+            continue
+        _, cells, rows, cols = shown[-1]
+        r, c = int(float(point[2]) // unit), int(float(point[1]) // unit)
+        if 0 <= r < rows and 0 <= c < cols:
+            out.append((found[0], [cells[r * cols + c]]))
+    return out
 
 
 class AttentionInputs:
@@ -153,6 +216,26 @@ class HeadWeights(AttentionInputs):
         hidden, (cos, sin) = self.inputs
         with torch.autocast(hidden.device.type, enabled=False):  # in fp32, even inside a bf16 forward
             return self._log_weights(queries, attn, hidden.float(), cos.float(), sin.float())
+
+    def point_terms(self, rows: Sequence[Sequence[tuple[Sequence[int], Sequence[int]]]]) -> torch.Tensor:
+        """The pointing loss's terms: -log of a head's attention mass on the target tokens, one per head and
+        query position of each span (query positions, target positions) of each row (`rows[b]`: row b's
+        spans), in log space so that a head that starts far from the target still gets its gradient; a span
+        without queries or targets has none. 1-D, in fp32."""
+        queries = [[q for span, _ in spans for q in span] for spans in rows]
+        terms = []
+        for w, spans, pos in zip(self.log_weights(queries), rows, queries, strict=True):
+            if not pos:
+                continue
+            w = w.view(self.heads, len(pos), -1)
+            at = 0
+            for span, targets in spans:
+                if span and targets:
+                    terms.append(
+                        -torch.logsumexp(w[:, at : at + len(span)][..., list(targets)], dim=-1).reshape(-1)
+                    )
+                at += len(span)
+        return torch.cat(terms) if terms else self.inputs[0].new_zeros((0,)).float()
 
     def _log_weights(self, queries, attn, hidden, cos, sin) -> list[torch.Tensor]:
         rotate = sys.modules[type(attn).__module__].apply_rotary_pos_emb
