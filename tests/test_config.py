@@ -613,6 +613,17 @@ OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_S
             r"ground\.eval_levels = .* is out of range: must be empty .* with policy\.action_format "
             r"qwen3vl_tool_call: the grounding recipe writes and reads UI-TARS replies",
         ),
+        (  # the pointing loss reads UI-TARS clicks in model pixels: behaviour cloning ...
+            (("sft.point_weight", 1.0), ("policy.coord_mode", "relative1000")),
+            (("sft.point_weight", 1.0), ("policy.coord_mode", "relative1000"), ("demos.episodes_per_task", 0)),
+            r"sft\.point_weight = 1\.0 is out of range: must be 0 unless policy\.action_format is uitars and "
+            r"policy\.coord_mode absolute",
+        ),
+        (  # ... and RFT's
+            (("rft.sft.point_weight", 1.0), ("policy.coord_mode", "relative1000")),
+            (("rft.sft.point_weight", 1.0),),
+            r"rft\.sft\.point_weight = 1\.0 is out of range: must be 0 unless policy\.action_format is uitars",
+        ),
         (  # the versioned grounded checkpoint is a Qwen2.5-VL model
             (("init_policy.family", "qwen3_vl"),),
             (("init_policy.family", "qwen3_vl"), ("ground.checkpoint", None)),

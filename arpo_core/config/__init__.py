@@ -735,6 +735,15 @@ class Params:
                     f"its config.json says {found}",
                     ("init_policy.family",),
                 )
+        pointing = self.policy.action_format != "uitars" or self.policy.coord_mode != "absolute"
+        for key, sft in (("sft", self.sft), ("rft.sft", self.rft.sft)):
+            if sft.point_weight and pointing and (key == "rft.sft" or self.demos.episodes_per_task):
+                yield (
+                    f"{key}.point_weight",
+                    "must be 0 unless policy.action_format is uitars and policy.coord_mode absolute: the "
+                    "pointing loss finds each click's cell from UI-TARS replies in model pixels",
+                    ("policy.action_format", "policy.coord_mode"),
+                )
         if self.policy.action_format != "uitars":
             measures = bool(g.eval_levels or g.eval_miniwob_seeds) and ip.pretrained is None
             if g.phases or measures:

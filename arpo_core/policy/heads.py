@@ -1,7 +1,9 @@
 """The language model's last-layer attention heads, read: which screen cells a reply position attends to,
 and the click they point at (`pointed`, `Pointed.click`; generation may take its clicks from it with
 `policy.click_readout`, decision "Clicks read from the pointing head"). The ground stage trains and
-measures its pointing heads with this (arpo_core/offline/grounding.py, decision "Pointing loss").
+measures its pointing heads with this (arpo_core/offline/grounding.py, decision "Pointing loss"), and
+behaviour cloning teaches them the demos' clicks with it (`click_targets`;
+arpo_core/offline/behaviour_cloning.py, decision "Pointing loss").
 
 Decisions:
 - **Weights recomputed from the layer's inputs.** A head's attention weights are recomputed from the inputs
@@ -9,22 +11,23 @@ Decisions:
   where the family has them (Qwen3-VL), its rotary embedding and scaling, a softmax over the causal prefix
   (`HeadWeights`). So they are the weights the layer uses whatever attention kernel the model runs (SDPA
   and flash kernels return none), in fp32 even inside a bf16 forward, and differentiable for a loss.
-- **Clicks read from the pointing head.** At the position that predicts the first character of a click's
-  x (the one that has read no digit of it), the first `heads` heads of the last layer, averaged, over the
+- **Clicks read from the pointing head.** At the position that predicts the first character of a click's x
+  (the one that has read no digit of it), the first `heads` heads of the last layer, averaged, over the
   current screenshot's cells (its merged tokens, `image_cells`); the click is the cell with the most mass
-  (`cell`: its centre) or the mass-weighted mean of the cell centres in the 3x3 block around it (`block`),
-  in the model frame's pixels; or (`guarded`) the written click where it lies in that cell or one of its 8
-  neighbours, the cell's centre elsewhere: the head vetoes digits that point far from what it attends,
-  and where the two agree the digits keep their sub-cell precision. The head is taught on prompts that
-  name one target: where an instruction names several in an order (click-checkboxes' "Select a, b and
-  click Submit"), it reads one fixed cell and every readout loses to the digits (docs/results.md, "The
-  readout in the main job"). This is GUI-Actor's idea (an action head that attends over the screen's
-  patches instead of writing digits) with the policy's own pointing head and no new parameters. The
-  ground stage's pointing loss teaches head 0 to put its mass on the named target at those positions;
-  measured on the 2x reader (docs/results.md, "Clicks read from the pointing head"), the head has the named
-  widget more often than the digits that follow it hit it, and at 2x a cell (28 model px, 13 screen px) is
-  smaller than the targets. At 1x a cell is 28 screen px, larger than most targets, and the read click loses
-  to the written one.
+  (`cell`: its centre) or the mass-weighted mean of the cell centres in the 3x3 block around it (`block`), in
+  the model frame's pixels; or (`guarded`) the written click where it lies in that cell or one of its 8
+  neighbours, the cell's centre elsewhere: the head vetoes digits that point far from what it attends, and
+  where the two agree the digits keep their sub-cell precision. The head is taught on prompts that name one
+  target: where an instruction names several in an order (click-checkboxes' "Select a, b and click Submit"),
+  it reads one fixed cell and every readout loses to the digits (docs/results.md, "The readout in the main
+  job"); behaviour cloning may teach it the demos' clicks in their order (`sft.point_weight`,
+  arpo_core/offline/behaviour_cloning.py, decision "Pointing loss"). This is GUI-Actor's idea (an action head
+  that attends over the screen's patches instead of writing digits) with the policy's own pointing head and no
+  new parameters. The ground stage's pointing loss teaches head 0 to put its mass on the named target at those
+  positions; measured on the 2x reader (docs/results.md, "Clicks read from the pointing head"), the head has
+  the named widget more often than the digits that follow it hit it, and at 2x a cell (28 model px, 13 screen
+  px) is smaller than the targets. At 1x a cell is 28 screen px, larger than most targets, and the read click
+  loses to the written one.
 """
 
 from __future__ import annotations
