@@ -615,7 +615,11 @@ OSWORLD = (("env.kind", "osworld"), ("ground.eval_miniwob_seeds", 0), *OSWORLD_S
         ),
         (  # the pointing loss reads UI-TARS clicks in model pixels: behaviour cloning ...
             (("sft.point_weight", 1.0), ("policy.coord_mode", "relative1000")),
-            (("sft.point_weight", 1.0), ("policy.coord_mode", "relative1000"), ("demos.episodes_per_task", 0)),
+            (
+                ("sft.point_weight", 1.0),
+                ("policy.coord_mode", "relative1000"),
+                ("demos.episodes_per_task", 0),
+            ),
             r"sft\.point_weight = 1\.0 is out of range: must be 0 unless policy\.action_format is uitars and "
             r"policy\.coord_mode absolute",
         ),
