@@ -278,14 +278,13 @@ def test_click_targets_are_each_replys_click_cell_on_its_own_screen(tmp_path, hi
     for enc, (queries, _) in zip(encoded if history else encoded * 2, spans, strict=True):
         nxt = [tok.decode([enc.input_ids[q + 1]]) for q in queries]
         assert len(queries) == 2 and all(t[:1].isdigit() for t in nxt), nxt
-    # A reply with no click and a click off the screen have no span.
-    done = replace(
-        traj, steps=[replace(traj.steps[0], response_text="Thought: x\nAction: finished(content='')")]
-    )
-    off = replace(
-        traj, steps=[replace(traj.steps[0], response_text="Thought: x\nAction: click(start_box='(900,5)')")]
-    )
-    for t in (done, off):
+    # A reply with no click, a click off the screen and a click cut before its `)` have no span.
+    for reply in (
+        "Thought: x\nAction: finished(content='')",
+        "Thought: x\nAction: click(start_box='(900,5)')",
+        "Thought: x\nAction: click(start_box='(31,42",
+    ):
+        t = replace(traj, steps=[replace(traj.steps[0], response_text=reply)])
         assert click_targets(policy, encode_trajectory(policy, t, spec=PromptSpec("compact", None))) == []
 
 

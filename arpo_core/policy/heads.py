@@ -79,7 +79,7 @@ def _click_chars(
     policy: Policy, ids: Sequence[int], reply: Sequence[int], first: bool
 ) -> tuple[list[int], str] | None:
     """`click_positions` for the reply at positions `reply`, with the text between `start_box='(` and its
-    `)`; None where the decoded reply has no `start_box='(`."""
+    `)` ("" without the `)`); None where the decoded reply has no `start_box='(`."""
     tok = policy.processor.tokenizer
     pieces = [tok.decode([ids[i]]) for i in reply]
     text, starts = "", []
@@ -94,12 +94,10 @@ def _click_chars(
     if first:
         comma = text.find(",", begin, end)
         chars = (begin, comma + 1) if comma >= 0 else (begin,)
-        return [
-            reply[k] - 1 for k, at in enumerate(starts) if any(at <= c < at + len(pieces[k]) for c in chars)
-        ], text[begin:end]
-    return [reply[k] - 1 for k, at in enumerate(starts) if at < end and at + len(pieces[k]) > begin], text[
-        begin:end
-    ]
+        at = [k for k, a in enumerate(starts) if any(a <= c < a + len(pieces[k]) for c in chars)]
+    else:
+        at = [k for k, a in enumerate(starts) if a < end and a + len(pieces[k]) > begin]
+    return [reply[k] - 1 for k in at], text[begin:end] if end >= 0 else ""  # a cut reply: no point
 
 
 def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -> list[int] | None:
