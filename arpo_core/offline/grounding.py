@@ -252,6 +252,7 @@ from arpo_core.policy.heads import (
     AttentionInputs,
     HeadWeights,
     Pointed,
+    cell_size,
     click_positions,
     image_cells,
     pointed,
@@ -1334,8 +1335,7 @@ def point_spans(
 def box_tokens(policy: Policy, enc: EncodedSequence, box: tuple[float, float, float, float]) -> list[int]:
     """Positions in `enc` of the merged image tokens whose cell (`image_cells`) overlaps `box` (model px),
     at least the one under its centre (`point_spans`)."""
-    proc = policy.processor.image_processor
-    unit = int(proc.patch_size) * int(proc.merge_size)
+    unit = cell_size(policy)
     image, rows, cols = image_cells(policy, enc)
     x0, y0, x1, y1 = box
     cells = {
@@ -1439,8 +1439,7 @@ def attention_clicks(
 
 def _name_window_shape(policy: Policy, msize: tuple[int, int]) -> tuple[int, int]:
     """(tokens in a `name_window`, the language model's hidden size) at the policy's resolution."""
-    proc = policy.processor.image_processor
-    unit = int(proc.patch_size) * int(proc.merge_size)
+    unit = cell_size(policy)
     _, _, nh, nw = name_window((0.0, 0.0, 0.0, 0.0), (msize[0] / SCREEN_W, msize[1] / SCREEN_H), unit)
     return nh * nw, int(policy.model.config.text_config.hidden_size)
 

@@ -48,6 +48,7 @@ __all__ = [
     "HeadWeights",
     "Pointed",
     "cell_click",
+    "cell_size",
     "click_positions",
     "click_targets",
     "image_cells",
@@ -112,6 +113,13 @@ def click_positions(policy: Policy, enc: EncodedSequence, first: bool = False) -
     return None if found is None else found[0]
 
 
+def cell_size(policy: Policy) -> int:
+    """The side of a merged image token's cell in model pixels (`patch_size * merge_size`: 28 for
+    Qwen2.5-VL)."""
+    proc = policy.processor.image_processor
+    return int(proc.patch_size) * int(proc.merge_size)
+
+
 def image_runs(policy: Policy, enc: EncodedSequence) -> list[tuple[list[int], int, int]]:
     """Per screenshot of `enc`, in order: (the positions of its merged image tokens in raster order, the
     token grid's rows, its columns) (the tokens the language model gets, in the processor's order: rows of
@@ -145,17 +153,16 @@ def click_targets(policy: Policy, enc: EncodedSequence) -> list[tuple[list[int],
     that predict the first character of x and of y, [the merged image token whose cell holds the point, in
     the last screenshot before the reply]). A reply without a click, or whose point is off its screen, has
     none."""
-    proc = policy.processor.image_processor
-    unit = int(proc.patch_size) * int(proc.merge_size)
-    images = [(cells[0], cells, rows, cols) for cells, rows, cols in image_runs(policy, enc) if cells]
+    unit = cell_size(policy)
+    images = [im for im in image_runs(policy, enc) if im[0]]
     out = []
     for run in reply_runs(enc):
         found = _click_chars(policy, enc.input_ids, run, first=True)
-        shown = [im for im in images if im[0] < run[0]]
+        shown = [im for im in images if im[0][0] < run[0]]
         point = _POINT.match(found[1]) if found is not None else None
         if point is None or not shown or not found[0]:
             continue
-        _, cells, rows, cols = shown[-1]
+        cells, rows, cols = shown[-1]
         r, c = int(float(point[2]) // unit), int(float(point[1]) // unit)
         if 0 <= r < rows and 0 <= c < cols:
             out.append((found[0], [cells[r * cols + c]]))
@@ -331,8 +338,7 @@ def pointed(
     image. One forward per batch serves every readout (`Pointed.click`)."""
     if positions not in ("x", "xy"):
         raise ValueError(f"pointed clicks: positions must be 'x' or 'xy', got {positions!r}")
-    proc = policy.processor.image_processor
-    unit = int(proc.patch_size) * int(proc.merge_size)
+    unit = cell_size(policy)
     out: list[Pointed | None] = []
     for i in range(0, len(encoded), batch_size):
         chunk = list(encoded[i : i + batch_size])
