@@ -8,7 +8,7 @@ import torch
 from PIL import Image, ImageDraw
 
 from arpo_core.config.sections import OptimizerConfig
-from arpo_core.offline.behaviour_cloning import SFTConfig, masked_mean_nll, sft
+from arpo_core.offline.behaviour_cloning import SFTConfig, clicks, masked_mean_nll, sft
 from arpo_core.policy.generate import HFGenerator
 from arpo_core.policy.heads import HeadWeights, click_targets, image_runs
 from arpo_core.policy.model import build_tiny_policy, load_policy
@@ -324,3 +324,26 @@ def test_sft_pointing_loss_moves_the_head_onto_the_demo_clicks(tmp_path, one_thr
     assert len(points) == 30 and sum(points[-5:]) < 0.5 * sum(points[:5])
     assert masses[1.0][1] > 0.5 and masses[1.0][1] > 3 * max(masses[0.0][1], masses[1.0][0])
     assert histories[1.0][-1] < 0.5 * histories[1.0][0]  # the clicks are still cloned
+
+
+def test_point_one_click_teaches_the_pointing_loss_only_in_demos_that_click_once(tmp_path, one_thread):
+    """`point_one_click`: a demo that clicks two targets is cloned without the pointing loss (the weights are
+    those of cloning alone, with the same seed and batches), a demo that clicks once is taught it."""
+    assert [clicks(t) for t in demos()] == [1, 1, 1, 1] and clicks(two_clicks()) == 2
+    cfg = SFTConfig(steps=4, batch_size=2, optimizer=OptimizerConfig(lr=5e-3), warmup_steps=1)
+    one = replace(cfg, point_weight=1.0, point_one_click=True)
+    out = {}
+    for name, config, trajs in (
+        ("cloned", cfg, [two_clicks()]),
+        ("two clicks", one, [two_clicks()]),
+        ("one click", one, demos()[:2]),
+    ):
+        policy = build_tiny_policy(tmp_path / name, size="xs", seed=0)
+        points: list[float] = []
+        sft(policy, trajs, config, progress=False, spec=PromptSpec("compact", None), point_history=points)
+        out[name] = (points, policy.model.state_dict())
+    assert out["two clicks"][0] == [0.0] * 4 and all(p > 0 for p in out["one click"][0])
+    cloned, taught = out["cloned"][1], out["two clicks"][1]
+    assert all(torch.equal(cloned[k], taught[k]) for k in cloned)
+    with pytest.raises(ValueError, match="point_one_click needs point_weight"):
+        replace(cfg, point_one_click=True)

@@ -188,6 +188,12 @@ class GroundTrainConfig:
 class SFTConfig:
     """Behaviour-cloning hyperparameters."""
 
+    def __post_init__(self) -> None:
+        if self.point_one_click and not self.point_weight:
+            raise ValueError(
+                "point_one_click needs point_weight > 0 (it chooses the demos the pointing loss is taught on)"
+            )
+
     steps: Annotated[int, Ge(1)] = 100
     """Optimizer steps."""
     batch_size: Annotated[int, Ge(1)] = 8
@@ -215,6 +221,11 @@ class SFTConfig:
     point_heads: Annotated[int, Ge(1)] = 1
     """How many query heads of the last layer the pointing loss teaches (the first ones; the ground stage's
     phases teach 1, which `policy.click_readout` reads)."""
+    point_one_click: bool = False
+    """Teach the pointing loss only in demos whose trained replies click once (the instruction names one
+    target: "Click on the "ok" button."); a demo that clicks several targets in an order ("Select a, b and
+    click Submit") is cloned without it (arpo_core/offline/behaviour_cloning.py, decision "Pointing loss").
+    Needs `point_weight` > 0; off = every demo click, as before."""
     grow_after: list[Annotated[int, Ge(0)]] | None = None
     """Before behaviour cloning, insert a new language-model layer after each of these layer indices
     (`policy.model.grow_depth`: the grown model computes the same function until trained), e.g. [0, 1]

@@ -36,6 +36,9 @@ Decisions:
   means, so that cell is the target's; no field is added to the trajectories. The ground stage teaches
   the head on instructions that name one target; the demos' name several in an order ("Select a, b and
   click Submit"), where the head read one fixed cell (docs/results.md, "The readout in the main job").
+  Measured over six cloning seeds, the loss raised click-button (one named target) in all six and
+  lowered click-checkboxes (several, in an order) in five; `point_one_click` teaches it only in demos whose
+  trained replies click once (`clicks`), and clones the others without it.
   The term is the mean over heads and positions of the accumulated batch, weighted by `point_weight`;
   its history is returned beside the cloning loss's (`point_history`).
 """
@@ -46,13 +49,14 @@ import itertools
 import math
 import random
 from collections.abc import Sequence
-from contextlib import nullcontext
+from contextlib import nullcontext, suppress
 from dataclasses import asdict
 from pathlib import Path
 
 import torch
 from tqdm.auto import tqdm
 
+from arpo_core.actions import ActionParseError, parse_response
 from arpo_core.config.sections import SFTConfig
 from arpo_core.infra.fileio import atomic_write_json
 from arpo_core.policy.heads import HeadWeights, click_targets
@@ -89,6 +93,24 @@ def _save(policy: Policy, optimizer: torch.optim.Optimizer, out: Path, state: di
     atomic_write_json(out / "sft_state.json", state, indent=1)
 
 
+def clicks(trajectory: Trajectory) -> int:
+    """The clicks a trajectory's trained replies write (UI-TARS replies, as the pointing loss reads them; a
+    recovery demo's deliberate miss is not trained, a reply that does not parse has none).
+
+    >>> from arpo_core.trajectory import Step
+    >>> click = "Action: click(start_box='(3,4)')"
+    >>> steps = [Step(0, b"", 1, 1, click), Step(1, b"", 1, 1, click, train_reply=False)]
+    >>> clicks(Trajectory("r", "demos", 0, "d", "t", "i", steps + [Step(2, b"", 1, 1, "Action: ?")]))
+    1
+    """
+    n = 0
+    for s in trajectory.steps:
+        if s.train_reply:
+            with suppress(ActionParseError):
+                n += sum(a.kind == "click" for a in parse_response(s.response_text).actions)
+    return n
+
+
 def sft(
     policy: Policy,
     trajectories: Sequence[Trajectory],
@@ -123,6 +145,8 @@ def sft(
     autocast = torch.autocast(device.type, dtype=torch.bfloat16) if config.optimizer.bf16 else nullcontext()
     order: list[int] = []
     history: list[float] = []
+    # Decision "Pointing loss": the demos whose clicks it teaches.
+    pointed = [not config.point_one_click or clicks(t) == 1 for t in trajectories]
     model.train()
     bar = tqdm(range(1, config.steps + 1), desc="sft", disable=not progress)
     for step in bar:
@@ -135,16 +159,22 @@ def sft(
                     rng.shuffle(order)
                 idx.append(order.pop())
             # Encoded per batch, not up front: pixel tensors of a few thousand demos would take GBs.
-            seqs = [seq for i in idx for seq in encode_trajectory_windows(policy, trajectories[i], spec=spec)]
+            seqs = [
+                (seq, pointed[i])
+                for i in idx
+                for seq in encode_trajectory_windows(policy, trajectories[i], spec=spec)
+            ]
             # Decision "Length-sorted forwards": at most batch_size rows per forward, rows of similar length
             # together.
-            seqs.sort(key=lambda q: len(q.input_ids))
+            seqs.sort(key=lambda q: len(q[0].input_ids))
             parts = math.ceil(len(seqs) / config.batch_size)
             cuts = [k * len(seqs) // parts for k in range(parts + 1)]
             micro += [
                 (
-                    collate(seqs[a:b], policy.pad_id, policy.image_token_id).to(device),
-                    [click_targets(policy, q) for q in seqs[a:b]] if config.point_weight else [],
+                    collate([q for q, _ in seqs[a:b]], policy.pad_id, policy.image_token_id).to(device),
+                    [click_targets(policy, q) if p else [] for q, p in seqs[a:b]]
+                    if config.point_weight
+                    else [],
                 )
                 for a, b in itertools.pairwise(cuts)
             ]
