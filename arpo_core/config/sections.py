@@ -225,7 +225,8 @@ class SFTConfig:
     """Teach the pointing loss only in demos whose trained replies click once (the instruction names one
     target: "Click on the "ok" button."); a demo that clicks several targets in an order ("Select a, b and
     click Submit") is cloned without it (arpo_core/offline/behaviour_cloning.py, decision "Pointing loss").
-    Needs `point_weight` > 0; off = every demo click, as before."""
+    Needs `point_weight` > 0; off = every demo click, as before. Measured over six cloning seeds: level with
+    the loss on every demo held out, 3.9 points under it out of domain, and click-checkboxes still falls."""
     grow_after: list[Annotated[int, Ge(0)]] | None = None
     """Before behaviour cloning, insert a new language-model layer after each of these layer indices
     (`policy.model.grow_depth`: the grown model computes the same function until trained), e.g. [0, 1]
