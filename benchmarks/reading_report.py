@@ -19,16 +19,20 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-SETS = ("box4", "widget4", "boxes8", "buttons8", "links8", "texts8", "checks8", "box1h", "widget1", "miniwob")
+SETS = (
+    *("box4", "widget4", "boxes8", "buttons8", "links8", "texts8", "checks8", "box1h", "widget1"),
+    *("lorem8", "paralinks", "miniwob"),
+)
 READ_SETS = tuple(f"read-{s}" for s in SETS if s != "miniwob")
 """The same screens asked to be read (grounding.py, decision "Reading examples"): `read_score`."""
 PANELS = {
     "colours among look-alikes": ("box4", "boxes8"),
     "words among look-alikes": ("widget4", "buttons8", "links8", "texts8", "checks8"),
+    "MiniWoB's lorem-ipsum links": ("lorem8", "paralinks"),
     "real MiniWoB (held out)": ("miniwob",),
     "reading (read_score)": READ_SETS,
     "naming head (name_acc)": tuple(
-        f"name {s}" for s in ("boxes8", "buttons8", "links8", "texts8", "checks8")
+        f"name {s}" for s in ("boxes8", "buttons8", "links8", "texts8", "checks8", "lorem8", "miniwob")
     ),
 }
 """A panel's curves by set; `name <set>`: the naming head's held-out accuracy (grounding.py, decision "Naming
@@ -101,7 +105,7 @@ def cell(m: dict | None) -> str:
 
 def last_measures(arm: dict) -> tuple[int, dict[str, dict]] | None:
     """A running arm's latest held-out measurement as measures: (stage-wide step, {set: {hit_rate,
-    other_hit_rate, read_score}}); None when it has not measured yet."""
+    other_hit_rate, read_score, n}}); None when it has not measured yet."""
     offset, last = 0, None
     for ph in arm["phases"]:
         if ph["curve"]:
@@ -114,7 +118,7 @@ def last_measures(arm: dict) -> tuple[int, dict[str, dict]] | None:
     for key, value in ev.items():
         if "/" in key:
             s, measure = key.rsplit("/", 1)
-            if measure in ("hit_rate", "other_hit_rate", "read_score"):
+            if measure in ("hit_rate", "other_hit_rate", "read_score", "n"):
                 measures.setdefault(s, {})[measure] = value
     return step, {s: m for s, m in measures.items() if "hit_rate" in m or "read_score" in m}
 
@@ -158,6 +162,7 @@ def main() -> None:
     arms = {n: read_arm(Path(p)) for n, p in (a.split("=", 1) for a in args.arm)}
     rows = [r for n, a in arms.items() for r in curve_rows(n, a["phases"], start)]
     out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
     record = {"benchmark": "reading_curriculum", "start": start, "arms": arms, "note": args.note}
     out.with_suffix(".json").write_text(json.dumps(record, indent=1))
 
