@@ -38,7 +38,8 @@ Decisions:
   click Submit"), where the head read one fixed cell (docs/results.md, "The readout in the main job").
   Measured over six cloning seeds, the loss raised click-button (one named target) in all six and
   lowered click-checkboxes (several, in an order) in five; `point_one_click` teaches it only in demos whose
-  trained replies click once (`clicks`), and clones the others without it.
+  trained replies click once (`clicks`), and clones the others without it; measured, click-checkboxes fell
+  all the same (docs/results.md, "The pointing loss only where the demo clicks once").
   The term is the mean over heads and positions of the accumulated batch, weighted by `point_weight`;
   its history is returned beside the cloning loss's (`point_history`).
 """
