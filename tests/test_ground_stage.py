@@ -369,7 +369,13 @@ def test_real_miniwob_screens_train_and_measure(init_dir, tmp_path, monkeypatch)
     monkeypatch.setattr(MiniWoBEnv, "__init__", _spy(MiniWoBEnv.__init__, opened))
     monkeypatch.setattr(MiniWoBEnv, "close", _spy(MiniWoBEnv.close, closed))
     phase = "ground.phases=[{steps: 2, batch_size: 4, warmup_steps: 1, optimizer: {bf16: false}, miniwob_seeds: 1}]"
-    p = params("ground.checkpoint=null", phase, "ground.eval_levels=[]", "ground.eval_miniwob_seeds=1")
+    p = params(
+        "ground.checkpoint=null",
+        phase,
+        "ground.eval_levels=[]",
+        "ground.eval_miniwob_seeds=1",
+        f"ground.screen_cache={tmp_path / 'screens'}",  # empty: the browser reads them
+    )
     m = ground.run(p, init_dir, tmp_path / "g")
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert report["phases"][0]["real_examples"] >= 2

@@ -447,6 +447,11 @@ class GroundSectionConfig:
     """Each phase saves its whole training state this often (and when it ends), in the stage's staged output;
     a killed or interrupted stage restarted with the same params continues each phase where it was, to the
     same weights (grounding.py, decision "Resumable training"). Operational: not in the stage's key."""
+    screen_cache: str | None = ".arpo/screens"
+    """Where the real MiniWoB screens the stage reads are kept (relative to the project folder), so a
+    resumed or re-measured run reads them from disk instead of a browser (envs/miniwob/screens.py,
+    decision "Screen cache"); null = read every screen from the browser. Operational: not in the
+    stage's key."""
 
     def __post_init__(self) -> None:
         check_fields(self)

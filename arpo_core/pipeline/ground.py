@@ -16,13 +16,16 @@ Decisions:
   screens of the in-domain tasks with env seeds from 1000. Seeds 1000-1999 are held out whatever the
   phases ask: training's N screens are env seeds 0..N-1 skipping that block (`training_seeds`: 0-999, then
   2000..), so no count of real screens trains on a held-out one. One browser reads every real screen the
-  stage needs and is closed before training starts. The measures are the stage's metrics
-  (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves, `ground_report.json` inside
-  the checkpoint directory, so the model carries how it was made and how it scores. These final measures
-  click as the policy will act, with `policy.click_readout` (generate.py, decision "Read clicks"); the
-  curves while a phase trains read the written digits. A start that carries its own report (a versioned
-  checkpoint the stage trained: its recipe, commit and curves) has it kept whole in the new report's
-  `start_report`, so the chain of how a policy was made survives copies and further phases.
+  stage needs and is closed before training starts; a screen read once is kept on disk
+  (`ground.screen_cache`; envs/miniwob/screens.py, decision "Screen cache"), so a resumed stage, a
+  snapshot or a re-measure reads it from there and starts no browser when all are kept. The measures
+  are the stage's metrics (`ground/<level>/hit_rate`, ...) and, with the recipe and the loss curves,
+  `ground_report.json` inside the checkpoint directory, so the model carries how it was made and how it
+  scores. These final measures click as the policy will act, with `policy.click_readout` (generate.py,
+  decision "Read clicks"); the curves while a phase trains read the written digits. A start that carries
+  its own report (a versioned checkpoint the stage trained: its recipe, commit and curves) has it kept
+  whole in the new report's `start_report`, so the chain of how a policy was made survives copies and
+  further phases.
 - **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
   swapped in on success (flows/runner.py, decision "Staged outputs"): a failed copy or training run leaves the
   previous `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree`
@@ -234,7 +237,8 @@ def real_screens(
     """Real MiniWoB grounding examples of the in-domain tasks, all read by one browser that is closed
     before training starts: ({N: examples of env seeds 0..N-1} for the `miniwob_seeds` of every phase of
     `phases` (default: all), held-out examples of seeds 1000..1000+eval_miniwob_seeds-1 unless not `held`).
-    No browser when neither is asked for."""
+    No browser when neither is asked for, nor when `ground.screen_cache` holds every screen
+    (screens.py, decision "Screen cache")."""
     from arpo_core.offline.grounding import miniwob_examples
 
     g = p.ground
@@ -248,9 +252,18 @@ def real_screens(
     if not counts and not n_held:
         return {}, []
     tasks = _miniwob_task_ids(p)
-    from arpo_core.envs.miniwob.miniwob_env import MiniWoBEnv
+    from arpo_core.envs.miniwob import miniwob_env
+    from arpo_core.envs.miniwob.screens import ScreenCache, render_key
 
-    env = MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
+    def browser():
+        return miniwob_env.MiniWoBEnv(episode_time_limit_s=p.env.episode_time_limit_s)
+
+    if g.screen_cache is None:
+        env = browser()
+    else:
+        folder = Path(g.screen_cache) / render_key(miniwob_env.CHROMIUM_BINARY, miniwob_env.CHROMIUM_FLAGS)
+        env = ScreenCache(folder, browser)
+    t0 = time.perf_counter()
     try:
         train = {
             n: miniwob_examples(env, tasks, training_seeds(n), size, g.miniwob_per_screen) for n in counts
@@ -259,6 +272,13 @@ def real_screens(
         return train, miniwob_examples(env, tasks, seeds, size, g.miniwob_per_screen) if n_held else []
     finally:
         env.close()
+        if isinstance(env, ScreenCache):
+            print(
+                f"[ground] {env.hits + env.misses} real screens in {time.perf_counter() - t0:.0f} s, "
+                f"{env.hits} from {env.folder}, {env.misses} from the browser"
+                + (f" ({env.damaged} kept ones were damaged)" if env.damaged else ""),
+                flush=True,
+            )
 
 
 def _budget(start: tuple[int, int], min_pixels: int | None) -> tuple[int, int]:

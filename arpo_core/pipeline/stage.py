@@ -100,6 +100,7 @@ OPERATIONAL = (
     "train.distributed",
     "train.gradient_checkpointing",
     "ground.checkpoint_every_s",
+    "ground.screen_cache",
 )
 """Keys stages read that change speed or where episodes run, not their results (decision "Read params keys"):
 in no stage's params, so changing them re-runs nothing."""
