@@ -25,9 +25,18 @@ Decisions:
   to one configuration: a marker `.arpo/stamps/<stage>.running` holds the key of the attempt in
   progress; an attempt with the same key (a Prefect retry, or the same run restarted after a kill)
   keeps the staged outputs and resumes from them (the train stage from its last epoch checkpoint,
-  which lives in the staging area while it runs); an attempt with another key empties it first, so
-  the train stage never "resumes" an ARPO run's finished epochs as a GRPO run. The price: room for the
-  old and the new outputs until the swap.
+  which lives in the staging area while it runs); an attempt with another key starts from an empty
+  one, so the train stage never "resumes" an ARPO run's finished epochs as a GRPO run. The price: room
+  for the old and the new outputs until the swap.
+- **Set aside, not deleted.** What an interrupted attempt with another key staged is moved to
+  `dir/.name.set-aside` (one per output: the next set-aside replaces it; git- and DVC-ignored), not
+  deleted, and the stage says so in one line: which params and which files (code, data, inputs) differ
+  from the attempt that made it, the commit it was made at, its size, and how to resume it (restore that
+  configuration and move it back to the staging path) or free the room. Before, any change to a
+  stage's code deleted its staging area without a word: a docs fix pulled into the folder of a
+  grounding run that had been stopped between sessions deleted 5,357 steps of checkpoints (2026-12-07).
+  The marker holds what the message needs: the key, the stage's params, its dependency files' hashes
+  and the checkout's commit.
 - **Epoch history.** A stage with an `epoch_history(outputs...)` hook (train) has its per-epoch rows logged at
   step = epoch and written to `plots/<stage>_epochs.csv` (the columns DVC plots); per-iteration
   metrics go to MLflow under `iter/<key>` through the task's `on_metrics` hook.
@@ -63,6 +72,7 @@ from __future__ import annotations
 
 import csv
 import hashlib
+import json
 import os
 import shutil
 import time
@@ -72,17 +82,19 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, load_params
-from arpo_core.infra.fileio import atomic_open, atomic_write_json, atomic_write_text
+from arpo_core.infra.fileio import atomic_open, atomic_write_json
 from arpo_core.pipeline.table import Stage
 from flows.services import run_lock
 from flows.spec import (
     SPECS,
     details_path,
     effective_params,
+    file_hashes,
     matching_stamp,
     read_stamp,
     split_metrics,
     stage_key,
+    stage_params,
     stamp_path,
     write_stamp,
 )
@@ -98,7 +110,10 @@ __all__ = [
     "front_door",
     "load_params_once",
     "previous_path",
+    "read_marker",
     "recover_outputs",
+    "set_aside_message",
+    "set_aside_path",
     "staging_path",
     "variant_name",
     "write_epoch_plot",
@@ -132,6 +147,12 @@ def previous_path(out: Path) -> Path:
     return out.parent / f".{out.name}.previous"
 
 
+def set_aside_path(out: Path) -> Path:
+    """Decision "Set aside, not deleted": where an interrupted attempt's staged output waits when an attempt
+    with another key starts."""
+    return out.parent / f".{out.name}.set-aside"
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -149,6 +170,67 @@ def recover_outputs(outs: Sequence[Path]) -> None:
                 _remove(prev)
             else:
                 os.replace(prev, out)
+
+
+def read_marker(path: Path) -> dict[str, Any] | None:
+    """A running marker (decision "Set aside, not deleted"): its record, `{"key": ...}` alone for a marker
+    written before it held more (the key as plain text), None when there is none."""
+    try:
+        text = path.read_text().strip()
+    except FileNotFoundError:
+        return None
+    try:
+        record = json.loads(text)
+    except ValueError:
+        return {"key": text}
+    return record if isinstance(record, dict) else {"key": text}
+
+
+def _holds(path: Path) -> bool:
+    """A staged output with something in it (an empty directory is nothing to keep)."""
+    return path.is_file() or path.is_symlink() or (path.is_dir() and any(path.iterdir()))
+
+
+def _differing(a: dict[str, Any], b: dict[str, Any], most: int = 4) -> str:
+    keys = sorted(k for k in a.keys() | b.keys() if a.get(k) != b.get(k))
+    return ", ".join(keys[:most]) + (f" and {len(keys) - most} more" if len(keys) > most else "")
+
+
+def set_aside_message(
+    stage: str, before: dict[str, Any] | None, now: dict[str, Any], outs: Sequence[Path], root: Path
+) -> str:
+    """The one line a stage says when it sets an interrupted attempt's staged outputs aside."""
+    if before is None or "params" not in before:
+        why = "by an attempt whose configuration was not recorded"
+    else:
+        params = _differing(before["params"], now["params"])
+        files = _differing(before.get("files") or {}, now["files"])
+        parts = [f"params {params}" if params else "", f"files {files}" if files else ""]
+        why = (
+            "with other " + " and other ".join(x for x in parts if x)
+            if params or files
+            else "with another key"
+        )
+        if before.get("commit"):
+            why += f" (at commit {before['commit']})"
+    size = sum(f.stat().st_size for out in outs for f in _tree(set_aside_path(out))) / 2**20
+    places = ", ".join(
+        f"{set_aside_path(out).relative_to(root)} (back to {staging_path(out).relative_to(root)} to resume)"
+        if out.is_relative_to(root)
+        else str(set_aside_path(out))
+        for out in outs
+    )
+    return (
+        f"[{stage}] an interrupted attempt's staged outputs were made {why}: set aside, not deleted, "
+        f"{size:.0f} MB: {places}. To resume them, run that configuration with them moved back; "
+        "otherwise delete them"
+    )
+
+
+def _tree(path: Path) -> list[Path]:
+    if path.is_file():
+        return [path]
+    return [f for f in path.rglob("*") if f.is_file() and not f.is_symlink()] if path.is_dir() else []
 
 
 def commit_outputs(outs: Sequence[Path]) -> None:
@@ -326,13 +408,32 @@ class StageRun:
         outs = list(self._outputs().values())
         recover_outputs(outs)
         marker = stamp_path(self.root, self.name).with_suffix(".running")
-        resumable = marker.exists() and marker.read_text().strip() == key
-        if not resumable:
-            for out in outs:
-                _remove(staging_path(out))
-            marker.parent.mkdir(parents=True, exist_ok=True)
-            atomic_write_text(marker, key)
+        before = read_marker(marker)
+        if before is not None and before.get("key") == key:
+            return marker
+        now = self._marker(key)
+        held = [out for out in outs if _holds(staging_path(out))]
+        if held:  # decision "Set aside, not deleted"
+            for out in held:
+                _remove(set_aside_path(out))
+                os.replace(staging_path(out), set_aside_path(out))
+            print(set_aside_message(self.name, before, now, held, self.root), flush=True)
+        for out in outs:
+            _remove(staging_path(out))
+        atomic_write_json(marker, now, indent=1, sort_keys=True)
         return marker
+
+    def _marker(self, key: str) -> dict[str, Any]:
+        """What the running marker records (decision "Set aside, not deleted")."""
+        from arpo_core.pipeline.ground import source_commit
+
+        commit = source_commit(self.root)
+        return {
+            "key": key,
+            "params": json.loads(json.dumps(stage_params(self.p, self.spec), default=str)),
+            "files": file_hashes(self.spec.deps, self.root),
+            "commit": commit and commit["commit"] + ("+changes" if commit["dirty"] else ""),
+        }
 
     def _log_results(self, metrics: dict[str, float]) -> None:
         c, run_id = self.client, self.run_id

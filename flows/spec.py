@@ -53,6 +53,7 @@ __all__ = [
     "dvc_outs",
     "dvc_yaml",
     "effective_params",
+    "file_hashes",
     "fingerprint",
     "is_detail",
     "is_up_to_date",
@@ -149,6 +150,20 @@ def fingerprint(paths: Iterable[str], root: Path) -> str:
                 for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
                     h.update(block)
     return h.hexdigest()
+
+
+def file_hashes(paths: Iterable[str], root: Path) -> dict[str, str]:
+    """{relative path: sha256} of every file `fingerprint` reads under `paths` (a missing path: "missing"),
+    to say which of them changed between two keys."""
+    out: dict[str, str] = {}
+    for rel in paths:
+        path = root / rel
+        if not path.exists():
+            out[rel] = "missing"
+            continue
+        for f in _files(path):
+            out[f.relative_to(root).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
+    return out
 
 
 def stage_key(p: Params, spec: Stage, root: Path) -> str:

@@ -7,6 +7,7 @@ decision "Non-retryable errors")."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import hashlib
 import sys
@@ -99,8 +100,67 @@ def test_a_retry_with_the_same_key_resumes_from_its_staged_outputs_another_key_s
         StageRun("init_policy", preset="quick", overrides=["init_policy.seed=9"]).execute()
     assert seen[0] == (".init.staging", [])
     assert seen[1] == (".init.staging", ["part1"])  # resumed from what the failed attempt staged
-    assert seen[2] == (".init.staging", [])  # another key: the staging area was emptied first
+    assert seen[2] == (".init.staging", [])  # another key: an empty staging area
     assert sorted(p.name for p in Path("models/init").iterdir()) == ["part1", "part2"]  # untouched
+
+
+def test_another_configuration_sets_an_interrupted_attempts_staged_outputs_aside(
+    project, monkeypatch, capsys
+):
+    """flows/runner.py, decision "Set aside, not deleted": before, a changed param or code file deleted an
+    interrupted attempt's staging area without a word (a grounding run's hours of checkpoints). Now it is
+    moved beside it and the stage names what differs; the same configuration still resumes from it."""
+    from arpo_core.config import load_params
+    from flows.runner import read_marker, set_aside_path
+
+    def attempt(p, out_dir):  # stages a part, then is killed
+        out_dir = Path(out_dir)
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / f"part-{p.init_policy.seed}-{len(list(out_dir.iterdir()))}").write_text("x" * 3000)
+        raise RuntimeError("killed")
+
+    def run(*overrides):
+        with pytest.raises(RuntimeError, match="killed"):
+            StageRun("init_policy", preset="quick", overrides=list(overrides)).execute()
+        return capsys.readouterr().out
+
+    oh.replace_stage_run(monkeypatch, "init_policy", attempt)
+    dep = Path("data/extra.txt")  # the stand-in run's code is not in the project: a data file in its place
+    dep.write_text("one")
+    monkeypatch.setitem(
+        SPECS, "init_policy", dataclasses.replace(SPECS["init_policy"], data=(dep.as_posix(),))
+    )
+    seed = load_params("params.yaml", preset="quick").init_policy.seed
+    out = Path("models/init")
+    staged, aside = staging_path(out), set_aside_path(out)
+    assert "set aside" not in run()
+    assert "set aside" not in run()  # the same configuration resumes: a second part beside the first
+    assert sorted(p.name for p in staged.iterdir()) == [f"part-{seed}-0", f"part-{seed}-1"]
+    marker = read_marker(Path(".arpo/stamps/init_policy.running"))
+    assert marker is not None and marker["params"]["init_policy.seed"] == seed and marker["files"]
+
+    said = run("init_policy.seed=9")  # other params
+    assert sorted(p.name for p in aside.iterdir()) == [f"part-{seed}-0", f"part-{seed}-1"]
+    assert sorted(p.name for p in staged.iterdir()) == ["part-9-0"]
+    assert (
+        "[init_policy] an interrupted attempt's staged outputs were made with other params init_policy.seed"
+        in said
+    )
+    assert (
+        "files" not in said
+        and "0 MB" in said
+        and "models/.init.set-aside (back to models/.init.staging" in said
+    )
+
+    dep.write_text("two")
+    said = run("init_policy.seed=9")  # the same params, another file
+    assert "made with other files data/extra.txt" in said and "params" not in said, said
+    assert sorted(p.name for p in aside.iterdir()) == ["part-9-0"]  # the newer set-aside replaced the older
+    assert sorted(p.name for p in staged.iterdir()) == ["part-9-0"]
+
+    Path(".arpo/stamps/init_policy.running").write_text("an-old-key")  # a marker from before it held more
+    said = run()
+    assert "made by an attempt whose configuration was not recorded" in said
 
 
 def test_an_interrupted_swap_is_repaired_and_outputs_are_committed_by_rename(tmp_path):

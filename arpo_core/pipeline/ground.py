@@ -33,9 +33,12 @@ Decisions:
   `Policy.save` (the same for the weights).
 - **Resumable phases.** Each phase checkpoints its whole training state to `out_dir/checkpoints/phase-<i>.pt`
   every `ground.checkpoint_every_s` seconds and when it ends (grounding.py, decision "Resumable training").
-  The staged output survives a failed or killed attempt with the same key (the runner empties it for another
-  key), so the restarted stage passes finished phases at once and continues the interrupted one to the
-  same weights; a run of hours loses minutes to a kill. The checkpoints are removed when the stage succeeds.
+  The staged output survives a failed or killed attempt with the same key, so the restarted stage passes
+  finished phases at once and continues the interrupted one to the same weights; a run of hours loses
+  minutes to a kill. The key holds the stage's code: restarted after a change to it (or to its params),
+  the stage starts over and the runner sets the checkpoints aside, naming what changed (flows/runner.py,
+  decision "Set aside, not deleted"), so keep a long run's checkout as it is until it ends. The
+  checkpoints are removed when the stage succeeds.
   A phase with `carry_heads` starts its heads from the checkpoint of the phase before it (grounding.py,
   decision "Carried heads").
 - **Pixel budget.** `ground.min_pixels` sets the grounded policy's pixel floor (its image processor's

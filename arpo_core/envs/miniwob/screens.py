@@ -2,9 +2,10 @@
 
 Design decisions:
 - **Screen cache.** A ground stage with real screens reads every (task, env seed) it trains on before its
-  first step: 2,600 seeds of 8 tasks for presets/ground-reading-2x-lorem.yaml, 10-25 minutes of browser
-  time that every resume of an hours-long run paid again (and `arpo snapshot ground`, which renders them
-  to check a checkpoint's fingerprint). `ScreenCache` stands in for the env that `miniwob_examples`
+  first step: for presets/ground-reading-2x-lorem.yaml 2,000 seeds of the 4 in-domain tasks, which its
+  two phases read as 10,400 screens (the first phase's 600 seeds twice), 10-25 minutes of browser time
+  that every resume of an hours-long run paid again (and `arpo snapshot ground`, which renders them to
+  check a checkpoint's fingerprint). `ScreenCache` stands in for the env that `miniwob_examples`
   reads (`reset`, `screenshot`, `dom_elements`): each (task, seed)'s screenshot (PNG), utterance and DOM
   elements are one JSON file, `<root>/<key>/<task>/<data mode>-<seed>.json`, written atomically the
   first time and read every time after. The browser starts at the first miss, so a stage whose screens
