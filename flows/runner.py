@@ -33,8 +33,9 @@ Decisions:
   deleted, and the stage says so in one line: which params and which files (code, data, inputs) differ
   from the attempt that made it, the commit it was made at, its size, and how to resume it (restore that
   configuration and move it back to the staging path) or free the room. Before, any change to a
-  stage's code deleted its staging area without a word: a docs fix pulled into the folder of a
-  grounding run that had been stopped between sessions deleted 5,357 steps of checkpoints (2026-12-07).
+  stage's params or code deleted its staging area without a word: pulling a change that trains
+  nothing differently (the screen cache) into the folder of a grounding run stopped between sessions
+  deleted its 5,357 steps of checkpoints (docs/results.md, "The reader at 2x with lorem names").
   The marker holds what the message needs: the key, the stage's params, its dependency files' hashes
   and the checkout's commit.
 - **Epoch history.** A stage with an `epoch_history(outputs...)` hook (train) has its per-epoch rows logged at
@@ -197,9 +198,15 @@ def _differing(a: dict[str, Any], b: dict[str, Any], most: int = 4) -> str:
 
 
 def set_aside_message(
-    stage: str, before: dict[str, Any] | None, now: dict[str, Any], outs: Sequence[Path], root: Path
+    stage: str,
+    before: dict[str, Any] | None,
+    now: dict[str, Any],
+    outs: Sequence[Path],
+    root: Path,
+    replaced: Sequence[Path] = (),
 ) -> str:
-    """The one line a stage says when it sets an interrupted attempt's staged outputs aside."""
+    """The one line a stage says when it sets an interrupted attempt's staged outputs aside (`replaced`:
+    the outputs whose older set-aside this one took the place of)."""
     if before is None or "params" not in before:
         why = "by an attempt whose configuration was not recorded"
     else:
@@ -224,6 +231,11 @@ def set_aside_message(
         f"[{stage}] an interrupted attempt's staged outputs were made {why}: set aside, not deleted, "
         f"{size:.0f} MB: {places}. To resume them, run that configuration with them moved back; "
         "otherwise delete them"
+        + (
+            f" (this replaced an older set-aside of {', '.join(o.name for o in replaced)})"
+            if replaced
+            else ""
+        )
     )
 
 
@@ -414,10 +426,13 @@ class StageRun:
         now = self._marker(key)
         held = [out for out in outs if _holds(staging_path(out))]
         if held:  # decision "Set aside, not deleted"
+            replaced = [
+                out for out in held if set_aside_path(out).exists() or set_aside_path(out).is_symlink()
+            ]
             for out in held:
                 _remove(set_aside_path(out))
                 os.replace(staging_path(out), set_aside_path(out))
-            print(set_aside_message(self.name, before, now, held, self.root), flush=True)
+            print(set_aside_message(self.name, before, now, held, self.root, replaced), flush=True)
         for out in outs:
             _remove(staging_path(out))
         atomic_write_json(marker, now, indent=1, sort_keys=True)

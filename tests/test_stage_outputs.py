@@ -148,6 +148,7 @@ def test_another_configuration_sets_an_interrupted_attempts_staged_outputs_aside
     )
     assert (
         "files" not in said
+        and "replaced" not in said
         and "0 MB" in said
         and "models/.init.set-aside (back to models/.init.staging" in said
     )
@@ -155,6 +156,7 @@ def test_another_configuration_sets_an_interrupted_attempts_staged_outputs_aside
     dep.write_text("two")
     said = run("init_policy.seed=9")  # the same params, another file
     assert "made with other files data/extra.txt" in said and "params" not in said, said
+    assert said.rstrip().endswith("(this replaced an older set-aside of init)")
     assert sorted(p.name for p in aside.iterdir()) == ["part-9-0"]  # the newer set-aside replaced the older
     assert sorted(p.name for p in staged.iterdir()) == ["part-9-0"]
 
