@@ -14,8 +14,10 @@ Design decisions:
   episode counter and is never a target), so a cached screen is the screen a browser would read.
 - **What the key holds.** Everything that decides those bytes: this file's format, the MiniWoB package's
   version and pages (its core, common and task files), Chromium's version and flags, the installed fonts
-  (each font file's path and size), the DOM script and the screen size. A change to any of them is
-  another folder, so a stale screen is never read; old folders are left for the user to remove.
+  (each font file's path and size), the env's own code (miniwob_env.py and dom.py: how a reset draws the
+  page, e.g. the parked pointer and the hidden caret, and how the elements are read) and the screen
+  size. A change to any of them is another folder, so a stale screen is never read; old folders are left
+  for the user to remove.
 - **Never fatal.** A file that does not read (truncated, another format, another task's) is read again
   from the browser and rewritten, with a warning; a cache that cannot be written (a full disk, a
   read-only folder) is given up for the rest of the call with one warning, and the screens come from
@@ -101,10 +103,12 @@ def render_key(chromium_binary: str, flags: tuple[str, ...]) -> str:
     """What decides a screen's bytes, hashed (decision "What the key holds"): 16 hex digits."""
     import miniwob
 
-    from arpo_core.envs.miniwob.miniwob_env import _DOM_JS
+    from arpo_core.envs.miniwob import dom, miniwob_env
 
     h = hashlib.sha256()
-    h.update(f"format {FORMAT}\0{SCREEN_SIZE}\0{flags}\0{_DOM_JS}\0".encode())
+    h.update(f"format {FORMAT}\0{SCREEN_SIZE}\0{flags}\0".encode())
+    for module in (miniwob_env, dom):  # how a reset draws the page and reads its elements
+        h.update(Path(module.__file__).read_bytes() + b"\0")
     h.update(importlib.metadata.version("miniwob").encode() + b"\0")
     _tree_digest(h, Path(miniwob.__file__).parent / "html", ("core/**/*", "common/**/*", "miniwob/*"))
     h.update(_command([chromium_binary, "--version"]).encode() + b"\0")
