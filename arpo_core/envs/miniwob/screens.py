@@ -13,11 +13,12 @@ Design decisions:
   byte-identical screenshots and element lists (but for `<body>`'s full text, which carries MiniWoB's
   episode counter and is never a target), so a cached screen is the screen a browser would read.
 - **What the key holds.** Everything that decides those bytes: this file's format, the MiniWoB package's
-  version and pages (its core, common and task files), Chromium's version and flags, the installed fonts
-  (each font file's path and size), the env's own code (miniwob_env.py and dom.py: how a reset draws the
-  page, e.g. the parked pointer and the hidden caret, and how the elements are read) and the screen
-  size. A change to any of them is another folder, so a stale screen is never read; old folders are left
-  for the user to remove.
+  version and pages (its core, common and task files), Chromium's binary (path, size and modification
+  time: another version or a reinstall) and flags, the installed fonts (each file's path, size and
+  time), the env's own code (miniwob_env.py and dom.py: how a reset draws the page, e.g. the parked
+  pointer and the hidden caret, and how the elements are read) and the screen size. A change to any of
+  them is another folder, so a stale screen is never read; old folders are left for the user to remove.
+  No browser runs to make the key (not `chromium --version`: no browser process outside an env's care).
 - **Never fatal.** A file that does not read (truncated, another format, another task's) is read again
   from the browser and rewritten, with a warning; a cache that cannot be written (a full disk, a
   read-only folder) is given up for the rest of the call with one warning, and the screens come from
@@ -111,13 +112,20 @@ def render_key(chromium_binary: str, flags: tuple[str, ...]) -> str:
         h.update(Path(module.__file__).read_bytes() + b"\0")
     h.update(importlib.metadata.version("miniwob").encode() + b"\0")
     _tree_digest(h, Path(miniwob.__file__).parent / "html", ("core/**/*", "common/**/*", "miniwob/*"))
-    h.update(_command([chromium_binary, "--version"]).encode() + b"\0")
+    h.update(_stat(chromium_binary).encode() + b"\0")  # not `chromium --version`: no browser process here
     for font in sorted(_command(["fc-list", "--format", "%{file}\n"]).split("\n")):
-        try:
-            h.update(f"{font}:{Path(font).stat().st_size}\n".encode() if font else b"")
-        except OSError:
-            continue
+        h.update(_stat(font).encode() if font else b"")
     return h.hexdigest()[:16]
+
+
+def _stat(path: str) -> str:
+    """A file's path, size and modification time (another build or a reinstall changes them); "" when
+    it is not there."""
+    try:
+        st = Path(path).stat()
+    except OSError:
+        return ""
+    return f"{path}:{st.st_size}:{st.st_mtime_ns}\n"
 
 
 class ScreenCache:
