@@ -116,6 +116,11 @@ def main() -> None:
     )
     ap.add_argument("--per-screen", type=int, default=6, help="targets per real screen")
     ap.add_argument("--heads", type=int, default=1, help="the first N heads of the last layer, averaged")
+    ap.add_argument(
+        "--screen-cache",
+        default=None,
+        help="where the real screens are kept (default: params' ground.screen_cache; 'null': none)",
+    )
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "point_positions"))
     args = ap.parse_args()
@@ -145,6 +150,10 @@ def main() -> None:
                     g = replace(
                         params.ground, eval_miniwob_seeds=args.real, miniwob_per_screen=args.per_screen
                     )
+                    if args.screen_cache is not None:
+                        g = replace(
+                            g, screen_cache=None if args.screen_cache == "null" else args.screen_cache
+                        )
                     real[size] = real_screens(replace(params, ground=g), size, phases=())[1]
                 levels["real"] = measure(policy, real[size], system, args.heads, max_new)
             rows.append({"model": name, "spec": spec, "frame": list(size), "levels": levels})

@@ -178,6 +178,7 @@ def test_point_positions_splits_the_heads_mass_by_position_beside_the_greedy_cli
     one another; beside them the clicks read off the head (`cell`, `block`), and with `--real` held-out real
     MiniWoB screens (one browser, ~5 s), split by target kind as well."""
     out = tmp_path / "pos"
+    own_cache = ["--screen-cache", str(tmp_path / "screens")]  # the checkout's .arpo/screens stays untouched
     cmd = [
         sys.executable,
         "benchmarks/point_positions.py",
@@ -187,13 +188,14 @@ def test_point_positions_splits_the_heads_mass_by_position_beside_the_greedy_cli
         "boxes8,box1h",
     ]
     res = subprocess.run(
-        [*cmd, "--screens", "4", "--real", "1", "--per-screen", "2", "--out", str(out)],
+        [*cmd, "--screens", "4", "--real", "1", "--per-screen", "2", "--out", str(out), *own_cache],
         cwd=ROOT,
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert res.returncode == 0, res.stderr[-2000:]
+    assert len(list((tmp_path / "screens").rglob("train-1000.json"))) == 4  # the in-domain tasks' seed 1000
     rec = json.loads(out.with_suffix(".json").read_text())
     (model,) = rec["models"]
     assert model["model"] == "fresh" and set(model["levels"]) == {"boxes8", "box1h", "real"}
