@@ -83,7 +83,7 @@ from pathlib import Path
 from typing import Any
 
 from arpo_core.config import Params, load_params
-from arpo_core.infra.fileio import atomic_open, atomic_write_json
+from arpo_core.infra.fileio import atomic_open, atomic_write_json, tree_size
 from arpo_core.pipeline.table import Stage
 from flows.services import run_lock
 from flows.spec import (
@@ -220,7 +220,7 @@ def set_aside_message(
         )
         if before.get("commit"):
             why += f" (at commit {before['commit']})"
-    size = sum(f.stat().st_size for out in outs for f in _tree(set_aside_path(out))) / 2**20
+    size = sum(tree_size(set_aside_path(out)) for out in outs) / 2**20
     places = ", ".join(
         f"{set_aside_path(out).relative_to(root)} (back to {staging_path(out).relative_to(root)} to resume)"
         if out.is_relative_to(root)
@@ -237,12 +237,6 @@ def set_aside_message(
             else ""
         )
     )
-
-
-def _tree(path: Path) -> list[Path]:
-    if path.is_file():
-        return [path]
-    return [f for f in path.rglob("*") if f.is_file() and not f.is_symlink()] if path.is_dir() else []
 
 
 def commit_outputs(outs: Sequence[Path]) -> None:

@@ -135,35 +135,39 @@ def _files(path: Path) -> Iterable[Path]:
                 yield Path(dirpath) / f
 
 
+def _dep_files(paths: Iterable[str], root: Path) -> Iterable[tuple[str, Path | None]]:
+    """(relative path, file) of every file under `paths` in hashing order; (path, None) for a missing one."""
+    for rel in paths:
+        path = root / rel
+        if not path.exists():
+            yield rel, None
+            continue
+        for f in _files(path):
+            yield f.relative_to(root).as_posix(), f
+
+
 def fingerprint(paths: Iterable[str], root: Path) -> str:
     """sha256 over (relative path, content) of every file under `paths`; a missing path hashes as
     missing, so creating it changes the fingerprint."""
     h = hashlib.sha256()
-    for rel in paths:
-        path = root / rel
-        if not path.exists():
+    for rel, f in _dep_files(paths, root):
+        if f is None:
             h.update(f"missing:{rel}\n".encode())
             continue
-        for f in _files(path):
-            h.update(f"{f.relative_to(root).as_posix()}\n".encode())
-            with f.open("rb") as fh:
-                for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
-                    h.update(block)
+        h.update(f"{rel}\n".encode())
+        with f.open("rb") as fh:
+            for block in iter(lambda fh=fh: fh.read(1 << 20), b""):
+                h.update(block)
     return h.hexdigest()
 
 
 def file_hashes(paths: Iterable[str], root: Path) -> dict[str, str]:
     """{relative path: sha256} of every file `fingerprint` reads under `paths` (a missing path: "missing"),
     to say which of them changed between two keys."""
-    out: dict[str, str] = {}
-    for rel in paths:
-        path = root / rel
-        if not path.exists():
-            out[rel] = "missing"
-            continue
-        for f in _files(path):
-            out[f.relative_to(root).as_posix()] = hashlib.sha256(f.read_bytes()).hexdigest()
-    return out
+    return {
+        rel: "missing" if f is None else hashlib.sha256(f.read_bytes()).hexdigest()
+        for rel, f in _dep_files(paths, root)
+    }
 
 
 def stage_key(p: Params, spec: Stage, root: Path) -> str:
