@@ -85,6 +85,12 @@ class Screen:
         return cls(image.convert("RGB"), str(d["instruction"]), elements)
 
 
+def _first_line(exc: BaseException) -> str:
+    """The first line of an error's message, or its type's name when it has none (the warnings quote it)."""
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def _tree_digest(h: Any, root: Path, patterns: tuple[str, ...]) -> None:
     for pattern in patterns:
         for f in sorted(root.glob(pattern)):
@@ -164,8 +170,9 @@ class ScreenCache:
         """A file that does not read: named in a warning (the first `NAMED` of them), then read again."""
         self.damaged += 1
         if self.damaged <= NAMED:
-            first = str(e).strip().splitlines()[0][:200] if str(e).strip() else type(e).__name__
-            log.warning("screen cache: %s is damaged (%s); reading the screen again", path, first)
+            log.warning(
+                "screen cache: %s is damaged (%s); reading the screen again", path, _first_line(e)[:200]
+            )
         if self.damaged == NAMED:
             log.warning(
                 "screen cache: more damaged files in %s are read again without a warning each", self.folder
@@ -179,11 +186,10 @@ class ScreenCache:
             atomic_write_text(path, screen.to_json())
         except OSError as e:
             self._writable = False
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             log.warning(
                 "screen cache: not writing to %s any more (%s); screens come from the browser",
                 self.folder,
-                first,
+                _first_line(e),
             )
 
     def env(self) -> Any:
