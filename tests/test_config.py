@@ -168,10 +168,32 @@ def test_carried_heads_need_a_previous_phase_with_the_same_heads():
         f"[{named}, {{name_weight: 1.0, name_vocab: lorem, carry_heads: true}}]": "has name_vocab 'fixed', this",
         f"[{named}, {{name_weight: 1.0, spell_weight: 0.1, carry_heads: true}}]": "trains no spelling head",
         "[{place_weight: 1.0}, {place_weight: 1.0, name_weight: 1.0, carry_heads: true}]": "no naming head",
+        "[{place_weight: 1.0}, {place_weight: 1.0, match_weight: 1.0, carry_heads: [probe, matcher]}]": (
+            "the previous phase trains no match head (match_weight 0)"
+        ),
+        "[{}, {place_weight: 1.0, carry_heads: [speller]}]": "carry_heads lists 'speller', which this phase",
+        "[{}, {place_weight: 1.0, carry_heads: [tower]}]": "phases[1].carry_heads",
     }
     for phases, message in bad.items():
         with pytest.raises(ConfigError, match=re.escape(message)):
             load_params(ROOT / "params.yaml", [f"ground.phases={phases}"])
+    listed = "[{place_weight: 1.0}, {place_weight: 1.0, match_weight: 1.0, carry_heads: [probe]}]"
+    assert load_params(ROOT / "params.yaml", [f"ground.phases={listed}"]).ground.phases[1].carry_heads == (
+        "probe",
+    )
+    # the first phase carries from another run's checkpoint file (ground.heads_from), and only with it
+    first = "ground.phases=[{place_weight: 1.0, match_weight: 1.0, carry_heads: [probe]}]"
+    branched = load_params(ROOT / "params.yaml", [first, "ground.heads_from=params.yaml"])
+    assert branched.ground.heads_from == "params.yaml"
+    with pytest.raises(ConfigError, match=re.escape("ground.heads_from = 'models/no.pt' does not exist")):
+        load_params(ROOT / "params.yaml", [first, "ground.heads_from=models/no.pt"])
+    with pytest.raises(
+        ConfigError,
+        match=re.escape("heads_from = 'params.yaml' is not usable without the first phase's carry_heads"),
+    ):
+        load_params(
+            ROOT / "params.yaml", ["ground.phases=[{place_weight: 1.0}]", "ground.heads_from=params.yaml"]
+        )
 
 
 def test_defaults_equal_empty_mapping_and_pass_every_rule():
@@ -292,6 +314,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].point_weight", -0.1, 0, ()),
     ("ground.phases[0].point_heads", 0, 1, ()),
     ("ground.phases[0].place_weight", -0.1, 0, ()),
+    ("ground.phases[0].match_weight", -0.1, 0, ()),
     ("ground.phases[0].spell_weight", -0.1, 0, ()),
     ("ground.phases[0].vision_lr_scale", 0, 1e-6, ()),
     ("demos.episodes_per_task", -1, 0, ()),
@@ -449,7 +472,8 @@ def test_every_numeric_field_declares_a_range_and_is_tested():
     assert set(NUMERIC_FIELDS) <= ranged, set(NUMERIC_FIELDS) - ranged
     tested = {r[0] for r in RANGES}
     shared = {k.replace("rft.sft.", "sft.") for k in ranged}  # rft.sft is an SFTConfig, tested as sft.*
-    paths = {"env.in_domain_suite", "env.out_of_domain_suite", "ground.checkpoint", "init_policy.pretrained"}
+    paths = {"env.in_domain_suite", "env.out_of_domain_suite", "ground.checkpoint", "ground.heads_from"}
+    paths |= {"init_policy.pretrained"}
     assert shared <= tested | paths, shared - tested  # paths: test_paths_must_exist_when_params_load
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -555,9 +556,14 @@ def test_a_phase_carries_its_heads_from_the_previous_phases_checkpoint(init_dir,
     phases += " mix: {texts8: 1}, seed: 1, carry_heads: true}]"
     given: list = []
     real = grounding.train_grounding
-    monkeypatch.setattr(
-        grounding, "train_grounding", lambda *a, **k: given.append(k["heads_from"]) or real(*a, **k)
-    )
+
+    def keep(*a, **k):  # and keep each phase's checkpoint, which the stage removes when it ends
+        given.append(k["heads_from"])
+        hist = real(*a, **k)
+        shutil.copy(k["checkpoint"], tmp_path / f"kept-{len(given)}.pt")
+        return hist
+
+    monkeypatch.setattr(grounding, "train_grounding", keep)
     seen: list[tuple[int, dict]] = []
     out = tmp_path / "g"
     ground.run(
@@ -570,6 +576,25 @@ def test_a_phase_carries_its_heads_from_the_previous_phases_checkpoint(init_dir,
     acc = [(s, m["ground/curve/phase"], m["ground/curve/texts8/name_acc"]) for s, m in seen]
     assert [a[:2] for a in acc] == [(0, 0.0), (2, 0.0), (2, 1.0), (4, 1.0)]
     assert acc[2][2] == acc[1][2]  # the carried head names as it did at the previous phase's end
+    # a run branched from another's end (its model, and its heads from its last phase's checkpoint file,
+    # `heads_from`): its first phase's head starts as the other run's ended
+    one = f"ground.phases=[{{{phase}, name_weight: 1.0, mix: {{texts8: 1}}, seed: 2, carry_heads: true}}]"
+    heads: list[dict] = []
+    measure = grounding._name_accuracy
+    monkeypatch.setattr(
+        grounding,
+        "_name_accuracy",
+        lambda policy, head, *a, **k: (
+            heads.append({n: v.clone() for n, v in head.state_dict().items()})
+            or measure(policy, head, *a, **k)
+        ),
+    )
+    branch = params(
+        f"ground.checkpoint={out}", one, f"ground.heads_from={tmp_path / 'kept-2.pt'}", *TINY_EVAL
+    )
+    ground.run(branch, init_dir, tmp_path / "b")
+    ended = torch.load(tmp_path / "kept-2.pt", weights_only=False)["head"]
+    assert given[-1] == tmp_path / "kept-2.pt" and all(torch.equal(v, ended[n]) for n, v in heads[0].items())
 
 
 def test_the_stage_reports_progress_through_the_runner_hook():

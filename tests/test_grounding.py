@@ -1196,6 +1196,74 @@ def test_the_place_loss_reaches_the_update_beside_the_pointing_loss(tmp_path, on
     assert not torch.equal(trained[0.0], trained[1.0])
 
 
+def test_the_match_loss_names_the_word_at_the_query_and_at_the_look_alikes_with_one_head(
+    tmp_path, one_thread
+):
+    """grounding.py, decision "Match loss": `match_weight` trains one head (the phase's own, not part of the
+    policy) to name, from the last layer's attention inputs, the target's word at the two first-digit query
+    positions and each named look-alike's word from its tokens; history "match_loss" falls, the evaluations
+    add `<set>/match_query`, `match_key`, `match_pick`; and the match items hold what the loss reads."""
+    from arpo_core.offline import grounding as g
+
+    heldout = {"boxes8": synthetic_examples(16, {"boxes8": 1.0}, seed=5)}
+    cfg = _small(steps=40, eval_every=40, mix={"boxes8": 1.0}, match_weight=1.0)
+    policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0)
+    keys0 = set(policy.model.state_dict())
+    exs = heldout["boxes8"][:3]
+    encoded = [g._encode(policy, e, "compact") for e in exs]
+    batch = g.collate(encoded, policy.pad_id, policy.image_token_id)
+    with torch.no_grad(), g._PointCapture(policy, 1) as capture:
+        g.sequence_logprobs(policy.model, batch)
+    items = g.match_items(policy, capture.inputs[0], encoded, exs, "fixed")
+    assert len(items) == 3
+    for it, e, enc in zip(items, exs, encoded, strict=True):
+        assert it.queries.shape[0] == 2 and len(it.keys) == len(it.names) == len(e.named)  # x's and y's first
+        assert g.name_vocab()[int(it.names[it.target])] == dict((b, n) for b, n in e.named)[e.bbox]
+        first = g.point_spans(policy, enc, e, first=True)[0]
+        assert torch.equal(it.queries[0], capture.inputs[0][exs.index(e), first[0]].float())
+    hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, heldout=heldout)
+    start, end = hist["evals"][0], hist["evals"][-1]
+    loss = hist["match_loss"]
+    assert len(loss) == 40 and sum(loss[-10:]) < 0.85 * sum(loss[:10]), loss  # measured 3.1 -> 2.2
+    assert all(0 <= end[f"boxes8/match_{k}"] <= 1 for k in ("query", "key", "pick")), end
+    assert end["boxes8/match_key"] > start["boxes8/match_key"] + 0.1, (start, end)  # measured 0.18 -> 0.54
+    assert set(policy.model.state_dict()) == keys0
+    unnamed = [synthetic_example(random.Random(3), "openchecks8")]  # random labels: no name, no item
+    enc = [g._encode(policy, unnamed[0], "compact")]
+    with torch.no_grad(), g._PointCapture(policy, 1) as capture:
+        g.sequence_logprobs(policy.model, g.collate(enc, policy.pad_id, policy.image_token_id))
+    assert g.match_items(policy, capture.inputs[0], enc, unnamed, "lorem") == []
+    assert g._match_loss(g.MatchHead(8, 3), []) is None
+
+
+def test_a_listed_carry_takes_those_heads_and_starts_the_others_fresh(tmp_path, one_thread):
+    """grounding.py, decision "Carried heads": `carry_heads` as a list carries the heads it names from the
+    file (the place probe here, the same weights at the phase's start) and starts the others fresh (the match
+    head, which the file's phase did not train); a list naming a head the phase does not train is refused."""
+    from arpo_core.offline import grounding as g
+
+    cfg = _small(steps=2, mix={"buttons8": 1.0}, place_weight=1.0)
+    policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0)
+    kw = {"system": "compact", "max_new_tokens": 8, "checkpoint_every_s": 1e9}
+    train_grounding(policy, cfg, **kw, checkpoint=tmp_path / "a.pt")
+    ended = torch.load(tmp_path / "a.pt", weights_only=False)["probe"]
+    loaded: list[set[str]] = []
+    carry = g._carry_heads
+    with unittest.mock.patch.object(
+        g, "_carry_heads", lambda path, heads: loaded.append(set(heads)) or carry(path, heads)
+    ):
+        listed = dataclasses.replace(cfg, match_weight=1.0, carry_heads=("probe",), seed=1, steps=1)
+        train_grounding(policy, listed, **kw, checkpoint=tmp_path / "b.pt", heads_from=tmp_path / "a.pt")
+        with pytest.raises(ValueError, match="holds no match head"):
+            every = dataclasses.replace(listed, carry_heads=True)
+            train_grounding(policy, every, **kw, checkpoint=tmp_path / "c.pt", heads_from=tmp_path / "a.pt")
+    assert loaded == [{"probe"}, {"head", "speller", "probe", "matcher"}]
+    b = torch.load(tmp_path / "b.pt", weights_only=False)
+    assert b["matcher"] is not None and b["probe"].keys() == ended.keys()
+    with pytest.raises(ValueError, match="carry_heads lists 'head', which this phase does not train"):
+        dataclasses.replace(cfg, carry_heads=("head",))
+
+
 def test_the_modules_docstring_examples_hold():
     import doctest
 

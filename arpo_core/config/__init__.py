@@ -422,6 +422,11 @@ class GroundSectionConfig:
     `init_policy.pretrained` wins over it (this is a tiny model)."""
     phases: list[GroundPhase] = field(default_factory=list)
     """Training phases run in order on the starting policy; empty = use the start as it is."""
+    heads_from: Annotated[str, ExistingPath()] | None = None
+    """A ground phase's training checkpoint (`models/.grounded.staging/checkpoints/phase-<i>.pt` of another
+    run) that the first phase's carried heads start from (its `carry_heads`), so that a run branched from
+    another's snapshot (`checkpoint`) keeps that run's heads (grounding.py, decision "Carried heads");
+    null = the first phase carries none."""
     eval_levels: list[str] = field(
         default_factory=lambda: [
             *("box1h", "box4", "widget1", "widget4"),
@@ -461,19 +466,24 @@ class GroundSectionConfig:
         if self.eval_levels and self.eval_per_level < 2:
             yield "eval_per_level", "must be >= 2 when eval_levels is not empty", ("eval_levels",)
         for i, phase in enumerate(self.phases):
+            if i == 0 and self.heads_from is not None:
+                continue  # carried from a file: its heads are checked when the phase starts
             if phase.carry_heads and (problem := _carry_problem(self.phases[i - 1] if i else None, phase)):
                 yield f"phases.{i}.carry_heads", f"is not usable: {problem}", ()
+        if self.heads_from is not None and not (self.phases and self.phases[0].carry_heads):
+            yield "heads_from", "is not usable without the first phase's carry_heads (where they start)", ()
 
 
 def _carry_problem(prev: GroundPhase | None, phase: GroundPhase) -> str | None:
     """Why `phase` cannot carry its heads from `prev` (the phase before it; None for the first), or None
     (grounding.py, decision "Carried heads")."""
     if prev is None:
-        return "the first phase has no previous phase to carry heads from"
+        return "the first phase has no previous phase to carry heads from (ground.heads_from names a file)"
     if not any(getattr(phase, weight) for _, _, weight, _ in TRAINED_HEADS):
-        return "the phase trains no head (name_weight, spell_weight and place_weight are 0)"
-    for _, what, weight, kind in TRAINED_HEADS:
-        if not getattr(phase, weight):
+        return "the phase trains no head (name_weight, spell_weight, place_weight and match_weight are 0)"
+    carried = phase.carry_heads
+    for key, what, weight, kind in TRAINED_HEADS:
+        if not getattr(phase, weight) or (carried is not True and key not in carried):
             continue
         if not getattr(prev, weight):
             return f"the previous phase trains no {what} ({weight} 0)"

@@ -51,6 +51,7 @@ TRAINED_HEADS = (
     ("head", "naming head", "name_weight", ("name_vocab", "name_tied")),
     ("speller", "spelling head", "spell_weight", ()),
     ("probe", "place probe", "place_weight", ()),
+    ("matcher", "match head", "match_weight", ("name_vocab",)),
 )
 """The heads a grounding phase may train beside the model, each its own (arpo_core/offline/grounding.py,
 decision "Carried heads"): (its key in a phase's training checkpoint, its name, the weight that turns it on,
@@ -80,6 +81,15 @@ class GroundTrainConfig:
             )
         if self.place_weight and self.name_only:
             raise ValueError("place_weight needs the language model: a name_only phase runs the tower alone")
+        if self.match_weight and self.name_only:
+            raise ValueError("match_weight needs the language model: a name_only phase runs the tower alone")
+        if not isinstance(self.carry_heads, bool):
+            for key in self.carry_heads:
+                weight = {k: w for k, _, w, _ in TRAINED_HEADS}[key]
+                if not getattr(self, weight):
+                    raise ValueError(
+                        f"carry_heads lists {key!r}, which this phase does not train ({weight} 0)"
+                    )
 
     steps: Annotated[int, Ge(1)] = 2000
     """Optimizer steps."""
@@ -177,11 +187,21 @@ class GroundTrainConfig:
     where the instruction says 'Click on the "vdtCA" label.'), so the thought's tokens of the name are the
     instruction's and copying them is a lookup, not a mapping of each word's first token to its spaced
     twin (arpo_core/offline/grounding.py, decision "Quoted names"); off = the thoughts as before."""
-    carry_heads: bool = False
-    """The phase's naming head, spelling head and place probe start where the previous phase's ended (read
-    from its checkpoint) instead of fresh: the heads keep what they learned, and the tower does not take a
-    random head's gradients at the phase's start (arpo_core/offline/grounding.py, decision "Carried heads").
-    The previous phase must train each head this one does, of the same kind; off = fresh heads, as before."""
+    match_weight: Annotated[float, Ge(0)] = 0.0
+    """Weight of the match loss added to the click loss: one linear head of the phase (in its checkpoint, then
+    discarded) names, from the states the last decoder layer's attention reads, both the word the click's
+    query positions are after (the target's name) and each named look-alike's word from its image tokens, so
+    that the query and the keys come to carry a word the same way and the pointing head can match any word
+    by one alignment instead of learning one per word (arpo_core/offline/grounding.py, decision "Match
+    loss"). Names as `name_vocab` gives them; 0 = off, the stream and the model as without the field."""
+    carry_heads: bool | tuple[Literal["head", "speller", "probe", "matcher"], ...] = False
+    """The phase's naming head (`head`), spelling head (`speller`), place probe (`probe`) and match head
+    (`matcher`) start where the previous phase's ended (read from its checkpoint, or for the first phase
+    from the ground section's `heads_from`) instead of fresh: the heads keep what they learned, and the
+    tower does not take a random head's gradients at the phase's start (arpo_core/offline/grounding.py,
+    decision "Carried heads"). `true` carries every head the phase trains; a list carries those (each one
+    the phase trains), the others start fresh. The previous phase must train each carried head, of the
+    same kind; false = fresh heads, as before."""
 
 
 @dataclass(frozen=True)

@@ -208,9 +208,28 @@ Decisions:
   resolution"), the head that named the words 0.8 at the end of phase 0 named nothing at phase 1's step 0,
   and until the new one learned, the tower was taught by a random head's gradients. With `carry_heads` a
   fresh phase loads them from the previous phase's checkpoint (`heads_from`; the ground stage passes
-  `phase-<i-1>.pt`); the optimizer's state for them starts fresh, as for the model. A resumed phase loads
-  its own checkpoint instead. A head the file lacks or that does not fit (another vocabulary, another
-  window) is an error naming the file and the head, never a silent fresh start.
+  `phase-<i-1>.pt`, or for the first phase the section's `heads_from`, another run's checkpoint file, so
+  that a run branched from another's snapshot keeps its heads); the optimizer's state for them starts
+  fresh, as for the model. A resumed phase loads its own checkpoint instead. A head the file lacks or that
+  does not fit (another vocabulary, another window) is an error naming the file and the head, never a
+  silent fresh start; a phase that adds a head the previous one did not train lists the heads it carries
+  (`carry_heads: [head, probe]`), and the rest start fresh by its own word.
+- **Match loss.** On the 2x lorem reader (stage step 7,000) a linear probe of the states the last layer
+  reads finds the named lorem-ipsum word both at the query (the position that predicts x's first
+  character: the target's class among the screen's look-alikes 0.88) and in the look-alikes' tokens (0.55),
+  and a match through those two probes picks the named link 0.46, where the pointing head picks it 0.27
+  (chance 0.24); on the fixed words' links the head is near its probes' match (0.55 against 0.65;
+  benchmarks/match_probe.py, docs/results.md "Where the named word is"). So the words are there and the
+  head's query-key map has not aligned them: one alignment per word, which the 50 fixed words (41 of
+  them one token of the tiny tokenizer) got from long training and MiniWoB's 169 lorem-ipsum words (2-8
+  tokens each, and far fewer clicks per word in this run) have not. With `match_weight` one linear head
+  (`MatchHead`, the phase's own, dropped at the end) names, from the last layer's attention inputs, both
+  the target's word at the two first-digit query positions and each named look-alike's word from its
+  tokens' mean (`match_items`, names by `name_key` under the phase's `name_vocab`; cross-entropy, the two
+  sides averaged): the query and the keys are taught to carry a word the same way, so one alignment (the
+  head's map between that shared form) serves every word. The curves add what the head reads
+  (`match_picks`): `<set>/match_query`, `<set>/match_key` and `<set>/match_pick`, each a pick among the
+  screen's named look-alikes.
 - **First digits.** The pointing loss and its curve (`point_mass`) take every position that predicts a
   character of the click's coordinates. Teacher-forced, all but two of them have read the right digits
   before them, so a head can sit on the target there without having found it; only the positions before
@@ -268,6 +287,8 @@ __all__ = [
     "GroundConfig",
     "GroundExample",
     "GroundMetrics",
+    "MatchHead",
+    "MatchItems",
     "PlaceProbe",
     "best_constant_click",
     "box_tokens",
@@ -285,6 +306,8 @@ __all__ = [
     "image_dependence",
     "lr_factor",
     "make_grounding_examples",
+    "match_items",
+    "match_picks",
     "miniwob_examples",
     "pearson",
     "place_targets",
@@ -1048,7 +1071,7 @@ def train_grounding(
     """
     if (checkpoint is None) != (checkpoint_every_s is None):
         raise ValueError("train_grounding: give checkpoint and checkpoint_every_s together")
-    if config.carry_heads != (heads_from is not None):
+    if bool(config.carry_heads) != (heads_from is not None):
         raise ValueError(
             "train_grounding: carry_heads and heads_from (the previous phase's checkpoint) go together"
         )
@@ -1097,6 +1120,13 @@ def train_grounding(
             torch.manual_seed(config.seed)
             probe = PlaceProbe(policy.model.config.text_config.hidden_size).to(device)
         groups.append({"params": list(probe.parameters()), "lr": lr})
+    matcher = None
+    if config.match_weight:  # the match loss's head: like the naming head, the phase's own
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(config.seed)
+            hidden = policy.model.config.text_config.hidden_size
+            matcher = MatchHead(hidden, len(name_vocab(config.name_vocab))).to(device)
+        groups.append({"params": list(matcher.parameters()), "lr": lr})
     optimizer = torch.optim.AdamW(groups, weight_decay=config.optimizer.weight_decay)
     trained = [p for g in groups for p in g["params"]]  # what the gradient-norm clip spans
     sched = torch.optim.lr_scheduler.LambdaLR(
@@ -1109,6 +1139,8 @@ def train_grounding(
         history["point_loss"] = []
     if probe is not None:
         history["place_loss"] = []
+    if matcher is not None:
+        history["match_loss"] = []
     if speller is not None:
         history["spell_loss"] = []
     t0 = time.perf_counter()
@@ -1116,7 +1148,9 @@ def train_grounding(
     fingerprint = checkpoint_fingerprint(config, system, examples) if checkpoint is not None else None
     resuming = checkpoint is not None and Path(checkpoint).exists()
     if heads_from is not None and not resuming:  # decision "Carried heads"
-        _carry_heads(Path(heads_from), {"head": head, "speller": speller, "probe": probe})
+        own = {"head": head, "speller": speller, "probe": probe, "matcher": matcher}
+        carried = own if config.carry_heads is True else {k: own[k] for k in config.carry_heads}
+        _carry_heads(Path(heads_from), carried)
     if resuming:
         state = torch.load(checkpoint, weights_only=False)
         if state["fingerprint"] != fingerprint:
@@ -1129,6 +1163,8 @@ def train_grounding(
             head.load_state_dict(state["head"])
         if probe is not None:
             probe.load_state_dict(state["probe"])
+        if matcher is not None:
+            matcher.load_state_dict(state["matcher"])
         if speller is not None:
             speller.load_state_dict(state["speller"])
         optimizer.load_state_dict(state["optimizer"])
@@ -1149,6 +1185,7 @@ def train_grounding(
             "model": model.state_dict(),
             "head": None if head is None else head.state_dict(),
             "probe": None if probe is None else probe.state_dict(),
+            "matcher": None if matcher is None else matcher.state_dict(),
             "speller": None if speller is None else speller.state_dict(),
             "optimizer": optimizer.state_dict(),
             "scheduler": sched.state_dict(),
@@ -1170,9 +1207,11 @@ def train_grounding(
         )
         if head is not None:
             ev |= _name_accuracy(policy, head, heldout, config.name_vocab)
-        if config.point_weight or probe is not None:
+        if config.point_weight or probe is not None or matcher is not None:
             heads = config.point_heads if config.point_weight else 0
-            ev |= _attention_measures(policy, heldout, system, config.pattern, heads, probe)
+            ev |= _attention_measures(
+                policy, heldout, system, config.pattern, heads, probe, matcher, config.name_vocab
+            )
         if speller is not None:
             ev |= _spell_measures(policy, speller, heldout, scale)
         if history["loss"]:  # none yet at step 0
@@ -1208,11 +1247,11 @@ def train_grounding(
             batch_ex.append(quote_name(ex) if config.quote_names else ex)
         model.train()
         loss = None
-        point_loss = place_loss = None
+        point_loss = place_loss = match_loss = None
         if not config.name_only:  # a naming-only phase trains the tower alone: no reply is encoded
             encoded = [_encode(policy, e, system, config.pattern) for e in batch_ex]
             batch = collate(encoded, policy.pad_id, policy.image_token_id).to(device)
-            capturing = config.point_weight or probe is not None
+            capturing = config.point_weight or probe is not None or matcher is not None
             captured = _PointCapture(policy, config.point_heads) if capturing else nullcontext()
             with autocast, captured as capture:
                 logps, mask = sequence_logprobs(model, batch)  # (B, T) each
@@ -1220,6 +1259,9 @@ def train_grounding(
                     point_loss = capture.loss(_point_spans(policy, encoded, batch_ex, config.point_first))
                 if probe is not None:
                     place_loss = _place_loss(policy, probe, capture.inputs[0], encoded)
+                if matcher is not None:
+                    items = match_items(policy, capture.inputs[0], encoded, batch_ex, config.name_vocab)
+                    match_loss = _match_loss(matcher, items)
             loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
         total = loss
         if point_loss is not None:
@@ -1228,6 +1270,9 @@ def train_grounding(
         if place_loss is not None:
             total = total + config.place_weight * place_loss
             history["place_loss"].append(float(place_loss.detach()))
+        if match_loss is not None:
+            total = total + config.match_weight * match_loss
+            history["match_loss"].append(float(match_loss.detach()))
         if head is not None:
             named = [e for e in batch_ex if has_names(e, config.name_vocab)]
             if named:
@@ -1497,6 +1542,89 @@ def _place_loss(
     if not len(pred):
         return states.new_zeros((), dtype=torch.float32)
     return torch.nn.functional.mse_loss(pred, truth)
+
+
+# ----------------------------------------------------------------------------------------------------
+# Match loss (decision "Match loss")
+
+
+class MatchHead(torch.nn.Module):
+    """The match loss's head: one linear map of a hidden state where the last decoder layer reads it (after
+    that layer's input norm) to the names of `name_vocab`, the same map for the click's query position and
+    for a look-alike's image tokens."""
+
+    def __init__(self, hidden: int, names: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, names)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        return self.linear(states.float())
+
+
+@dataclass(frozen=True)
+class MatchItems:
+    """One screen's states for the match loss: the query positions' (the two that predict the first
+    character of x and of y) and each named look-alike's (its image tokens' mean), their names' indices in
+    `name_vocab`, and which look-alike is the target."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    names: torch.Tensor
+    target: int
+
+
+def match_items(
+    policy: Policy,
+    states: torch.Tensor,
+    encoded: Sequence[EncodedSequence],
+    examples: Sequence[GroundExample],
+    vocab: str,
+) -> list[MatchItems]:
+    """`MatchItems` of every example of the batch whose reply clicks and whose target `name_key` names under
+    `vocab` (the look-alikes it does not name are left out of the keys); `states` are the last layer's
+    attention inputs (`_PointCapture.inputs[0]`)."""
+    index = _name_index(vocab)
+    out = []
+    for b, (enc, e) in enumerate(zip(encoded, examples, strict=True)):
+        named = [(box, key) for box, n in e.named if (key := name_key(e, n, vocab)) is not None]
+        boxes = [box for box, _ in named]
+        if e.bbox not in boxes:
+            continue
+        queries, _ = point_spans(policy, enc, e, first=True)
+        if not queries:
+            continue
+        keys = torch.stack([states[b, box_tokens(policy, enc, box)].float().mean(0) for box in boxes])
+        names = torch.tensor([index[key] for _, key in named], device=states.device)
+        out.append(MatchItems(states[b, queries].float(), keys, names, boxes.index(e.bbox)))
+    return out
+
+
+def _match_loss(head: MatchHead, items: Sequence[MatchItems]) -> torch.Tensor | None:
+    """Cross-entropy of the head's names for the query positions (the target's name) and for the look-alikes'
+    tokens (each its own), the two sides' means averaged; None without an item."""
+    if not items:
+        return None
+    q_logits = head(torch.cat([it.queries for it in items]))
+    q_labels = torch.cat([it.names[it.target].repeat(len(it.queries)) for it in items])
+    k_logits = head(torch.cat([it.keys for it in items]))
+    k_labels = torch.cat([it.names for it in items])
+    ce = torch.nn.functional.cross_entropy
+    return (ce(q_logits, q_labels) + ce(k_logits, k_labels)) / 2
+
+
+def match_picks(head: MatchHead, it: MatchItems) -> tuple[bool, float, bool]:
+    """What the head reads on one screen, each a pick among the screen's named look-alikes: whether x's
+    query names the target (the highest of the look-alikes' names), the share of look-alikes whose tokens
+    name themselves, and whether the match (the query's name probabilities dotted with each look-alike's)
+    picks the target."""
+    q = head(it.queries[:1])[0].softmax(-1)
+    k = head(it.keys).softmax(-1)
+    own = k[:, it.names].argmax(1) == torch.arange(len(it.names), device=k.device)
+    return (
+        int(q[it.names].argmax()) == it.target,
+        float(own.float().mean()),
+        int((k @ q).argmax()) == it.target,
+    )
 
 
 class NameHead(torch.nn.Module):
@@ -1833,6 +1961,8 @@ def _attention_measures(
     pattern: float,
     heads: int = 0,
     probe: PlaceProbe | None = None,
+    matcher: MatchHead | None = None,
+    vocab: str = "fixed",
 ) -> dict:
     """What the last decoder layer reads on each held-out click set's screens, from one teacher-forced pass
     over the set's own replies (the read sets are skipped):
@@ -1849,7 +1979,11 @@ def _attention_measures(
       mass can be high without the retrieval (decision "First digits").
     - with a place `probe`, how much of each image token's row and column it reads (`<set>/place_row`,
       `<set>/place_col`: R^2 over the set's image tokens, 1 = exactly, 0 = no better than the grid's
-      mean)."""
+      mean).
+    - with a `matcher`, what it reads (`match_picks`, on the set's screens whose target `vocab` names):
+      `<set>/match_query` (x's query names the target among the look-alikes), `<set>/match_key` (the
+      look-alikes' tokens name themselves) and `<set>/match_pick` (the match through the names picks the
+      target)."""
     sets = heldout if isinstance(heldout, Mapping) else {"": heldout}
     out = {}
     policy.model.eval()
@@ -1860,6 +1994,7 @@ def _attention_measures(
         others: list[float] = []
         even: list[float] = []
         preds, truth = [], []
+        picks: list[tuple[bool, float, bool]] = []
         for i in range(0, len(exs), 16):
             chunk = exs[i : i + 16]
             encoded = [_encode(policy, e, system, pattern) for e in chunk]
@@ -1870,6 +2005,9 @@ def _attention_measures(
                 pred, true = _place_pairs(policy, probe, capture.inputs[0], encoded)
                 preds.append(pred)
                 truth.append(true)
+            if matcher is not None:
+                items = match_items(policy, capture.inputs[0], encoded, chunk, vocab)
+                picks += [match_picks(matcher, it) for it in items]
             if not heads:
                 continue
             spans = _point_spans(policy, encoded, chunk)
@@ -1904,6 +2042,11 @@ def _attention_measures(
             sst = ((true - true.mean(0)) ** 2).sum(0).clamp(min=1e-12)
             row, col = (1 - sse / sst).tolist()
             out[prefix + "place_row"], out[prefix + "place_col"] = round(row, 4), round(col, 4)
+        if picks:
+            for k, column in zip(
+                ("match_query", "match_key", "match_pick"), zip(*picks, strict=True), strict=True
+            ):
+                out[prefix + k] = round(sum(map(float, column)) / len(column), 4)
     return out
 
 

@@ -143,6 +143,9 @@ CURVE_MEASURES = (
     "point_even",
     "place_row",
     "place_col",
+    "match_query",
+    "match_key",
+    "match_pick",
     "copy_rate",
     "spell_f1",
 )
@@ -225,6 +228,15 @@ def _miniwob_task_ids(p: Params) -> list[str]:
             "ground.phases[].miniwob_seeds to 0"
         )
     return [t.task_id for t in families(tasks)]  # MiniWoB page names (a pinned instance's family)
+
+
+def _heads_from(g: GroundSectionConfig, out_dir: Path, i: int) -> Path:
+    """Where phase `i`'s carried heads start: the previous phase's checkpoint, or for the first phase the
+    section's `heads_from` (grounding.py, decision "Carried heads")."""
+    if i == 0:
+        assert g.heads_from is not None  # the params' cross-check (GroundSectionConfig)
+        return Path(g.heads_from)
+    return out_dir / CHECKPOINTS / f"phase-{i - 1}.pt"
 
 
 def _loss_summary(losses: Sequence[float], every: int = 50) -> list[float]:
@@ -382,7 +394,7 @@ def run(
                 callback=curve,
                 checkpoint=out_dir / CHECKPOINTS / f"phase-{i}.pt",  # decision "Resumable phases"
                 checkpoint_every_s=g.checkpoint_every_s,
-                heads_from=out_dir / CHECKPOINTS / f"phase-{i - 1}.pt" if phase.carry_heads else None,
+                heads_from=_heads_from(g, out_dir, i) if phase.carry_heads else None,
             )
             done_steps += hist["steps"]
             losses = hist["loss"]
