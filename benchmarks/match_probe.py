@@ -34,7 +34,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from pathlib import Path
 
@@ -156,40 +155,33 @@ def probe(rows: list[dict], depths: int) -> dict:
 
 
 def main() -> None:
+    from place_probe import each_model, model_args, record_head, write_record
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", required=True, help="NAME=DIR[:STATE.pt]")
+    model_args(ap, "match_probe")
     ap.add_argument("--levels", default="links8,lorem8", help="synthetic levels, each probed apart")
     ap.add_argument(
         "--screens", type=int, default=600, help="held-out screens per level (2/3 fit, 1/3 scored)"
     )
     ap.add_argument("--seed", type=int, default=4321)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "match_probe"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from place_probe import load, record_head
 
     from arpo_core.config import load_params
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, model_image_size, synthetic_examples
 
     system = load_params(ROOT / "params.yaml").policy.system_prompt
     models = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for item in args.model:
-            name, _, spec = item.partition("=")
-            t0 = time.perf_counter()
-            policy = load(spec, Path(tmp))
-            size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
-            depths = policy.model.config.text_config.num_hidden_layers
-            levels = {}
-            for level in args.levels.split(","):
-                exs = synthetic_examples(args.screens, {level: 1.0}, seed=args.seed, model_size=size)
-                levels[level] = probe(states(policy, exs, system), depths)
-            models.append({"model": name, "spec": spec, "levels": levels})
-            print(json.dumps(models[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    for name, spec, policy, t0 in each_model(args.model):
+        size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
+        depths = policy.model.config.text_config.num_hidden_layers
+        levels = {}
+        for level in args.levels.split(","):
+            exs = synthetic_examples(args.screens, {level: 1.0}, seed=args.seed, model_size=size)
+            levels[level] = probe(states(policy, exs, system), depths)
+        models.append({"model": name, "spec": spec, "levels": levels})
+        print(json.dumps(models[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     record = record_head("match_probe.py") | {"screens": args.screens, "seed": args.seed, "models": models}
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     lines = [
         "# Where the named word is: query, keys, match (benchmarks/match_probe.py)",
         "",
@@ -207,7 +199,7 @@ def main() -> None:
                     f"| {m['model']} | {level} | {r['chance']:.2f} | {r['head_right']:.2f} | layer {d['depth']}'s"
                     f" input | {cells} |"
                 )
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_record(args.out, record, lines)
 
 
 if __name__ == "__main__":

@@ -118,20 +118,42 @@ def record_head(script: str) -> dict:
     }
 
 
+def model_args(ap: argparse.ArgumentParser, out: str) -> None:
+    """The arguments every probe takes: `--model` (repeated), `--threads`, `--out` (default
+    benchmarks/results/<out>)."""
+    ap.add_argument("--model", action="append", required=True, help="NAME=DIR[:STATE.pt] or NAME=init")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / out))
+
+
+def each_model(specs: list[str]):
+    """(name, spec, policy, start time) for each `NAME=SPEC` of `specs`, loaded in turn (`load`)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        for item in specs:
+            name, _, spec = item.partition("=")
+            t0 = time.perf_counter()
+            yield name, spec, load(spec, Path(tmp)), t0
+
+
+def write_record(out: str, record: dict, lines: list[str]) -> None:
+    """A probe's record as `<out>.json` and its table (`lines`) as `<out>.md`."""
+    path = Path(out)
+    path.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
+    path.with_suffix(".md").write_text("\n".join(lines) + "\n")
+
+
 def depth_name(d: int, layers: int) -> str:
     return f"layer {d}'s input" if d < layers else "final norm"
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", required=True, help="NAME=DIR[:STATE.pt] or NAME=init")
+    model_args(ap, "place_probe")
     ap.add_argument(
         "--levels", default="boxes8,buttons8", help="synthetic levels of the screens, mixed evenly"
     )
     ap.add_argument("--screens", type=int, default=48, help="held-out screens (2/3 fit, 1/3 scored)")
     ap.add_argument("--seed", type=int, default=99)
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "place_probe"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     from arpo_core.config import load_params
@@ -140,24 +162,18 @@ def main() -> None:
     system = load_params(ROOT / "params.yaml").policy.system_prompt
     examples = synthetic_examples(args.screens, dict.fromkeys(args.levels.split(","), 1.0), seed=args.seed)
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for item in args.model:
-            name, _, spec = item.partition("=")
-            t0 = time.perf_counter()
-            policy = load(spec, Path(tmp))
-            layers = policy.model.config.text_config.num_hidden_layers
-            result = probe(policy, examples, system)
-            for r in result:
-                r["where"] = depth_name(r["depth"], layers)
-            rows.append({"model": name, "spec": spec, "depths": result})
-            print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+    for name, spec, policy, t0 in each_model(args.model):
+        layers = policy.model.config.text_config.num_hidden_layers
+        result = probe(policy, examples, system)
+        for r in result:
+            r["where"] = depth_name(r["depth"], layers)
+        rows.append({"model": name, "spec": spec, "depths": result})
+        print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     record = record_head("place_probe.py") | {
         "screens": args.screens,
         "levels": args.levels,
         "models": rows,
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     lines = [
         "# Place probe: held-out R^2 of each image token's row / column (benchmarks/place_probe.py)",
         "",
@@ -170,7 +186,7 @@ def main() -> None:
     for r in rows:
         cells = [f"{d['row']:.2f} / {d['col']:.2f}" for d in r["depths"]]
         lines.append(f"| {r['model']} | " + " | ".join(cells) + " |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_record(args.out, record, lines)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import tempfile
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -106,8 +105,10 @@ def _means(rows: list[dict]) -> dict:
 
 
 def main() -> None:
+    from place_probe import each_model, model_args, record_head, write_record
+
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", action="append", required=True, help="NAME=DIR[:STATE.pt] or NAME=init")
+    model_args(ap, "point_positions")
     ap.add_argument("--levels", default="buttons8,widget4,texts8", help="synthetic levels, each scored apart")
     ap.add_argument("--screens", type=int, default=64, help="held-out screens per level")
     ap.add_argument("--seed", type=int, default=4321)
@@ -121,11 +122,8 @@ def main() -> None:
         default=None,
         help="where the real screens are kept (default: params' ground.screen_cache; 'null': none)",
     )
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "point_positions"))
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
-    from place_probe import load, record_head
 
     from arpo_core.config import load_params
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, model_image_size, synthetic_examples
@@ -133,38 +131,28 @@ def main() -> None:
     params = load_params(ROOT / "params.yaml")
     system, max_new = params.policy.system_prompt, params.policy.max_new_tokens
     rows, real = [], {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for item in args.model:
-            name, _, spec = item.partition("=")
-            t0 = time.perf_counter()
-            policy = load(spec, Path(tmp))
-            size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
-            levels = {}
-            for level in args.levels.split(","):
-                exs = synthetic_examples(args.screens, {level: 1.0}, seed=args.seed, model_size=size)
-                levels[level] = measure(policy, exs, system, args.heads, max_new)
-            if args.real:
-                if size not in real:  # one browser per pixel budget, closed before measuring
-                    from arpo_core.pipeline.ground import real_screens
+    for name, spec, policy, t0 in each_model(args.model):
+        size = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
+        levels = {}
+        for level in args.levels.split(","):
+            exs = synthetic_examples(args.screens, {level: 1.0}, seed=args.seed, model_size=size)
+            levels[level] = measure(policy, exs, system, args.heads, max_new)
+        if args.real:
+            if size not in real:  # one browser per pixel budget, closed before measuring
+                from arpo_core.pipeline.ground import real_screens
 
-                    g = replace(
-                        params.ground, eval_miniwob_seeds=args.real, miniwob_per_screen=args.per_screen
-                    )
-                    if args.screen_cache is not None:
-                        g = replace(
-                            g, screen_cache=None if args.screen_cache == "null" else args.screen_cache
-                        )
-                    real[size] = real_screens(replace(params, ground=g), size, phases=())[1]
-                levels["real"] = measure(policy, real[size], system, args.heads, max_new)
-            rows.append({"model": name, "spec": spec, "frame": list(size), "levels": levels})
-            print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
+                g = replace(params.ground, eval_miniwob_seeds=args.real, miniwob_per_screen=args.per_screen)
+                if args.screen_cache is not None:
+                    g = replace(g, screen_cache=None if args.screen_cache == "null" else args.screen_cache)
+                real[size] = real_screens(replace(params, ground=g), size, phases=())[1]
+            levels["real"] = measure(policy, real[size], system, args.heads, max_new)
+        rows.append({"model": name, "spec": spec, "frame": list(size), "levels": levels})
+        print(json.dumps(rows[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     record = record_head("point_positions.py") | {
         "screens": args.screens,
         "heads": args.heads,
         "models": rows,
     }
-    out = Path(args.out)
-    out.with_suffix(".json").write_text(json.dumps(record, indent=1) + "\n")
     keys = ("x_first", "y_first", "all", "head_right", "hit", "other", "right_but_missed")
     keys += ("cell_hit", "cell_other", "block_hit", "block_other", "guarded_hit", "guarded_other")
     lines = [
@@ -182,7 +170,7 @@ def main() -> None:
             for kind, mk in m.get("by_kind", {}).items():
                 cells = " | ".join(f"{mk[k]:.2f}" for k in keys)
                 lines.append(f"| {r['model']} | {level}/{kind} ({mk['screens']}) | {cells} |")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    write_record(args.out, record, lines)
 
 
 if __name__ == "__main__":

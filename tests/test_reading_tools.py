@@ -214,3 +214,48 @@ def test_point_positions_splits_the_heads_mass_by_position_beside_the_greedy_cli
         real["hit"] * real["screens"], abs=0.01
     )
     assert "| fresh | boxes8 |" in out.with_suffix(".md").read_text()
+
+
+def test_match_probe_finds_a_word_where_the_states_carry_it_and_chance_where_they_do_not(tmp_path):
+    """benchmarks/match_probe.py: fit on two thirds, scored on the rest, picks among each screen's
+    look-alikes. States made to carry their word (a code per word plus noise) are read: the query names the
+    target, the keys name themselves, the match through the names picks the target; states of noise are
+    read at about chance. Then the script on a fresh model writes its record, every measure a fraction."""
+    import random as rnd
+
+    import torch
+
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    from match_probe import depth_probe
+
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randn(40, 32, generator=gen)
+    pick = rnd.Random(1)
+
+    def rows(carry: bool) -> list[dict]:
+        out = []
+        for _ in range(600):
+            names = torch.tensor(pick.sample(range(40), 4))
+            target = pick.randrange(4)
+            noise = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
+            query = codes[names[target]] + 0.3 * noise(32) if carry else noise(32)
+            keys = codes[names] + 0.3 * noise(4, 32) if carry else noise(4, 32)
+            words = torch.randn(4, 8, generator=gen)
+            out.append({"query": [query], "keys": [keys], "classes": names, "words": words, "target": target})
+        return out
+
+    read, blind = depth_probe(rows(True), 0, 40), depth_probe(rows(False), 0, 40)
+    assert min(read[k] for k in ("query_name", "key_name", "match")) > 0.9, read
+    assert max(blind[k] for k in ("query_name", "key_name", "match")) < 0.4, blind  # chance 0.25
+    out = tmp_path / "mp"
+    cmd = [sys.executable, "benchmarks/match_probe.py", "--model", "fresh=init", "--levels", "links8"]
+    res = subprocess.run(
+        [*cmd, "--screens", "12", "--out", str(out)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert res.returncode == 0, res.stderr[-2000:]
+    rec = json.loads(out.with_suffix(".json").read_text())
+    (level,) = rec["models"][0]["levels"].values()
+    assert level["screens"] == 12 and [d["depth"] for d in level["depths"]] == [0, 1]
+    measures = ("query_name", "key_name", "match", "query_word", "key_word")
+    assert all(0 <= d[k] <= 1 for d in level["depths"] for k in measures) and 0 < level["chance"] < 1
+    assert "| fresh | links8 |" in out.with_suffix(".md").read_text()
