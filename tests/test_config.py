@@ -315,6 +315,8 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].point_heads", 0, 1, ()),
     ("ground.phases[0].place_weight", -0.1, 0, ()),
     ("ground.phases[0].match_weight", -0.1, 0, ()),
+    ("ground.phases[0].match_warmup", -1, 0, (("ground.phases[0].match_weight", 1.0),)),
+    ("ground.phases[0].match_lr_scale", 0, 1e-6, (("ground.phases[0].match_weight", 1.0),)),
     ("ground.phases[0].spell_weight", -0.1, 0, ()),
     ("ground.phases[0].vision_lr_scale", 0, 1e-6, ()),
     ("demos.episodes_per_task", -1, 0, ()),

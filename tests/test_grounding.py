@@ -1264,6 +1264,34 @@ def test_a_listed_carry_takes_those_heads_and_starts_the_others_fresh(tmp_path, 
         dataclasses.replace(cfg, carry_heads=("head",))
 
 
+def test_the_match_heads_warm_up_reads_the_states_without_moving_the_model(tmp_path, one_thread):
+    """grounding.py, decision "Match loss": during `match_warmup` the match loss trains its head alone (the
+    model's weights are those of a run without the loss), after it the model too; `match_lr_scale` is the
+    head's learning rate; both need `match_weight`."""
+    from arpo_core.offline import grounding as g
+
+    def trained(**fields) -> tuple[dict, torch.optim.Optimizer | None]:
+        policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, seed=0)
+        cfg = _small(steps=3, mix={"boxes8": 1.0}, **fields)
+        hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8)
+        return {k: v.clone() for k, v in policy.model.state_dict().items()}, hist
+
+    plain, _ = trained()
+    warm, hist = trained(match_weight=1.0, match_warmup=3, match_lr_scale=10.0)
+    assert len(hist["match_loss"]) == 3 and all(torch.equal(plain[k], warm[k]) for k in plain)
+    shaped, _ = trained(match_weight=1.0, match_warmup=2)
+    assert any(not torch.equal(plain[k], shaped[k]) for k in plain)  # its third step reached the model
+    seen = []
+    real = torch.optim.AdamW
+    with unittest.mock.patch.object(
+        g.torch.optim, "AdamW", lambda groups, **k: seen.append(groups) or real(groups, **k)
+    ):
+        trained(match_weight=1.0, match_lr_scale=10.0)
+    assert seen[0][-1]["initial_lr"] == pytest.approx(10 * 1e-2)  # the head's group, last
+    with pytest.raises(ValueError, match="match_warmup and match_lr_scale need match_weight"):
+        GroundConfig(match_warmup=5)
+
+
 def test_the_modules_docstring_examples_hold():
     import doctest
 

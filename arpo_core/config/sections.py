@@ -81,6 +81,10 @@ class GroundTrainConfig:
             )
         if self.place_weight and self.name_only:
             raise ValueError("place_weight needs the language model: a name_only phase runs the tower alone")
+        if (self.match_warmup or self.match_lr_scale != 1) and not self.match_weight:
+            raise ValueError(
+                "match_warmup and match_lr_scale need match_weight > 0 (they shape the match loss)"
+            )
         if self.match_weight and self.name_only:
             raise ValueError("match_weight needs the language model: a name_only phase runs the tower alone")
         if not isinstance(self.carry_heads, bool):
@@ -194,6 +198,14 @@ class GroundTrainConfig:
     that the query and the keys come to carry a word the same way and the pointing head can match any word
     by one alignment instead of learning one per word (arpo_core/offline/grounding.py, decision "Match
     loss"). Names as `name_vocab` gives them; 0 = off, the stream and the model as without the field."""
+    match_warmup: Annotated[int, Ge(0)] = 0
+    """The phase's first steps in which the match loss trains its head alone (the states it reads detached,
+    so its gradient does not reach the model): a fresh head's gradient is a random direction, and the head
+    should read the states before it shapes them (arpo_core/offline/grounding.py, decision "Match loss");
+    0 = from the first step."""
+    match_lr_scale: Annotated[float, Gt(0)] = 1.0
+    """The match head's learning rate as a multiple of `optimizer.lr` (a linear head over ~200 names learns
+    slowly at the model's rate; arpo_core/offline/grounding.py, decision "Match loss")."""
     carry_heads: bool | tuple[Literal["head", "speller", "probe", "matcher"], ...] = False
     """The phase's naming head (`head`), spelling head (`speller`), place probe (`probe`) and match head
     (`matcher`) start where the previous phase's ended (read from its checkpoint, or for the first phase

@@ -227,7 +227,11 @@ Decisions:
   the target's word at the two first-digit query positions and each named look-alike's word from its
   tokens' mean (`match_items`, names by `name_key` under the phase's `name_vocab`; cross-entropy, the two
   sides averaged): the query and the keys are taught to carry a word the same way, so one alignment (the
-  head's map between that shared form) serves every word. The curves add what the head reads
+  head's map between that shared form) serves every word. A fresh head's gradient is a random direction
+  (measured in the first screen: at weight 1.0 from a fresh head its loss fell 5.5 -> 4.8 in 500 steps and
+  the colour clicks fell with it, box4 0.88 -> 0.66), so a phase may train the head alone first
+  (`match_warmup` steps, the states detached) and at a rate of its own (`match_lr_scale`); its gradient
+  norm is clipped apart from the model's, so that in the warm-up the model steps as without the loss. The curves add what the head reads
   (`match_picks`): `<set>/match_query`, `<set>/match_key` and `<set>/match_pick`, each a pick among the
   screen's named look-alikes.
 - **First digits.** The pointing loss and its curve (`point_mass`) take every position that predicts a
@@ -1126,9 +1130,10 @@ def train_grounding(
             torch.manual_seed(config.seed)
             hidden = policy.model.config.text_config.hidden_size
             matcher = MatchHead(hidden, len(name_vocab(config.name_vocab))).to(device)
-        groups.append({"params": list(matcher.parameters()), "lr": lr})
+        groups.append({"params": list(matcher.parameters()), "lr": lr * config.match_lr_scale})
     optimizer = torch.optim.AdamW(groups, weight_decay=config.optimizer.weight_decay)
-    trained = [p for g in groups for p in g["params"]]  # what the gradient-norm clip spans
+    own_clip = [] if matcher is None else list(matcher.parameters())  # clipped apart: decision "Match loss"
+    trained = [p for g in groups for p in g["params"] if all(p is not q for q in own_clip)]  # the clip spans
     sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
     )
@@ -1260,7 +1265,8 @@ def train_grounding(
                 if probe is not None:
                     place_loss = _place_loss(policy, probe, capture.inputs[0], encoded)
                 if matcher is not None:
-                    items = match_items(policy, capture.inputs[0], encoded, batch_ex, config.name_vocab)
+                    read = capture.inputs[0] if step > config.match_warmup else capture.inputs[0].detach()
+                    items = match_items(policy, read, encoded, batch_ex, config.name_vocab)
                     match_loss = _match_loss(matcher, items)
             loss = -(logps * mask).sum() / mask.sum().clamp(min=1)
         total = loss
@@ -1293,6 +1299,8 @@ def train_grounding(
         optimizer.zero_grad(set_to_none=True)
         total.backward()
         torch.nn.utils.clip_grad_norm_(trained, config.optimizer.max_grad_norm)
+        if own_clip:
+            torch.nn.utils.clip_grad_norm_(own_clip, config.optimizer.max_grad_norm)
         optimizer.step()
         sched.step()
         history["loss"].append(float(loss.detach()))
