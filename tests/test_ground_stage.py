@@ -469,7 +469,7 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, eval_every: 1,"
         " mix: {box1: 1}}, {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false},"
         " eval_every: 2, name_weight: 1.0, vision_lr_scale: 0.5, point_weight: 0.5, place_weight: 0.5,"
-        " spell_weight: 0.2, quote_names: true, mix: {box1h: 1, boxes8: 1, opentexts8: 1}}]"
+        " spell_weight: 0.2, match_weight: 0.5, quote_names: true, mix: {box1h: 1, boxes8: 1, opentexts8: 1}}]"
     )
     seen: list[tuple[int, dict]] = []
     p = params("ground.checkpoint=null", phases, *TINY_EVAL)
@@ -488,6 +488,11 @@ def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_di
     assert not any(k.endswith("name_acc") for _, m in seen[:3] for k in m)  # phase 1 names nothing
     assert 0 < last["ground/curve/boxes8/point_mass"] < 1 and 0 < last["ground/curve/boxes8/point_other"] < 1
     assert not any("/point_" in k for _, m in seen[:3] for k in m)  # nor points
+    assert (
+        0 <= last["ground/curve/boxes8/point_first"] <= 1 and 0 <= last["ground/curve/boxes8/cell_hit"] <= 1
+    )
+    assert all(0 <= last[f"ground/curve/boxes8/match_{k}"] <= 1 for k in ("query", "key", "pick"))
+    assert not any("/match_" in k or "/cell_hit" in k for _, m in seen[:3] for k in m)  # nor matches
     assert last["ground/curve/boxes8/place_col"] <= 1 and "ground/curve/box1h/place_row" in last
     assert not any("/place_" in k for _, m in seen[:3] for k in m)  # nor places
     assert 0 <= last["ground/curve/opentexts8/spell_f1"] <= 1 and "ground/curve/boxes8/spell_f1" not in last
