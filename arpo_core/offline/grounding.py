@@ -1558,86 +1558,7 @@ def _place_loss(
 
 
 # ----------------------------------------------------------------------------------------------------
-# Match loss (decision "Match loss")
-
-
-class MatchHead(torch.nn.Module):
-    """The match loss's head: one linear map of a hidden state where the last decoder layer reads it (after
-    that layer's input norm) to the names of `name_vocab`, the same map for the click's query position and
-    for a look-alike's image tokens."""
-
-    def __init__(self, hidden: int, names: int):
-        super().__init__()
-        self.linear = torch.nn.Linear(hidden, names)
-
-    def forward(self, states: torch.Tensor) -> torch.Tensor:
-        return self.linear(states.float())
-
-
-@dataclass(frozen=True)
-class MatchItems:
-    """One screen's states for the match loss: the query positions' (the two that predict the first
-    character of x and of y) and each named look-alike's (its image tokens' mean), their names' indices in
-    `name_vocab`, and which look-alike is the target."""
-
-    queries: torch.Tensor
-    keys: torch.Tensor
-    names: torch.Tensor
-    target: int
-
-
-def match_items(
-    policy: Policy,
-    states: torch.Tensor,
-    encoded: Sequence[EncodedSequence],
-    examples: Sequence[GroundExample],
-    vocab: str,
-) -> list[MatchItems]:
-    """`MatchItems` of every example of the batch whose reply clicks and whose target `name_key` names under
-    `vocab` (the look-alikes it does not name are left out of the keys); `states` are the last layer's
-    attention inputs (`_PointCapture.inputs[0]`)."""
-    index = _name_index(vocab)
-    out = []
-    for b, (enc, e) in enumerate(zip(encoded, examples, strict=True)):
-        named = [(box, key) for box, n in e.named if (key := name_key(e, n, vocab)) is not None]
-        boxes = [box for box, _ in named]
-        if e.bbox not in boxes:
-            continue
-        queries, _ = point_spans(policy, enc, e, first=True)
-        if not queries:
-            continue
-        keys = torch.stack([states[b, box_tokens(policy, enc, box)].float().mean(0) for box in boxes])
-        names = torch.tensor([index[key] for _, key in named], device=states.device)
-        out.append(MatchItems(states[b, queries].float(), keys, names, boxes.index(e.bbox)))
-    return out
-
-
-def _match_loss(head: MatchHead, items: Sequence[MatchItems]) -> torch.Tensor | None:
-    """Cross-entropy of the head's names for the query positions (the target's name) and for the look-alikes'
-    tokens (each its own), the two sides' means averaged; None without an item."""
-    if not items:
-        return None
-    q_logits = head(torch.cat([it.queries for it in items]))
-    q_labels = torch.cat([it.names[it.target].repeat(len(it.queries)) for it in items])
-    k_logits = head(torch.cat([it.keys for it in items]))
-    k_labels = torch.cat([it.names for it in items])
-    ce = torch.nn.functional.cross_entropy
-    return (ce(q_logits, q_labels) + ce(k_logits, k_labels)) / 2
-
-
-def match_picks(head: MatchHead, it: MatchItems) -> tuple[bool, float, bool]:
-    """What the head reads on one screen, each a pick among the screen's named look-alikes: whether x's
-    query names the target (the highest of the look-alikes' names), the share of look-alikes whose tokens
-    name themselves, and whether the match (the query's name probabilities dotted with each look-alike's)
-    picks the target."""
-    q = head(it.queries[:1])[0].softmax(-1)
-    k = head(it.keys).softmax(-1)
-    own = k[:, it.names].argmax(1) == torch.arange(len(it.names), device=k.device)
-    return (
-        int(q[it.names].argmax()) == it.target,
-        float(own.float().mean()),
-        int((k @ q).argmax()) == it.target,
-    )
+# Naming loss: its heads (decision "Naming loss")
 
 
 class NameHead(torch.nn.Module):
@@ -1806,6 +1727,89 @@ def _name_accuracy(
             total += len(labels)
         out[f"{name}/name_acc" if name else "name_acc"] = round(hits / total, 4)
     return out
+
+
+# ----------------------------------------------------------------------------------------------------
+# Match loss (decision "Match loss")
+
+
+class MatchHead(torch.nn.Module):
+    """The match loss's head: one linear map of a hidden state where the last decoder layer reads it (after
+    that layer's input norm) to the names of `name_vocab`, the same map for the click's query position and
+    for a look-alike's image tokens."""
+
+    def __init__(self, hidden: int, names: int):
+        super().__init__()
+        self.linear = torch.nn.Linear(hidden, names)
+
+    def forward(self, states: torch.Tensor) -> torch.Tensor:
+        return self.linear(states.float())
+
+
+@dataclass(frozen=True)
+class MatchItems:
+    """One screen's states for the match loss: the query positions' (the two that predict the first
+    character of x and of y) and each named look-alike's (its image tokens' mean), their names' indices in
+    `name_vocab`, and which look-alike is the target."""
+
+    queries: torch.Tensor
+    keys: torch.Tensor
+    names: torch.Tensor
+    target: int
+
+
+def match_items(
+    policy: Policy,
+    states: torch.Tensor,
+    encoded: Sequence[EncodedSequence],
+    examples: Sequence[GroundExample],
+    vocab: str,
+) -> list[MatchItems]:
+    """`MatchItems` of every example of the batch whose reply clicks and whose target `name_key` names under
+    `vocab` (the look-alikes it does not name are left out of the keys); `states` are the last layer's
+    attention inputs (`_PointCapture.inputs[0]`)."""
+    index = _name_index(vocab)
+    out = []
+    for b, (enc, e) in enumerate(zip(encoded, examples, strict=True)):
+        named = [(box, key) for box, n in e.named if (key := name_key(e, n, vocab)) is not None]
+        boxes = [box for box, _ in named]
+        if e.bbox not in boxes:
+            continue
+        queries, _ = point_spans(policy, enc, e, first=True)
+        if not queries:
+            continue
+        keys = torch.stack([states[b, box_tokens(policy, enc, box)].float().mean(0) for box in boxes])
+        names = torch.tensor([index[key] for _, key in named], device=states.device)
+        out.append(MatchItems(states[b, queries].float(), keys, names, boxes.index(e.bbox)))
+    return out
+
+
+def _match_loss(head: MatchHead, items: Sequence[MatchItems]) -> torch.Tensor | None:
+    """Cross-entropy of the head's names for the query positions (the target's name) and for the look-alikes'
+    tokens (each its own), the two sides' means averaged; None without an item."""
+    if not items:
+        return None
+    q_logits = head(torch.cat([it.queries for it in items]))
+    q_labels = torch.cat([it.names[it.target].repeat(len(it.queries)) for it in items])
+    k_logits = head(torch.cat([it.keys for it in items]))
+    k_labels = torch.cat([it.names for it in items])
+    ce = torch.nn.functional.cross_entropy
+    return (ce(q_logits, q_labels) + ce(k_logits, k_labels)) / 2
+
+
+def match_picks(head: MatchHead, it: MatchItems) -> tuple[bool, float, bool]:
+    """What the head reads on one screen, each a pick among the screen's named look-alikes: whether x's
+    query names the target (the highest of the look-alikes' names), the share of look-alikes whose tokens
+    name themselves, and whether the match (the query's name probabilities dotted with each look-alike's)
+    picks the target."""
+    q = head(it.queries[:1])[0].softmax(-1)
+    k = head(it.keys).softmax(-1)
+    own = k[:, it.names].argmax(1) == torch.arange(len(it.names), device=k.device)
+    return (
+        int(q[it.names].argmax()) == it.target,
+        float(own.float().mean()),
+        int((k @ q).argmax()) == it.target,
+    )
 
 
 # ----------------------------------------------------------------------------------------------------
