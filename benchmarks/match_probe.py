@@ -54,22 +54,21 @@ def word_vector(policy, word: str) -> torch.Tensor:
 
 
 def states(policy, examples, system: str) -> list[dict]:
-    """Per screen with a click whose look-alikes all have a name: per depth the query's state and each
-    look-alike's mean token state, the look-alikes' classes and word vectors, the target's index among them,
+    """Per screen with a click whose look-alikes all have a name: per depth the query's state (x's first
+    character's) and each look-alike's mean token state, as the match loss reads them at the last layer
+    (`grounding.match_items`), the look-alikes' classes and word vectors, the target's index among them,
     and the last layer's head 0 pick."""
     from arpo_core.offline import grounding as g
     from arpo_core.policy.heads import AttentionInputs
 
-    index = {n: i for i, n in enumerate(g.name_vocab("lorem"))}
-    lm = policy.model.model.language_model
-    depths = len(lm.layers)
+    names = g.name_vocab("lorem")
+    depths = len(policy.model.model.language_model.layers)
     policy.model.eval()
     out = []
     for i in range(0, len(examples), 16):
         chunk = examples[i : i + 16]
         encoded = [g._encode(policy, e, system, 0.0) for e in chunk]
         batch = g.collate(encoded, policy.pad_id, policy.image_token_id).to(policy.device)
-        firsts = [g.point_spans(policy, enc, e, first=True)[0] for enc, e in zip(encoded, chunk, strict=True)]
         spans = [g.point_spans(policy, enc, e) for enc, e in zip(encoded, chunk, strict=True)]
         with (
             torch.no_grad(),
@@ -78,23 +77,22 @@ def states(policy, examples, system: str) -> list[dict]:
         ):
             g.sequence_logprobs(policy.model, batch)
             weights = cap.log_weights([q for q, _ in spans])
-        for j, (enc, e) in enumerate(zip(encoded, chunk, strict=True)):
-            keys = [g.name_key(e, n, "lorem") for _, n in e.named]
-            if not firsts[j] or len(e.named) < 2 or None in keys:
+            items = [g.match_items(policy, kept.kept[d][0], encoded, chunk, "lorem") for d in range(depths)]
+        for at_depths in zip(*items, strict=True):
+            it, j = at_depths[0], at_depths[0].example
+            e, enc = chunk[j], encoded[j]
+            if len(e.named) < 2 or len(it.names) < len(e.named):  # a look-alike without a name
                 continue
-            q = firsts[j][0]
+            q = g.point_spans(policy, enc, e, first=True)[0][0]
             tokens = [g.box_tokens(policy, enc, b) for b, _ in e.named]
             w = weights[j].exp()[spans[j][0].index(q)]
             out.append(
                 {
-                    "query": [kept.kept[d][0][j, q].float() for d in range(depths)],
-                    "keys": [
-                        torch.stack([kept.kept[d][0][j, t].float().mean(0) for t in tokens])
-                        for d in range(depths)
-                    ],
-                    "classes": torch.tensor([index[k] for k in keys]),
-                    "words": torch.stack([word_vector(policy, k) for k in keys]),
-                    "target": [b for b, _ in e.named].index(e.bbox),
+                    "query": [d.queries[0] for d in at_depths],
+                    "keys": [d.keys for d in at_depths],
+                    "classes": it.names,
+                    "words": torch.stack([word_vector(policy, names[c]) for c in it.names.tolist()]),
+                    "target": it.target,
                     "head": max(range(len(tokens)), key=lambda k: float(w[tokens[k]].sum())),
                 }
             )
@@ -155,7 +153,7 @@ def probe(rows: list[dict], depths: int) -> dict:
 
 
 def main() -> None:
-    from place_probe import each_model, model_args, record_head, write_record
+    from place_probe import each_model, model_args, record_head, table_head, write_record
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_args(ap, "match_probe")
@@ -183,11 +181,12 @@ def main() -> None:
         print(json.dumps(models[-1] | {"seconds": round(time.perf_counter() - t0, 1)}), flush=True)
     record = record_head("match_probe.py") | {"screens": args.screens, "seed": args.seed, "models": models}
     lines = [
-        "# Where the named word is: query, keys, match (benchmarks/match_probe.py)",
-        "",
-        f"`{record['command']}` (code {record['code']}, {record['date']}; {args.screens} screens per level,"
-        f" seed {args.seed}, 2/3 fit, 1/3 scored; picks among the screen's look-alikes)",
-        "",
+        *table_head(
+            "Where the named word is: query, keys, match (benchmarks/match_probe.py)",
+            record,
+            f"{args.screens} screens per level, seed {args.seed}, 2/3 fit, 1/3 scored; picks among the screen's"
+            " look-alikes",
+        ),
         "| model | level | chance | head_right | depth | " + " | ".join(MEASURES) + " |",
         "|---|---|---|---|---|" + "---|" * len(MEASURES),
     ]

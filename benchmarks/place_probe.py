@@ -135,6 +135,17 @@ def each_model(specs: list[str]):
             yield name, spec, load(spec, Path(tmp)), t0
 
 
+def table_head(title: str, record: dict, detail: str) -> list[str]:
+    """A probe's markdown table's first lines: the title, then the command that re-ran it, its code and date,
+    and `detail` (what it was run on)."""
+    return [
+        f"# {title}",
+        "",
+        f"`{record['command']}` (code {record['code']}, {record['date']}; {detail})",
+        "",
+    ]
+
+
 def write_record(out: str, record: dict, lines: list[str]) -> None:
     """A probe's record as `<out>.json` and its table (`lines`) as `<out>.md`."""
     path = Path(out)
@@ -175,11 +186,11 @@ def main() -> None:
         "models": rows,
     }
     lines = [
-        "# Place probe: held-out R^2 of each image token's row / column (benchmarks/place_probe.py)",
-        "",
-        f"`{record['command']}` (code {record['code']}, {record['date']}; {args.screens} screens of "
-        f"{args.levels}, 2/3 fit, 1/3 scored)",
-        "",
+        *table_head(
+            "Place probe: held-out R^2 of each image token's row / column (benchmarks/place_probe.py)",
+            record,
+            f"{args.screens} screens of {args.levels}, 2/3 fit, 1/3 scored",
+        ),
         "| model | " + " | ".join(r["where"] for r in rows[0]["depths"]) + " |",
         "|---|" + "---|" * len(rows[0]["depths"]),
     ]

@@ -105,7 +105,7 @@ def _means(rows: list[dict]) -> dict:
 
 
 def main() -> None:
-    from place_probe import each_model, model_args, record_head, write_record
+    from place_probe import each_model, model_args, record_head, table_head, write_record
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     model_args(ap, "point_positions")
@@ -156,11 +156,11 @@ def main() -> None:
     keys = ("x_first", "y_first", "all", "head_right", "hit", "other", "right_but_missed")
     keys += ("cell_hit", "cell_other", "block_hit", "block_other", "guarded_hit", "guarded_other")
     lines = [
-        "# Pointing mass by coordinate position, and the greedy click (benchmarks/point_positions.py)",
-        "",
-        f"`{record['command']}` (code {record['code']}, {record['date']}; {args.screens} screens per level,"
-        f" seed {args.seed}, heads 1-{args.heads} of the last layer)",
-        "",
+        *table_head(
+            "Pointing mass by coordinate position, and the greedy click (benchmarks/point_positions.py)",
+            record,
+            f"{args.screens} screens per level, seed {args.seed}, heads 1-{args.heads} of the last layer",
+        ),
         "| model | level | " + " | ".join(keys) + " |",
         "|---|---|" + "---|" * len(keys),
     ]

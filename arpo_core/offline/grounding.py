@@ -1129,16 +1129,16 @@ def train_grounding(
             torch.manual_seed(config.seed)
             probe = PlaceProbe(policy.model.config.text_config.hidden_size).to(device)
         groups.append({"params": list(probe.parameters()), "lr": lr})
+    trained = [p for g in groups for p in g["params"]]  # what the shared gradient-norm clip spans
     matcher = None
-    if config.match_weight:  # the match loss's head: like the naming head, the phase's own
+    if config.match_weight:  # the match loss's head: the phase's own, clipped apart (decision "Match loss")
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(config.seed)
             hidden = policy.model.config.text_config.hidden_size
             matcher = MatchHead(hidden, len(name_vocab(config.name_vocab))).to(device)
         groups.append({"params": list(matcher.parameters()), "lr": lr * config.match_lr_scale})
     optimizer = torch.optim.AdamW(groups, weight_decay=config.optimizer.weight_decay)
-    own_clip = [] if matcher is None else list(matcher.parameters())  # clipped apart: decision "Match loss"
-    trained = [p for g in groups for p in g["params"] if all(p is not q for q in own_clip)]  # the clip spans
+    own_clip = [] if matcher is None else list(matcher.parameters())
     sched = torch.optim.lr_scheduler.LambdaLR(
         optimizer, lambda s: lr_factor(s, config.warmup_steps, config.steps, config.min_lr_frac)
     )
@@ -1750,12 +1750,13 @@ class MatchHead(torch.nn.Module):
 class MatchItems:
     """One screen's states for the match loss: the query positions' (the two that predict the first
     character of x and of y) and each named look-alike's (its image tokens' mean), their names' indices in
-    `name_vocab`, and which look-alike is the target."""
+    `name_vocab`, which look-alike is the target, and the screen's place in the batch."""
 
     queries: torch.Tensor
     keys: torch.Tensor
     names: torch.Tensor
     target: int
+    example: int
 
 
 def match_items(
@@ -1780,7 +1781,7 @@ def match_items(
             continue
         keys = torch.stack([states[b, box_tokens(policy, enc, box)].float().mean(0) for box in boxes])
         names = torch.tensor([index[key] for _, key in named], device=states.device)
-        out.append(MatchItems(states[b, queries].float(), keys, names, boxes.index(e.bbox)))
+        out.append(MatchItems(states[b, queries].float(), keys, names, boxes.index(e.bbox), b))
     return out
 
 
