@@ -88,8 +88,9 @@ class GroundTrainConfig:
         if self.match_weight and self.name_only:
             raise ValueError("match_weight needs the language model: a name_only phase runs the tower alone")
         if not isinstance(self.carry_heads, bool):
+            weights = {k: w for k, _, w, _ in TRAINED_HEADS}
             for key in self.carry_heads:
-                weight = {k: w for k, _, w, _ in TRAINED_HEADS}[key]
+                weight = weights[key]
                 if not getattr(self, weight):
                     raise ValueError(
                         f"carry_heads lists {key!r}, which this phase does not train ({weight} 0)"
