@@ -19,6 +19,10 @@ word, with probes fit on two thirds of the screens and scored on the rest:
 - `query_word`, `key_word`: as `query_name` and `key_name` onto the word's text instead (the mean input
   embedding of its tokens, as an instruction writes it after a space), nearest by cosine: the form a match
   tied to the language model's embeddings (`TiedNameHead`) would use.
+- `token_name`, `token_match`: as `key_name` and `match` from each image token alone (a map fit on single
+  tokens, each labelled with its look-alike's class): the share of tokens that name their own look-alike
+  among the screen's words, and whether the one token the match scores highest lies in the target. A head
+  attends token by token, so a word that only the tokens' mean carries is one it cannot find in one step.
 
 Chance is the mean of 1/look-alikes. Words of several tokens have to be composed by the layers before the
 query (lorem-ipsum words are 2-8 tokens of the tiny tokenizer; 41 of the 50 fixed words are one).
@@ -44,7 +48,7 @@ sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-MEASURES = ("query_name", "key_name", "match", "query_word", "key_word")
+MEASURES = ("query_name", "key_name", "match", "query_word", "key_word", "token_name", "token_match")
 
 
 def word_vector(policy, word: str) -> torch.Tensor:
@@ -56,8 +60,9 @@ def word_vector(policy, word: str) -> torch.Tensor:
 def states(policy, examples, system: str) -> list[dict]:
     """Per screen with a click whose look-alikes all have a name: per depth the query's state (x's first
     character's) and each look-alike's mean token state, as the match loss reads them at the last layer
-    (`grounding.match_items`), the look-alikes' classes and word vectors, the target's index among them,
-    and the last layer's head 0 pick."""
+    (`grounding.match_items`), and every look-alike token's own state with its look-alike's index; the
+    look-alikes' classes and word vectors, the target's index among them, and the last layer's head 0
+    pick."""
     from arpo_core.offline import grounding as g
     from arpo_core.policy.heads import AttentionInputs
 
@@ -86,10 +91,13 @@ def states(policy, examples, system: str) -> list[dict]:
             q = g.point_spans(policy, enc, e, first=True)[0][0]
             tokens = [g.box_tokens(policy, enc, b) for b, _ in e.named]
             w = weights[j].exp()[spans[j][0].index(q)]
+            flat = [t for ts in tokens for t in ts]
             out.append(
                 {
                     "query": [d.queries[0] for d in at_depths],
                     "keys": [d.keys for d in at_depths],
+                    "tokens": [kept.kept[d][0][j, flat].float() for d in range(depths)],
+                    "owner": torch.tensor([k for k, ts in enumerate(tokens) for _ in ts]),
                     "classes": it.names,
                     "words": torch.stack([word_vector(policy, names[c]) for c in it.names.tolist()]),
                     "target": it.target,
@@ -123,8 +131,11 @@ def depth_probe(rows: list[dict], d: int, classes: int) -> dict:
         torch.stack([r["query"][d] for r in fit]), torch.stack([r["words"][r["target"]] for r in fit])
     )
     k_word = ridge(torch.cat([r["keys"][d] for r in fit]), torch.cat([r["words"] for r in fit]))
+    t_name = ridge(
+        torch.cat([r["tokens"][d] for r in fit]), onehot(torch.cat([r["classes"][r["owner"]] for r in fit]))
+    )
     cos = torch.nn.functional.cosine_similarity
-    counts = dict.fromkeys(("query_name", "key_name", "match", "query_word", "key_word"), 0.0)
+    counts = dict.fromkeys(MEASURES, 0.0)
     for r in held:
         t, c = r["target"], r["classes"]
         qs, ks = q_name(r["query"][d][None])[0], k_name(r["keys"][d])
@@ -136,6 +147,9 @@ def depth_probe(rows: list[dict], d: int, classes: int) -> dict:
         counts["key_word"] += float(
             (cos(kw[:, None], r["words"][None], dim=-1).argmax(1) == torch.arange(len(c))).float().mean()
         )
+        ts = t_name(r["tokens"][d])
+        counts["token_name"] += float((ts[:, c].argmax(1) == r["owner"]).float().mean())
+        counts["token_match"] += int(r["owner"][int((ts @ qs).argmax())]) == t
     return {"depth": d} | {k: round(v / len(held), 3) for k, v in counts.items()}
 
 

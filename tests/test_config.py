@@ -139,6 +139,12 @@ def test_presets_mean_what_they_say():
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_only: true}]"])
     with pytest.raises(ConfigError, match="name_tied needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_tied: true}]"])
+    with pytest.raises(ConfigError, match="name_token needs name_weight > 0"):
+        load_params(ROOT / "params.yaml", ["ground.phases=[{name_token: true}]"])
+    with pytest.raises(ConfigError, match="name_token and name_tied are two kinds of naming head"):
+        load_params(
+            ROOT / "params.yaml", ["ground.phases=[{name_weight: 1, name_token: true, name_tied: true}]"]
+        )
     with pytest.raises(ConfigError, match="name_vocab 'lorem' needs name_weight > 0"):
         load_params(ROOT / "params.yaml", ["ground.phases=[{name_vocab: lorem}]"])
     with pytest.raises(ConfigError, match="name_vocab"):
@@ -167,6 +173,7 @@ def test_carried_heads_need_a_previous_phase_with_the_same_heads():
         "[{}, {carry_heads: true}]": "phases.1.carry_heads = True is not usable: the phase trains no head",
         f"[{named}, {{name_weight: 1.0, name_vocab: lorem, carry_heads: true}}]": "has name_vocab 'fixed', this",
         f"[{named}, {{name_weight: 1.0, spell_weight: 0.1, carry_heads: true}}]": "trains no spelling head",
+        f"[{named}, {{name_weight: 1.0, name_token: true, carry_heads: true}}]": "has name_token False, this",
         "[{place_weight: 1.0}, {place_weight: 1.0, name_weight: 1.0, carry_heads: true}]": "no naming head",
         "[{place_weight: 1.0}, {place_weight: 1.0, match_weight: 1.0, carry_heads: [probe, matcher]}]": (
             "the previous phase trains no match head (match_weight 0)"

@@ -757,6 +757,41 @@ def test_window_tokens_are_the_merged_tokens_around_each_box_zeros_off_the_image
     corner_win = got[1].reshape(nh, nw, hidden)
     assert corner_win[0].abs().sum() == 0 and corner_win[:, 0].abs().sum() == 0  # above and left: zeros
     assert corner_win[1, 1].abs().sum() > 0
+    with torch.no_grad():
+        same, inside = window_tokens(policy, [e.image for e in exs], [[inner, corner], [inner]], inside=True)
+    assert torch.equal(same, got) and inside.shape == (3, 6) and inside.dtype == torch.bool
+    # `inner` (x 60-100, y 90-130 model px) holds the centres (70 or 98, 98 or 126) of tokens in rows 3-4,
+    # columns 2-3
+    cells = [(r0 + i // nw, c0 + i % nw) for i in range(nh * nw)]
+    assert [cells[i] for i in range(6) if inside[2, i]] == [(3, 2), (3, 3), (4, 2), (4, 3)]
+    assert torch.equal(inside[0], inside[2])
+    assert inside[1].sum() == 1  # the corner's box holds no centre: the token under its own centre
+
+
+def test_the_token_naming_head_names_a_look_alike_from_its_best_token_in_its_box():
+    """grounding.py, decision "Naming loss": `name_token`'s head maps each window token alone; a look-alike's
+    logit for a name is its best in-box token's, so a word carried by a token outside the box is not read,
+    and one carried by any single in-box token is."""
+    from arpo_core.offline.grounding import TokenNameHead
+
+    torch.manual_seed(0)
+    head = TokenNameHead(8, 3)
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.eye(3, 8) * 5.0)
+        head.linear.bias.zero_()
+    windows = torch.zeros(2, 4, 8)
+    windows[:, :, 7] = 1.0  # every token something besides its word, so the layer norm is defined
+    windows[0, 1, 2] = windows[1, 3, 2] = 3.0  # name 2, in token 1 of the first window, token 3 of the second
+    windows[0, 2, 0] = 3.0  # name 0, in token 2 of the first window
+    inside = torch.tensor([[False, True, False, False], [False, True, True, False]])
+    logits = head(windows.reshape(2, -1), inside)
+    assert logits.shape == (2, 3) and torch.isfinite(logits).all()
+    one = head.linear(torch.nn.functional.layer_norm(windows[0, 1], (8,)))
+    assert torch.allclose(logits[0], one) and logits[0].argmax() == 2  # token 2's name 0: outside the box
+    assert torch.allclose(logits[1], logits[1, :1].expand(3))  # its word outside its box: no name stands out
+    both = inside.clone()
+    both[1, 3] = True
+    assert head(windows.reshape(2, -1), both)[1].argmax() == 2  # any one in-box token that carries it
 
 
 def test_the_naming_loss_trains_a_head_that_the_curves_score_and_the_tower_takes_its_own_lr(
@@ -792,10 +827,10 @@ def test_the_naming_loss_trains_a_head_that_the_curves_score_and_the_tower_takes
     assert "name_loss" not in train_grounding(policy, cfg_plain, system="compact", max_new_tokens=8)
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["linear-head", "tied-head"])
-def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_path, one_thread, tied):
-    """With a linear or a tied head (`name_tied`) the language model stays bit-identical, its embeddings
-    included: the tied head's names are the embeddings, detached."""
+@pytest.mark.parametrize("kind", ["linear", "tied", "token"], ids=["linear-head", "tied-head", "token-head"])
+def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_path, one_thread, kind):
+    """With a linear, a tied (`name_tied`) or a one-token head (`name_token`) the language model stays
+    bit-identical, its embeddings included: the tied head's names are the embeddings, detached."""
     policy = build_tiny_policy(tmp_path / "p", size="xs")
     tower0 = {k: v.clone() for k, v in policy.model.model.visual.state_dict().items()}
     lm0 = {k: v.clone() for k, v in policy.model.model.language_model.state_dict().items()}
@@ -809,7 +844,8 @@ def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_pat
         optimizer=OptimizerConfig(lr=1e-3),
         name_weight=1.0,
         name_only=True,
-        name_tied=tied,
+        name_tied=kind == "tied",
+        name_token=kind == "token",
     )
     hist = train_grounding(policy, cfg, system="compact", max_new_tokens=8, examples=fixed)
     assert hist["loss"] == hist["name_loss"] and len(hist["loss"]) == 2  # every example synthetic, named
@@ -819,8 +855,8 @@ def test_a_naming_only_phase_trains_the_tower_alone_on_synthetic_screens(tmp_pat
     assert any(not torch.equal(tower[k], v) for k, v in tower0.items())
     with pytest.raises(ValueError, match="name_only needs name_weight > 0"):
         train_grounding(policy, dataclasses.replace(cfg, name_weight=0.0), system="compact", max_new_tokens=8)
-    if tied:
-        with pytest.raises(ValueError, match="name_tied needs name_weight > 0"):  # the config refuses it
+    if kind != "linear":
+        with pytest.raises(ValueError, match=f"name_{kind} needs name_weight > 0"):  # the config refuses it
             train_grounding(
                 policy,
                 dataclasses.replace(cfg, name_weight=0.0, name_only=False),

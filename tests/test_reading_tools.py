@@ -220,7 +220,10 @@ def test_match_probe_finds_a_word_where_the_states_carry_it_and_chance_where_the
     """benchmarks/match_probe.py: fit on two thirds, scored on the rest, picks among each screen's
     look-alikes. States made to carry their word (a code per word plus noise) are read: the query names the
     target, the keys name themselves, the match through the names picks the target; states of noise are
-    read at about chance. Then the script on a fresh model writes its record, every measure a fraction."""
+    read at about chance. Tokens that carry the word only in their mean (each token the word's code plus an
+    offset, the offsets summing to zero over the look-alike's tokens) are named by `key_name` and not one by
+    one (`token_name`, `token_match`). Then the script on a fresh model writes its record, every measure a
+    fraction."""
     import random as rnd
 
     import torch
@@ -232,7 +235,7 @@ def test_match_probe_finds_a_word_where_the_states_carry_it_and_chance_where_the
     codes = torch.randn(40, 32, generator=gen)
     pick = rnd.Random(1)
 
-    def rows(carry: bool) -> list[dict]:
+    def rows(carry: bool, spread: float = 0.3) -> list[dict]:
         out = []
         for _ in range(600):
             names = torch.tensor(pick.sample(range(40), 4))
@@ -240,13 +243,24 @@ def test_match_probe_finds_a_word_where_the_states_carry_it_and_chance_where_the
             noise = lambda *shape: torch.randn(*shape, generator=gen)  # noqa: E731
             query = codes[names[target]] + 0.3 * noise(32) if carry else noise(32)
             keys = codes[names] + 0.3 * noise(4, 32) if carry else noise(4, 32)
+            offsets = spread * noise(4, 2, 32)  # three tokens a look-alike, offsets summing to zero
+            offsets = torch.cat([offsets, -offsets.sum(1, keepdim=True)], dim=1)
+            tokens = (keys[:, None] + offsets).reshape(12, 32)
             words = torch.randn(4, 8, generator=gen)
-            out.append({"query": [query], "keys": [keys], "classes": names, "words": words, "target": target})
+            owner = torch.arange(4).repeat_interleave(3)
+            out.append(
+                {"query": [query], "keys": [keys], "tokens": [tokens], "owner": owner, "classes": names}
+                | {"words": words, "target": target}
+            )
         return out
 
     read, blind = depth_probe(rows(True), 0, 40), depth_probe(rows(False), 0, 40)
-    assert min(read[k] for k in ("query_name", "key_name", "match")) > 0.9, read
-    assert max(blind[k] for k in ("query_name", "key_name", "match")) < 0.4, blind  # chance 0.25
+    each = ("query_name", "key_name", "match", "token_name", "token_match")
+    assert min(read[k] for k in each) > 0.9, read
+    assert max(blind[k] for k in each) < 0.4, blind  # chance 0.25
+    mean_only = depth_probe(rows(True, spread=10.0), 0, 40)
+    assert mean_only["key_name"] > 0.9 and mean_only["match"] > 0.9, mean_only
+    assert mean_only["token_name"] < 0.6 and mean_only["token_match"] < 0.6, mean_only
     out = tmp_path / "mp"
     cmd = [sys.executable, "benchmarks/match_probe.py", "--model", "fresh=init", "--levels", "links8"]
     res = subprocess.run(
@@ -256,6 +270,6 @@ def test_match_probe_finds_a_word_where_the_states_carry_it_and_chance_where_the
     rec = json.loads(out.with_suffix(".json").read_text())
     (level,) = rec["models"][0]["levels"].values()
     assert level["screens"] == 12 and [d["depth"] for d in level["depths"]] == [0, 1]
-    measures = ("query_name", "key_name", "match", "query_word", "key_word")
+    measures = ("query_name", "key_name", "match", "query_word", "key_word", "token_name", "token_match")
     assert all(0 <= d[k] <= 1 for d in level["depths"] for k in measures) and 0 < level["chance"] < 1
     assert "| fresh | links8 |" in out.with_suffix(".md").read_text()

@@ -48,7 +48,7 @@ class OptimizerConfig:
 
 
 TRAINED_HEADS = (
-    ("head", "naming head", "name_weight", ("name_vocab", "name_tied")),
+    ("head", "naming head", "name_weight", ("name_vocab", "name_tied", "name_token")),
     ("speller", "spelling head", "spell_weight", ()),
     ("probe", "place probe", "place_weight", ()),
     ("matcher", "match head", "match_weight", ("name_vocab",)),
@@ -69,6 +69,10 @@ class GroundTrainConfig:
             raise ValueError("name_only needs name_weight > 0 (it trains the naming loss alone)")
         if self.name_tied and not self.name_weight:
             raise ValueError("name_tied needs name_weight > 0 (it is the naming loss's head)")
+        if self.name_token and not self.name_weight:
+            raise ValueError("name_token needs name_weight > 0 (it is the naming loss's head)")
+        if self.name_token and self.name_tied:
+            raise ValueError("name_token and name_tied are two kinds of naming head: choose one")
         if self.name_vocab != "fixed" and not self.name_weight:
             raise ValueError(
                 f"name_vocab {self.name_vocab!r} needs name_weight > 0 (it is what the naming loss names)"
@@ -144,6 +148,12 @@ class GroundTrainConfig:
     the click's instruction and the screen meet in one space (arpo_core/offline/grounding.py, decision
     "Naming loss"; measured there: it teaches the words, and beside the clicks it breaks them). Needs
     `name_weight` > 0."""
+    name_token: bool = False
+    """The naming head names a look-alike from its best single image token instead of the whole window
+    (`TokenNameHead`: one linear map of each merged token whose centre lies in the look-alike's box, the
+    highest logit per name), so the tower is taught to put the whole word into one token, the form a
+    pointing head, which attends token by token, can find (arpo_core/offline/grounding.py, decision "Naming
+    loss"). Needs `name_weight` > 0; not with `name_tied`."""
     name_vocab: Literal["fixed", "lorem"] = "fixed"
     """What the naming loss names: `fixed`, the synthetic screens' colours and 50 words (`NAMES`); `lorem`,
     those and the lorem-ipsum words MiniWoB's links and paragraphs are made of (the installed MiniWoB's own

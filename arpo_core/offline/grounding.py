@@ -131,7 +131,13 @@ Decisions:
   (`TiedNameHead`: a window token scores its cosine with the model's own embedding of the word, nothing
   learned between the spaces), so that a click could find the word by one match instead of one
   association per word; measured, it taught the tower the words (0.47 on buttons in 10,000 steps) but
-  kept beside the clicks it broke them (box1h 0.00-0.05 through the colour level).
+  kept beside the clicks it broke them (box1h 0.00-0.05 through the colour level). `name_token` names a
+  look-alike from its best single token instead (`TokenNameHead`: one linear map of each merged token whose
+  centre lies in the look-alike's box, the highest logit per name): the window head may spread a word over
+  its tokens, and a pointing head attends token by token. A probe of the 2x lorem reader found exactly that
+  spread (benchmarks/match_probe.py, `token_name`): where the last layer reads them, the look-alikes'
+  tokens name their word together (their mean) 0.55-0.64 among a screen's words and one by one 0.33-0.39
+  (lorem, fixed and button words; at the tower's output 0.66-0.87 and 0.39-0.45).
 - **Pointing loss.** With the words in the tokens, the picks stayed at chance (decision "Naming loss"):
   the language model did not learn, from a few coordinate digits per example, to find the image token
   that matches the instruction's word. A phase may supervise that retrieval directly (`point_weight`, as
@@ -299,6 +305,7 @@ __all__ = [
     "MatchHead",
     "MatchItems",
     "PlaceProbe",
+    "TokenNameHead",
     "best_constant_click",
     "box_tokens",
     "checkpoint_fingerprint",
@@ -869,11 +876,13 @@ def window_tokens(
     policy: Policy,
     images: Sequence[Image.Image],
     boxes: Sequence[Sequence[tuple[float, float, float, float]]],
-) -> torch.Tensor:
+    inside: bool = False,
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
     """The merged image tokens (what the language model gets from the vision tower) in the `name_window`
     of each box of each image (`boxes[i]` in model pixels of image i's frame), concatenated in raster order,
     zeros off the image -> (boxes in all, window tokens x hidden); differentiable in the vision tower. One
-    tower call for all images."""
+    tower call for all images. With `inside`, also which window tokens are the box's (`box_window_mask`)
+    -> (boxes in all, window tokens), bool."""
     from arpo_core.policy.model import image_inputs
 
     proc = policy.processor.image_processor
@@ -882,7 +891,7 @@ def window_tokens(
     pixels, grid = image_inputs(proc, list(images))
     out = policy.model.model.visual(pixels.to(policy.device), grid_thw=grid.to(policy.device))
     tokens = getattr(out, "pooler_output", out)
-    feats, at = [], 0
+    feats, masks, at = [], [], 0
     for img, img_boxes, (_, gh, gw) in zip(images, boxes, grid.tolist(), strict=True):
         rows, cols = gh // merge, gw // merge
         tok = tokens[at : at + rows * cols].reshape(rows, cols, -1)
@@ -894,7 +903,33 @@ def window_tokens(
             if padded is None:  # zeros around the grid, as wide as a window
                 padded = torch.nn.functional.pad(tok, (0, 0, nw, nw, nh, nh))
             feats.append(padded[r0 + nh : r0 + 2 * nh, c0 + nw : c0 + 2 * nw].reshape(-1))
+            masks.append(box_window_mask(box, (r0, c0, nh, nw), unit))
+    if inside:
+        return torch.stack(feats), torch.stack(masks).to(feats[0].device)
     return torch.stack(feats)
+
+
+def box_window_mask(
+    box: tuple[float, float, float, float], window: tuple[int, int, int, int], unit: int
+) -> torch.Tensor:
+    """Which tokens of `window` (`name_window`'s (first row, first column, rows, columns)) are the box's:
+    those whose centre lies in `box` (model pixels on a token grid of `unit` px), or, for a box too small to
+    hold a token's centre, the token under the box's centre -> (rows x columns,) bool, raster order.
+
+    >>> box_window_mask((30.0, 0.0, 90.0, 20.0), (0, 0, 1, 4), 28).tolist()
+    [False, True, True, False]
+    >>> box_window_mask((30.0, 0.0, 40.0, 10.0), (0, 0, 1, 4), 28).tolist()
+    [False, True, False, False]
+    """
+    r0, c0, nh, nw = window
+    rows = (torch.arange(r0, r0 + nh, dtype=torch.float64) + 0.5) * unit
+    cols = (torch.arange(c0, c0 + nw, dtype=torch.float64) + 0.5) * unit
+    mask = ((rows >= box[1]) & (rows <= box[3]))[:, None] & ((cols >= box[0]) & (cols <= box[2]))[None, :]
+    if not mask.any():
+        r = min(max(math.floor((box[1] + box[3]) / 2 / unit) - r0, 0), nh - 1)
+        c = min(max(math.floor((box[0] + box[2]) / 2 / unit) - c0, 0), nw - 1)
+        mask[r, c] = True
+    return mask.reshape(-1)
 
 
 # ----------------------------------------------------------------------------------------------------
@@ -1106,6 +1141,8 @@ def train_grounding(
             names = name_vocab(config.name_vocab)
             if config.name_tied:
                 head = TiedNameHead(*shape, _name_token_ids(policy, names))
+            elif config.name_token:
+                head = TokenNameHead(shape[1], len(names))
             else:
                 head = NameHead(*shape, len(names))
             head = head.to(device)
@@ -1606,6 +1643,23 @@ class TiedNameHead(torch.nn.Module):
         return self.log_scale.exp() * torch.einsum("bth,nh->btn", x, names).amax(1)
 
 
+class TokenNameHead(torch.nn.Module):
+    """The naming loss's head that names from one token (`name_token`): each merged token of the window
+    layer-normalised without parameters (as `NameHead`), one linear map of it to the names' logits, and a
+    look-alike's logit for a name its best token's among those in its box (`box_window_mask`), so that a
+    single token has to carry the whole word."""
+
+    def __init__(self, hidden: int, outputs: int):
+        super().__init__()
+        self.hidden = hidden
+        self.linear = torch.nn.Linear(hidden, outputs)
+
+    def forward(self, windows: torch.Tensor, inside: torch.Tensor) -> torch.Tensor:
+        x = windows.reshape(windows.shape[0], -1, self.hidden).float()
+        logits = self.linear(torch.nn.functional.layer_norm(x, (self.hidden,)))
+        return logits.masked_fill(~inside[..., None], float("-inf")).amax(1)
+
+
 def _name_token_ids(policy: Policy, names: Sequence[str] = NAMES) -> list[list[int]]:
     """Token ids of each of `names` as the instructions write it: the colour or word alone (after a quote)
     and after a space (a link's or a colour's), every token of a form weighted so that each form counts
@@ -1686,11 +1740,13 @@ def _name_logits(
     indices in `name_vocab(vocab)`, in the same order: what the naming loss trains and `_name_accuracy`
     scores."""
     named = [[(b, k) for b, n in e.named if (k := name_key(e, n, vocab))] for e in examples]
-    windows = window_tokens(policy, [e.image for e in examples], [[b for b, _ in bn] for bn in named])
-    if isinstance(head, TiedNameHead):
-        logits = head(windows, policy.model.get_input_embeddings().weight)
+    images, boxes = [e.image for e in examples], [[b for b, _ in bn] for bn in named]
+    if isinstance(head, TokenNameHead):
+        logits = head(*window_tokens(policy, images, boxes, inside=True))
+    elif isinstance(head, TiedNameHead):
+        logits = head(window_tokens(policy, images, boxes), policy.model.get_input_embeddings().weight)
     else:
-        logits = head(windows)
+        logits = head(window_tokens(policy, images, boxes))
     index = _name_index(vocab)
     labels = torch.tensor([index[n] for bn in named for _, n in bn], device=logits.device)
     return logits, labels
