@@ -124,7 +124,11 @@ def test_repo_params_start_from_the_versioned_checkpoint_with_its_architecture()
 
 def test_every_phase_training_field_is_a_ground_config_field():
     config_fields = {f.name for f in dataclasses.fields(GroundConfig)}
-    phase_fields = {f.name for f in dataclasses.fields(GroundPhase)} - {"miniwob_seeds", "grow_after"}
+    phase_fields = {f.name for f in dataclasses.fields(GroundPhase)} - {
+        "miniwob_seeds",
+        "grow_after",
+        "grow_vision_after",
+    }
     assert phase_fields <= config_fields
     for name in phase_fields:  # the same defaults, so an omitted key means what GroundConfig means
         assert getattr(GroundPhase(), name) == getattr(GroundConfig(), name), name
@@ -178,15 +182,20 @@ def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(ini
 
 
 def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
+    """`grow_after` deepens the language model and `grow_vision_after` the vision tower before their phase;
+    the saved policy loads at its new depths and the report says each phase's."""
     phases = (
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
-        " {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0, 1]}]"
+        " {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0, 1],"
+        " grow_vision_after: [0]}]"
     )
     m = ground.run(params("ground.checkpoint=null", phases, *TINY_EVAL), init_dir, tmp_path / "g")
     policy = load_policy(tmp_path / "g")
     assert policy.model.config.text_config.num_hidden_layers == 4 and m["ground/layers"] == 4.0
+    assert policy.model.config.vision_config.depth == 2
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert [ph["layers"] for ph in report["phases"]] == [2, 4]
+    assert [ph["vision_blocks"] for ph in report["phases"]] == [1, 2]
     assert m["ground/steps"] == 4.0
 
 

@@ -20,6 +20,7 @@ from arpo_core.policy.model import (
     count_parameters,
     default_corpus,
     grow_depth,
+    grow_vision_depth,
     load_policy,
     mrope_section,
     resplit_mrope,
@@ -187,6 +188,38 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
     assert grown.model.model.language_model.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="must name layers"):
         grow_depth(policy, [2])
+
+
+def test_grow_vision_depth_same_function_then_trainable(built, tmp_path):
+    """A new vision block after block 0: the same logits on a screenshot (its output projections zero),
+    the old block copied, the new one attending as the block before it (full here), saved and loaded as a
+    stock checkpoint, and trainable."""
+    policy, _ = built
+    grown = grow_vision_depth(policy, [0])
+    vision = grown.model.config.vision_config
+    assert vision.depth == 2 and vision.fullatt_block_indexes == [0, 1]
+    assert policy.model.config.vision_config.depth == 1  # the original kept
+    old, new = policy.model.model.visual.blocks, grown.model.model.visual.blocks
+    assert torch.equal(new[0].attn.qkv.weight, old[0].attn.qkv.weight)
+    assert not new[1].attn.proj.weight.any() and not new[1].attn.proj.bias.any()
+    assert not new[1].mlp.down_proj.weight.any() and not new[1].mlp.down_proj.bias.any()
+    assert new[1].attn.qkv.weight.any()  # freshly initialised, not zero
+    batch = collate(
+        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), spec=PromptSpec("uitars", None))],
+        policy.pad_id,
+        policy.image_token_id,
+    )
+    with torch.no_grad():
+        assert torch.equal(forward_logits(policy.model, batch), forward_logits(grown.model, batch))
+    grown.save(tmp_path / "g")
+    again = load_policy(tmp_path / "g")
+    assert again.model.config.vision_config.depth == 2
+    with torch.no_grad():
+        assert torch.equal(forward_logits(again.model, batch), forward_logits(policy.model, batch))
+    forward_logits(grown.model, batch).logsumexp(-1).sum().backward()
+    assert grown.model.model.visual.blocks[1].attn.proj.weight.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="must name vision blocks"):
+        grow_vision_depth(policy, [1])
 
 
 def test_resplit_mrope_moves_frequencies_between_axes_and_keeps_the_weights(built, tmp_path):

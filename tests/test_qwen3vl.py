@@ -26,6 +26,7 @@ from arpo_core.policy.model import (
     checkpoint_family,
     count_parameters,
     grow_depth,
+    grow_vision_depth,
     image_inputs,
     load_policy,
     mrope_section_qwen3,
@@ -209,6 +210,32 @@ def test_grow_depth_keeps_the_function(policy):
     assert type(grown.model) is Qwen3VLForConditionalGeneration
     with torch.no_grad():
         torch.testing.assert_close(forward_logits(grown.model, batch), forward_logits(policy.model, batch))
+
+
+def test_grow_vision_depth_keeps_the_function_and_the_deepstack_taps(policy):
+    """A new vision block before the tower's DeepStack tap moves the tap to the old block's new place, so the
+    language model gets the same features (Qwen3-VL adds them after its first layers)."""
+    from arpo_core.policy.model import Policy
+
+    two = grow_vision_depth(policy, [0])  # two blocks, the tap still after block 0
+    assert two.model.config.vision_config.depth == policy.model.config.vision_config.depth + 1 == 2
+    assert two.model.config.vision_config.deepstack_visual_indexes == [0]
+    assert not two.model.model.visual.blocks[1].mlp.linear_fc2.weight.any()
+    config = two.model.config.__class__.from_dict(two.model.config.to_dict())
+    config.vision_config.deepstack_visual_indexes = [1]  # a tower tapped after its second block
+    model = type(two.model)(config)
+    model.load_state_dict(two.model.state_dict())
+    late = Policy(model=model.eval(), processor=policy.processor, tokenizer=policy.tokenizer)
+    grown = grow_vision_depth(late, [0])  # a block before the tap: it moves to the old block's new place
+    assert grown.model.config.vision_config.deepstack_visual_indexes == [2]
+    batch = collate(
+        [encode_prompt(policy, prompts()[1], spec=PromptSpec(SYSTEM, None))],
+        policy.pad_id,
+        policy.image_token_id,
+    )
+    with torch.no_grad():
+        torch.testing.assert_close(forward_logits(two.model, batch), forward_logits(policy.model, batch))
+        torch.testing.assert_close(forward_logits(grown.model, batch), forward_logits(late.model, batch))
 
 
 # --------------------------------------------------------------------------------------------------

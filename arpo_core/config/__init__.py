@@ -388,8 +388,8 @@ class InitPolicyConfig:
 @dataclass(frozen=True)
 class GroundPhase(GroundTrainConfig):
     """One phase of grounding pretraining (`ground.phases[i]`): the training fields of
-    `GroundTrainConfig` (shared with `arpo_core.offline.grounding.GroundConfig`), plus `miniwob_seeds` and
-    `grow_after`, which the stage applies around the training loop."""
+    `GroundTrainConfig` (shared with `arpo_core.offline.grounding.GroundConfig`), plus `miniwob_seeds`,
+    `grow_after` and `grow_vision_after`, which the stage applies around the training loop."""
 
     miniwob_seeds: Annotated[int, Ge(0)] = 0
     """Real MiniWoB screens of the in-domain suite's tasks with N env seeds (0..N-1, skipping the held-out
@@ -397,6 +397,10 @@ class GroundPhase(GroundTrainConfig):
     grow_after: list[Annotated[int, Ge(0)]] | None = None
     """Before this phase, insert a zero-output decoder layer after each listed layer index
     (`policy.model.grow_depth`); null = keep the depth."""
+    grow_vision_after: list[Annotated[int, Ge(0)]] | None = None
+    """Before this phase, insert a zero-output vision block after each listed block index
+    (`policy.model.grow_vision_depth`: the tower computes the same tokens until trained); null = keep the
+    tower's depth."""
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -4,7 +4,7 @@ screens), or the project's versioned grounded tiny policy, measured for image de
 Decisions:
 - **Grounding start.** `ground` turns the start policy into `models/grounded`, the start of `sft`. The start
   is `ground.checkpoint` (the versioned grounded tiny policy) or, when that is null, `models/init`;
-  `ground.phases` then train it in order (a phase may first grow the LM's depth). With no phases the
+  `ground.phases` then train it in order (a phase may first grow the LM's or the tower's depth). With no phases the
   start is copied file by file, so the output is that checkpoint bit for bit. A pretrained model from
   `init_policy` (a pointer in `models/init`) wins over `ground.checkpoint`, which is a tiny model: with
   no phases the pointer is passed on unmeasured (a 7B model's greedy clicks on hundreds of screens are
@@ -346,7 +346,7 @@ def run(
         hits_by_target,
         train_grounding,
     )
-    from arpo_core.policy.model import count_parameters, grow_depth, load_policy
+    from arpo_core.policy.model import count_parameters, grow_depth, grow_vision_depth, load_policy
     from arpo_core.policy.prompt import model_image_size
 
     setup_torch(p)
@@ -370,6 +370,8 @@ def run(
         for i, phase in enumerate(g.phases):
             if phase.grow_after:
                 policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
+            if phase.grow_vision_after:
+                policy = grow_vision_depth(policy, phase.grow_vision_after, seed=phase.seed)
             fixed = train_real[phase.miniwob_seeds] if phase.miniwob_seeds else None
             heldout = None
             if phase.eval_every:  # decision "Curves while it trains"
@@ -411,6 +413,7 @@ def run(
                     "seconds": round(hist["seconds"], 1),
                     "real_examples": len(fixed or ()),
                     "layers": policy.model.config.text_config.num_hidden_layers,
+                    "vision_blocks": policy.model.config.vision_config.depth,
                     "loss_every_50": _loss_summary(losses),
                     "stopped_at": hist.get("stopped_at"),
                     "curve": hist["evals"],

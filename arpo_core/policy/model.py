@@ -115,6 +115,7 @@ __all__ = [
     "count_parameters",
     "default_corpus",
     "grow_depth",
+    "grow_vision_depth",
     "image_inputs",
     "load_policy",
     "mrope_section",
@@ -500,24 +501,94 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
         config.text_config.layer_types = [config.text_config.layer_types[0]] * n_new
     torch.manual_seed(seed)  # the new layers' initialisation
     model = type(old)(config)
-    new_state = model.state_dict()
-    order: list[int | None] = []  # new position -> old index (None = new layer)
+    order = _grown_order(n_old, after)
+    state = _insert_layers(
+        old.state_dict(), model.state_dict(), "model.language_model.layers.", order, _ZERO_LM_OUTPUTS
+    )
+    return _rebuild(policy, model, state)
+
+
+_ZERO_LM_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
+"""A new decoder layer's parameters that write to the residual stream (no biases in either family)."""
+
+_ZERO_VISION_OUTPUTS = (
+    "attn.proj.weight",
+    "attn.proj.bias",
+    "mlp.down_proj.weight",  # Qwen2.5-VL's gated MLP
+    "mlp.down_proj.bias",
+    "mlp.linear_fc2.weight",  # Qwen3-VL's
+    "mlp.linear_fc2.bias",
+)
+"""A new vision block's parameters that write to its residual stream."""
+
+
+def _grown_order(n_old: int, after: Sequence[int]) -> list[int | None]:
+    """New position -> old index (None = a new layer), one new layer after each index in `after`."""
+    order: list[int | None] = []
     for i in range(n_old):
         order.append(i)
         order += [None] * list(after).count(i)
-    state = old.state_dict()
-    prefix = "model.language_model.layers."
+    return order
+
+
+def _insert_layers(
+    state: Mapping[str, torch.Tensor],
+    new_state: dict[str, torch.Tensor],
+    prefix: str,
+    order: Sequence[int | None],
+    zero: Sequence[str],
+) -> dict[str, torch.Tensor]:
+    """`new_state` (a fresh build's) with every weight copied from `state` but for the layers under `prefix`
+    that `order` marks new: those keep their fresh initialisation, with the parameters named in `zero`
+    zeroed, so each adds nothing to the residual stream until trained."""
     for key in new_state:
         if key.startswith(prefix):
             idx, rest = key[len(prefix) :].split(".", 1)
             src = order[int(idx)]
             if src is not None:
                 new_state[key] = state[f"{prefix}{src}.{rest}"].clone()
-            elif rest in ("self_attn.o_proj.weight", "mlp.down_proj.weight"):
+            elif rest in zero:
                 new_state[key] = torch.zeros_like(new_state[key])
         else:
             new_state[key] = state[key].clone()
-    return _rebuild(policy, model, new_state)
+    return new_state
+
+
+def grow_vision_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
+    """A copy of `policy` whose vision tower has more blocks and computes exactly the same function at first.
+
+    As `grow_depth` for the tower: one new block after each old block index in `after`, freshly initialised
+    but for its attention output and MLP output projections (weights and biases), which are zero, so it
+    adds nothing to the tower's residual stream until trained. A new block attends as the block before it
+    does (Qwen2.5-VL's `fullatt_block_indexes`, full or windowed), and the old blocks keep their kind and,
+    in Qwen3-VL, their DeepStack taps (`deepstack_visual_indexes`, renumbered): the language model gets
+    the same tokens. A stock checkpoint of the same family with a larger vision `depth`: used to give a
+    trained tiny tower more depth, e.g. to build words out of glyphs spread over several patches.
+    """
+    old = policy.model
+    vision = old.config.vision_config
+    n_old = vision.depth
+    if not after or any(not 0 <= i < n_old for i in after):
+        raise ValueError(f"`after` must name vision blocks in [0, {n_old}), got {list(after)}")
+    order = _grown_order(n_old, after)
+    where = {src: pos for pos, src in enumerate(order) if src is not None}  # old index -> new position
+    config = old.config.__class__.from_dict(old.config.to_dict())
+    config.vision_config.depth = len(order)
+    if getattr(vision, "fullatt_block_indexes", None) is not None:
+        full, last = set(vision.fullatt_block_indexes), None
+        kinds = []
+        for src in order:
+            last = src if src is not None else last
+            kinds.append(last in full)
+        config.vision_config.fullatt_block_indexes = [i for i, f in enumerate(kinds) if f]
+    if getattr(vision, "deepstack_visual_indexes", None):
+        config.vision_config.deepstack_visual_indexes = [where[i] for i in vision.deepstack_visual_indexes]
+    torch.manual_seed(seed)  # the new blocks' initialisation
+    model = type(old)(config)
+    state = _insert_layers(
+        old.state_dict(), model.state_dict(), "model.visual.blocks.", order, _ZERO_VISION_OUTPUTS
+    )
+    return _rebuild(policy, model, state)
 
 
 def resplit_mrope(policy: Policy, section: Sequence[int]) -> Policy:
