@@ -161,6 +161,24 @@ def test_unknown_size(tmp_path):
         build_tiny_policy(tmp_path, size="xl")
 
 
+def _same_function_saved_and_trainable(policy, grown, saved_to):
+    """`grown` gives `policy`'s logits on a screenshot prompt, and so does its saved and loaded copy
+    (returned); then one backward through `grown`, for the caller to find its new parts' gradients."""
+    batch = collate(
+        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), spec=PromptSpec("uitars", None))],
+        policy.pad_id,
+        policy.image_token_id,
+    )
+    with torch.no_grad():
+        assert torch.equal(forward_logits(policy.model, batch), forward_logits(grown.model, batch))
+    grown.save(saved_to)
+    again = load_policy(saved_to)
+    with torch.no_grad():
+        assert torch.equal(forward_logits(again.model, batch), forward_logits(policy.model, batch))
+    forward_logits(grown.model, batch).logsumexp(-1).sum().backward()
+    return again
+
+
 def test_grow_depth_same_function_then_trainable(built, tmp_path):
     policy, _ = built
     grown = grow_depth(policy, [0, 1])
@@ -173,18 +191,7 @@ def test_grow_depth_same_function_then_trainable(built, tmp_path):
     for i in (1, 3):
         assert not new[i].self_attn.o_proj.weight.any() and not new[i].mlp.down_proj.weight.any()
         assert new[i].self_attn.q_proj.weight.any()  # freshly initialised, not zero
-    batch = collate(
-        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), spec=PromptSpec("uitars", None))],
-        policy.pad_id,
-        policy.image_token_id,
-    )
-    with torch.no_grad():
-        assert torch.equal(forward_logits(policy.model, batch), forward_logits(grown.model, batch))
-    grown.save(tmp_path / "g")
-    again = load_policy(tmp_path / "g")
-    with torch.no_grad():
-        assert torch.equal(forward_logits(again.model, batch), forward_logits(policy.model, batch))
-    forward_logits(grown.model, batch).logsumexp(-1).sum().backward()
+    _same_function_saved_and_trainable(policy, grown, tmp_path / "g")
     assert grown.model.model.language_model.layers[1].self_attn.o_proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="must name layers"):
         grow_depth(policy, [2])
@@ -204,19 +211,8 @@ def test_grow_vision_depth_same_function_then_trainable(built, tmp_path):
     assert not new[1].attn.proj.weight.any() and not new[1].attn.proj.bias.any()
     assert not new[1].mlp.down_proj.weight.any() and not new[1].mlp.down_proj.bias.any()
     assert new[1].attn.qkv.weight.any()  # freshly initialised, not zero
-    batch = collate(
-        [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), spec=PromptSpec("uitars", None))],
-        policy.pad_id,
-        policy.image_token_id,
-    )
-    with torch.no_grad():
-        assert torch.equal(forward_logits(policy.model, batch), forward_logits(grown.model, batch))
-    grown.save(tmp_path / "g")
-    again = load_policy(tmp_path / "g")
+    again = _same_function_saved_and_trainable(policy, grown, tmp_path / "g")
     assert again.model.config.vision_config.depth == 2
-    with torch.no_grad():
-        assert torch.equal(forward_logits(again.model, batch), forward_logits(policy.model, batch))
-    forward_logits(grown.model, batch).logsumexp(-1).sum().backward()
     assert grown.model.model.visual.blocks[1].attn.proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="must name vision blocks"):
         grow_vision_depth(policy, [1])
