@@ -241,7 +241,8 @@ def test_an_interrupted_stage_resumes_its_phases_to_the_same_weights(init_dir, t
 def test_a_snapshot_of_an_interrupted_stage_is_its_latest_checkpoint_as_a_policy(
     init_dir, tmp_path, monkeypatch
 ):
-    """ground.py, decision "Snapshots": a stage stopped one step into its second phase (which grew the LM)
+    """ground.py, decision "Snapshots": a stage stopped one step into its second phase (which grew the LM
+    and the vision tower)
     gives, through `arpo snapshot ground`, a loadable policy whose weights are that checkpoint's, with a
     report saying which; the staged output is left as it was and the run resumes from it. A checkpoint of
     another recipe, a used destination and a finished stage are one-line errors, and write nothing."""
@@ -253,7 +254,8 @@ def test_a_snapshot_of_an_interrupted_stage_is_its_latest_checkpoint_as_a_policy
 
     phases = (
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
-        " {steps: 3, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0], seed: 2}]"
+        " {steps: 3, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0], seed: 2,"
+        " grow_vision_after: [0]}]"
     )
     over = ["ground.eval_miniwob_seeds=0", "ground.checkpoint=null", phases, *TINY_EVAL]
     p = params(*over[1:])
@@ -285,7 +287,8 @@ def test_a_snapshot_of_an_interrupted_stage_is_its_latest_checkpoint_as_a_policy
     state = torch.load(staged / ground.CHECKPOINTS / "phase-1.pt", weights_only=False)["model"]
     got = _state(tmp_path / "snap")
     assert got.keys() == state.keys() and all(torch.equal(got[k], state[k]) for k in got)
-    assert load_policy(tmp_path / "snap").model.config.text_config.num_hidden_layers == 3  # grown
+    snap = load_policy(tmp_path / "snap").model.config
+    assert snap.text_config.num_hidden_layers == 3 and snap.vision_config.depth == 2  # grown
     report = json.loads((tmp_path / "snap" / ground.GROUND_REPORT).read_text())
     assert report["snapshot"]["phase"] == 1 and report["snapshot"]["phase_steps"] == 3
     assert [ph["steps"] for ph in report["phases"]] == [2, 1] and "measures" not in report

@@ -4,12 +4,12 @@ screens), or the project's versioned grounded tiny policy, measured for image de
 Decisions:
 - **Grounding start.** `ground` turns the start policy into `models/grounded`, the start of `sft`. The start
   is `ground.checkpoint` (the versioned grounded tiny policy) or, when that is null, `models/init`;
-  `ground.phases` then train it in order (a phase may first grow the LM's or the tower's depth). With no phases the
-  start is copied file by file, so the output is that checkpoint bit for bit. A pretrained model from
-  `init_policy` (a pointer in `models/init`) wins over `ground.checkpoint`, which is a tiny model: with
-  no phases the pointer is passed on unmeasured (a 7B model's greedy clicks on hundreds of screens are
-  hours of CPU, and UI-TARS is grounded by its own pretraining); with phases it is trained and saved
-  like any other start.
+  `ground.phases` then train it in order (a phase may first grow the LM's or the tower's depth, `grown`).
+  With no phases the start is copied file by file, so the output is that checkpoint bit for bit. A
+  pretrained model from `init_policy` (a pointer in `models/init`) wins over `ground.checkpoint`, which is a
+  tiny model: with no phases the pointer is passed on unmeasured (a 7B model's greedy clicks on hundreds of
+  screens are hours of CPU, and UI-TARS is grounded by its own pretraining); with phases it is trained and
+  saved like any other start.
 - **Image dependence measured.** `ground` always measures image dependence of its output on held-out screens
   (docs/method.md §7): synthetic levels drawn with seed 10000 + the level's index in `grounding.LEVELS` (fixed
   per level, other streams than training's, which seeds each phase with its own small `seed`) and real MiniWoB
@@ -346,7 +346,7 @@ def run(
         hits_by_target,
         train_grounding,
     )
-    from arpo_core.policy.model import count_parameters, grow_depth, grow_vision_depth, load_policy
+    from arpo_core.policy.model import count_parameters, load_policy
     from arpo_core.policy.prompt import model_image_size
 
     setup_torch(p)
@@ -368,10 +368,7 @@ def run(
     if g.phases:
         policy = load_policy(start, min_pixels=budget[0], max_pixels=budget[1])
         for i, phase in enumerate(g.phases):
-            if phase.grow_after:
-                policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
-            if phase.grow_vision_after:
-                policy = grow_vision_depth(policy, phase.grow_vision_after, seed=phase.seed)
+            policy = grown(policy, phase)
             fixed = train_real[phase.miniwob_seeds] if phase.miniwob_seeds else None
             heldout = None
             if phase.eval_every:  # decision "Curves while it trains"
@@ -469,6 +466,19 @@ def run(
     return metrics
 
 
+def grown(policy: Any, phase: GroundPhase) -> Any:
+    """`policy` as `phase` trains it: its language model and then its vision tower deepened by the phase's
+    `grow_after` and `grow_vision_after` (policy.model.grow_depth, grow_vision_depth; the new layers drawn
+    from the phase's seed, so a resumed run or a snapshot rebuilds the same ones), or as it is."""
+    from arpo_core.policy.model import grow_depth, grow_vision_depth
+
+    if phase.grow_after:
+        policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
+    if phase.grow_vision_after:
+        policy = grow_vision_depth(policy, phase.grow_vision_after, seed=phase.seed)
+    return policy
+
+
 def snapshot(
     p: Params, policy_dir: str | os.PathLike, out_dir: str | os.PathLike, dest: str | os.PathLike
 ) -> dict[str, Any]:
@@ -480,7 +490,7 @@ def snapshot(
     import torch
 
     from arpo_core.offline.grounding import SCREEN_H, SCREEN_W, checkpoint_fingerprint
-    from arpo_core.policy.model import grow_depth, load_policy
+    from arpo_core.policy.model import load_policy
     from arpo_core.policy.prompt import model_image_size
 
     g = p.ground
@@ -508,9 +518,8 @@ def snapshot(
             f"{states[i]['fingerprint']}, theirs {want}): give the run's preset and overrides"
         )
     policy = load_policy(start, min_pixels=budget[0], max_pixels=budget[1])
-    for ph in g.phases[: i + 1]:  # the depth the run had at phase i
-        if ph.grow_after:
-            policy = grow_depth(policy, ph.grow_after, seed=ph.seed)
+    for ph in g.phases[: i + 1]:  # the depths the run had at phase i
+        policy = grown(policy, ph)
     policy.model.load_state_dict(states[i]["model"])
     entry = {
         "checkpoint": str(path),
