@@ -906,7 +906,8 @@ def window_tokens(
             if padded is None:  # zeros around the grid, as wide as a window
                 padded = torch.nn.functional.pad(tok, (0, 0, nw, nw, nh, nh))
             feats.append(padded[r0 + nh : r0 + 2 * nh, c0 + nw : c0 + 2 * nw].reshape(-1))
-            masks.append(box_window_mask(box, (r0, c0, nh, nw), unit))
+            if inside:
+                masks.append(box_window_mask(box, (r0, c0, nh, nw), unit))
     if inside:
         return torch.stack(feats), torch.stack(masks).to(feats[0].device)
     return torch.stack(feats)
