@@ -327,6 +327,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].match_lr_scale", 0, 1e-6, (("ground.phases[0].match_weight", 1.0),)),
     ("ground.phases[0].spell_weight", -0.1, 0, ()),
     ("ground.phases[0].vision_lr_scale", 0, 1e-6, ()),
+    ("ground.phases[0].grown_lr_scale", 0, 1e-6, (("ground.phases[0].grow_after", [0]),)),
     ("demos.episodes_per_task", -1, 0, ()),
     ("demos.seed", -1, 0, ()),
     ("demos.recovery_rate", -0.1, 0, ()),

@@ -182,12 +182,13 @@ def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(ini
 
 
 def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
-    """`grow_after` deepens the language model and `grow_vision_after` the vision tower before their phase;
-    the saved policy loads at its new depths and the report says each phase's."""
+    """`grow_after` deepens the language model and `grow_vision_after` the vision tower before their phase
+    (the stage names the grown parameters for `grown_lr_scale`); the saved policy loads at its new depths
+    and the report says each phase's."""
     phases = (
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
         " {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0, 1],"
-        " grow_vision_after: [0]}]"
+        " grow_vision_after: [0], grown_lr_scale: 10.0}]"
     )
     m = ground.run(params("ground.checkpoint=null", phases, *TINY_EVAL), init_dir, tmp_path / "g")
     policy = load_policy(tmp_path / "g")
@@ -469,6 +470,12 @@ def test_until_hit_without_measurements_is_a_one_line_error():
     with pytest.raises(ValueError, match=r"until_hit 0\.8 needs eval_every > 0"):
         GroundPhase(until_hit=0.8)
     assert GroundPhase(until_hit=0.8, eval_every=100).until_hit == 0.8
+
+
+def test_a_grown_rate_without_growing_is_a_one_line_error():
+    with pytest.raises(ValueError, match="grown_lr_scale needs grow_after or grow_vision_after"):
+        GroundPhase(grown_lr_scale=10.0)
+    assert GroundPhase(grown_lr_scale=10.0, grow_vision_after=[0]).grown_lr_scale == 10.0
 
 
 def test_phases_send_held_out_curves_at_stage_wide_steps_and_report_them(init_dir, tmp_path):

@@ -1328,6 +1328,47 @@ def test_the_match_heads_warm_up_reads_the_states_without_moving_the_model(tmp_p
         GroundConfig(match_warmup=5)
 
 
+def test_grown_layers_train_at_a_rate_of_their_own(tmp_path, one_thread):
+    """grounding.py, decision "Grown layers' rate": with `grown_lr_scale` the parameters of a grown decoder
+    layer and vision block take AdamW's first step at that multiple of their part's (the same gradients,
+    ten times the move; the tower's own rate multiplies in) and every other parameter the step it takes
+    without the field; without `grown` the scale is refused."""
+    from arpo_core.offline import grounding as g
+    from arpo_core.policy.model import grow_depth, grow_vision_depth, grown_prefixes
+
+    def stepped(**fields) -> tuple[dict, list[str]]:
+        policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, seed=0)
+        policy = grow_vision_depth(grow_depth(policy, [0], seed=1), [0], seed=1)
+        before = {k: v.clone() for k, v in policy.model.state_dict().items()}
+        grown = grown_prefixes(policy, [0], [0])
+        train_grounding(policy, _small(steps=1, mix={"boxes8": 1.0}, **fields), system="compact",
+                        max_new_tokens=8, grown=grown)  # fmt: skip
+        return {k: v - before[k] for k, v in policy.model.state_dict().items()}, grown
+
+    (one, grown), (ten, _) = stepped(), stepped(grown_lr_scale=10.0)
+    assert grown == ["model.language_model.layers.1.", "model.visual.blocks.1."]
+    moved = {k for k in one if k.startswith(tuple(grown)) and one[k].any()}
+    assert {k.split(".")[1] for k in moved} == {"language_model", "visual"}  # both grown parts stepped
+    for k in one:
+        if k.startswith(tuple(grown)):
+            torch.testing.assert_close(ten[k], 10 * one[k])
+        else:
+            assert torch.equal(ten[k], one[k]), k
+    seen = []
+    real = torch.optim.AdamW
+    with unittest.mock.patch.object(
+        g.torch.optim, "AdamW", lambda groups, **k: seen.append(groups) or real(groups, **k)
+    ):
+        stepped(grown_lr_scale=10.0, vision_lr_scale=0.5)
+        stepped()
+    rates = [grp["initial_lr"] / 1e-2 for grp in seen[0]]
+    assert rates == pytest.approx([1, 10, 0.5, 5])  # LM, grown layer, tower, grown block
+    assert len(seen[1]) == 1  # no scale: the one group of the runs before the field
+    policy = build_tiny_policy(tmp_path / "p", size="xs", rope_theta=5.0, seed=0)
+    with pytest.raises(ValueError, match="grown_lr_scale needs `grown`"):
+        train_grounding(policy, _small(steps=1, grown_lr_scale=10.0), system="compact", max_new_tokens=8)
+
+
 def test_the_modules_docstring_examples_hold():
     import doctest
 

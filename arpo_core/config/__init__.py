@@ -389,7 +389,8 @@ class InitPolicyConfig:
 class GroundPhase(GroundTrainConfig):
     """One phase of grounding pretraining (`ground.phases[i]`): the training fields of
     `GroundTrainConfig` (shared with `arpo_core.offline.grounding.GroundConfig`), plus `miniwob_seeds`,
-    `grow_after` and `grow_vision_after`, which the stage applies around the training loop."""
+    `grow_after` and `grow_vision_after`, which the stage applies around the training loop (the loop is
+    told which parameters they added, for `grown_lr_scale`)."""
 
     miniwob_seeds: Annotated[int, Ge(0)] = 0
     """Real MiniWoB screens of the in-domain suite's tasks with N env seeds (0..N-1, skipping the held-out
@@ -408,6 +409,11 @@ class GroundPhase(GroundTrainConfig):
             raise ValueError(
                 f"ground phase: until_hit {self.until_hit} needs eval_every > 0 (the held-out hit rate is "
                 "measured every eval_every steps)"
+            )
+        if self.grown_lr_scale != 1 and not (self.grow_after or self.grow_vision_after):
+            raise ValueError(
+                "ground phase: grown_lr_scale needs grow_after or grow_vision_after (the rate of what the "
+                "phase grows)"
             )
         try:
             super().__post_init__()

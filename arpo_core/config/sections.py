@@ -136,6 +136,11 @@ class GroundTrainConfig:
     (arpo_core/offline/grounding.py, decision "Naming loss"): a fresh tiny tower taught words at 1e-3
     without warm-up stays at the chance loss where 3e-4 learns, yet in the ground stage, from the grounded
     base with warm-up, the full 1.5e-3 taught the naming head words faster than 0.2x did."""
+    grown_lr_scale: Annotated[float, Gt(0)] = 1.0
+    """The learning rate of the layers and blocks a phase grew (`grow_after`, `grow_vision_after`) as a
+    multiple of their part's rate (the tower's includes `vision_lr_scale`): a zero-output layer at the
+    model's rate stayed nearly silent for 2,000 steps (arpo_core/offline/grounding.py, decision "Grown
+    layers' rate"); 1.0 = the part's rate. Needs a phase that grows."""
     name_weight: Annotated[float, Ge(0)] = 0.0
     """Weight of the naming loss added to the click loss: a linear head of the phase names every look-alike
     of the batch's synthetic screens (its colour or word) from the merged image tokens around it, which

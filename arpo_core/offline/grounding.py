@@ -248,6 +248,16 @@ Decisions:
   real 0.39 against 0.52 and 0.43). Off by default; no recipe uses it. The curves add what the head reads
   (`match_picks`): `<set>/match_query`, `<set>/match_key` and `<set>/match_pick`, each a pick among the
   screen's named look-alikes.
+- **Grown layers' rate.** A layer or vision block a phase grows (`grow_after`, `grow_vision_after`) starts
+  with zero output projections, so its first gradients are those of a layer that writes nothing: measured
+  on the 2x lorem reader (docs/results.md, "A second screen: four levers on the screen's side"), a grown
+  decoder layer reached output-projection norms of 1.7-1.9 and a grown tower block 3.8-4.6 in 2,000 steps
+  at lr 5e-4, where the trained ones' are 17-64, and every measure stayed the control's. With
+  `grown_lr_scale` the grown parameters (the stage names them: `policy.model.grown_prefixes`) form
+  groups of their own at their part's rate times it (the tower's includes `vision_lr_scale`); the
+  gradient-norm clip still spans every parameter. Without it the optimizer's groups are those of the
+  runs before the field, so their checkpoints resume. Measured: docs/results.md, "Grown parts at a rate
+  of their own".
 - **First digits.** The pointing loss and its curve (`point_mass`) take every position that predicts a
   character of the click's coordinates. Teacher-forced, all but two of them have read the right digits
   before them, so a head can sit on the target there without having found it; only the positions before
@@ -1084,6 +1094,29 @@ def _encode(policy: Policy, ex: GroundExample, system: str, pattern: float = 0.0
     return encode_segments(policy, segs, [img])
 
 
+def _model_groups(
+    model: torch.nn.Module, lr: float, vision_scale: float, grown: Sequence[str], grown_scale: float
+) -> list[dict]:
+    """The model's optimizer groups: the language model at `lr`, the tower at `lr * vision_scale` (one group
+    with the LM when that is 1), and, when `grown_scale` is not 1, the parameters named under `grown`
+    apart at their part's rate times it (decision "Grown layers' rate"). Without a scale the groups (and
+    their order, which a checkpoint's optimizer state follows) are those of the runs before the field."""
+    if vision_scale == 1 and grown_scale == 1:
+        return [{"params": list(model.parameters()), "lr": lr}]
+    tower = {id(p) for p in model.model.visual.parameters()}
+    parts: dict[tuple[bool, bool], list[torch.nn.Parameter]] = {
+        (t, g): [] for t in (False, True) for g in (False, True)
+    }
+    for name, p in model.named_parameters():
+        is_grown = grown_scale != 1 and name.startswith(tuple(grown))
+        parts[(vision_scale != 1 and id(p) in tower, is_grown)].append(p)
+    return [
+        {"params": ps, "lr": lr * (vision_scale if t else 1) * (grown_scale if g else 1)}
+        for (t, g), ps in parts.items()
+        if ps
+    ]
+
+
 def train_grounding(
     policy: Policy,
     config: GroundConfig,
@@ -1098,6 +1131,7 @@ def train_grounding(
     checkpoint_every_s: float | None = None,
     gate: Sequence[str] | None = None,
     heads_from: Path | None = None,
+    grown: Sequence[str] = (),
 ) -> dict:
     """Train `policy` in place on grounding replies with system prompt `system`; returns the history.
     Held-out evaluations decode greedily up to `max_new_tokens` tokens.
@@ -1116,6 +1150,8 @@ def train_grounding(
     the end, and resumes from it when it exists (decision "Resumable training").
     With `config.carry_heads`, `heads_from` (the previous phase's checkpoint file) gives a fresh run's heads
     their start (decision "Carried heads").
+    `grown` names the parameters (prefixes of their names) of the layers grown for this run, which train at
+    `config.grown_lr_scale` times their part's rate (decision "Grown layers' rate").
     """
     if (checkpoint is None) != (checkpoint_every_s is None):
         raise ValueError("train_grounding: give checkpoint and checkpoint_every_s together")
@@ -1130,13 +1166,9 @@ def train_grounding(
     rng = random.Random(config.seed)
     msize = model_image_size(SCREEN_W, SCREEN_H, policy.min_pixels, policy.max_pixels)
     lr = config.optimizer.lr
-    if config.vision_lr_scale == 1:
-        groups = [{"params": list(model.parameters()), "lr": lr}]
-    else:
-        tower = list(model.model.visual.parameters())
-        ids = {id(p) for p in tower}
-        lm = [p for p in model.parameters() if id(p) not in ids]
-        groups = [{"params": lm, "lr": lr}, {"params": tower, "lr": lr * config.vision_lr_scale}]
+    if config.grown_lr_scale != 1 and not grown:
+        raise ValueError("train_grounding: grown_lr_scale needs `grown`, the parameters of the grown layers")
+    groups = _model_groups(model, lr, config.vision_lr_scale, grown, config.grown_lr_scale)
     head = None
     if config.name_weight:  # the naming loss's head: the phase's own, in its checkpoint, then discarded
         with torch.random.fork_rng(devices=[]):

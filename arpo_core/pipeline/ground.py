@@ -346,7 +346,7 @@ def run(
         hits_by_target,
         train_grounding,
     )
-    from arpo_core.policy.model import count_parameters, load_policy
+    from arpo_core.policy.model import count_parameters, grown_prefixes, load_policy
     from arpo_core.policy.prompt import model_image_size
 
     setup_torch(p)
@@ -396,6 +396,7 @@ def run(
                 checkpoint=out_dir / CHECKPOINTS / f"phase-{i}.pt",  # decision "Resumable phases"
                 checkpoint_every_s=g.checkpoint_every_s,
                 heads_from=_heads_from(g, out_dir, i) if phase.carry_heads else None,
+                grown=grown_prefixes(policy, phase.grow_after or (), phase.grow_vision_after or ()),
             )
             done_steps += hist["steps"]
             losses = hist["loss"]

@@ -591,6 +591,24 @@ def grow_vision_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Po
     return _rebuild(policy, model, state)
 
 
+def grown_prefixes(policy: Policy, after: Sequence[int] = (), vision_after: Sequence[int] = ()) -> list[str]:
+    """The parameter-name prefixes of the decoder layers that `grow_depth(..., after)` and of the vision
+    blocks that `grow_vision_depth(..., vision_after)` added to `policy` (the policy they returned): e.g.
+    `["model.language_model.layers.1."]` for `after=[0]` on a 2-layer model. Used to give them a
+    learning rate of their own (a ground phase's `grown_lr_scale`)."""
+    config = policy.model.config
+    parts = (
+        ("model.language_model.layers.", config.text_config.num_hidden_layers, after),
+        ("model.visual.blocks.", config.vision_config.depth, vision_after),
+    )
+    prefixes = []
+    for prefix, depth, added in parts:
+        if added:
+            order = _grown_order(depth - len(added), added)
+            prefixes += [f"{prefix}{pos}." for pos, src in enumerate(order) if src is None]
+    return prefixes
+
+
 def resplit_mrope(policy: Policy, section: Sequence[int]) -> Policy:
     """A copy of `policy` whose language model splits its rotary frequencies over (t, h, w) as `section`
     (config `rope_parameters.mrope_section`; the weights unchanged, a stock checkpoint of the same family).
