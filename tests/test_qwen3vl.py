@@ -27,6 +27,7 @@ from arpo_core.policy.model import (
     count_parameters,
     grow_depth,
     grow_vision_depth,
+    grown_prefixes,
     image_inputs,
     load_policy,
     mrope_section_qwen3,
@@ -208,6 +209,8 @@ def test_grow_depth_keeps_the_function(policy):
         policy.image_token_id,
     )
     assert type(grown.model) is Qwen3VLForConditionalGeneration
+    assert grown_prefixes(grown, [1]) == ["model.language_model.layers.2."]  # (a, b) -> (a, b, new)
+    assert not grown.model.model.language_model.layers[2].mlp.down_proj.weight.any()
     with torch.no_grad():
         torch.testing.assert_close(forward_logits(grown.model, batch), forward_logits(policy.model, batch))
 
@@ -228,6 +231,8 @@ def test_grow_vision_depth_keeps_the_function_and_the_deepstack_taps(policy):
     late = Policy(model=model.eval(), processor=policy.processor, tokenizer=policy.tokenizer)
     grown = grow_vision_depth(late, [0])  # a block before the tap: it moves to the old block's new place
     assert grown.model.config.vision_config.deepstack_visual_indexes == [2]
+    assert grown_prefixes(grown, vision_after=[0]) == ["model.visual.blocks.1."]
+    assert not grown.model.model.visual.blocks[1].mlp.linear_fc2.weight.any()
     batch = collate(
         [encode_prompt(policy, prompts()[1], spec=PromptSpec(SYSTEM, None))],
         policy.pad_id,
