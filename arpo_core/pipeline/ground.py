@@ -25,7 +25,9 @@ Decisions:
   decision "Read clicks"); the curves while a phase trains read the written digits. A start that carries
   its own report (a versioned checkpoint the stage trained: its recipe, commit and curves) has it kept
   whole in the new report's `start_report`, so the chain of how a policy was made survives copies and
-  further phases.
+  further phases. Each phase's entry gives its depths (`layers`, `vision_blocks`) and, where it grew
+  either, every layer's and block's output-projection norms at its end (`output_norms`,
+  `policy.model.output_norms`): whether what it grew engaged, beside what was there.
 - **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
   swapped in on success (flows/runner.py, decision "Staged outputs"): a failed copy or training run leaves the
   previous `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree`
@@ -346,7 +348,7 @@ def run(
         hits_by_target,
         train_grounding,
     )
-    from arpo_core.policy.model import count_parameters, grown_prefixes, load_policy
+    from arpo_core.policy.model import count_parameters, grown_prefixes, load_policy, output_norms
     from arpo_core.policy.prompt import model_image_size
 
     setup_torch(p)
@@ -416,6 +418,11 @@ def run(
                     "stopped_at": hist.get("stopped_at"),
                     "curve": hist["evals"],
                 }
+                | (
+                    {"output_norms": output_norms(policy)}
+                    if phase.grow_after or phase.grow_vision_after
+                    else {}
+                )
             )
         policy.save(out_dir)
     elif budget != start_budget:  # the start's weights at another scale (decision "Pixel budget")

@@ -609,6 +609,22 @@ def grown_prefixes(policy: Policy, after: Sequence[int] = (), vision_after: Sequ
     return prefixes
 
 
+def output_norms(policy: Policy) -> dict[str, float]:
+    """The Frobenius norm of every decoder layer's and vision block's weights that write to their residual
+    stream (those a grown layer starts with at zero), keyed `layers.<i>.<name>` and `blocks.<i>.<name>`:
+    how far a grown layer has engaged, beside the trained ones (a ground phase that grows reports them)."""
+    norms = {}
+    for name, p in policy.model.named_parameters():
+        for prefix, short, outputs in (
+            ("model.language_model.layers.", "layers.", _ZERO_LM_OUTPUTS),
+            ("model.visual.blocks.", "blocks.", _ZERO_VISION_OUTPUTS),
+        ):
+            rest = name[len(prefix) :].split(".", 1)
+            if name.startswith(prefix) and rest[1] in outputs and rest[1].endswith("weight"):
+                norms[f"{short}{name[len(prefix) :]}"] = round(float(p.detach().float().norm()), 2)
+    return norms
+
+
 def resplit_mrope(policy: Policy, section: Sequence[int]) -> Policy:
     """A copy of `policy` whose language model splits its rotary frequencies over (t, h, w) as `section`
     (config `rope_parameters.mrope_section`; the weights unchanged, a stock checkpoint of the same family).
