@@ -313,6 +313,7 @@ RANGES: list[tuple[str, Any, Any, tuple[tuple[str, Any], ...]]] = [
     ("ground.phases[0].miniwob_seeds", -1, 0, ()),
     ("ground.phases[0].grow_after", [0, -1], [0], ()),
     ("ground.phases[0].grow_vision_after", [0, -1], [0], ()),
+    ("ground.phases[0].widen_vision_to", 0, 1, ()),
     ("ground.phases[0].eval_every", -1, 0, ()),
     ("ground.phases[0].until_hit", 0, TINY, (("ground.phases[0].eval_every", 100),)),
     ("ground.phases[0].until_hit", 1.1, 1, (("ground.phases[0].eval_every", 100),)),

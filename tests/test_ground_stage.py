@@ -182,13 +182,14 @@ def test_one_short_phase_from_a_fresh_model_writes_a_checkpoint_and_measures(ini
 
 
 def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
-    """`grow_after` deepens the language model and `grow_vision_after` the vision tower before their phase
-    (the stage names the grown parameters for `grown_lr_scale`); the saved policy loads at its new depths
+    """`grow_after` deepens the language model, `widen_vision_to` widens the vision tower and
+    `grow_vision_after` deepens it before their phase (the stage names the grown parameters for
+    `grown_lr_scale`); the saved policy loads at its new depths
     and the report says each phase's, and a growing phase's output projections' norms."""
     phases = (
         "ground.phases=[{steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}},"
         " {steps: 2, batch_size: 2, warmup_steps: 1, optimizer: {bf16: false}, grow_after: [0, 1],"
-        " grow_vision_after: [0], grown_lr_scale: 10.0}]"
+        " grow_vision_after: [0], grown_lr_scale: 10.0, widen_vision_to: 128}]"
     )
     m = ground.run(params("ground.checkpoint=null", phases, *TINY_EVAL), init_dir, tmp_path / "g")
     policy = load_policy(tmp_path / "g")
@@ -197,6 +198,8 @@ def test_grow_after_adds_layers_before_its_phase(init_dir, tmp_path):
     report = json.loads((tmp_path / "g" / ground.GROUND_REPORT).read_text())
     assert [ph["layers"] for ph in report["phases"]] == [2, 4]
     assert [ph["vision_blocks"] for ph in report["phases"]] == [1, 2]
+    assert [ph["vision_width"] for ph in report["phases"]] == [64, 128]  # widened, then a block grown
+    assert policy.model.config.vision_config.hidden_size == 128
     assert "output_norms" not in report["phases"][0]  # it grew nothing
     norms = report["phases"][1]["output_norms"]  # every layer's and block's, the grown ones engaged
     assert set(norms) == {f"layers.{i}.{n}" for i in range(4) for n in ("self_attn.o_proj.weight",

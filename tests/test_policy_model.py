@@ -26,6 +26,7 @@ from arpo_core.policy.model import (
     resplit_mrope,
     tiny_config,
     train_tokenizer,
+    widen_vision,
 )
 from arpo_core.policy.prompt import PromptInput, PromptSpec
 from arpo_core.policy.sequences import collate, encode_prompt, forward_logits
@@ -161,20 +162,22 @@ def test_unknown_size(tmp_path):
         build_tiny_policy(tmp_path, size="xl")
 
 
-def _same_function_saved_and_trainable(policy, grown, saved_to):
-    """`grown` gives `policy`'s logits on a screenshot prompt, and so does its saved and loaded copy
-    (returned); then one backward through `grown`, for the caller to find its new parts' gradients."""
+def _same_function_saved_and_trainable(policy, grown, saved_to, exact=True):
+    """`grown` gives `policy`'s logits on a screenshot prompt (with `exact` false: to float rounding), and so
+    does its saved and loaded copy (returned); then one backward through `grown`, for the caller to find its
+    new parts' gradients."""
     batch = collate(
         [encode_prompt(policy, PromptInput("Click OK.", (_screen(),)), spec=PromptSpec("uitars", None))],
         policy.pad_id,
         policy.image_token_id,
     )
+    same = torch.equal if exact else lambda a, b: torch.allclose(a, b, rtol=1e-4, atol=1e-4)
     with torch.no_grad():
-        assert torch.equal(forward_logits(policy.model, batch), forward_logits(grown.model, batch))
+        assert same(forward_logits(policy.model, batch), forward_logits(grown.model, batch))
     grown.save(saved_to)
     again = load_policy(saved_to)
     with torch.no_grad():
-        assert torch.equal(forward_logits(again.model, batch), forward_logits(policy.model, batch))
+        assert same(forward_logits(again.model, batch), forward_logits(policy.model, batch))
     forward_logits(grown.model, batch).logsumexp(-1).sum().backward()
     return again
 
@@ -216,6 +219,32 @@ def test_grow_vision_depth_same_function_then_trainable(built, tmp_path):
     assert grown.model.model.visual.blocks[1].attn.proj.weight.grad.abs().sum() > 0
     with pytest.raises(ValueError, match="must name vision blocks"):
         grow_vision_depth(policy, [1])
+
+
+def test_widen_vision_same_tokens_then_trainable(built, tmp_path):
+    """widen_vision: the tower at twice its width (two more heads of the same size, a wider MLP and merger)
+    gives the same logits to rounding (the norms' epsilon), its old channels in place, the new filters and
+    every writer into a new channel zero, the new heads' readers fresh; saved and loaded as a stock
+    checkpoint; trainable: the new heads' writers get gradients."""
+    policy, _ = built
+    wide = widen_vision(policy, 128, seed=1)
+    vision = wide.model.config.vision_config
+    assert (vision.hidden_size, vision.num_heads, vision.intermediate_size) == (128, 4, 256)
+    assert policy.model.config.vision_config.hidden_size == 64  # the original kept
+    old, new = policy.model.model.visual, wide.model.model.visual
+    embed = new.patch_embed.proj.weight
+    assert torch.equal(embed[:64], old.patch_embed.proj.weight) and not embed[64:].any()
+    was, block = old.blocks[0], new.blocks[0]
+    assert torch.equal(block.attn.qkv.weight[128:192, :64], was.attn.qkv.weight[64:128])  # old heads' keys
+    assert block.attn.qkv.weight[192:256].any()  # the new heads' keys: fresh
+    assert not block.attn.proj.weight[64:].any() and not block.attn.proj.weight[:, 64:].any()
+    assert not block.mlp.down_proj.weight[:, 128:].any() and not new.merger.mlp[2].weight[:, 256:].any()
+    again = _same_function_saved_and_trainable(policy, wide, tmp_path / "w", exact=False)
+    assert again.model.config.vision_config.hidden_size == 128
+    assert block.attn.proj.weight.grad[:, 64:].abs().sum() > 0  # the new heads' writers learn
+    assert embed.grad[64:].abs().sum() > 0  # and the new filters
+    with pytest.raises(ValueError, match="in whole heads of 32"):
+        widen_vision(policy, 80)
 
 
 def test_resplit_mrope_moves_frequencies_between_axes_and_keeps_the_weights(built, tmp_path):

@@ -34,6 +34,7 @@ from arpo_core.policy.model import (
     tiny_config,
     tiny_image_processor,
     train_tokenizer,
+    widen_vision,
 )
 from arpo_core.policy.prompt import PromptInput, PromptSpec, Reply
 from arpo_core.policy.sequences import (
@@ -213,6 +214,11 @@ def test_grow_depth_keeps_the_function(policy):
     assert not grown.model.model.language_model.layers[2].mlp.down_proj.weight.any()
     with torch.no_grad():
         torch.testing.assert_close(forward_logits(grown.model, batch), forward_logits(policy.model, batch))
+
+
+def test_widen_vision_refuses_a_layernorm_tower(policy):
+    with pytest.raises(ValueError, match=r"only Qwen2\.5-VL towers .* this is .qwen3_vl."):
+        widen_vision(policy, 128)
 
 
 def test_grow_vision_depth_keeps_the_function_and_the_deepstack_taps(policy):

@@ -389,8 +389,8 @@ class InitPolicyConfig:
 class GroundPhase(GroundTrainConfig):
     """One phase of grounding pretraining (`ground.phases[i]`): the training fields of
     `GroundTrainConfig` (shared with `arpo_core.offline.grounding.GroundConfig`), plus `miniwob_seeds`,
-    `grow_after` and `grow_vision_after`, which the stage applies around the training loop (the loop is
-    told which parameters they added, for `grown_lr_scale`)."""
+    `grow_after`, `grow_vision_after` and `widen_vision_to`, which the stage applies around the training
+    loop (the loop is told which parameters the first two added, for `grown_lr_scale`)."""
 
     miniwob_seeds: Annotated[int, Ge(0)] = 0
     """Real MiniWoB screens of the in-domain suite's tasks with N env seeds (0..N-1, skipping the held-out
@@ -402,6 +402,10 @@ class GroundPhase(GroundTrainConfig):
     """Before this phase, insert a zero-output vision block after each listed block index
     (`policy.model.grow_vision_depth`: the tower computes the same tokens until trained); null = keep the
     tower's depth."""
+    widen_vision_to: Annotated[int, Ge(1)] | None = None
+    """Before this phase (and before `grow_vision_after`), widen the vision tower to this many channels, in
+    more heads of the same size (`policy.model.widen_vision`: the same tokens until trained; Qwen2.5-VL
+    towers only, and a width the tower's heads divide); null = keep the tower's width."""
 
     def __post_init__(self) -> None:
         check_fields(self)

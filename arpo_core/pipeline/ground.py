@@ -25,7 +25,7 @@ Decisions:
   decision "Read clicks"); the curves while a phase trains read the written digits. A start that carries
   its own report (a versioned checkpoint the stage trained: its recipe, commit and curves) has it kept
   whole in the new report's `start_report`, so the chain of how a policy was made survives copies and
-  further phases. Each phase's entry gives its depths (`layers`, `vision_blocks`) and, where it grew
+  further phases. Each phase's entry gives its depths (`layers`, `vision_blocks`), the tower's width (`vision_width`) and, where it grew
   either, every layer's and block's output-projection norms at its end (`output_norms`,
   `policy.model.output_norms`): whether what it grew engaged, beside what was there.
 - **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
@@ -414,6 +414,7 @@ def run(
                     "real_examples": len(fixed or ()),
                     "layers": policy.model.config.text_config.num_hidden_layers,
                     "vision_blocks": policy.model.config.vision_config.depth,
+                    "vision_width": policy.model.config.vision_config.hidden_size,
                     "loss_every_50": _loss_summary(losses),
                     "stopped_at": hist.get("stopped_at"),
                     "curve": hist["evals"],
@@ -475,13 +476,16 @@ def run(
 
 
 def grown(policy: Any, phase: GroundPhase) -> Any:
-    """`policy` as `phase` trains it: its language model and then its vision tower deepened by the phase's
-    `grow_after` and `grow_vision_after` (policy.model.grow_depth, grow_vision_depth; the new layers drawn
-    from the phase's seed, so a resumed run or a snapshot rebuilds the same ones), or as it is."""
-    from arpo_core.policy.model import grow_depth, grow_vision_depth
+    """`policy` as `phase` trains it: its language model deepened, its vision tower widened and then
+    deepened by the phase's `grow_after`, `widen_vision_to` and `grow_vision_after` (policy.model.grow_depth,
+    widen_vision, grow_vision_depth; the new parts drawn from the phase's seed, so a resumed run or a
+    snapshot rebuilds the same ones), or as it is."""
+    from arpo_core.policy.model import grow_depth, grow_vision_depth, widen_vision
 
     if phase.grow_after:
         policy = grow_depth(policy, phase.grow_after, seed=phase.seed)
+    if phase.widen_vision_to:
+        policy = widen_vision(policy, phase.widen_vision_to, seed=phase.seed)
     if phase.grow_vision_after:
         policy = grow_vision_depth(policy, phase.grow_vision_after, seed=phase.seed)
     return policy

@@ -591,6 +591,86 @@ def grow_vision_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Po
     return _rebuild(policy, model, state)
 
 
+def widen_vision(policy: Policy, hidden: int, seed: int = 0) -> Policy:
+    """A copy of `policy` whose Qwen2.5-VL vision tower is `hidden` channels wide and gives the language model
+    the same tokens at first (up to float rounding: its norms' epsilon).
+
+    The new channels are more attention heads of the same head size (so the tower's rotary bands stay) and
+    a wider MLP and merger, by the same ratio: everything that reads a new channel, head or MLP unit is
+    freshly initialised, everything that writes into one is zero (the patch embedding's new filters, the
+    attention and MLP output projections' new rows, and their columns from the new heads and units, the
+    merger's columns from its new units), so the residual stream's new channels start at zero and a new
+    head or unit adds nothing until trained, as `grow_vision_depth`'s new blocks. The RMS norms then divide
+    by a root mean square over more channels, so their old weights are scaled by sqrt(old / new) to give the
+    same outputs. A stock checkpoint of the same family with a larger vision `hidden_size`, `num_heads` and
+    `intermediate_size`: used to give a trained tiny tower room for words spread over several patches.
+    Qwen3-VL's tower normalises with LayerNorm, whose mean a zero channel moves: refused.
+    """
+    old = policy.model
+    vision = old.config.vision_config
+    if old.config.model_type != "qwen2_5_vl":
+        raise ValueError(
+            f"widen_vision: only Qwen2.5-VL towers (RMS norms) widen keeping their function; this is "
+            f"{old.config.model_type!r}, whose LayerNorm a zero channel moves"
+        )
+    h0, i0 = vision.hidden_size, vision.intermediate_size
+    head = h0 // vision.num_heads
+    if hidden <= h0 or hidden % head or (i0 * hidden) % h0:
+        raise ValueError(
+            f"widen_vision: `hidden` must exceed the tower's {h0} channels in whole heads of {head} (and widen "
+            f"its MLP's {i0} units by a whole number), got {hidden}"
+        )
+    i1 = i0 * hidden // h0
+    config = old.config.__class__.from_dict(old.config.to_dict())
+    config.vision_config.hidden_size = hidden
+    config.vision_config.num_heads = hidden // head
+    config.vision_config.intermediate_size = i1
+    torch.manual_seed(seed)  # the new channels' readers
+    model = type(old)(config)
+    new, was = model.state_dict(), old.state_dict()
+    norm = (h0 / hidden) ** 0.5
+    merge = config.vision_config.spatial_merge_size**2
+    for key in new:
+        if not key.startswith("model.visual."):
+            new[key] = was[key].clone()
+            continue
+        w, o = new[key], was[key]
+        rest = key[len("model.visual.") :].split(".")
+        name = ".".join(rest[2:] if rest[0] == "blocks" else rest)
+        if name == "patch_embed.proj.weight":  # writes the stream: new filters zero
+            w.zero_()
+            w[:h0] = o
+        elif name in ("norm1.weight", "norm2.weight", "merger.ln_q.weight"):
+            w[:h0] = o * norm
+        elif name in ("attn.qkv.weight", "attn.qkv.bias"):  # reads: old heads copied, new ones fresh
+            for part in range(3):  # q, k, v, each head-major
+                if w.dim() == 2:
+                    w[part * hidden : part * hidden + h0, :h0] = o[part * h0 : (part + 1) * h0]
+                else:
+                    w[part * hidden : part * hidden + h0] = o[part * h0 : (part + 1) * h0]
+        elif name in ("mlp.gate_proj.weight", "mlp.up_proj.weight"):
+            w[:i0, :h0] = o
+        elif name in ("mlp.gate_proj.bias", "mlp.up_proj.bias", "merger.mlp.0.bias"):
+            w[: o.shape[0]] = o
+        elif name in ("attn.proj.weight", "mlp.down_proj.weight", "attn.proj.bias", "mlp.down_proj.bias"):
+            w.zero_()  # writes the stream: new rows, and columns from new heads and units, zero
+            if w.dim() == 2:
+                w[:h0, : o.shape[1]] = o
+            else:
+                w[:h0] = o
+        elif name == "merger.mlp.0.weight":  # its input is `merge` tokens' channels side by side
+            for j in range(merge):
+                w[: merge * h0, j * hidden : j * hidden + h0] = o[:, j * h0 : (j + 1) * h0]
+        elif name == "merger.mlp.2.weight":
+            w.zero_()
+            w[:, : merge * h0] = o
+        elif name == "merger.mlp.2.bias":
+            w.copy_(o)
+        else:
+            raise ValueError(f"widen_vision: no rule for the tower's parameter {key!r}")
+    return _rebuild(policy, model, new)
+
+
 def grown_prefixes(policy: Policy, after: Sequence[int] = (), vision_after: Sequence[int] = ()) -> list[str]:
     """The parameter-name prefixes of the decoder layers that `grow_depth(..., after)` and of the vision
     blocks that `grow_vision_depth(..., vision_after)` added to `policy` (the policy they returned): e.g.
