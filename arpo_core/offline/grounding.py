@@ -256,8 +256,10 @@ Decisions:
   `grown_lr_scale` the grown parameters (the stage names them: `policy.model.grown_prefixes`) form
   groups of their own at their part's rate times it (the tower's includes `vision_lr_scale`); the
   gradient-norm clip still spans every parameter. Without it the optimizer's groups are those of the
-  runs before the field, so their checkpoints resume. Measured: docs/results.md, "Grown parts at a rate
-  of their own".
+  runs before the field, so their checkpoints resume. A tower widened by a phase (`widen_vision_to`,
+  `policy.model.widen_vision`) has its new channels inside the old parameters (more rows and columns of
+  the same matrices), so they take the tower's rate (`vision_lr_scale`), not this one. Measured:
+  docs/results.md, "Grown parts at a rate of their own".
 - **First digits.** The pointing loss and its curve (`point_mass`) take every position that predicts a
   character of the click's coordinates. Teacher-forced, all but two of them have read the right digits
   before them, so a head can sit on the target there without having found it; only the positions before
