@@ -128,6 +128,7 @@ def test_every_phase_training_field_is_a_ground_config_field():
         "miniwob_seeds",
         "grow_after",
         "grow_vision_after",
+        "widen_vision_to",
     }
     assert phase_fields <= config_fields
     for name in phase_fields:  # the same defaults, so an omitted key means what GroundConfig means
