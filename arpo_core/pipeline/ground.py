@@ -25,9 +25,9 @@ Decisions:
   decision "Read clicks"); the curves while a phase trains read the written digits. A start that carries
   its own report (a versioned checkpoint the stage trained: its recipe, commit and curves) has it kept
   whole in the new report's `start_report`, so the chain of how a policy was made survives copies and
-  further phases. Each phase's entry gives its depths (`layers`, `vision_blocks`), the tower's width (`vision_width`) and, where it grew
-  either, every layer's and block's output-projection norms at its end (`output_norms`,
-  `policy.model.output_norms`): whether what it grew engaged, beside what was there.
+  further phases. Each phase's entry gives its depths (`layers`, `vision_blocks`), the tower's width
+  (`vision_width`) and, where it grew either, every layer's and block's output-projection norms at its
+  end (`output_norms`, `policy.model.output_norms`): whether what it grew engaged, beside what was there.
 - **Staged output.** The stage writes only into `out_dir`, which the runner hands it as a staging directory
   swapped in on success (flows/runner.py, decision "Staged outputs"): a failed copy or training run leaves the
   previous `models/grounded` as it was. Copies of the versioned checkpoint go through `fileio.copy_tree`
