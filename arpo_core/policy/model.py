@@ -502,11 +502,14 @@ def grow_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Policy:
     torch.manual_seed(seed)  # the new layers' initialisation
     model = type(old)(config)
     order = _grown_order(n_old, after)
-    state = _insert_layers(
-        old.state_dict(), model.state_dict(), "model.language_model.layers.", order, _ZERO_LM_OUTPUTS
-    )
+    state = _insert_layers(old.state_dict(), model.state_dict(), LM_LAYERS, order, _ZERO_LM_OUTPUTS)
     return _rebuild(policy, model, state)
 
+
+LM_LAYERS = "model.language_model.layers."
+"""The name prefix of a decoder layer's parameters (both families), before its index."""
+VISION_BLOCKS = "model.visual.blocks."
+"""The name prefix of a vision block's parameters (both families), before its index."""
 
 _ZERO_LM_OUTPUTS = ("self_attn.o_proj.weight", "mlp.down_proj.weight")
 """A new decoder layer's parameters that write to the residual stream (no biases in either family)."""
@@ -585,9 +588,7 @@ def grow_vision_depth(policy: Policy, after: Sequence[int], seed: int = 0) -> Po
         config.vision_config.deepstack_visual_indexes = [where[i] for i in vision.deepstack_visual_indexes]
     torch.manual_seed(seed)  # the new blocks' initialisation
     model = type(old)(config)
-    state = _insert_layers(
-        old.state_dict(), model.state_dict(), "model.visual.blocks.", order, _ZERO_VISION_OUTPUTS
-    )
+    state = _insert_layers(old.state_dict(), model.state_dict(), VISION_BLOCKS, order, _ZERO_VISION_OUTPUTS)
     return _rebuild(policy, model, state)
 
 
@@ -678,8 +679,8 @@ def grown_prefixes(policy: Policy, after: Sequence[int] = (), vision_after: Sequ
     learning rate of their own (a ground phase's `grown_lr_scale`)."""
     config = policy.model.config
     parts = (
-        ("model.language_model.layers.", config.text_config.num_hidden_layers, after),
-        ("model.visual.blocks.", config.vision_config.depth, vision_after),
+        (LM_LAYERS, config.text_config.num_hidden_layers, after),
+        (VISION_BLOCKS, config.vision_config.depth, vision_after),
     )
     prefixes = []
     for prefix, depth, added in parts:
@@ -696,8 +697,8 @@ def output_norms(policy: Policy) -> dict[str, float]:
     norms = {}
     for name, p in policy.model.named_parameters():
         for prefix, short, outputs in (
-            ("model.language_model.layers.", "layers.", _ZERO_LM_OUTPUTS),
-            ("model.visual.blocks.", "blocks.", _ZERO_VISION_OUTPUTS),
+            (LM_LAYERS, "layers.", _ZERO_LM_OUTPUTS),
+            (VISION_BLOCKS, "blocks.", _ZERO_VISION_OUTPUTS),
         ):
             rest = name[len(prefix) :].split(".", 1)
             if name.startswith(prefix) and rest[1] in outputs and rest[1].endswith("weight"):
